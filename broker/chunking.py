@@ -1,0 +1,190 @@
+"""Split frames larger than the chunk size, and reassemble them into one preallocated buffer.
+
+Each chunk is an ordinary frame of kind ``chunk`` (so it has its own CRC) whose single tensor
+``data`` is a slice of the original frame. Its meta says where the slice goes:
+``xfer`` (16-byte transfer id), ``index``, ``count``, ``total`` (frame length) and ``offset``.
+Brokers and clients deliver chunks in any order, possibly twice; the reassembler copies each into
+place once and hands back the whole frame when the last one lands.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from broker.errors import CodecError
+from broker.message import Kind, Message
+
+logger = logging.getLogger(__name__)
+
+XFER_ID_BYTES = 16
+
+
+def split(frame: bytes | bytearray, *, chunk_bytes: int, federation: str, sender: str, round: int) -> Iterator[Message]:
+    """Yield the chunk messages of `frame`, each carrying at most `chunk_bytes` of it (a view, not a copy)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    xfer = os.urandom(XFER_ID_BYTES)
+    total = len(frame)
+    count = max(1, math.ceil(total / chunk_bytes))
+    whole = np.frombuffer(frame, dtype=np.uint8)
+    for index in range(count):
+        offset = index * chunk_bytes
+        yield Message(
+            kind=Kind.CHUNK,
+            federation=federation,
+            round=round,
+            sender=sender,
+            meta={"xfer": xfer, "index": index, "count": count, "total": total, "offset": offset},
+            tensors={"data": whole[offset : offset + chunk_bytes]},
+        )
+
+
+@dataclass(slots=True)
+class _Transfer:
+    sender: str
+    total: int
+    count: int
+    buffer: bytearray
+    received: set[int] = field(default_factory=set)
+    received_bytes: int = 0
+    started: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    xfer: bytes
+    index: int
+    count: int
+    total: int
+    offset: int
+
+    @classmethod
+    def of(cls, chunk: Message) -> ChunkMeta:
+        meta = chunk.meta
+        try:
+            xfer, index, count, total, offset = (meta[k] for k in ("xfer", "index", "count", "total", "offset"))
+        except (KeyError, TypeError) as exc:
+            raise CodecError("bad-chunk", f"chunk meta lacks {exc}") from exc
+        if not isinstance(xfer, bytes) or len(xfer) != XFER_ID_BYTES:
+            raise CodecError("bad-chunk", "transfer id must be 16 bytes")
+        ints = (index, count, total, offset)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+            raise CodecError("bad-chunk", "chunk index, count, total and offset must be integers")
+        if not (0 <= index < count and total >= 0 and 0 <= offset <= total):
+            raise CodecError("bad-chunk", f"chunk {index}/{count} at {offset} of {total} is out of range")
+        return cls(xfer, index, count, total, offset)
+
+
+class Reassembler:
+    """Collects chunks per (sender, transfer id) under a memory bound and a timeout.
+
+    `add` returns the complete frame once every chunk has arrived; duplicates are ignored; a
+    transfer that does not complete within `timeout_s` of its first chunk is abandoned, logged,
+    and reported through `on_abandon`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        max_transfer_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        remember_completed: int = 4096,
+        on_abandon: Callable[[str, str], None] | None = None,
+    ) -> None:
+        if max_bytes <= 0 or timeout_s <= 0:
+            raise ValueError("max_bytes and timeout_s must be positive")
+        self.max_bytes = max_bytes
+        self.max_transfer_bytes = max_transfer_bytes or max_bytes
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._transfers: dict[tuple[str, bytes], _Transfer] = {}
+        self._completed: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._remember = remember_completed
+        self._on_abandon = on_abandon
+        self.in_flight_bytes = 0
+        self.duplicates = 0
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def add(self, chunk: Message) -> bytearray | None:
+        """Place one chunk. Raises `CodecError` for chunks that are inconsistent or over the bound."""
+        self.expire()
+        meta = ChunkMeta.of(chunk)
+        data = chunk.tensors.get("data")
+        if data is None or data.dtype != np.uint8 or data.ndim != 1:
+            raise CodecError("bad-chunk", "a chunk carries one uint8 vector named 'data'")
+        key = (chunk.sender, meta.xfer)
+        if key in self._completed:
+            self.duplicates += 1
+            return None
+        transfer = self._transfers.get(key)
+        if transfer is None:
+            transfer = self._start(key, meta)
+        elif transfer.total != meta.total or transfer.count != meta.count:
+            raise CodecError("bad-chunk", "chunk disagrees with its transfer's total size or count")
+        if meta.index in transfer.received:
+            self.duplicates += 1
+            return None
+        if meta.offset + len(data) > transfer.total:
+            raise CodecError("bad-chunk", "chunk overruns the announced frame length")
+        with memoryview(transfer.buffer) as dst:
+            dst[meta.offset : meta.offset + len(data)] = data.data
+        transfer.received.add(meta.index)
+        transfer.received_bytes += len(data)
+        if len(transfer.received) < transfer.count:
+            return None
+        del self._transfers[key]
+        self.in_flight_bytes -= transfer.total
+        self._completed[key] = None
+        while len(self._completed) > self._remember:
+            self._completed.popitem(last=False)
+        if transfer.received_bytes != transfer.total:
+            raise CodecError("bad-chunk", f"chunks cover {transfer.received_bytes} of {transfer.total} bytes")
+        return transfer.buffer
+
+    def _start(self, key: tuple[str, bytes], meta: ChunkMeta) -> _Transfer:
+        if meta.total > self.max_transfer_bytes:
+            raise CodecError("oversized", f"transfer of {meta.total} bytes exceeds {self.max_transfer_bytes}")
+        if self.in_flight_bytes + meta.total > self.max_bytes:
+            raise CodecError(
+                "memory-bound",
+                f"{meta.total} more bytes would exceed the reassembly bound of {self.max_bytes}"
+                f" ({self.in_flight_bytes} in flight over {len(self._transfers)} transfers)",
+            )
+        transfer = _Transfer(key[0], meta.total, meta.count, bytearray(meta.total), started=self._clock())
+        self._transfers[key] = transfer
+        self.in_flight_bytes += meta.total
+        return transfer
+
+    def expire(self) -> int:
+        """Abandon transfers older than the timeout; returns how many were dropped."""
+        now = self._clock()
+        stale = [k for k, t in self._transfers.items() if now - t.started > self.timeout_s]
+        for key in stale:
+            transfer = self._transfers.pop(key)
+            self.in_flight_bytes -= transfer.total
+            reason = (
+                f"transfer {key[1].hex()[:8]} from {transfer.sender!r} abandoned after {self.timeout_s:g} s:"
+                f" {len(transfer.received)} of {transfer.count} chunks arrived"
+            )
+            logger.warning("%s", reason)
+            if self._on_abandon is not None:
+                self._on_abandon(transfer.sender, reason)
+        return len(stale)
+
+    def next_deadline(self) -> float | None:
+        """Clock time at which the oldest transfer times out, for a timer rather than polling."""
+        if not self._transfers:
+            return None
+        return min(t.started for t in self._transfers.values()) + self.timeout_s

@@ -1,0 +1,532 @@
+"""An asyncio MQTT client for fedmq frames: chunking, deduplication, validation and reconnection.
+
+One `BusClient` is one MQTT connection with one identity. It keeps its subscriptions across
+reconnects, publishes frames too large for one message as concurrent chunks, reassembles incoming
+chunks, drops redelivered messages by id, and turns every malformed input into a counted, logged
+rejection instead of an exception in the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+import aiomqtt
+import paho.mqtt.client as mqtt
+from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from broker.chunking import Reassembler, split
+from broker.codec import decode, encode
+from broker.config import PUBLISH_OVERHEAD, BusConfig
+from broker.errors import BusError, CodecError, MessageTooLarge
+from broker.message import Kind, Message, new_message_id
+
+logger = logging.getLogger(__name__)
+
+_SESSION_EXPIRY_S = 3600
+# paho's MQTT_ERR_NO_CONN and MQTT_ERR_CONN_LOST: the call may succeed on the next connection
+_CONNECTION_LOST_CODES = (4, 7)
+
+
+def _quiet_pending_publishes(record: logging.LogRecord) -> bool:
+    """aiomqtt warns above 10 pending publishes; concurrent chunk publishing does that by design."""
+    return not record.getMessage().startswith("There are ") or "pending publish" not in record.getMessage()
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A validated incoming message and where it came from."""
+
+    topic: str
+    message: Message
+    size: int
+    retained: bool = False
+    received_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """The message the broker publishes for this client if it vanishes without a DISCONNECT."""
+
+    topic: str
+    message: Message
+    retain: bool = True
+
+
+@dataclass
+class BusStats:
+    received: int = 0
+    published: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    duplicates: int = 0
+    reconnects: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "received": self.received,
+            "published": self.published,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "duplicates": self.duplicates,
+            "reconnects": self.reconnects,
+            "rejected": dict(sorted(self.rejected.items())),
+        }
+
+
+class BusClient:
+    """Reusable, not re-entrant: ``async with BusClient(...) as bus:`` connects, and exit disconnects."""
+
+    def __init__(
+        self,
+        config: BusConfig,
+        *,
+        client_id: str,
+        federation: str,
+        will: Will | None = None,
+        on_connect: Callable[[], Awaitable[None]] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        """`on_connect` runs after every (re)connection, once subscriptions are restored: a daemon
+        re-publishes its retained status there, since the broker published its will meanwhile."""
+        self.config = config
+        self._on_connect = on_connect
+        self.client_id = client_id
+        self.federation = federation
+        self.stats = BusStats()
+        self._will = will
+        self._log = logger or globals()["logger"]
+        self._mqtt_log = self._log.getChild("mqtt")
+        self._mqtt_log.addFilter(_quiet_pending_publishes)
+        self._subscriptions: dict[str, int] = {}
+        self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
+        self._client: aiomqtt.Client | None = None
+        self._generation = 0
+        self._state = asyncio.Condition()
+        self._queue: asyncio.Queue[Envelope] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = False
+        self._entered = False
+        self._fatal: BaseException | None = None
+        self._last_error = "no attempt yet"
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._publish_slots = asyncio.Semaphore(config.max_concurrent_publishes)
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._reassembler = Reassembler(
+            max_bytes=config.max_reassembly_bytes,
+            max_transfer_bytes=config.max_transfer_bytes,
+            timeout_s=config.transfer_timeout_s,
+            on_abandon=lambda sender, reason: self._count_reject("transfer-timeout"),
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def protocol(self) -> str:
+        return "5" if self._protocol == aiomqtt.ProtocolVersion.V5 else "3.1.1"
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    async def __aenter__(self) -> Self:
+        if self._entered:
+            raise RuntimeError("BusClient is reusable but not re-entrant")
+        self._entered = True
+        self._closing = False
+        self._fatal = None
+        self._queue = asyncio.Queue(self.config.incoming_queue)
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"bus-{self.client_id}")
+        try:
+            await asyncio.wait_for(self._wait_generation(0), self.config.connect_timeout_s)
+        except (TimeoutError, BusError) as exc:
+            await self._stop()
+            self._entered = False
+            if isinstance(exc, BusError):
+                raise
+            raise BusError(
+                f"could not connect to {self.config.url} within {self.config.connect_timeout_s:g} s"
+                f" ({self._last_error}); is a broker running there? `fedmq broker` starts one"
+            ) from None
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._stop()
+        self._entered = False
+
+    async def _stop(self) -> None:
+        self._closing = True
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+                await self._supervisor
+            self._supervisor = None
+        self._client = None
+
+    def abort(self) -> None:
+        """Drop the TCP connection without a DISCONNECT, as a crash would, so the broker fires the will.
+
+        For fault injection in experiments and tests; the client does not reconnect afterwards.
+        """
+        self._closing = True
+        client = self._client
+        paho = getattr(client, "_client", None)
+        sock = paho.socket() if paho is not None else None
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    async def _probe_protocol(self) -> None:
+        """In 'auto' mode, learn once whether the broker speaks MQTT v5.
+
+        The probe is a bare v5 CONNECT (no properties, no will) under a throwaway id: some v3-only
+        brokers (amqtt) misparse a v5 CONNECT that carries properties and hang instead of refusing it.
+        """
+        if self.config.protocol != "auto":
+            return
+        probe = aiomqtt.Client(
+            self.config.host,
+            self.config.port,
+            username=self.config.username,
+            password=self.config.password,
+            identifier=f"{self.client_id}-probe",
+            protocol=aiomqtt.ProtocolVersion.V5,
+            timeout=min(2.0, self.config.connect_timeout_s),
+            logger=self._log.getChild("probe"),
+        )
+        try:
+            async with probe:
+                self._protocol = aiomqtt.ProtocolVersion.V5
+        except MqttConnectError:
+            self._protocol = aiomqtt.ProtocolVersion.V311
+        except aiomqtt.MqttError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            self._protocol = aiomqtt.ProtocolVersion.V311
+        self._log.debug("broker %s speaks MQTT %s", self.config.url, self.protocol)
+
+    async def _supervise(self) -> None:
+        try:
+            await self._connection_loop()
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # surfaced to every waiter instead of dying silently in a task
+            self._fatal = BusError(f"bus client {self.client_id} failed: {exc!r}")
+            self._log.exception("bus client %s failed", self.client_id)
+            async with self._state:
+                self._state.notify_all()
+
+    async def _connection_loop(self) -> None:
+        delay = self.config.reconnect_initial_s
+        ever_connected = False
+        probed = self.config.protocol != "auto"
+        while not self._closing:
+            if not probed:
+                try:
+                    await self._probe_protocol()
+                    probed = True
+                except aiomqtt.MqttError as exc:
+                    self._last_error = str(exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.config.reconnect_max_s)
+                    continue
+            client = self._make_client()
+            try:
+                async with client:
+                    await self._on_connected(client)
+                    ever_connected = True
+                    delay = self.config.reconnect_initial_s
+                    async for raw in client.messages:
+                        await self._on_raw(raw)
+            except MqttConnectError as exc:
+                self._last_error = f"connection refused: {exc}"
+                if not ever_connected:
+                    self._fatal = BusError(f"broker {self.config.url} refused the connection: {exc}")
+                    async with self._state:
+                        self._state.notify_all()
+                    return
+            except aiomqtt.MqttError as exc:
+                self._last_error = str(exc)
+            finally:
+                await self._on_disconnected()
+            if self._closing:
+                return
+            if ever_connected:
+                self.stats.reconnects += 1
+                self._log.warning(
+                    "connection to %s lost (%s); reconnecting in %.2f s", self.config.url, self._last_error, delay
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.reconnect_max_s)
+
+    def _make_client(self) -> aiomqtt.Client:
+        v5 = self._protocol == aiomqtt.ProtocolVersion.V5
+        will = None
+        if self._will is not None:
+            # a fresh id per connection: receivers would drop a second will with the same id as a duplicate
+            message = dataclasses.replace(self._will.message, message_id=new_message_id(), sent_at=time.time())
+            will = aiomqtt.Will(self._will.topic, bytes(encode(message)), qos=1, retain=self._will.retain)
+        connect_props = None
+        if v5 and self.config.persistent_session:
+            connect_props = Properties(PacketTypes.CONNECT)
+            connect_props.SessionExpiryInterval = _SESSION_EXPIRY_S
+        options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)] if self.config.tcp_nodelay else []
+        return aiomqtt.Client(
+            self.config.host,
+            self.config.port,
+            username=self.config.username,
+            password=self.config.password,
+            identifier=self.client_id,
+            protocol=self._protocol,
+            will=will,
+            clean_session=None if v5 else not self.config.persistent_session,
+            clean_start=(not self.config.persistent_session) if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+            keepalive=self.config.keepalive_s,
+            timeout=self.config.connect_timeout_s,
+            max_inflight_messages=self.config.max_inflight_messages,
+            properties=connect_props,
+            socket_options=options,
+            logger=self._mqtt_log,
+        )
+
+    async def _on_connected(self, client: aiomqtt.Client) -> None:
+        for topic, qos in self._subscriptions.items():
+            await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
+        async with self._state:
+            self._client = client
+            self._generation += 1
+            self._state.notify_all()
+        if self._on_connect is not None:
+            try:
+                await self._on_connect()
+            except BusError as exc:
+                self._log.warning("on-connect hook of %s failed: %s", self.client_id, exc)
+        self._log.debug("connected to %s as %s (MQTT %s)", self.config.url, self.client_id, self.protocol)
+
+    async def _on_disconnected(self) -> None:
+        async with self._state:
+            self._client = None
+            self._state.notify_all()
+
+    async def _wait_generation(self, newer_than: int) -> tuple[aiomqtt.Client, int]:
+        """Wait for a live connection newer than `newer_than`."""
+        async with self._state:
+            while True:
+                if self._fatal is not None:
+                    raise self._fatal
+                if self._closing:
+                    raise BusError("the bus client is closed")
+                if self._client is not None and self._generation > newer_than:
+                    return self._client, self._generation
+                await self._state.wait()
+
+    # -- outgoing --------------------------------------------------------------------------
+
+    async def subscribe(self, *topics: str, qos: int = 1) -> None:
+        for topic in topics:
+            self._subscriptions[topic] = qos
+        await self._with_connection("subscribe", lambda c, t: c.subscribe([(x, qos) for x in topics], timeout=t))
+
+    async def unsubscribe(self, *topics: str) -> None:
+        for topic in topics:
+            self._subscriptions.pop(topic, None)
+        await self._with_connection("unsubscribe", lambda c, t: c.unsubscribe(list(topics), timeout=t))
+
+    async def publish(
+        self, topic: str, message: Message, *, qos: int = 1, retain: bool = False, expiry_s: float | None = None
+    ) -> int:
+        """Encode and publish; returns the frame size. Large frames go out as concurrent chunks."""
+        return await self.publish_frame(
+            topic, encode(message), round=message.round, qos=qos, retain=retain, expiry_s=expiry_s
+        )
+
+    async def publish_frame(
+        self,
+        topic: str,
+        frame: bytes | bytearray,
+        *,
+        round: int,
+        qos: int = 1,
+        retain: bool = False,
+        expiry_s: float | None = None,
+    ) -> int:
+        """Publish an encoded frame (so one encoding can be sent several times)."""
+        if len(frame) <= self.config.chunk_bytes:
+            await self._publish_raw(topic, frame, qos=qos, retain=retain, expiry_s=expiry_s)
+            return len(frame)
+        if retain:
+            raise ValueError(f"a retained message must fit in one chunk ({self.config.chunk_bytes} bytes)")
+        chunks = split(
+            frame,
+            chunk_bytes=self.config.chunk_bytes,
+            federation=self.federation,
+            sender=self.client_id,
+            round=round,
+        )
+        async with asyncio.TaskGroup() as group:
+            for chunk in chunks:
+                group.create_task(self._publish_raw(topic, encode(chunk), qos=qos, retain=False, expiry_s=expiry_s))
+        return len(frame)
+
+    async def _publish_raw(
+        self, topic: str, payload: bytes | bytearray, *, qos: int, retain: bool, expiry_s: float | None
+    ) -> None:
+        if len(payload) + len(topic) + PUBLISH_OVERHEAD > self.config.max_message_bytes:
+            raise MessageTooLarge(
+                f"{len(payload)} bytes exceed the broker limit of {self.config.max_message_bytes}", topic=topic
+            )
+        async with self._publish_slots:
+            await self._with_connection(
+                "publish",
+                lambda c, t: c.publish(
+                    topic, payload, qos=qos, retain=retain, properties=self._props(expiry_s), timeout=t
+                ),
+                topic=topic,
+            )
+        self.stats.published += 1
+        self.stats.bytes_out += len(payload)
+
+    def _props(self, expiry_s: float | None) -> Properties | None:
+        if expiry_s is None or self._protocol != aiomqtt.ProtocolVersion.V5:
+            return None
+        props = Properties(PacketTypes.PUBLISH)
+        props.MessageExpiryInterval = max(1, int(expiry_s))
+        return props
+
+    async def _with_connection(
+        self, what: str, call: Callable[[aiomqtt.Client, float], Awaitable[object]], *, topic: str | None = None
+    ) -> None:
+        """Run `call(client, timeout)` on a live connection; after a connection loss, retry on the next one.
+
+        A retried QoS 1 publish may arrive twice; receivers drop the second by message id.
+        """
+        deadline = time.monotonic() + self.config.operation_timeout_s
+        generation = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                client, generation = await asyncio.wait_for(self._wait_generation(generation), max(remaining, 0))
+            except TimeoutError:
+                raise BusError(f"{what} timed out waiting for the broker ({self._last_error})", topic=topic) from None
+            try:
+                await call(client, max(deadline - time.monotonic(), 0.001))
+                return
+            except aiomqtt.MqttCodeError as exc:
+                if exc.rc not in _CONNECTION_LOST_CODES:
+                    raise BusError(f"{what} refused by the broker: {exc}", topic=topic) from exc
+                self._last_error = str(exc)
+            except aiomqtt.MqttError as exc:
+                self._last_error = str(exc)
+            if time.monotonic() >= deadline:
+                raise BusError(f"{what} failed: {self._last_error}", topic=topic)
+
+    # -- incoming --------------------------------------------------------------------------
+
+    async def messages(self) -> AsyncIterator[Envelope]:
+        """Validated messages in arrival order; one consumer per client."""
+        if self._queue is None:
+            raise RuntimeError("use the client inside `async with`")
+        while True:
+            getter = asyncio.ensure_future(self._queue.get())
+            if self._supervisor is None or self._supervisor.done():
+                getter.cancel()
+                raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
+            done, _ = await asyncio.wait({getter, self._supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
+            yield getter.result()
+
+    async def _on_raw(self, raw: aiomqtt.Message) -> None:
+        payload = raw.payload
+        if not isinstance(payload, bytes | bytearray):
+            self._reject("bad-payload", raw.topic.value, "payload is not bytes")
+            return
+        topic = raw.topic.value
+        size = len(payload)
+        self.stats.received += 1
+        self.stats.bytes_in += size
+        if size > self.config.max_message_bytes:
+            self._reject("oversized", topic, f"{size} bytes > limit {self.config.max_message_bytes}")
+            return
+        message = self._validate(topic, payload)
+        if message is None:
+            return
+        if message.kind == Kind.CHUNK:
+            try:
+                frame = self._reassembler.add(message)
+            except CodecError as exc:
+                self._reject(exc.reason, topic, f"{exc.detail} (from {message.sender!r})")
+                return
+            finally:
+                self._arm_expiry()
+            if frame is None:
+                return
+            message = self._validate(topic, frame)
+            if message is None or message.kind == Kind.CHUNK:
+                if message is not None:
+                    self._reject("bad-chunk", topic, "a chunked frame may not itself be a chunk")
+                return
+            size = len(frame)
+        await self._queue.put(Envelope(topic, message, size, retained=bool(raw.retain)))  # type: ignore[union-attr]
+
+    def _validate(self, topic: str, frame: bytes | bytearray) -> Message | None:
+        try:
+            message = decode(frame)
+        except CodecError as exc:
+            self._reject(exc.reason, topic, exc.detail)
+            return None
+        if message.federation != self.federation:
+            self._reject("wrong-federation", topic, f"federation {message.federation!r} from {message.sender!r}")
+            return None
+        if message.message_id in self._seen:
+            self.stats.duplicates += 1
+            self._log.debug("duplicate message %s on %s dropped", message.message_id.hex()[:8], topic)
+            return None
+        self._seen[message.message_id] = None
+        if len(self._seen) > self.config.dedup_window:
+            self._seen.popitem(last=False)
+        return message
+
+    def _reject(self, reason: str, topic: str, detail: str) -> None:
+        self._count_reject(reason)
+        self._log.warning("rejected message on %s: %s: %s", topic, reason, detail)
+
+    def _count_reject(self, reason: str) -> None:
+        self.stats.rejected[reason] += 1
+
+    def reject(self, reason: str, envelope: Envelope, detail: str) -> None:
+        """Let the daemon count and log a message it found invalid (wrong round, wrong shape, ...)."""
+        self._reject(reason, envelope.topic, f"{detail} (from {envelope.message.sender!r})")
+
+    def _arm_expiry(self) -> None:
+        """A timer, not a polling loop, abandons the oldest incomplete transfer when it times out."""
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        deadline = self._reassembler.next_deadline()
+        if deadline is not None and not self._closing:
+            loop = asyncio.get_running_loop()
+            delay = max(deadline - time.monotonic(), 0) + 0.01
+            self._expiry_timer = loop.call_later(delay, self._on_expiry)
+
+    def _on_expiry(self) -> None:
+        self._expiry_timer = None
+        self._reassembler.expire()
+        self._arm_expiry()

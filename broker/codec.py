@@ -1,0 +1,264 @@
+"""The fedmq wire format: a fixed prefix, a msgpack header, then raw tensor buffers.
+
+    offset 0   magic b"FMQ" (3 bytes), format version (1 byte)
+    offset 4   header length, uint32 little-endian
+    offset 8   CRC-32 of everything from offset 12 to the end, uint32 little-endian
+    offset 12  msgpack header (a map, schema below)
+    ...        zero padding to a multiple of ALIGN
+    body       each tensor's bytes at a multiple of ALIGN from the body start, little-endian, C order
+
+Header keys: ``kind`` (str), ``fed`` (str), ``round`` (int), ``sender`` (str), ``id`` (16 bytes),
+``ts`` (float, sender's wall clock), ``meta`` (map of msgpack primitives), ``tensors`` (list of
+``[name, dtype, shape, offset, nbytes]``), ``body`` (body length in bytes).
+
+Decoding never copies tensor data: arrays are read-only `numpy` views on the received buffer. Nothing
+here can execute code from the input (no pickle, no msgpack ext types).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from broker.errors import CodecError
+from broker.message import MESSAGE_ID_BYTES, Kind, Message
+
+MAGIC = b"FMQ"
+FORMAT_VERSION = 1
+ALIGN = 64
+PREFIX = struct.Struct("<3sBII")
+PREFIX_BYTES = PREFIX.size  # 12
+
+#: numpy has no bfloat16: fedmq carries it as uint16 storage tagged with this dtype.
+#: ``np.frombuffer(..., dtype=BFLOAT16)`` arrays keep the tag through views and copies.
+BFLOAT16 = np.dtype("<u2", metadata={"fedmq_dtype": "bfloat16"})
+
+#: wire dtype name -> little-endian storage dtype
+WIRE_DTYPES: dict[str, np.dtype[Any]] = {
+    "float64": np.dtype("<f8"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": BFLOAT16,
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
+}
+_NAME_OF = {(dt.kind, dt.itemsize): name for name, dt in WIRE_DTYPES.items() if name != "bfloat16"}
+
+_HEADER_KEYS = frozenset({"kind", "fed", "round", "sender", "id", "ts", "meta", "tensors", "body"})
+_MAX_NAME = 256
+_MAX_DIMS = 16
+_KINDS = {k.value: k for k in Kind}
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def wire_dtype(dtype: np.dtype[Any]) -> str:
+    """The wire name of a numpy dtype; ``TypeError`` names the supported ones otherwise."""
+    meta = dtype.metadata
+    if meta and meta.get("fedmq_dtype") == "bfloat16":
+        return "bfloat16"
+    name = _NAME_OF.get((dtype.kind, dtype.itemsize))
+    if name is None:
+        raise TypeError(f"dtype {dtype} cannot travel on the bus; supported: {', '.join(WIRE_DTYPES)}")
+    return name
+
+
+def _layout(tensors: Mapping[str, np.ndarray]) -> tuple[list[list[Any]], int]:
+    specs: list[list[Any]] = []
+    end = 0
+    for name, arr in tensors.items():
+        if not isinstance(name, str) or not name or len(name) > _MAX_NAME:
+            raise CodecError("bad-tensor", f"tensor names are non-empty strings of at most {_MAX_NAME} chars")
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"tensor {name!r} is {type(arr).__name__}; the bus carries numpy arrays")
+        nbytes = int(arr.nbytes)
+        offset = align_up(end) if nbytes else end
+        specs.append([name, wire_dtype(arr.dtype), list(arr.shape), offset, nbytes])
+        end = offset + nbytes
+    return specs, end
+
+
+def encoded_size(message: Message) -> int:
+    """The frame length `encode` will produce, without encoding the tensors."""
+    specs, body_len = _layout(message.tensors)
+    return align_up(PREFIX_BYTES + len(_pack_header(message, specs, body_len))) + body_len
+
+
+def _pack_header(message: Message, specs: list[list[Any]], body: int) -> bytes:
+    if len(message.message_id) != MESSAGE_ID_BYTES:
+        raise CodecError("bad-header", f"message id must be {MESSAGE_ID_BYTES} bytes")
+    try:
+        return msgpack.packb(
+            {
+                "kind": str(Kind(message.kind)),
+                "fed": message.federation,
+                "round": int(message.round),
+                "sender": message.sender,
+                "id": bytes(message.message_id),
+                "ts": float(message.sent_at),
+                "meta": dict(message.meta),
+                "tensors": specs,
+                "body": body,
+            },
+            use_bin_type=True,
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError("bad-header", f"meta is not msgpack-serialisable: {exc}") from exc
+
+
+def encode(message: Message, out: bytearray | None = None) -> bytearray:
+    """Encode into `out` (resized and reused when given) or a new buffer; returns the frame.
+
+    Non-contiguous and big-endian inputs are copied straight into place, with no temporary copy.
+    """
+    specs, body_len = _layout(message.tensors)
+    header = _pack_header(message, specs, body_len)
+    body_start = align_up(PREFIX_BYTES + len(header))
+    total = body_start + body_len
+    if out is None:
+        buf = bytearray(total)
+    else:
+        buf = out
+        if len(buf) != total:
+            buf[total:] = b""
+            if len(buf) < total:
+                buf.extend(bytes(total - len(buf)))
+        buf[PREFIX_BYTES + len(header) : body_start] = bytes(body_start - PREFIX_BYTES - len(header))
+    buf[PREFIX_BYTES : PREFIX_BYTES + len(header)] = header
+    prev_end = body_start
+    for (_name, dtype_name, shape, offset, nbytes), arr in zip(specs, message.tensors.values(), strict=True):
+        start = body_start + offset
+        if out is not None and start > prev_end:
+            buf[prev_end:start] = bytes(start - prev_end)  # padding of a reused buffer must be zero again
+        prev_end = start + nbytes
+        if nbytes == 0:
+            continue
+        dst = np.frombuffer(buf, dtype=WIRE_DTYPES[dtype_name], count=nbytes // arr.itemsize, offset=start)
+        np.copyto(dst.reshape(shape), arr, casting="no" if arr.dtype.isnative else "equiv")
+    crc = zlib.crc32(memoryview(buf)[PREFIX_BYTES:])
+    PREFIX.pack_into(buf, 0, MAGIC, FORMAT_VERSION, len(header), crc)
+    return buf
+
+
+def decode(data: bytes | bytearray | memoryview, *, verify: bool = True) -> Message:
+    """Decode and validate a frame. Raises `CodecError` with a `reason` for every malformed input."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    size = len(view)
+    if size < PREFIX_BYTES:
+        raise CodecError("truncated", f"{size} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
+    magic, version, header_len, crc = PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError("bad-magic", "not a fedmq frame")
+    if version != FORMAT_VERSION:
+        raise CodecError("wrong-version", f"format version {version}, this build reads {FORMAT_VERSION}")
+    if PREFIX_BYTES + header_len > size:
+        raise CodecError("truncated", f"header of {header_len} bytes does not fit in {size}")
+    if verify and zlib.crc32(view[PREFIX_BYTES:]) != crc:
+        raise CodecError("checksum", "CRC-32 mismatch: the frame was corrupted or truncated")
+    try:
+        header = msgpack.unpackb(
+            view[PREFIX_BYTES : PREFIX_BYTES + header_len],
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_no_ext,
+        )
+    except CodecError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise CodecError("bad-header", f"header is not valid msgpack: {exc}") from exc
+    fields = _check_header(header)
+    body_start = align_up(PREFIX_BYTES + header_len)
+    body_len = fields["body"]
+    if body_start + body_len != size:
+        raise CodecError("truncated", f"frame is {size} bytes, header announces {body_start + body_len}")
+    tensors = _tensor_views(view, fields["tensors"], body_start, body_len)
+    return Message(
+        kind=_KINDS[fields["kind"]],
+        federation=fields["fed"],
+        round=fields["round"],
+        sender=fields["sender"],
+        meta=fields["meta"],
+        tensors=tensors,
+        message_id=fields["id"],
+        sent_at=fields["ts"],
+    )
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise CodecError("bad-header", f"msgpack extension type {code} is not allowed")
+
+
+def _check_header(header: Any) -> dict[str, Any]:
+    if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
+        keys = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise CodecError("bad-header", f"header keys {keys} != {sorted(_HEADER_KEYS)}")
+    checks: list[tuple[str, type | tuple[type, ...]]] = [
+        ("kind", str),
+        ("fed", str),
+        ("round", int),
+        ("sender", str),
+        ("id", bytes),
+        ("ts", (float, int)),
+        ("meta", dict),
+        ("tensors", list),
+        ("body", int),
+    ]
+    for key, typ in checks:
+        value = header[key]
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
+            raise CodecError("bad-header", f"header field {key!r} has type {type(value).__name__}")
+    if header["kind"] not in _KINDS:
+        raise CodecError("unknown-kind", f"message kind {header['kind']!r}")
+    if len(header["id"]) != MESSAGE_ID_BYTES:
+        raise CodecError("bad-header", "message id must be 16 bytes")
+    if header["body"] < 0 or header["round"] < -1:
+        raise CodecError("bad-header", "negative body length or round")
+    if not math.isfinite(header["ts"]):
+        raise CodecError("bad-header", "timestamp is not finite")
+    return header
+
+
+def _tensor_views(data: memoryview, specs: list[Any], body_start: int, body_len: int) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    prev_end = 0
+    for spec in specs:
+        if not (isinstance(spec, list) and len(spec) == 5):
+            raise CodecError("bad-tensor", "a tensor spec is [name, dtype, shape, offset, nbytes]")
+        name, dtype_name, shape, offset, nbytes = spec
+        if not isinstance(name, str) or not name or len(name) > _MAX_NAME or name in tensors:
+            raise CodecError("bad-tensor", f"tensor name {name!r} is empty, too long or repeated")
+        dtype = WIRE_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise CodecError("bad-tensor", f"tensor {name!r} has unknown dtype {dtype_name!r}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise CodecError("bad-tensor", f"tensor {name!r} has an invalid shape {shape!r}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)):
+            raise CodecError("bad-tensor", f"tensor {name!r} offset and size must be integers")
+        count = math.prod(shape)
+        if nbytes != count * dtype.itemsize:
+            raise CodecError("bad-tensor", f"tensor {name!r}: {nbytes} bytes for shape {shape} {dtype_name}")
+        if offset < prev_end or (nbytes and offset % ALIGN) or offset + nbytes > body_len:
+            raise CodecError("bad-tensor", f"tensor {name!r} at {offset} is misaligned, overlaps or overruns")
+        prev_end = offset + nbytes
+        arr = np.frombuffer(data, dtype=dtype, count=count, offset=body_start + offset)
+        tensors[name] = arr.reshape(shape)
+    return tensors

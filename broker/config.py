@@ -1,0 +1,100 @@
+"""Connection and transfer settings of one bus client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
+
+#: The MQTT protocol's own cap on a message: 256 MiB minus one byte.
+MQTT_MAX_PACKET = 268_435_455
+#: Room for the fixed header, topic and properties of a PUBLISH packet around the payload.
+PUBLISH_OVERHEAD = 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BusConfig:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    """'auto' tries MQTT v5 and falls back to 3.1.1 for brokers that refuse it (amqtt)."""
+    keepalive_s: int = 15
+    connect_timeout_s: float = 10.0
+    operation_timeout_s: float = 120.0
+    """How long one publish or subscribe may wait, reconnections included."""
+    reconnect_initial_s: float = 0.25
+    reconnect_max_s: float = 10.0
+    max_message_bytes: int = 64 * 2**20
+    """The broker's limit on one MQTT message; nothing larger is ever published."""
+    chunk_bytes: int = 2**20
+    """Frames above this size travel as chunks published concurrently."""
+    max_reassembly_bytes: int = 2 * 2**30
+    """Memory bound on all partially received transfers together."""
+    max_transfer_bytes: int = 2**30
+    transfer_timeout_s: float = 120.0
+    max_concurrent_publishes: int = 32
+    max_inflight_messages: int = 64
+    incoming_queue: int = 256
+    dedup_window: int = 65_536
+    tcp_nodelay: bool = True
+    persistent_session: bool = True
+    """Keep subscriptions and queued QoS 1 messages on the broker across reconnects."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("broker host is empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"broker port {self.port} is not in 1..65535")
+        if self.protocol not in ("auto", "5", "3.1.1"):
+            raise ValueError(f"protocol {self.protocol!r}: use 'auto', '5' or '3.1.1'")
+        if not 0 < self.max_message_bytes <= MQTT_MAX_PACKET:
+            raise ValueError(f"max_message_bytes must be in 1..{MQTT_MAX_PACKET} (the MQTT limit)")
+        if not 4096 <= self.chunk_bytes <= self.max_message_bytes - PUBLISH_OVERHEAD - 4096:
+            raise ValueError(
+                f"chunk_bytes {self.chunk_bytes} must be at least 4096 and leave room for headers under"
+                f" max_message_bytes {self.max_message_bytes}"
+            )
+        for name in (
+            "keepalive_s",
+            "connect_timeout_s",
+            "operation_timeout_s",
+            "reconnect_initial_s",
+            "reconnect_max_s",
+            "transfer_timeout_s",
+            "max_concurrent_publishes",
+            "max_inflight_messages",
+            "incoming_queue",
+            "dedup_window",
+            "max_reassembly_bytes",
+            "max_transfer_bytes",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> BusConfig:
+        """``mqtt://[user[:password]@]host[:port]``; other settings come from `overrides`."""
+        parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+        if parts.scheme != "mqtt":
+            raise ValueError(f"broker URL {url!r}: only mqtt:// is supported (TLS is configured on the broker)")
+        if not parts.hostname:
+            raise ValueError(f"broker URL {url!r} has no host; expected mqtt://HOST:PORT")
+        try:
+            port = parts.port or 1883
+        except ValueError as exc:
+            raise ValueError(f"broker URL {url!r} has an invalid port") from exc
+        base: dict[str, Any] = {"host": parts.hostname, "port": port}
+        if parts.username:
+            base["username"] = unquote(parts.username)
+        if parts.password:
+            base["password"] = unquote(parts.password)
+        return cls(**(base | overrides))
+
+    def with_(self, **changes: Any) -> BusConfig:
+        return replace(self, **changes)

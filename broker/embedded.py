@@ -1,0 +1,47 @@
+"""The embedded pure-Python broker (amqtt), so that a fresh machine runs federations with no install.
+
+amqtt speaks MQTT 3.1.1 only; the bus client falls back to it automatically. It carries large
+payloads at about a quarter of mosquitto's throughput (see ENVIRONMENT.md): fine for development
+and the quickstart, mosquitto for anything heavy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def amqtt_config(host: str, port: int) -> dict[str, Any]:
+    return {
+        "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
+        # only anonymous auth: the default plugin set adds $SYS publishing and per-packet logging
+        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+    }
+
+
+@contextlib.asynccontextmanager
+async def embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> AsyncIterator[None]:
+    """Run an amqtt broker on host:port for the duration of the block."""
+    from amqtt.broker import Broker  # imported here: the bus itself does not need amqtt
+
+    for name in ("amqtt", "transitions"):
+        logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
+    broker = Broker(amqtt_config(host, port))
+    await broker.start()
+    logger.info("embedded broker (amqtt) listening on mqtt://%s:%d", host, port)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            await broker.shutdown()
+
+
+async def serve_embedded(host: str, port: int, stop: asyncio.Event | None = None) -> None:
+    """Run until `stop` is set or the task is cancelled."""
+    async with embedded_broker(host, port):
+        await (stop or asyncio.Event()).wait()

@@ -1,0 +1,107 @@
+"""The topic scheme, namespaced by federation id (docs/protocol.md has the table).
+
+fedmq/{fed}/coordinator/status   retained   coordinator -> all     round, model version, state
+fedmq/{fed}/nodes/{node}/status  retained   node -> coordinator    online + announcement / offline (will)
+fedmq/{fed}/nodes/{node}/task               coordinator -> node    the task of a round
+fedmq/{fed}/nodes/{node}/model              coordinator -> node    a model re-sent to one late subscriber
+fedmq/{fed}/nodes/{node}/receipt            coordinator -> node    what became of the node's update
+fedmq/{fed}/model/{round}                   coordinator -> selected nodes (one publish, broker fan-out)
+fedmq/{fed}/acks/{node}                     node -> coordinator    task acknowledged, model topic subscribed
+fedmq/{fed}/updates/{node}                  node -> coordinator    the update
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "fedmq"
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def check_id(value: str, what: str) -> str:
+    """Ids become topic levels, so they may not contain '/', '+', '#' or spaces."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not valid: use 1 to 64 letters, digits, '_', '.' or '-', starting with a"
+            " letter or digit"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a topic addresses: its channel, and the node or round it names."""
+
+    channel: str
+    node: str | None = None
+    round: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Topics:
+    federation: str
+
+    def __post_init__(self) -> None:
+        check_id(self.federation, "federation id")
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}/{self.federation}"
+
+    @property
+    def coordinator_status(self) -> str:
+        return f"{self.prefix}/coordinator/status"
+
+    def node_status(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/status"
+
+    @property
+    def all_node_status(self) -> str:
+        return f"{self.prefix}/nodes/+/status"
+
+    def task(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/task"
+
+    def direct_model(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/model"
+
+    def receipt(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/receipt"
+
+    def node_inbox(self, node: str) -> list[str]:
+        """What a node subscribes to for messages addressed to it alone."""
+        return [self.task(node), self.direct_model(node), self.receipt(node)]
+
+    def model(self, round: int) -> str:
+        return f"{self.prefix}/model/{round}"
+
+    def ack(self, node: str) -> str:
+        return f"{self.prefix}/acks/{node}"
+
+    @property
+    def all_acks(self) -> str:
+        return f"{self.prefix}/acks/+"
+
+    def update(self, node: str) -> str:
+        return f"{self.prefix}/updates/{node}"
+
+    @property
+    def all_updates(self) -> str:
+        return f"{self.prefix}/updates/+"
+
+    def route(self, topic: str) -> Route | None:
+        """Parse a topic of this federation; None for anything outside the scheme."""
+        parts = topic.split("/")
+        if len(parts) < 3 or parts[0] != ROOT or parts[1] != self.federation:
+            return None
+        rest = parts[2:]
+        if rest == ["coordinator", "status"]:
+            return Route("coordinator-status")
+        if len(rest) == 3 and rest[0] == "nodes" and rest[2] in ("status", "task", "model", "receipt"):
+            return Route(f"node-{rest[2]}", node=rest[1])
+        if len(rest) == 2 and rest[0] in ("acks", "updates"):
+            return Route(rest[0], node=rest[1])
+        if len(rest) == 2 and rest[0] == "model" and rest[1].isdigit():
+            return Route("model", round=int(rest[1]))
+        return None

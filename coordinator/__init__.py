@@ -1,0 +1,1 @@
+"""The coordinator daemon: node registry, participation record, rounds, aggregation, checkpoints."""

@@ -1,0 +1,60 @@
+"""Settings of the coordinator daemon (composed by `experiments` from the experiment file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from fedcore.training import TrainSettings
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundPolicy:
+    """When a round ends and what happens when too few updates came."""
+
+    fraction: float = 0.1
+    """C: each round samples max(1, floor(C x live nodes))."""
+    over_selection: float = 1.0
+    """Select ceil(factor x K) nodes and close the round as soon as K updates are accepted."""
+    deadline_s: float = 60.0
+    ack_timeout_s: float = 5.0
+    """How long to wait for task acknowledgements before the one model broadcast goes out."""
+    min_updates: int = 1
+    on_insufficient: Literal["retry", "skip"] = "retry"
+    max_retries: int = 3
+    min_nodes: int = 1
+    """Live nodes needed before the first round starts."""
+    wait_for_nodes_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction {self.fraction} must be in (0, 1]")
+        if self.over_selection < 1:
+            raise ValueError("over_selection must be at least 1")
+        if self.deadline_s <= 0 or self.ack_timeout_s <= 0 or self.wait_for_nodes_s <= 0:
+            raise ValueError("deadline_s, ack_timeout_s and wait_for_nodes_s must be positive")
+        if self.min_updates < 1 or self.min_nodes < 1 or self.max_retries < 0:
+            raise ValueError("min_updates and min_nodes must be at least 1, max_retries non-negative")
+        if self.on_insufficient not in ("retry", "skip"):
+            raise ValueError("on_insufficient must be 'retry' or 'skip'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CoordinatorConfig:
+    federation: str
+    rounds: int
+    seed: int = 0
+    out_dir: Path = Path("runs/latest")
+    policy: RoundPolicy = field(default_factory=RoundPolicy)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    eval_every: int = 1
+    method: str = "unknown"
+    """For the summary only; the daemon never dispatches on it."""
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("rounds must be at least 1")
+        if self.eval_every < 1:
+            raise ValueError("eval_every must be at least 1")

@@ -1,0 +1,102 @@
+"""The bookkeeping of one synchronous round attempt: who was asked, who answered, when it may close.
+
+Pure state plus two events; the daemon feeds it messages and awaits the events. A selected node
+counts as answered when its update was accepted or rejected, or when it went offline: a node that
+leaves mid-round is not waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from fedcore.algorithms.base import NodeUpdate
+from fedcore.tensors import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    accepted: tuple[str, ...]
+    late: tuple[str, ...]
+    """Selected, still online, no update by the close."""
+    lost: tuple[str, ...]
+    """Selected, went offline before delivering."""
+    rejected: tuple[str, ...]
+    carried: tuple[str, ...]
+    """Updates accepted in an earlier attempt of the same round, still counted."""
+
+
+@dataclass(eq=False)
+class RoundState:
+    round: int
+    attempt: int
+    task_id: bytes
+    selected: tuple[str, ...]
+    target: int
+    """Updates (carried ones included) that close the round early."""
+    schema: Mapping[str, Mapping[str, TensorSpec]]
+    carried: dict[str, NodeUpdate] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    task_sent_at: dict[str, float] = field(default_factory=dict)
+    acked: set[str] = field(default_factory=set)
+    accepted: dict[str, NodeUpdate] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    offline: set[str] = field(default_factory=set)
+    model_published: bool = False
+    closed: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    acks_complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @property
+    def pending(self) -> set[str]:
+        return set(self.selected) - self.accepted.keys() - self.rejected.keys() - self.offline
+
+    @property
+    def updates(self) -> dict[str, NodeUpdate]:
+        """Every update this round will aggregate: carried over and accepted now."""
+        return self.carried | self.accepted
+
+    def answered(self, node_id: str) -> bool:
+        return node_id in self.accepted or node_id in self.rejected
+
+    def on_ack(self, node_id: str) -> None:
+        self.acked.add(node_id)
+        self._check()
+
+    def on_accepted(self, update: NodeUpdate) -> None:
+        self.accepted[update.node_id] = update
+        self._check()
+
+    def on_rejected(self, node_id: str, reason: str) -> None:
+        self.rejected[node_id] = reason
+        self._check()
+
+    def on_offline(self, node_id: str) -> None:
+        if node_id in self.selected and not self.answered(node_id):
+            self.offline.add(node_id)
+            self._check()
+
+    def _check(self) -> None:
+        waiting_acks = set(self.selected) - self.acked - self.offline - self.rejected.keys() - self.accepted.keys()
+        if not waiting_acks:
+            self.acks_complete.set()
+        if len(self.updates) >= self.target or not self.pending:
+            self.done.set()
+
+    def close(self, is_live: Callable[[str], bool]) -> RoundOutcome:
+        self.closed = True
+        missing = [n for n in self.selected if not self.answered(n)]
+        lost = tuple(n for n in missing if n in self.offline or not is_live(n))
+        late = tuple(n for n in missing if n not in lost)
+        return RoundOutcome(
+            accepted=tuple(sorted(self.accepted)),
+            late=late,
+            lost=lost,
+            rejected=tuple(sorted(self.rejected)),
+            carried=tuple(sorted(self.carried)),
+        )

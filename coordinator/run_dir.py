@@ -1,0 +1,81 @@
+"""The run directory: metrics, participation, summary and checkpoints, each written atomically.
+
+Checkpoints are safetensors files (tensors plus a JSON string in the metadata): no pickle is needed
+to read them back, and any safetensors reader can open them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from coordinator.errors import CoordinatorError
+
+CHECKPOINT = "checkpoint.safetensors"
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
+
+
+class RunDir:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.root / "metrics.jsonl"
+
+    def append_metrics(self, record: Mapping[str, Any]) -> None:
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def truncate_metrics_after(self, round: int) -> None:
+        """On resume, drop lines of rounds after the checkpoint, so no round appears twice."""
+        if not self.metrics_path.exists():
+            return
+        kept = [
+            line for line in self.metrics_path.read_text().splitlines() if line and json.loads(line)["round"] <= round
+        ]
+        _atomic_write(self.metrics_path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
+
+    def write_json(self, name: str, data: Any) -> None:
+        write_json(self.root / name, data)
+
+    def save_checkpoint(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        flat = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+        _atomic_write(
+            self.root / CHECKPOINT, lambda tmp: save_file(flat, str(tmp), metadata={"fedmq": json.dumps(meta)})
+        )
+
+    def load_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        path = self.root / CHECKPOINT
+        if not path.exists():
+            return None
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as fh:
+                meta = json.loads((fh.metadata() or {})["fedmq"])
+            return load_file(str(path)), meta
+        except (SafetensorError, KeyError, ValueError, OSError) as exc:
+            raise CoordinatorError(f"checkpoint {path} cannot be read ({exc}); move it away to start afresh") from exc

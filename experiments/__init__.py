@@ -1,0 +1,1 @@
+"""Experiments: the experiment file, the `fedmq` command line, the local runner and its reports."""

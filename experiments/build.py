@@ -1,0 +1,163 @@
+"""From an experiment config to running parts: data shards, models, algorithm halves, daemons.
+
+The only place where names in a config (dataset, model, method) become objects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from broker import BusConfig
+from coordinator.config import CoordinatorConfig, RoundPolicy
+from coordinator.daemon import Coordinator
+from experiments.config import ExperimentConfig
+from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedcore.data import Split, TensorDataset, load_dataset
+from fedcore.models import build_model
+from fedcore.partition import label_histograms, partition
+from fedcore.seeding import torch_seed
+from fedcore.training import TrainSettings, best_device
+from fednode.config import Faults, NodeConfig
+from fednode.daemon import NodeDaemon
+from fednode.workspace import Workspace
+
+
+def bus_config(cfg: ExperimentConfig, url: str) -> BusConfig:
+    b = cfg.bus
+    return BusConfig.from_url(
+        url,
+        protocol=b.protocol,
+        chunk_bytes=b.chunk_bytes,
+        max_message_bytes=b.max_message_bytes,
+        keepalive_s=b.keepalive_s,
+        transfer_timeout_s=b.transfer_timeout_s,
+    )
+
+
+def federation_id(cfg: ExperimentConfig) -> str:
+    return cfg.federation or cfg.name
+
+
+def load_split(cfg: ExperimentConfig) -> Split:
+    return load_dataset(cfg.data.dataset, seed=cfg.seed, **cfg.data.options)
+
+
+def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
+    """Node id -> indices into the training set; the same on every process for the same seed."""
+    labels = split.train.y.numpy()
+    options = (
+        {"alpha": cfg.partition.alpha, "min_samples": cfg.partition.min_samples}
+        if cfg.partition.kind == "dirichlet"
+        else {}
+    )
+    parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=cfg.seed, **options)
+    return dict(zip(cfg.node_ids(), parts, strict=True))
+
+
+def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
+    parts = shards(cfg, split)
+    hist = label_histograms(split.train.y.numpy(), list(parts.values()), split.train.num_classes)
+    return {
+        "kind": cfg.partition.kind,
+        "alpha": cfg.partition.alpha if cfg.partition.kind == "dirichlet" else None,
+        "sizes": {node: len(idx) for node, idx in parts.items()},
+        "label_histograms": {node: row.tolist() for node, row in zip(parts, hist, strict=True)},
+    }
+
+
+def train_settings(cfg: ExperimentConfig) -> TrainSettings:
+    return TrainSettings(**cfg.train.model_dump())
+
+
+def make_model(cfg: ExperimentConfig, data: TensorDataset) -> torch.nn.Module:
+    return build_model(
+        cfg.model.name, data.input_shape, data.num_classes, seed=torch_seed(cfg.seed, "model-init"), **cfg.model.options
+    )
+
+
+def build_coordinator(
+    cfg: ExperimentConfig, url: str, out_dir: Path, *, federation: str | None = None, resume: bool = False
+) -> Coordinator:
+    spec = get_algorithm(cfg.method.name)
+    hp = build_hyperparams(spec, cfg.method.hyperparams)
+    split = load_split(cfg)
+    half = spec.coordinator(hp, model=make_model(cfg, split.test))
+    policy = RoundPolicy(
+        fraction=cfg.fraction,
+        over_selection=cfg.policy.over_selection,
+        deadline_s=cfg.deadline_s,
+        ack_timeout_s=cfg.policy.ack_timeout_s,
+        min_updates=cfg.policy.min_updates,
+        on_insufficient=cfg.policy.on_insufficient,
+        max_retries=cfg.policy.max_retries,
+        min_nodes=cfg.policy.min_nodes or cfg.nodes,
+        wait_for_nodes_s=cfg.policy.wait_for_nodes_s,
+    )
+    config = CoordinatorConfig(
+        federation=federation or federation_id(cfg),
+        rounds=cfg.rounds,
+        seed=cfg.seed,
+        out_dir=out_dir,
+        policy=policy,
+        train=train_settings(cfg),
+        eval_every=cfg.eval_every,
+        method=cfg.method.name,
+        resume=resume,
+    )
+    extra = {
+        "experiment": cfg.name,
+        "dataset": cfg.data.dataset,
+        "model": cfg.model.name,
+        "fraction": cfg.fraction,
+        "seed": cfg.seed,
+    }
+    return Coordinator(config, bus_config(cfg, url), half, split.test, extra_summary=extra)
+
+
+def build_nodes(
+    cfg: ExperimentConfig,
+    url: str,
+    node_ids: list[str],
+    *,
+    federation: str | None = None,
+    exit_when_done: bool = False,
+    announce_label_histogram: bool = True,
+    device: torch.device | None = None,
+) -> list[NodeDaemon]:
+    """Daemons for `node_ids`, sharing one dataset load and one training workspace (one process)."""
+    unknown = sorted(set(node_ids) - set(cfg.node_ids()))
+    if unknown:
+        raise ValueError(f"node ids {unknown} are not in this experiment (node-000 .. {cfg.node_ids()[-1]})")
+    spec = get_algorithm(cfg.method.name)
+    hp = build_hyperparams(spec, cfg.method.hyperparams)
+    split = load_split(cfg)
+    parts = shards(cfg, split)
+    device = device or best_device()
+    workspace = Workspace(make_model(cfg, split.train), device)
+    bus = bus_config(cfg, url)
+    daemons = []
+    for node_id in node_ids:
+        fault = cfg.faults.get(node_id)
+        faults = (
+            Faults(
+                delay_s=fault.delay_s,
+                delay_rounds=frozenset(fault.delay_rounds) if fault.delay_rounds is not None else None,
+                fail_at_round=fault.fail_at_round,
+            )
+            if fault
+            else Faults()
+        )
+        node_config = NodeConfig(
+            node_id=node_id,
+            federation=federation or federation_id(cfg),
+            seed=cfg.seed,
+            exit_when_done=exit_when_done,
+            announce_label_histogram=announce_label_histogram,
+            faults=faults,
+        )
+        data = split.train.subset(parts[node_id]).to(device)
+        daemons.append(NodeDaemon(node_config, bus, spec.node(hp, node_id=node_id), data, workspace))
+    return daemons

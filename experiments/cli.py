@@ -1,0 +1,257 @@
+"""The `fedmq` command: broker, coordinator, node and run.
+
+Exit codes: 0 success, 2 invalid configuration or arguments, 3 broker unreachable, 4 the federation
+failed (no nodes, no progress), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from broker.errors import BusError
+from fedcore.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_CONFIG, EXIT_BUS, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+
+DESCRIPTION = """\
+fedmq: event-driven federated learning over MQTT.
+
+  fedmq run EXP.yaml                 run a whole federation on this machine (broker, coordinator, nodes)
+  fedmq broker                       run a development broker (mosquitto if installed, else embedded)
+  fedmq coordinator --broker URL --config EXP.yaml    the server daemon
+  fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
+
+Start with:  fedmq run experiments/quickstart.yaml
+"""
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    p.add_argument("--log-file", type=Path, help="also write the log to this file")
+    p.add_argument("--log-config", type=Path, help="a logging dictConfig YAML file, replacing the defaults")
+
+
+def _add_experiment(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("config", type=Path, metavar="EXP.yaml", help="the experiment file")
+    else:
+        p.add_argument("--config", required=True, type=Path, metavar="EXP.yaml", help="the experiment file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set rounds=5 --set train.lr=0.1 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "run",
+        help="run a whole federation on this machine",
+        description="Start a broker (the embedded one unless --broker is given), the coordinator and the nodes as"
+        " separate processes; show progress; write the results to the run directory.",
+    )
+    _add_experiment(p, positional=True)
+    p.add_argument("--out", type=Path, help="run directory (default: runs/NAME-TIMESTAMP)")
+    p.add_argument(
+        "--broker", metavar="URL", help="use this broker, e.g. mqtt://127.0.0.1:1883, instead of starting one"
+    )
+    p.add_argument("--processes", type=int, help="node-host processes (default: hosting.processes or the core count)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "broker",
+        help="run a development broker",
+        description="mosquitto with a generated config (TCP_NODELAY, large packets) when it is installed,"
+        " otherwise the embedded pure-Python broker (amqtt, MQTT 3.1.1). Runs until interrupted.",
+    )
+    p.add_argument("--port", type=int, default=1883, help="TCP port (default 1883)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--config", type=Path, help="a mosquitto.conf to use instead of the generated one")
+    p.add_argument("--embedded", action="store_true", help="use the embedded broker even if mosquitto is installed")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "coordinator",
+        help="run the coordinator daemon",
+        description="Waits for the experiment's nodes, runs its rounds, writes metrics, participation,"
+        " checkpoints and a summary to --out.",
+    )
+    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT")
+    _add_experiment(p)
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/coordinator"), help="run directory (default runs/coordinator)"
+    )
+    p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--threads", type=int, help="torch threads")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "node",
+        help="run node daemon(s)",
+        description="One node daemon per --node-id, all in this process (one MQTT connection each, one"
+        " shared dataset load, training one at a time). In an experiment a node takes its shard of the partition.",
+    )
+    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT")
+    p.add_argument(
+        "--node-id",
+        dest="node_ids",
+        action="append",
+        required=True,
+        metavar="ID",
+        help="node id, e.g. node-003 (repeatable; 'all' hosts every node of the experiment)",
+    )
+    _add_experiment(p)
+    p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
+    p.add_argument("--exit-when-done", action="store_true", help="exit when the coordinator finishes the run")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--device", help="torch device (default: cuda when present, else cpu)")
+    _add_common(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from experiments import logs
+
+    console = not (args.command == "run" and not args.verbose)
+    logs.setup(args.verbose, file=args.log_file, console=console or args.command != "run", config_file=args.log_config)
+    try:
+        if args.command == "broker":
+            return _run_async(_broker(args))
+        if args.command == "coordinator":
+            return _run_async(_coordinator(args))
+        if args.command == "node":
+            return _run_async(_node(args))
+        from experiments.runner import run_from_cli
+
+        return run_from_cli(args)
+    except ConfigError as exc:
+        print(f"fedmq: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except DataError as exc:
+        print(f"fedmq: data error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except BusError as exc:
+        print(f"fedmq: broker error: {exc}", file=sys.stderr)
+        return EXIT_BUS
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _run_async(coro: Coroutine[Any, Any, int]) -> int:
+    """Run `coro`; SIGTERM and SIGINT cancel it, so daemons write their state and exit cleanly."""
+
+    async def runner() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            return EXIT_INTERRUPTED
+
+    return asyncio.run(runner())
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from experiments.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+async def _broker(args: argparse.Namespace) -> int:
+    from broker.embedded import serve_embedded
+    from broker.mosquitto import find_mosquitto, start_mosquitto
+
+    if not args.embedded and find_mosquitto() is not None:
+        proc = start_mosquitto(args.port, bind=args.host, config_file=args.config)
+        print(f"mosquitto listening on mqtt://{args.host}:{args.port} (pid {proc.pid}); Ctrl-C stops it", flush=True)
+        try:
+            await asyncio.to_thread(proc.wait)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+        return EXIT_OK if proc.returncode in (0, -signal.SIGTERM) else EXIT_FAILED
+    if args.config is not None and not args.embedded:
+        raise ConfigError("--config is a mosquitto.conf, but mosquitto is not installed (apt-get install mosquitto)")
+    print(
+        f"embedded broker (amqtt, MQTT 3.1.1) listening on mqtt://{args.host}:{args.port}; Ctrl-C stops it", flush=True
+    )
+    await serve_embedded(args.host, args.port)
+    return EXIT_OK
+
+
+async def _coordinator(args: argparse.Namespace) -> int:
+    from coordinator.run_dir import write_json
+    from experiments.build import build_coordinator, load_split, partition_report
+
+    cfg = _load(args)
+    _threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.yaml").write_text(cfg.to_yaml())
+    write_json(args.out / "partition.json", partition_report(cfg, load_split(cfg)))
+    coordinator = build_coordinator(cfg, args.broker, args.out, federation=args.federation, resume=args.resume)
+    summary = await coordinator.serve()
+    if summary.final_accuracy is not None:
+        print(
+            f"final accuracy {summary.final_accuracy:.4f} (best {summary.best_accuracy:.4f}) after"
+            f" {summary.rounds_completed} rounds in {summary.wall_seconds:.1f} s"
+        )
+    return EXIT_OK if summary.state == "finished" else EXIT_FAILED
+
+
+async def _node(args: argparse.Namespace) -> int:
+    import torch
+
+    from experiments.build import build_nodes
+    from fednode.daemon import serve_nodes
+
+    cfg = _load(args)
+    _threads(args.threads)
+    ids = cfg.node_ids() if args.node_ids == ["all"] else args.node_ids
+    daemons = build_nodes(
+        cfg,
+        args.broker,
+        ids,
+        federation=args.federation,
+        exit_when_done=args.exit_when_done,
+        device=torch.device(args.device) if args.device else None,
+    )
+    await serve_nodes(daemons)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

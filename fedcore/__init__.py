@@ -1,0 +1,1 @@
+"""What both daemons share: models, datasets, partitions, training loops and the algorithms."""

@@ -1,0 +1,132 @@
+"""The two halves of an algorithm and what passes between them.
+
+The coordinator half decides what the selected nodes receive (`configure_round`) and how their
+updates become the next global model (`aggregate`); the node half trains (`train`). Halves own no
+transport, no threads and no files: the daemons deliver messages, run heavy calls in a worker
+thread, and hand every random draw in as a generator.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fedcore.data import TensorDataset
+from fedcore.participation import ParticipationRecord
+from fedcore.tensors import StateDict, TensorSpec, schema_of
+from fedcore.training import TrainSettings
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Payload:
+    """Named groups of tensors (``{"model": state_dict}``) and msgpack-able scalars."""
+
+    tensors: Mapping[str, StateDict] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundContext:
+    round: int
+    selected: tuple[str, ...]
+    participation: ParticipationRecord
+    """Read it; only the coordinator writes it."""
+    settings: TrainSettings
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeUpdate:
+    """An accepted update, already checked against `CoordinatorHalf.update_schema`."""
+
+    node_id: str
+    round: int
+    num_samples: int
+    payload: Payload
+    train_seconds: float = 0.0
+    rtt_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A selected node whose update will not be aggregated this round, and why."""
+
+    node_id: str
+    round: int
+    reason: Literal["late", "lost", "rejected"]
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskInput:
+    node_id: str
+    round: int
+    payload: Payload
+    settings: TrainSettings
+
+
+class CoordinatorHalf(ABC):
+    """Server side. Holds the global model; `hp` is the algorithm's frozen Hyperparams."""
+
+    def __init__(self, hp: Any, *, model: nn.Module) -> None:
+        self.hp = hp
+        self.model = model
+
+    @abstractmethod
+    def configure_round(self, ctx: RoundContext) -> Payload:
+        """What every selected node receives this round (one broadcast, identical for all)."""
+
+    @abstractmethod
+    def aggregate(
+        self, ctx: RoundContext, updates: Sequence[NodeUpdate], failures: Sequence[Failure]
+    ) -> Mapping[str, float]:
+        """Fold the accepted updates into the global model; return scalar metrics for the round log.
+
+        `updates` arrive sorted by node id, so that the result does not depend on arrival order.
+        """
+
+    def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
+        """The tensor groups an update must carry, with dtypes and shapes; anything else is rejected."""
+        return {"model": schema_of(self.model.state_dict())}
+
+    def evaluation_models(self) -> Mapping[str, nn.Module]:
+        """The models to evaluate on the test set; the first is the one reported as ``accuracy``."""
+        return {"global": self.model}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Extra state to checkpoint besides the global model (server momentum, control variates)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no extra state, got {sorted(state)[:5]}")
+
+
+class NodeHalf(ABC):
+    """Node side. One instance per node id; it may keep state across rounds (SCAFFOLD, MOON)."""
+
+    def __init__(self, hp: Any, *, node_id: str) -> None:
+        self.hp = hp
+        self.node_id = node_id
+
+    @abstractmethod
+    def train(self, task: TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator) -> Payload:
+        """Train `model` (a workspace shared by the nodes of one process) and return the update.
+
+        The returned tensors may alias `model`'s parameters: the daemon serialises them before the
+        workspace is used again.
+        """
+
+
+@dataclass(frozen=True, slots=True)
+class AlgorithmSpec:
+    """How configs find an algorithm: its name, its Hyperparams class and its two halves."""
+
+    name: str
+    hyperparams: type
+    coordinator: type[CoordinatorHalf]
+    node: type[NodeHalf]

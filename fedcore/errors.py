@@ -1,0 +1,27 @@
+"""Errors of the shared core, with the field or node they concern."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it and says what is allowed."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class DataError(RuntimeError):
+    """A dataset is missing or malformed; the message says which files are expected and where."""
+
+
+class AlgorithmError(RuntimeError):
+    """An algorithm half received input it cannot use (for instance a payload without its model)."""
+
+    def __init__(self, message: str, *, node_id: str | None = None, round: int | None = None) -> None:
+        where = ", ".join(
+            p for p in (f"node {node_id}" if node_id else "", f"round {round}" if round is not None else "") if p
+        )
+        super().__init__(f"{message} ({where})" if where else message)
+        self.node_id = node_id
+        self.round = round

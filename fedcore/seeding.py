@@ -1,0 +1,43 @@
+"""Per-component random streams: one independent generator per (seed, role, node, round, ...).
+
+No global RNG is touched: sampling, partitioning, initialisation and each node's training each
+draw from their own stream, so that adding a component or a node never shifts another's draws.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+
+def _key(part: str | int) -> int:
+    if isinstance(part, bool) or not isinstance(part, int | str):
+        raise TypeError(f"stream keys are str or int, got {type(part).__name__}")
+    if isinstance(part, int):
+        if part < 0:
+            return (1 << 32) + (-part)  # keeps -1 (round before the first) distinct from 1
+        return part
+    return zlib.crc32(part.encode()) | (1 << 40)  # strings never collide with small ints
+
+
+def seed_sequence(seed: int, *keys: str | int) -> np.random.SeedSequence:
+    return np.random.SeedSequence(entropy=int(seed), spawn_key=tuple(_key(k) for k in keys))
+
+
+def stream(seed: int, *keys: str | int) -> np.random.Generator:
+    """An independent numpy generator for one component, e.g. ``stream(seed, "sampler", round)``."""
+    return np.random.Generator(np.random.PCG64(seed_sequence(seed, *keys)))
+
+
+def torch_generator(seed: int, *keys: str | int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch generator seeded from the same scheme (for shuffling and dropout on a node)."""
+    value = int(seed_sequence(seed, *keys).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(value)
+    return gen
+
+
+def torch_seed(seed: int, *keys: str | int) -> int:
+    return int(seed_sequence(seed, *keys).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))

@@ -1,0 +1,139 @@
+"""The local training loop and evaluation that algorithms reuse (FedAvg uses them as they are)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedcore.data import TensorDataset
+from fedcore.errors import ConfigError
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSettings:
+    """Local training hyperparameters, sent by the coordinator with every task."""
+
+    local_epochs: int = 1
+    batch_size: int = 32
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_decay: float = 1.0
+    """Per-round multiplier: round r trains with lr * lr_decay**r."""
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("local_epochs", self.local_epochs >= 1, "at least 1"),
+            ("batch_size", self.batch_size >= 1, "at least 1"),
+            ("optimizer", self.optimizer in ("sgd", "adam"), "'sgd' or 'adam'"),
+            ("lr", self.lr > 0, "positive"),
+            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, "non-negative"),
+            ("lr_decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
+            ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0, "positive or null"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{getattr(self, name)!r} is not allowed; must be {allowed}", field=f"train.{name}")
+
+    def for_round(self, round: int) -> TrainSettings:
+        return replace(self, lr=self.lr * self.lr_decay ** max(round, 0))
+
+    def to_meta(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> TrainSettings:
+        if not isinstance(meta, Mapping):
+            raise ConfigError("train settings must be a map", field="train")
+        known = {f.name for f in fields(cls)}
+        unknown = set(meta) - known
+        if unknown:
+            raise ConfigError(f"unknown keys {sorted(unknown)}; allowed: {sorted(known)}", field="train")
+        try:
+            return cls(**meta)
+        except TypeError as exc:
+            raise ConfigError(str(exc), field="train") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStats:
+    loss: float
+    steps: int
+    samples_seen: int
+
+
+def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if settings.optimizer == "adam":
+        return torch.optim.Adam(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+
+
+def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def local_sgd(
+    model: nn.Module,
+    data: TensorDataset,
+    settings: TrainSettings,
+    generator: torch.Generator,
+    *,
+    loss_fn: LossFn = cross_entropy,
+    after_backward: Callable[[nn.Module], None] | None = None,
+) -> TrainStats:
+    """`local_epochs` passes over `data` in batches shuffled by `generator`.
+
+    `loss_fn` lets an algorithm add its terms (FedProx's proximal term, distillation);
+    `after_backward` lets it correct gradients (SCAFFOLD's control variates).
+    """
+    model.train()
+    optimizer = make_optimizer(model, settings)
+    n = len(data)
+    total, steps, seen = 0.0, 0, 0
+    for _ in range(settings.local_epochs):
+        order = torch.randperm(n, generator=generator, device=generator.device).to(data.x.device)
+        for start in range(0, n, settings.batch_size):
+            idx = order[start : start + settings.batch_size]
+            x, y = data.x[idx], data.y[idx]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            if settings.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+            optimizer.step()
+            total += float(loss.detach()) * len(idx)
+            steps += 1
+            seen += len(idx)
+    return TrainStats(loss=total / max(seen, 1), steps=steps, samples_seen=seen)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TensorDataset, *, batch_size: int = 1024) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) over `data`."""
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(data), batch_size):
+        x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+        logits = model(x)
+        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    n = max(len(data), 1)
+    return correct / n, loss_sum / n
+
+
+def best_device() -> torch.device:
+    """CUDA when present, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

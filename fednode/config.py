@@ -1,0 +1,40 @@
+"""Settings of one node daemon, and the faults an experiment may inject into it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Faults:
+    """Deterministic stragglers and crashes for experiments and tests."""
+
+    delay_s: float = 0.0
+    """Extra compute time added after training, before the update is sent."""
+    delay_rounds: frozenset[int] | None = None
+    """Rounds the delay applies to; None means every round."""
+    fail_at_round: int | None = None
+    """Crash (drop the connection without a goodbye, so the broker fires the will) on receiving this
+    round's model, that is mid-round."""
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0:
+            raise ValueError("delay_s must be non-negative")
+        if self.fail_at_round is not None and self.fail_at_round < 0:
+            raise ValueError("fail_at_round must be a round number")
+
+    def delay_for(self, round: int) -> float:
+        if self.delay_s and (self.delay_rounds is None or round in self.delay_rounds):
+            return self.delay_s
+        return 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    node_id: str
+    federation: str
+    seed: int = 0
+    exit_when_done: bool = False
+    """Exit once the coordinator this node worked for reports the run finished (experiments)."""
+    announce_label_histogram: bool = False
+    faults: Faults = field(default_factory=Faults)

@@ -1,0 +1,317 @@
+"""The node daemon: one MQTT identity that announces itself, acknowledges tasks, trains and reports.
+
+Per round: a task arrives on the node's own topic; the node subscribes to the round's model topic,
+acknowledges, receives the one broadcast model, trains in a worker thread (one node of the process
+at a time), and publishes its update. Malformed or out-of-round messages are counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
+from broker.errors import BusError
+from fedcore.algorithms.base import NodeHalf, Payload, TaskInput
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.seeding import torch_generator
+from fedcore.tensors import flatten_groups, schema_mismatch, split_groups
+from fedcore.training import TrainSettings
+from fednode.config import NodeConfig
+from fednode.workspace import Workspace
+
+logger = logging.getLogger(__name__)
+
+_FINAL_STATES = ("finished", "failed", "stopped")
+
+
+class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Prefixes records with the node id: one process hosts many nodes and shares one log."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        kwargs.setdefault("extra", {}).update(self.extra or {})
+        return f"[{(self.extra or {}).get('node_id')}] {msg}", kwargs
+
+
+class TaskError(ValueError):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    round: int
+    attempt: int
+    task_id: bytes
+    model_topic: str
+    settings: TrainSettings
+    received_at: float
+
+
+class NodeDaemon:
+    def __init__(
+        self, config: NodeConfig, bus_config: BusConfig, half: NodeHalf, data: TensorDataset, workspace: Workspace
+    ) -> None:
+        self.config = config
+        self.bus_config = bus_config
+        self.half = half
+        self.data = data
+        self.workspace = workspace
+        self.topics = Topics(config.federation)
+        self.node_id = config.node_id
+        self.log = _NodeLog(logger, {"node_id": self.node_id})
+        self.rounds_trained = 0
+        self.crashed = False
+        self._bus: BusClient | None = None
+        self._task: Task | None = None
+        self._job: asyncio.Task[None] | None = None
+        self._run_id: str | None = None
+        self._stop = asyncio.Event()
+
+    async def serve(self) -> None:
+        """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation."""
+        will = Will(self.topics.node_status(self.node_id), self._status("offline"))
+        client = BusClient(
+            self.bus_config,
+            client_id=f"{self.config.federation}-{self.node_id}",
+            federation=self.config.federation,
+            will=will,
+            on_connect=self._announce,
+            logger=logger.getChild("bus"),
+        )
+        self._bus = client  # before connecting: the on-connect hook announces through it
+        async with client as bus:
+            await bus.subscribe(*self.topics.node_inbox(self.node_id), self.topics.coordinator_status)
+            receiver = asyncio.create_task(self._receive(bus))
+            stopper = asyncio.create_task(self._stop.wait())
+            try:
+                await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if receiver.done():
+                    receiver.result()
+            finally:
+                for task in (receiver, stopper, self._job):
+                    if task is not None:
+                        task.cancel()
+                await asyncio.gather(receiver, stopper, *([self._job] if self._job else []), return_exceptions=True)
+                if not self.crashed:
+                    try:  # a clean DISCONNECT does not fire the will, so say goodbye explicitly
+                        await asyncio.wait_for(
+                            bus.publish(self.topics.node_status(self.node_id), self._status("offline"), retain=True), 5
+                        )
+                    except (BusError, TimeoutError) as exc:
+                        self.log.warning("could not publish the offline status: %s", exc)
+
+    async def _announce(self) -> None:
+        if self._bus is None:
+            return
+        await self._bus.publish(self.topics.node_status(self.node_id), self._status("online"), retain=True)
+
+    def _status(self, state: str) -> Message:
+        meta: dict[str, Any] = {"state": state}
+        if state == "online":
+            meta |= {"device": str(self.workspace.device), "num_samples": len(self.data)}
+            if self.config.announce_label_histogram:
+                meta["label_histogram"] = self.data.label_histogram()
+        return Message(
+            kind=Kind.NODE_STATUS, federation=self.config.federation, round=-1, sender=self.node_id, meta=meta
+        )
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def _receive(self, bus: BusClient) -> None:
+        async for envelope in bus.messages():
+            try:
+                await self._dispatch(envelope)
+            except TaskError as exc:
+                bus.reject(exc.reason, envelope, exc.detail)
+            except Exception:  # one message never takes the daemon down
+                bus.stats.rejected["internal-error"] += 1
+                self.log.exception("error while handling a message on %s", envelope.topic)
+
+    async def _dispatch(self, envelope: Envelope) -> None:
+        route = self.topics.route(envelope.topic)
+        message = envelope.message
+        if route is None:
+            raise TaskError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
+        if route.channel == "node-status":
+            return  # our own retained status echoes back through the inbox wildcard-free topics; ignore
+        if route.channel in ("node-task", "node-model", "node-receipt", "model", "coordinator-status") and (
+            message.sender != "coordinator"
+        ):
+            raise TaskError("wrong-sender", f"{route.channel} from {message.sender!r}, expected the coordinator")
+        if route.channel == "coordinator-status" and message.kind == Kind.COORDINATOR_STATUS:
+            self._on_coordinator_status(message)
+        elif route.channel == "node-task" and message.kind == Kind.TASK:
+            await self._on_task(message)
+        elif route.channel in ("model", "node-model") and message.kind == Kind.MODEL:
+            await self._on_model(message)
+        elif route.channel == "node-receipt" and message.kind == Kind.RECEIPT:
+            self._on_receipt(message)
+        else:
+            raise TaskError("unexpected-kind", f"{message.kind} on {envelope.topic}")
+
+    def _on_coordinator_status(self, message: Message) -> None:
+        state, run_id = message.meta.get("state"), message.meta.get("run_id")
+        if state in ("waiting", "running"):
+            self._run_id = run_id
+        elif state in _FINAL_STATES and run_id is not None and run_id == self._run_id:
+            self.log.info("coordinator reports the run %s", state)
+            if self.config.exit_when_done:
+                self._stop.set()
+
+    async def _on_task(self, message: Message) -> None:
+        task = self._parse_task(message)
+        if self._task is not None and self._task.model_topic != task.model_topic:
+            await self._unsubscribe_model(self._task)
+        self._task = task
+        bus = self._bus_or_fail()
+        await bus.subscribe(task.model_topic)
+        ack = Message(
+            kind=Kind.ACK,
+            federation=self.config.federation,
+            round=task.round,
+            sender=self.node_id,
+            meta={"task": task.task_id},
+        )
+        await bus.publish(self.topics.ack(self.node_id), ack)
+        self.log.debug("task for round %d acknowledged", task.round)
+
+    def _parse_task(self, message: Message) -> Task:
+        meta = message.meta
+        task_id, topic = meta.get("task"), meta.get("model_topic")
+        if not isinstance(task_id, bytes) or len(task_id) != 16:
+            raise TaskError("bad-task", "task id must be 16 bytes")
+        if topic != self.topics.model(message.round):
+            raise TaskError("bad-task", f"model topic {topic!r} does not belong to round {message.round}")
+        if message.round < 0:
+            raise TaskError("wrong-round", f"round {message.round}")
+        attempt = meta.get("attempt", 0)
+        if not isinstance(attempt, int) or attempt < 0:
+            raise TaskError("bad-task", f"attempt {attempt!r}")
+        try:
+            settings = TrainSettings.from_meta(meta.get("settings", {}))
+        except ConfigError as exc:
+            raise TaskError("bad-task", str(exc)) from exc
+        return Task(message.round, attempt, task_id, topic, settings, time.monotonic())
+
+    async def _on_model(self, message: Message) -> None:
+        task = self._task
+        if task is None or message.round != task.round or message.meta.get("task") != task.task_id:
+            self.log.debug("model for round %d matches no pending task; ignored", message.round)
+            return
+        self._task = None
+        await self._unsubscribe_model(task)
+        if self.config.faults.fail_at_round == task.round:
+            self.log.warning("fault injection: crashing mid-round %d", task.round)
+            self.crashed = True
+            self._bus_or_fail().abort()
+            self._stop.set()
+            return
+        payload = self._parse_model(message)
+        if self._job is not None and not self._job.done():
+            self.log.warning("round %d starts while the previous update is still being produced", task.round)
+        self._job = asyncio.create_task(self._train_and_send(task, payload), name=f"train-{self.node_id}-{task.round}")
+        self._job.add_done_callback(self._harvest)
+
+    def _parse_model(self, message: Message) -> Payload:
+        try:
+            groups = split_groups(message.tensors)
+        except AlgorithmError as exc:
+            raise TaskError("bad-model", str(exc)) from exc
+        if "model" in groups:
+            mismatch = schema_mismatch(groups["model"], self.workspace.schema)
+            if mismatch is not None:
+                raise TaskError(mismatch[0], f"broadcast model: {mismatch[1]}")
+        meta = message.meta.get("payload", {})
+        if not isinstance(meta, dict):
+            raise TaskError("bad-model", "payload meta must be a map")
+        return Payload(tensors=groups, meta=meta)
+
+    def _on_receipt(self, message: Message) -> None:
+        status, reason = message.meta.get("status"), message.meta.get("reason")
+        if status == "received":
+            self.log.debug("update for round %d received by the coordinator", message.round)
+        else:
+            self.log.warning("update for round %d was %s: %s", message.round, status, reason)
+
+    async def _unsubscribe_model(self, task: Task) -> None:
+        try:
+            await self._bus_or_fail().unsubscribe(task.model_topic)
+        except BusError as exc:
+            self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
+
+    # -- training --------------------------------------------------------------------------
+
+    async def _train_and_send(self, task: Task, payload: Payload) -> None:
+        async with self.workspace.lock:
+            frame, train_s = await asyncio.to_thread(self._train_and_encode, task, payload)
+        delay = self.config.faults.delay_for(task.round)
+        if delay:
+            self.log.info("fault injection: delaying round %d's update by %g s", task.round, delay)
+            await asyncio.sleep(delay)
+        await self._bus_or_fail().publish_frame(self.topics.update(self.node_id), frame, round=task.round)
+        self.rounds_trained += 1
+        self.log.info("round %d: trained %.3f s, update of %d bytes sent", task.round, train_s, len(frame))
+
+    def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray, float]:
+        """Runs in a worker thread; encodes before releasing the workspace, whose tensors the update aliases."""
+        started = time.perf_counter()
+        generator = torch_generator(
+            self.config.seed, "node-train", self.node_id, task.round, task.attempt, device=self.workspace.device
+        )
+        data = self.data
+        result = self.half.train(
+            TaskInput(node_id=self.node_id, round=task.round, payload=payload, settings=task.settings),
+            self.workspace.model,
+            data,
+            generator,
+        )
+        train_s = time.perf_counter() - started
+        update = Message(
+            kind=Kind.UPDATE,
+            federation=self.config.federation,
+            round=task.round,
+            sender=self.node_id,
+            meta={
+                "task": task.task_id,
+                "num_samples": len(data),
+                "train_seconds": train_s,
+                "payload": dict(result.meta),
+            },
+            tensors=flatten_groups(result.tensors),
+        )
+        return encode(update), train_s
+
+    def _harvest(self, job: asyncio.Task[None]) -> None:
+        if job.cancelled():
+            return
+        exc = job.exception()
+        if exc is not None:
+            if self._bus is not None:
+                self._bus.stats.rejected["training-error"] += 1
+            self.log.error("training failed: %r", exc, exc_info=exc)
+
+    def _bus_or_fail(self) -> BusClient:
+        if self._bus is None:
+            raise RuntimeError("the node is not connected")
+        return self._bus
+
+
+async def serve_nodes(daemons: list[NodeDaemon]) -> None:
+    """Host several node daemons in one event loop; one failing does not stop the others."""
+
+    async def guarded(daemon: NodeDaemon) -> None:
+        try:
+            await daemon.serve()
+        except BusError as exc:
+            daemon.log.error("stopped: %s", exc)
+
+    async with asyncio.TaskGroup() as group:
+        for daemon in daemons:
+            group.create_task(guarded(daemon), name=f"node-{daemon.node_id}")
