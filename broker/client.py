@@ -114,6 +114,7 @@ class BusClient:
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._client: aiomqtt.Client | None = None
         self._generation = 0
+        self._lost = asyncio.Event()
         self._state = asyncio.Condition()
         self._queue: asyncio.Queue[Envelope] | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -310,6 +311,7 @@ class BusClient:
             await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
         async with self._state:
             self._client = client
+            self._lost = asyncio.Event()
             self._generation += 1
             self._state.notify_all()
         if self._on_connect is not None:
@@ -320,6 +322,7 @@ class BusClient:
         self._log.debug("connected to %s as %s (MQTT %s)", self.config.url, self.client_id, self.protocol)
 
     async def _on_disconnected(self) -> None:
+        self._lost.set()
         async with self._state:
             self._client = None
             self._state.notify_all()
@@ -424,8 +427,20 @@ class BusClient:
                 client, generation = await asyncio.wait_for(self._wait_generation(generation), max(remaining, 0))
             except TimeoutError:
                 raise BusError(f"{what} timed out waiting for the broker ({self._last_error})", topic=topic) from None
+            lost = self._lost
+            attempt = asyncio.ensure_future(call(client, max(deadline - time.monotonic(), 0.001)))
+            watcher = asyncio.ensure_future(lost.wait())
             try:
-                await call(client, max(deadline - time.monotonic(), 0.001))
+                # a call in flight when the connection drops would wait for an ack that can never come
+                await asyncio.wait({attempt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watcher.cancel()
+                if not attempt.done():
+                    attempt.cancel()
+            try:
+                if attempt.cancelled():
+                    raise aiomqtt.MqttError("connection lost while the call was in flight")
+                attempt.result()
                 return
             except aiomqtt.MqttCodeError as exc:
                 if exc.rc not in _CONNECTION_LOST_CODES:

@@ -1,0 +1,123 @@
+"""Chunk reassembly: in any order, duplicated, incomplete (abandoned), over the memory bound."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from broker.chunking import Reassembler, split
+from broker.codec import decode, encode
+from broker.errors import CodecError
+from broker.message import Kind, Message
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def frame_of(n_floats: int = 10_000, seed: int = 0) -> bytes:
+    data = np.random.default_rng(seed).standard_normal(n_floats).astype(np.float32)
+    return bytes(encode(Message(kind=Kind.MODEL, federation="f", round=1, sender="c", tensors={"w": data})))
+
+
+def chunks_of(frame: bytes, size: int = 4096, sender: str = "c") -> list[Message]:
+    # round-trip each chunk through the codec, as the bus does
+    return [decode(encode(c)) for c in split(frame, chunk_bytes=size, federation="f", sender=sender, round=1)]
+
+
+def test_reassembly_in_order_gives_the_original_frame() -> None:
+    """Chunks in order rebuild the frame byte for byte, and only the last chunk completes it."""
+    frame = frame_of()
+    r = Reassembler(max_bytes=10**7, timeout_s=10)
+    results = [r.add(c) for c in chunks_of(frame)]
+    assert all(x is None for x in results[:-1])
+    assert bytes(results[-1]) == frame
+    assert len(r) == 0 and r.in_flight_bytes == 0
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_reassembly_any_order_gives_the_original_frame(order: str) -> None:
+    """Brokers may reorder concurrently published chunks."""
+    frame = frame_of()
+    chunks = chunks_of(frame)
+    if order == "reversed":
+        chunks.reverse()
+    else:
+        np.random.default_rng(1).shuffle(chunks)  # type: ignore[arg-type]
+    r = Reassembler(max_bytes=10**7, timeout_s=10)
+    done = [x for x in (r.add(c) for c in chunks) if x is not None]
+    assert len(done) == 1 and bytes(done[0]) == frame
+
+
+def test_reassembly_duplicates_are_ignored_before_and_after_completion() -> None:
+    """A redelivered chunk neither corrupts the transfer nor restarts it once complete."""
+    frame = frame_of()
+    chunks = chunks_of(frame)
+    r = Reassembler(max_bytes=10**7, timeout_s=10)
+    assert r.add(chunks[0]) is None and r.add(chunks[0]) is None
+    out = [r.add(c) for c in chunks[1:]]
+    assert bytes(out[-1]) == frame
+    assert r.add(chunks[3]) is None and len(r) == 0
+    assert r.duplicates == 2
+
+
+def test_reassembly_incomplete_transfer_is_abandoned_after_timeout() -> None:
+    """A missing chunk: the transfer is dropped at its timeout, its memory freed and reported."""
+    clock = Clock()
+    abandoned: list[str] = []
+    r = Reassembler(max_bytes=10**7, timeout_s=5, clock=clock, on_abandon=lambda s, why: abandoned.append(why))
+    chunks = chunks_of(frame_of())
+    for c in chunks[:-1]:
+        r.add(c)
+    assert r.in_flight_bytes > 0 and r.next_deadline() == 5
+    clock.now = 5.1
+    assert r.expire() == 1
+    assert r.in_flight_bytes == 0 and len(r) == 0
+    assert "abandoned" in abandoned[0] and f"{len(chunks) - 1} of {len(chunks)}" in abandoned[0]
+
+
+def test_reassembly_memory_bound_refuses_new_transfers() -> None:
+    """Transfers beyond the bound are refused with 'memory-bound'; finishing one frees room."""
+    frame = frame_of(10_000)
+    r = Reassembler(max_bytes=int(len(frame) * 1.5), timeout_s=10)
+    first, second = chunks_of(frame), chunks_of(frame_of(10_000, seed=2))
+    r.add(first[0])
+    with pytest.raises(CodecError) as info:
+        r.add(second[0])
+    assert info.value.reason == "memory-bound"
+    for c in first[1:]:
+        r.add(c)
+    assert r.add(second[0]) is None
+
+
+def test_reassembly_rejects_oversized_and_inconsistent_chunks() -> None:
+    """A transfer announcing more than the per-transfer limit, or chunks that disagree, are refused."""
+    chunks = chunks_of(frame_of())
+    with pytest.raises(CodecError, match="oversized"):
+        Reassembler(max_bytes=10**9, max_transfer_bytes=100, timeout_s=1).add(chunks[0])
+    r = Reassembler(max_bytes=10**9, timeout_s=1)
+    r.add(chunks[0])
+    liar = dataclasses.replace(chunks[1], meta={**chunks[1].meta, "total": chunks[1].meta["total"] + 1})
+    with pytest.raises(CodecError, match="bad-chunk"):
+        r.add(liar)
+    broken = dataclasses.replace(chunks[1], meta={**chunks[1].meta, "index": 10**6})
+    with pytest.raises(CodecError, match="bad-chunk"):
+        r.add(broken)
+    with pytest.raises(CodecError, match="bad-chunk"):
+        r.add(dataclasses.replace(chunks[1], meta={"xfer": b"short"}))
+
+
+def test_reassembly_keys_transfers_by_sender() -> None:
+    """Two senders reusing a transfer id cannot mix their chunks."""
+    frame_a, frame_b = frame_of(seed=3), frame_of(seed=4)
+    a = chunks_of(frame_a, sender="a")
+    b = [dataclasses.replace(c, meta={**c.meta, "xfer": a[0].meta["xfer"]}) for c in chunks_of(frame_b, sender="b")]
+    r = Reassembler(max_bytes=10**8, timeout_s=10)
+    done = [x for pair in zip(a, b, strict=True) for x in map(r.add, pair) if x is not None]
+    assert sorted(map(bytes, done)) == sorted([frame_a, frame_b])

@@ -1,0 +1,195 @@
+"""The bus client against real brokers over TCP (the embedded amqtt and mosquitto)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+
+from broker import BusClient, BusConfig, BusError, Kind, Message, Topics, Will, encode
+from broker.mosquitto import free_port, start_mosquitto
+from tests.helpers import next_message, raw_client
+
+
+def config(url: str, **overrides: object) -> BusConfig:
+    return BusConfig.from_url(url, **overrides)
+
+
+def update(fed: str, sender: str = "n1", **tensors: np.ndarray) -> Message:
+    return Message(kind=Kind.UPDATE, federation=fed, round=1, sender=sender, meta={"k": 1}, tensors=tensors)
+
+
+async def test_client_small_message_round_trip(
+    broker_url: str, federation: str, request: pytest.FixtureRequest
+) -> None:
+    """A message published by one client reaches a subscriber with every field intact; MQTT v5 is used
+    where the broker speaks it (mosquitto) and 3.1.1 where it does not (amqtt)."""
+    t = Topics(federation)
+    async with (
+        BusClient(config(broker_url), client_id=f"{federation}-a", federation=federation) as a,
+        BusClient(config(broker_url), client_id=f"{federation}-b", federation=federation) as b,
+    ):
+        await a.subscribe(t.all_updates)
+        sent = update(federation, w=np.arange(10, dtype=np.float32))
+        await b.publish(t.update("n1"), sent)
+        got = await next_message(a)
+        assert got.topic == t.update("n1")
+        assert (got.message.kind, got.message.sender, got.message.meta) == (Kind.UPDATE, "n1", {"k": 1})
+        assert got.message.message_id == sent.message_id
+        assert np.array_equal(got.message.tensors["w"], np.arange(10, dtype=np.float32))
+        assert a.protocol == {"embedded": "3.1.1", "mosquitto": "5"}[request.node.callspec.params["broker_url"]]
+
+
+async def test_client_large_frame_is_chunked_and_arrives_intact(broker_url: str, federation: str) -> None:
+    """A 20 MB model crosses the broker as concurrent chunks and decodes to the same bytes."""
+    t = Topics(federation)
+    cfg = config(broker_url, chunk_bytes=256 * 1024)
+    weights = np.random.default_rng(0).standard_normal(5_000_000).astype(np.float32)
+    async with (
+        BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a,
+        BusClient(cfg, client_id=f"{federation}-b", federation=federation) as b,
+    ):
+        await a.subscribe(t.model(0))
+        size = await b.publish(t.model(0), update(federation, w=weights))
+        got = await next_message(a, timeout=60)
+        assert size > 20_000_000 and got.size == size
+        assert hashlib.sha256(got.message.tensors["w"].tobytes()).digest() == hashlib.sha256(weights.tobytes()).digest()
+        assert b.stats.published == -(-size // cfg.chunk_bytes)
+        assert a.stats.rejected == {}
+
+
+async def test_client_never_publishes_over_the_broker_limit(broker_url: str, federation: str) -> None:
+    """With a 80 KB limit every MQTT message on the wire stays under it, and the frame still arrives."""
+    t = Topics(federation)
+    cfg = config(broker_url, max_message_bytes=80_000, chunk_bytes=64 * 1024)
+    async with raw_client(broker_url) as spy, BusClient(cfg, client_id=f"{federation}-b", federation=federation) as b:
+        await spy.subscribe(f"{t.prefix}/#", qos=1)
+        await b.publish(t.model(0), update(federation, w=np.ones(300_000, np.float32)))
+        sizes = []
+        async with asyncio.timeout(20):
+            async for m in spy.messages:
+                sizes.append(len(m.payload))  # type: ignore[arg-type]
+                if sum(sizes) >= 1_200_000:
+                    break
+        assert max(sizes) <= 80_000 and len(sizes) >= 19
+
+
+async def test_client_redelivered_message_is_dropped_once(broker_url: str, federation: str) -> None:
+    """The same message id twice (a QoS 1 redelivery or a replay) reaches the consumer once."""
+    t = Topics(federation)
+    async with (
+        BusClient(config(broker_url), client_id=f"{federation}-a", federation=federation) as a,
+        BusClient(config(broker_url), client_id=f"{federation}-b", federation=federation) as b,
+    ):
+        await a.subscribe(t.all_updates)
+        first = update(federation)
+        await b.publish(t.update("n1"), first)
+        await b.publish(t.update("n1"), first)
+        await b.publish(t.update("n1"), update(federation))
+        assert (await next_message(a)).message.message_id == first.message_id
+        assert (await next_message(a)).message.message_id != first.message_id
+        assert a.stats.duplicates == 1
+
+
+async def test_client_bad_input_is_counted_and_the_client_goes_on(broker_url: str, federation: str) -> None:
+    """Garbage, corrupted, wrong-version, wrong-federation and oversized payloads are rejected by reason."""
+    t = Topics(federation)
+    cfg = config(broker_url, max_message_bytes=200_000, chunk_bytes=65_536)
+    good = bytes(encode(update(federation)))
+    corrupted = good[:-1] + bytes([good[-1] ^ 0xFF])
+    async with BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a, raw_client(broker_url) as raw:
+        await a.subscribe(t.all_updates)
+        for payload in [
+            b"not a frame at all",
+            b"",
+            corrupted,
+            b"FMQ\x09" + good[4:],
+            bytes(encode(update("another-federation"))),
+            b"\x00" * 300_000,
+        ]:
+            await raw.publish(t.update("n1"), payload, qos=1)
+        await raw.publish(t.update("n1"), good, qos=1)
+        got = await next_message(a)
+        assert got.message.sender == "n1" and got.message.federation == federation
+        assert dict(a.stats.rejected) == {
+            "bad-magic": 1, "truncated": 1, "checksum": 1, "wrong-version": 1, "wrong-federation": 1, "oversized": 1,
+        }  # fmt: skip
+
+
+async def test_client_incomplete_transfer_is_abandoned(broker_url: str, federation: str) -> None:
+    """Chunks of a transfer that never completes are dropped at the transfer timeout and counted."""
+    from broker.chunking import split
+
+    t = Topics(federation)
+    cfg = config(broker_url, transfer_timeout_s=0.5)
+    frame = encode(update(federation, w=np.ones(100_000, np.float32)))
+    chunks = list(split(frame, chunk_bytes=65_536, federation=federation, sender="n1", round=1))
+    async with BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a, raw_client(broker_url) as raw:
+        await a.subscribe(t.all_updates)
+        for chunk in chunks[:-1]:
+            await raw.publish(t.update("n1"), bytes(encode(chunk)), qos=1)
+        async with asyncio.timeout(10):
+            while a.stats.rejected.get("transfer-timeout", 0) == 0:
+                await asyncio.sleep(0.05)
+        assert a._reassembler.in_flight_bytes == 0
+
+
+async def test_client_will_is_published_when_a_client_vanishes(broker_url: str, federation: str) -> None:
+    """A client that drops its connection without a goodbye shows offline through its last will."""
+    t = Topics(federation)
+    offline = Message(kind=Kind.NODE_STATUS, federation=federation, round=-1, sender="n1", meta={"state": "offline"})
+    async with BusClient(config(broker_url), client_id=f"{federation}-c", federation=federation) as watcher:
+        await watcher.subscribe(t.all_node_status)
+        node = BusClient(
+            config(broker_url),
+            client_id=f"{federation}-n1",
+            federation=federation,
+            will=Will(t.node_status("n1"), offline),
+        )
+        async with node:
+            node.abort()
+            got = await next_message(watcher)
+        assert got.topic == t.node_status("n1") and got.message.meta == {"state": "offline"}
+
+
+async def test_client_connect_to_nothing_fails_with_advice() -> None:
+    """No broker on the port: a BusError that says how to start one, within the connect timeout."""
+    cfg = BusConfig(port=free_port(), connect_timeout_s=1.5)
+    with pytest.raises(BusError, match="fedmq broker"):
+        async with BusClient(cfg, client_id="lonely", federation="f"):
+            pass
+
+
+async def test_client_reconnects_and_resubscribes_after_broker_restart(federation: str) -> None:
+    """mosquitto restarts on the same port: the client reconnects, resubscribes, and a publish made
+    during the outage completes once the broker is back."""
+    pytest.importorskip("aiomqtt")
+    from broker.mosquitto import find_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    port = free_port()
+    proc = start_mosquitto(port)
+    t = Topics(federation)
+    cfg = BusConfig(port=port, reconnect_initial_s=0.1, reconnect_max_s=0.5, operation_timeout_s=30)
+    try:
+        async with (
+            BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a,
+            BusClient(cfg, client_id=f"{federation}-b", federation=federation) as b,
+        ):
+            await a.subscribe(t.all_updates)
+            proc.terminate()
+            proc.wait(10)
+            pending = asyncio.create_task(b.publish(t.update("n1"), update(federation)))
+            await asyncio.sleep(0.5)
+            assert not pending.done()
+            proc = start_mosquitto(port)
+            await asyncio.wait_for(pending, 20)
+            got = await next_message(a, timeout=20)
+            assert got.message.sender == "n1"
+            assert a.stats.reconnects >= 1 and b.stats.reconnects >= 1
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,54 @@
+"""The topic scheme and the bus settings: ids that cannot break topics, URLs, limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.config import BusConfig
+from broker.topics import Route, Topics, check_id
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "a+b", "x#", " node", "-lead", "n" * 65, "é"])
+def test_check_id_refuses_what_would_break_a_topic(bad: str) -> None:
+    """Wildcards, separators, spaces and overlong ids are refused with a message saying what is allowed."""
+    with pytest.raises(ValueError, match="letters, digits"):
+        check_id(bad, "node id")
+
+
+def test_topics_route_parses_every_channel() -> None:
+    """Every topic the daemons use parses back to its channel and its node or round."""
+    t = Topics("fed-1")
+    assert t.route(t.coordinator_status) == Route("coordinator-status")
+    assert t.route(t.node_status("n1")) == Route("node-status", node="n1")
+    assert t.route(t.task("n1")) == Route("node-task", node="n1")
+    assert t.route(t.direct_model("n1")) == Route("node-model", node="n1")
+    assert t.route(t.receipt("n1")) == Route("node-receipt", node="n1")
+    assert t.route(t.model(12)) == Route("model", round=12)
+    assert t.route(t.ack("n1")) == Route("acks", node="n1")
+    assert t.route(t.update("n1")) == Route("updates", node="n1")
+    for foreign in ["fedmq/other/acks/n1", "x/fed-1/acks/n1", "fedmq/fed-1/model/x", "fedmq/fed-1/nodes/n1/x"]:
+        assert t.route(foreign) is None
+
+
+def test_bus_config_from_url_reads_credentials_and_port() -> None:
+    c = BusConfig.from_url("mqtt://user:p%40ss@broker.example:1999", chunk_bytes=65536)
+    assert (c.host, c.port, c.username, c.password, c.chunk_bytes) == ("broker.example", 1999, "user", "p@ss", 65536)
+    assert "p@ss" not in repr(c)
+    assert BusConfig.from_url("localhost").port == 1883
+
+
+@pytest.mark.parametrize(
+    ("url", "overrides", "match"),
+    [
+        ("http://x", {}, "only mqtt://"),
+        ("mqtt://:1883", {}, "no host"),
+        ("mqtt://h:99999", {}, "port"),
+        ("mqtt://h", {"chunk_bytes": 100}, "chunk_bytes"),
+        ("mqtt://h", {"max_message_bytes": 300_000_000}, "MQTT limit"),
+        ("mqtt://h", {"protocol": "4"}, "protocol"),
+        ("mqtt://h", {"keepalive_s": 0}, "keepalive_s"),
+    ],
+)
+def test_bus_config_invalid_settings_say_what_is_wrong(url: str, overrides: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BusConfig.from_url(url, **overrides)

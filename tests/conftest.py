@@ -1,0 +1,58 @@
+"""Shared fixtures: real brokers on free loopback ports, started once per session, and unique
+federation ids so that tests never see each other's retained messages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+
+BROKERS = ["embedded", "mosquitto"]
+
+
+def _start_embedded() -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments", "broker", "--embedded", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_port("127.0.0.1", port, 30.0, proc)
+    return proc, port
+
+
+@pytest.fixture(scope="session")
+def embedded_broker() -> Iterator[str]:
+    proc, port = _start_embedded()
+    yield f"mqtt://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def mosquitto_broker() -> Iterator[str]:
+    if find_mosquitto() is None:
+        if os.environ.get("FEDMQ_REQUIRE_MOSQUITTO"):
+            pytest.fail("mosquitto is required (FEDMQ_REQUIRE_MOSQUITTO is set) but not installed")
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    port = free_port()
+    proc = start_mosquitto(port)
+    yield f"mqtt://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(params=BROKERS)
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """Each test using it runs once against the embedded broker and once against mosquitto."""
+    return str(request.getfixturevalue(f"{request.param}_broker"))
+
+
+@pytest.fixture
+def federation(request: pytest.FixtureRequest) -> str:
+    return f"t{os.urandom(4).hex()}"

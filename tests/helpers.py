@@ -1,0 +1,30 @@
+"""Small helpers shared by tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import aiomqtt
+
+from broker import BusClient, Envelope
+
+
+async def next_message(bus: BusClient, timeout: float = 10.0) -> Envelope:
+    it = bus.messages()
+    try:
+        return await asyncio.wait_for(anext(it), timeout)
+    finally:
+        await it.aclose()
+
+
+@contextlib.asynccontextmanager
+async def raw_client(url: str) -> AsyncIterator[aiomqtt.Client]:
+    """A plain MQTT client that can publish anything, as a hostile or broken peer would."""
+    parts = urlsplit(url)
+    async with aiomqtt.Client(
+        parts.hostname or "127.0.0.1", parts.port or 1883, protocol=aiomqtt.ProtocolVersion.V311
+    ) as client:
+        yield client
