@@ -103,6 +103,7 @@ class BusClient:
         re-publishes its retained status there, since the broker published its will meanwhile."""
         self.config = config
         self._on_connect = on_connect
+        self._hook: asyncio.Task[None] | None = None
         self.client_id = client_id
         self.federation = federation
         self.stats = BusStats()
@@ -173,6 +174,8 @@ class BusClient:
         self._closing = True
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
+        if self._hook is not None:
+            self._hook.cancel()
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
@@ -315,11 +318,18 @@ class BusClient:
             self._generation += 1
             self._state.notify_all()
         if self._on_connect is not None:
-            try:
-                await self._on_connect()
-            except BusError as exc:
-                self._log.warning("on-connect hook of %s failed: %s", self.client_id, exc)
+            # a task, not an inline await: the supervisor must go on reading, or a connection lost
+            # during the hook would never be noticed and the hook's publish would wait forever
+            if self._hook is not None:
+                self._hook.cancel()
+            self._hook = asyncio.create_task(self._run_hook(self._on_connect))
         self._log.debug("connected to %s as %s (MQTT %s)", self.config.url, self.client_id, self.protocol)
+
+    async def _run_hook(self, hook: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await hook()
+        except BusError as exc:
+            self._log.warning("on-connect hook of %s failed: %s", self.client_id, exc)
 
     async def _on_disconnected(self) -> None:
         self._lost.set()
@@ -437,6 +447,8 @@ class BusClient:
                 watcher.cancel()
                 if not attempt.done():
                     attempt.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+                        await attempt
             try:
                 if attempt.cancelled():
                     raise aiomqtt.MqttError("connection lost while the call was in flight")

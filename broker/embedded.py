@@ -16,6 +16,22 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+class _SnapshotDict(dict):  # type: ignore[type-arg]
+    """Iterates over a snapshot of its keys.
+
+    amqtt 0.12 iterates the broker-wide subscription dict while awaiting, on every new connection
+    (`Broker._handle_client_session`) and every broadcast (`_run_broadcast`); a SUBSCRIBE from
+    another client meanwhile raises "dictionary changed size during iteration" and kills that
+    connection or broadcast. Seen in fedmq's integration tests.
+    """
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(super().keys()))
+
+    def items(self):  # type: ignore[no-untyped-def]
+        return list(super().items())
+
+
 def amqtt_config(host: str, port: int) -> dict[str, Any]:
     return {
         "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
@@ -32,6 +48,7 @@ async def embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> AsyncIte
     for name in ("amqtt", "transitions"):
         logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
     broker = Broker(amqtt_config(host, port))
+    broker._subscriptions = _SnapshotDict(broker._subscriptions)  # see _SnapshotDict
     await broker.start()
     logger.info("embedded broker (amqtt) listening on mqtt://%s:%d", host, port)
     try:

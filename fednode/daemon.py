@@ -99,6 +99,7 @@ class NodeDaemon:
                     if task is not None:
                         task.cancel()
                 await asyncio.gather(receiver, stopper, *([self._job] if self._job else []), return_exceptions=True)
+                self.log.info("stopping after %d rounds trained; bus %s", self.rounds_trained, bus.stats.as_dict())
                 if not self.crashed:
                     try:  # a clean DISCONNECT does not fire the will, so say goodbye explicitly
                         await asyncio.wait_for(

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,20 +16,32 @@ from broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_fo
 BROKERS = ["embedded", "mosquitto"]
 
 
-def _start_embedded() -> tuple[subprocess.Popen[bytes], int]:
+def _start_embedded(log: Path) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments", "broker", "--embedded", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "experiments",
+                "broker",
+                "--embedded",
+                "--port",
+                str(port),
+                "-v",
+                "--log-file",
+                str(log),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     wait_for_port("127.0.0.1", port, 30.0, proc)
     return proc, port
 
 
 @pytest.fixture(scope="session")
-def embedded_broker() -> Iterator[str]:
-    proc, port = _start_embedded()
+def embedded_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, port = _start_embedded(tmp_path_factory.mktemp("embedded-broker") / "broker.log")
     yield f"mqtt://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)

@@ -1,0 +1,44 @@
+"""Checkpoints and run files: atomic, readable without pickle, and refused clearly when corrupt."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from coordinator.errors import CoordinatorError
+from coordinator.run_dir import CHECKPOINT, RunDir
+
+
+def test_checkpoint_round_trip_is_plain_safetensors(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    tensors = {
+        "model/w": torch.randn(3, 4),
+        "model/n": torch.tensor(7),
+        "extra/m": torch.randn(2, dtype=torch.bfloat16),
+    }
+    run.save_checkpoint(tensors, {"round": 4, "participation": {"a": {"node_id": "a"}}})
+    loaded = run.load_checkpoint()
+    assert loaded is not None
+    back, meta = loaded
+    assert meta["round"] == 4 and set(back) == set(tensors)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert set(load_file(str(tmp_path / CHECKPOINT))) == set(tensors)  # any safetensors reader opens it
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_corrupt_checkpoint_gives_advice(tmp_path: Path) -> None:
+    (tmp_path / CHECKPOINT).write_bytes(b"\x00\x01garbage")
+    with pytest.raises(CoordinatorError, match="move it away"):
+        RunDir(tmp_path).load_checkpoint()
+
+
+def test_metrics_truncation_on_resume(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    for r in range(5):
+        run.append_metrics({"round": r})
+    run.truncate_metrics_after(2)
+    assert [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

@@ -1,0 +1,77 @@
+"""The experiment file: validated on load, errors name the field and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from experiments.config import load_config, parse_config
+from fedcore.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL = {"name": "t", "nodes": 4, "rounds": 2}
+
+
+def test_quickstart_config_loads_with_the_documented_settings() -> None:
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml")
+    assert (cfg.nodes, cfg.fraction, cfg.partition.alpha, cfg.method.name, cfg.data.dataset) == (
+        20,
+        0.25,
+        0.3,
+        "fedavg",
+        "digits",
+    )
+    assert cfg.node_ids()[0] == "node-000" and len(cfg.node_ids()) == 20
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"nodes": 0}, "nodes: Input should be greater than or equal to 1"),
+        ({"fraction": 1.5}, "fraction: Input should be less than or equal to 1"),
+        ({"train": {"lr": -1}}, "train.lr: Input should be greater than 0"),
+        ({"train": {"optimiser": "sgd"}}, "train.optimiser: unknown field; allowed here: batch_size, local_epochs, lr"),
+        ({"bogus": 1}, "bogus: unknown field; allowed here: bus, data, deadline_s"),
+        ({"partition": {"kind": "shards"}}, "partition.kind: Input should be 'iid' or 'dirichlet'"),
+        ({"name": "a/b"}, "name: String should match pattern"),
+        ({"faults": {"node-999": {"delay_s": 1}}}, "faults name nodes that do not exist"),
+        ({"faults": {"x": {"delay_s": 1}}}, "is not a node id"),
+        ({"policy": {"min_nodes": 9}}, "policy.min_nodes 9 exceeds nodes 4"),
+    ],
+)
+def test_invalid_config_names_the_field(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(MINIMAL | change, source="exp.yaml")
+    assert message in str(info.value) and "exp.yaml is invalid" in str(info.value)
+
+
+def test_config_file_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the experiment file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="YAML mapping"):
+        load_config(bad)
+    bad.write_text("name: x\nnodes: 2\nrounds: 1\nmodel: !!python/object:os.system {}\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_overrides_apply_and_validate(tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml", ["rounds=3", "train.lr=0.2", "policy.min_nodes=2"])
+    assert (cfg.rounds, cfg.train.lr, cfg.policy.min_nodes) == (3, 0.2, 2)
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(ROOT / "experiments" / "quickstart.yaml", ["rounds"])
+    with pytest.raises(ConfigError, match="rounds: Input should be greater than or equal to 1"):
+        load_config(ROOT / "experiments" / "quickstart.yaml", ["rounds=0"])
+
+
+def test_resolved_config_round_trips_through_yaml() -> None:
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml")
+    import yaml
+
+    assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg

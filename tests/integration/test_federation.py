@@ -1,0 +1,142 @@
+"""Whole federations: a coordinator and node daemons in separate processes over a real broker.
+
+Each test runs against the embedded broker and against mosquitto.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker.codec import encoded_size
+from broker.message import Kind, Message
+from tests.integration.federation import Federation, base_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_federation_learns_with_partial_participation_and_chunked_models(tmp_path: Path, broker_url: str) -> None:
+    """6 nodes in two processes, C=0.5, every model and update larger than the 16 KiB chunk size:
+    the rounds complete, the model learns, and the record matches the metrics."""
+    cfg = base_config(nodes=6, fraction=0.5, rounds=8, bus={"chunk_bytes": 16384})
+    fed = Federation(tmp_path, broker_url, cfg)
+    # the MLP (64 -> 64 -> 10) weighs 4,810 floats, ~19 KB: more than one chunk each way
+    model_bytes = encoded_size(
+        Message(kind=Kind.MODEL, federation="f", round=0, sender="c", tensors={"w": np.zeros(4810, np.float32)})
+    )
+    assert model_bytes > 16384
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002", log="nodes-a.log")
+    fed.start_nodes("node-003", "node-004", "node-005", log="nodes-b.log")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    summary, metrics, record = fed.summary(), fed.metrics(), fed.participation()
+    assert summary["state"] == "finished" and summary["rounds_completed"] == 8
+    assert summary["final_accuracy"] > 0.75, metrics
+    assert metrics[-1]["accuracy"] > metrics[0]["accuracy"]
+    for line in metrics:
+        assert len(line["selected"]) == max(1, math.floor(0.5 * line["live"])) == 3
+        assert line["accepted"] == line["selected"] and line["aggregated"]
+    accepted = {n: sum(n in line["accepted"] for line in metrics) for n in record}
+    assert {n: r["count"] for n, r in record.items()} == accepted
+    for node, r in record.items():
+        rounds = [line["round"] for line in metrics if node in line["accepted"]]
+        assert r["last_round"] == (rounds[-1] if rounds else -1)
+        assert r["intervals"] == list(np.diff(rounds)) and r["num_samples"] > 0
+    assert summary["bus"]["rejected"] == {}
+
+
+def test_straggler_past_the_deadline_is_recorded_late(tmp_path: Path, broker_url: str) -> None:
+    """node-002 takes 3 s too long in round 1: the round closes at its 2.5 s deadline without it,
+    it is recorded late (not participating), and its update is refused as late when it comes
+    (during round 2, which node-000 slows down so that the run is still going)."""
+    cfg = base_config(
+        nodes=3, rounds=4, deadline_s=2.5,
+        faults={"node-002": {"delay_s": 3, "delay_rounds": [1]}, "node-000": {"delay_s": 1.5, "delay_rounds": [2]}},
+    )  # fmt: skip
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    metrics, record, summary = fed.metrics(), fed.participation(), fed.summary()
+    round1 = metrics[1]
+    assert round1["late"] == ["node-002"] and round1["accepted"] == ["node-000", "node-001"]
+    assert 2.4 < round1["round_seconds"] < 4, round1
+    assert all(line["accepted"] == ["node-000", "node-001", "node-002"] for line in (metrics[0], *metrics[2:]))
+    assert record["node-002"]["late"] == 1 and record["node-002"]["count"] == 3
+    assert record["node-002"]["intervals"] == [2, 1]
+    assert summary["late_arrivals"] == 1 and summary["rounds_completed"] == 4
+
+
+def test_node_crashing_mid_round_is_lost_and_the_next_rounds_go_on(tmp_path: Path, broker_url: str) -> None:
+    """node-001 drops its connection on receiving round 1's model: its will marks it offline, the
+    round does not wait for the deadline, and later rounds sample only live nodes."""
+    cfg = base_config(nodes=3, rounds=4, deadline_s=30, faults={"node-001": {"fail_at_round": 1}})
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    metrics, record = fed.metrics(), fed.participation()
+    assert metrics[1]["lost"] == ["node-001"] and metrics[1]["accepted"] == ["node-000", "node-002"]
+    assert metrics[1]["round_seconds"] < 10, "the round waited for a node that was offline"
+    assert all(line["selected"] == ["node-000", "node-002"] and line["live"] == 2 for line in metrics[2:])
+    assert record["node-001"]["lost"] == 1 and record["node-001"]["last_round"] == 0
+    assert fed.summary()["rounds_completed"] == 4
+
+
+def test_node_joining_late_is_sampled_from_then_on(tmp_path: Path, broker_url: str) -> None:
+    """The run starts with 2 of 3 nodes (min_nodes=2); node-002 joins mid-run and is selected in
+    every round after it came online (C=1)."""
+    cfg = base_config(
+        nodes=3, rounds=30, eval_every=30, policy={"min_nodes": 2, "ack_timeout_s": 3},
+        faults={"node-000": {"delay_s": 0.15}},
+    )  # fmt: skip
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001")
+    fed.wait_for_metrics(2)
+    fed.start_nodes("node-002")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    metrics = fed.metrics()
+    joined = next(i for i, line in enumerate(metrics) if "node-002" in line["selected"])
+    assert joined >= 2, "node-002 was selected before it started"
+    assert joined < len(metrics) - 3, "node-002 was not sampled soon enough after joining"
+    assert all("node-002" in line["accepted"] for line in metrics[joined:])
+    assert all(line["live"] == 2 for line in metrics[:2])
+
+
+def test_insufficient_updates_retry_keeps_accepted_updates(tmp_path: Path, broker_url: str) -> None:
+    """min_updates=3 with one node crashing: the attempt falls short, the retry carries the two
+    accepted updates over instead of discarding them, then the round aggregates... or, with one node
+    left, gives up after the retries and logs the discarded updates."""
+    cfg = base_config(
+        nodes=3, rounds=2, deadline_s=3, faults={"node-002": {"fail_at_round": 0}},
+        policy={"min_updates": 3, "max_retries": 1, "ack_timeout_s": 2, "on_insufficient": "retry"},
+    )  # fmt: skip
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    fed.wait()
+    metrics = fed.metrics()
+    first, retry = metrics[0], metrics[1]
+    assert (first["round"], first["attempt"], first["aggregated"]) == (0, 0, False)
+    assert first["accepted"] == ["node-000", "node-001"] and first["lost"] == ["node-002"]
+    assert (retry["round"], retry["attempt"]) == (0, 1) and retry["carried"] == ["node-000", "node-001"]
+    assert retry["discarded"] == ["node-000", "node-001"] and not retry["aggregated"]
+    assert fed.participation()["node-000"]["count"] == 0, "an update that was not aggregated counted as participation"
+
+
+def test_same_seed_gives_the_same_run(tmp_path: Path, embedded_broker: str) -> None:
+    """Two runs of one config and seed on CPU: identical cohorts, losses and accuracies."""
+    results = []
+    for i in range(2):
+        cfg = base_config(nodes=5, fraction=0.4, rounds=5)
+        fed = Federation(tmp_path / f"r{i}", embedded_broker, cfg) if (tmp_path / f"r{i}").mkdir() is None else None
+        assert fed is not None
+        fed.start_coordinator()
+        fed.start_nodes(*[f"node-00{j}" for j in range(5)])
+        assert fed.wait() == 0
+        results.append([(m["selected"], m["train_loss"], m["accuracy"], m["loss"]) for m in fed.metrics()])
+    assert results[0] == results[1]

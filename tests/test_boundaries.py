@@ -1,0 +1,79 @@
+"""Package boundaries (STYLE.md section 1), checked by parsing every import.
+
+broker/ knows nothing of learning; fedcore/ nothing of transport; the daemons use the bus and the
+core's interfaces and know no algorithm by name; nothing imports pickle or torchvision.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = set(sys.stdlib_module_names)
+FORBIDDEN_EVERYWHERE = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "torchvision"}
+
+ALLOWED: dict[str, set[str]] = {
+    "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt"},
+    "fedcore": {"fedcore", "torch", "numpy", "sklearn"},
+    "coordinator": {"coordinator", "broker", "fedcore", "torch", "numpy", "safetensors"},
+    "fednode": {"fednode", "broker", "fedcore", "torch", "numpy"},
+}
+# only these modules may use the optional third-party pieces
+NARROW = {"amqtt": {"broker/embedded.py"}, "sklearn": {"fedcore/data.py"}}
+
+
+def imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_its_layer_allows(package: str) -> None:
+    violations = []
+    for path in sources(package):
+        rel = str(path.relative_to(ROOT))
+        for name in imports(path):
+            top = name.split(".")[0]
+            if top in STDLIB and top not in FORBIDDEN_EVERYWHERE:
+                continue
+            if top not in ALLOWED[package] or (top in NARROW and rel not in NARROW[top]):
+                violations.append(f"{rel}: {name}")
+    assert not violations, "imports across layer boundaries:\n" + "\n".join(violations)
+
+
+def test_daemons_know_no_algorithm_by_name() -> None:
+    """coordinator/ and fednode/ reach algorithms only through fedcore.algorithms.base."""
+    offenders = []
+    for package in ("coordinator", "fednode"):
+        for path in sources(package):
+            for name in imports(path):
+                if name.startswith("fedcore.algorithms") and name != "fedcore.algorithms.base":
+                    offenders.append(f"{path.relative_to(ROOT)}: {name}")
+            if "fedavg" in path.read_text().lower():
+                offenders.append(f"{path.relative_to(ROOT)} mentions fedavg")
+    assert not offenders, offenders
+
+
+def test_nothing_imports_pickle_or_torchvision() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for package in [*ALLOWED, "experiments"]
+        for path in sources(package)
+        for name in imports(path)
+        if name.split(".")[0] in FORBIDDEN_EVERYWHERE
+    ]
+    assert not offenders, offenders
