@@ -1,0 +1,93 @@
+"""A hostile client injects malformed, oversized, duplicated, replayed, spoofed and out-of-round
+messages into a running federation: both daemons reject each with a counted reason and go on."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker import CodecError, Kind, Message, Topics, decode, encode
+from tests.helpers import raw_client
+from tests.integration.federation import Federation, base_config
+
+pytestmark = pytest.mark.slow
+
+
+async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Path, broker_url: str) -> None:
+    cfg = base_config(
+        nodes=3, rounds=5, deadline_s=8, eval_every=5,
+        bus={"max_message_bytes": 262_144, "chunk_bytes": 65_536},
+        # node-000 and node-001 answer late enough that the forged updates for them arrive first
+        faults={"node-001": {"delay_s": 1.0}, "node-000": {"delay_s": 0.3}},
+    )  # fmt: skip
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+    attacked_round = None
+    async with raw_client(broker_url) as evil:
+        await evil.subscribe(f"{t.prefix}/#", qos=1)
+        async with asyncio.timeout(60):
+            async for m in evil.messages:
+                payload = bytes(m.payload)  # type: ignore[arg-type]
+                topic = m.topic.value
+                route = t.route(topic)
+                if route is None or route.channel not in ("node-task", "updates"):
+                    continue
+                try:
+                    msg = decode(payload)
+                except CodecError:
+                    continue  # our own garbage coming back
+                if route.channel == "updates" and attacked_round is not None and msg.sender == "node-002":
+                    await evil.publish(topic, payload, qos=1)  # a verbatim replay: dropped by message id
+                    break
+                if route.channel != "node-task" or msg.round != 1 or route.node != "node-001":
+                    continue
+                attacked_round = msg.round
+                task = msg.meta["task"]
+                good = Message(
+                    kind=Kind.UPDATE, federation=fed.federation, round=1, sender="node-001",
+                    meta={"task": task, "num_samples": 10}, tensors={"model/w": np.zeros(3, np.float32)},
+                )  # fmt: skip
+                frame = bytes(encode(good))
+                attacks = [
+                    (t.update("node-001"), b"garbage that is not a frame"),
+                    (t.update("node-001"), frame[:-1] + bytes([frame[-1] ^ 1])),
+                    (t.update("node-001"), b"FMQ\x07" + frame[4:]),
+                    (t.update("node-001"), bytes(encode(dataclasses.replace(good, federation="elsewhere")))),
+                    (t.update("node-001"), b"\x00" * 300_000),
+                    (t.update("node-001"), bytes(encode(dataclasses.replace(good, round=7, message_id=b"r" * 16)))),
+                    (t.update("node-001"), bytes(encode(dataclasses.replace(good, sender="node-002", message_id=b"s" * 16)))),
+                    (t.update("node-001"), bytes(encode(dataclasses.replace(good, kind=Kind.ACK, message_id=b"k" * 16)))),
+                    (t.update("node-001"), bytes(encode(dataclasses.replace(good, meta={"task": task}, message_id=b"n" * 16)))),
+                    # right round and task, wrong tensors: wrong-shape (node-000 is slow enough to be beaten)
+                    (t.update("node-000"), bytes(encode(dataclasses.replace(good, sender="node-000")))),
+                    (t.task("node-002"), b"not a task"),
+                    (t.task("node-002"), bytes(encode(Message(kind=Kind.TASK, federation=fed.federation, round=1,
+                                                              sender="coordinator", meta={"task": b"x"})))),
+                    (t.task("node-002"), bytes(encode(Message(kind=Kind.TASK, federation=fed.federation, round=1,
+                                                              sender="mallory", meta={})))),
+                ]  # fmt: skip
+                for topic_, data in attacks:
+                    await evil.publish(topic_, data, qos=1)
+    assert await waiter == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert summary["state"] == "finished" and summary["rounds_completed"] == 5
+    rejected = summary["bus"]["rejected"]
+    for reason in ["bad-magic", "checksum", "wrong-version", "wrong-federation", "oversized", "wrong-round",
+                   "wrong-sender", "unexpected-kind", "bad-update", "wrong-shape", "duplicate-update"]:  # fmt: skip
+        assert rejected.get(reason, 0) >= 1, (reason, rejected)
+    assert summary["bus"]["duplicates"] >= 1
+    # a selected node's invalid update ends its round: it sends one update per round, waiting is futile
+    assert metrics[1]["rejected"] == ["node-000", "node-001"] and metrics[1]["accepted"] == ["node-002"]
+    assert all(line["aggregated"] for line in metrics)
+    node_log = fed.log("node-000.log")
+    node_rejects = set(re.findall(r"rejected message on \S+/node-002/task: ([a-z-]+)", node_log))
+    assert {"truncated", "bad-task", "wrong-sender"} <= node_rejects, node_rejects
+    assert "node-002" in metrics[-1]["accepted"]

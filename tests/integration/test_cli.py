@@ -1,0 +1,111 @@
+"""The `fedmq` command line, as a user runs it: run, broker, coordinator --resume, errors, --help."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from broker import BusClient, BusConfig
+from broker.mosquitto import find_mosquitto, free_port, wait_for_port
+from tests.integration.federation import Federation, base_config
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+
+
+def fedmq(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize("broker", ["embedded", "mosquitto"])
+def test_run_quickstart_writes_the_run_directory(tmp_path: Path, broker: str, request: pytest.FixtureRequest) -> None:
+    """`fedmq run` starts everything, prints the final accuracy and writes every documented file."""
+    extra = [] if broker == "embedded" else ["--broker", request.getfixturevalue("mosquitto_broker")]
+    out = tmp_path / "run"
+    result = fedmq("run", str(QUICKSTART), "--out", str(out), "--set", "rounds=6", "--processes", "2", *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "final accuracy" in result.stdout
+    for name in ["config.yaml", "metrics.jsonl", "participation.json", "summary.json", "run.json", "partition.json",
+                 "nodes.json", "checkpoint.safetensors", "logs/coordinator.log", "logs/nodes-0.log"]:  # fmt: skip
+        assert (out / name).exists(), name
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ["method", "nodes", "rounds_completed", "final_accuracy", "best_accuracy", "wall_seconds"]:
+        assert key in summary
+    assert (summary["method"], summary["nodes"], summary["rounds_completed"]) == ("fedavg", 20, 6)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in lines] == list(range(6))
+    assert all(len(m["selected"]) == 5 for m in lines)
+    assert f"final accuracy {summary['final_accuracy']:.4f}" in result.stdout
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["rounds"] == 6 and resolved["federation"].startswith("quickstart-")
+    partition = json.loads((out / "partition.json").read_text())
+    assert sum(partition["sizes"].values()) == 1347 and len(partition["label_histograms"]) == 20
+
+
+def test_run_with_an_invalid_config_exits_2_and_names_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(QUICKSTART.read_text().replace("fraction: 0.25", "fraction: 2.5"))
+    result = fedmq("run", str(bad))
+    assert result.returncode == 2
+    assert "fraction: Input should be less than or equal to 1 (got 2.5)" in result.stderr
+
+
+def test_coordinator_without_a_broker_exits_3_with_advice(tmp_path: Path) -> None:
+    result = fedmq(
+        "coordinator", "--broker", f"mqtt://127.0.0.1:{free_port()}", "--config", str(QUICKSTART),
+        "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert result.returncode == 3 and "fedmq broker" in result.stderr
+
+
+def test_every_subcommand_has_help() -> None:
+    for command in ["run", "broker", "coordinator", "node"]:
+        result = fedmq(command, "--help")
+        assert result.returncode == 0 and "usage: fedmq" in result.stdout and len(result.stdout) > 400
+
+
+@pytest.mark.parametrize("embedded", [False, True])
+async def test_broker_command_serves_until_terminated(embedded: bool) -> None:
+    """`fedmq broker` runs mosquitto when installed (or the embedded one) and stops on SIGTERM."""
+    if not embedded and find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    port = free_port()
+    args = ["broker", "--port", str(port)] + (["--embedded"] if embedded else [])
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_for_port("127.0.0.1", port, 30)
+        async with BusClient(BusConfig(port=port), client_id="probe-client", federation="x") as bus:
+            assert bus.protocol == ("3.1.1" if embedded else "5")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+    assert ("embedded broker" if embedded else "mosquitto listening") in out
+    assert proc.returncode in (0, 130)
+
+
+def test_coordinator_resumes_from_its_checkpoint(tmp_path: Path, embedded_broker: str) -> None:
+    """A finished 3-round run continued to 5 rounds with --resume starts at round 3 and keeps the record."""
+    fed = Federation(tmp_path, embedded_broker, base_config(nodes=2, rounds=3))
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001")
+    assert fed.wait() == 0
+    first = fed.participation()
+    fed.config["rounds"] = 5
+    fed.config_path.write_text(yaml.safe_dump(fed.config))
+    fed.procs.clear()
+    fed.start_coordinator("--resume")
+    fed.start_nodes("node-000", "node-001", log="again.log")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    assert [m["round"] for m in fed.metrics()] == [0, 1, 2, 3, 4]
+    assert fed.summary()["rounds_completed"] == 5
+    assert {n: r["count"] for n, r in fed.participation().items()} == {n: r["count"] + 2 for n, r in first.items()}
+    assert "resumed from the checkpoint of round 2" in fed.log("coordinator.log")
