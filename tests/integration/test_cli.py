@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -80,15 +81,17 @@ async def test_broker_command_serves_until_terminated(embedded: bool) -> None:
         pytest.skip("mosquitto is not installed")
     port = free_port()
     args = ["broker", "--port", str(port)] + (["--embedded"] if embedded else [])
-    proc = subprocess.Popen([sys.executable, "-m", "experiments", *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "experiments", *args, stdout=asyncio.subprocess.PIPE, cwd=ROOT
+    )
     try:
-        wait_for_port("127.0.0.1", port, 30)
+        await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 30)
         async with BusClient(BusConfig(port=port), client_id="probe-client", federation="x") as bus:
             assert bus.protocol == ("3.1.1" if embedded else "5")
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=15)
-    assert ("embedded broker" if embedded else "mosquitto listening") in out
+        out, _ = await asyncio.wait_for(proc.communicate(), 15)
+    assert ("embedded broker" if embedded else "mosquitto listening") in out.decode()
     assert proc.returncode in (0, 130)
 
 
