@@ -6,24 +6,42 @@ DataLoader workers (they cost more than they save for data this size).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from fedcore.errors import ConfigError
 from fedcore.seeding import stream
+from fedcore.transforms import BatchTransform
 
 
 @dataclass(frozen=True, slots=True)
 class TensorDataset:
+    """Inputs (float features, or uint8 images N x C x H x W kept compact) and integer labels.
+
+    Model input comes from `train_batch` and `eval_batch`, which run the transforms on the batch's
+    device: `train_transform` (augmentation then normalisation, drawing from the node's generator)
+    and `eval_transform` (normalisation only). Without transforms a batch is `x` as stored.
+    """
+
     x: torch.Tensor
     y: torch.Tensor
     num_classes: int
+    train_transform: BatchTransform | None = None
+    eval_transform: BatchTransform | None = None
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
             raise ValueError(f"{len(self.x)} inputs but {len(self.y)} labels")
+
+    def train_batch(self, idx: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[idx]
+        return (self.train_transform(x, generator) if self.train_transform else x), self.y[idx]
+
+    def eval_batch(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[start:stop]
+        return (self.eval_transform(x, None) if self.eval_transform else x), self.y[start:stop]
 
     def __len__(self) -> int:
         return len(self.y)
@@ -34,13 +52,13 @@ class TensorDataset:
 
     def subset(self, indices: np.ndarray) -> TensorDataset:
         idx = torch.as_tensor(indices, dtype=torch.long)
-        return TensorDataset(self.x[idx], self.y[idx], self.num_classes)
+        return replace(self, x=self.x[idx], y=self.y[idx])
 
     def label_histogram(self) -> list[int]:
         return torch.bincount(self.y, minlength=self.num_classes).tolist()
 
     def to(self, device: torch.device | str) -> TensorDataset:
-        return TensorDataset(self.x.to(device), self.y.to(device), self.num_classes)
+        return replace(self, x=self.x.to(device), y=self.y.to(device))
 
 
 @dataclass(frozen=True, slots=True)

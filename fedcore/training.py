@@ -105,7 +105,7 @@ def local_sgd(
         order = torch.randperm(n, generator=generator, device=generator.device).to(data.x.device)
         for start in range(0, n, settings.batch_size):
             idx = order[start : start + settings.batch_size]
-            x, y = data.x[idx], data.y[idx]
+            x, y = data.train_batch(idx, generator)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)
             loss.backward()
@@ -126,7 +126,7 @@ def evaluate(model: nn.Module, data: TensorDataset, *, batch_size: int = 1024) -
     model.eval()
     correct, loss_sum = 0, 0.0
     for start in range(0, len(data), batch_size):
-        x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+        x, y = data.eval_batch(start, start + batch_size)
         logits = model(x)
         loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(1) == y).sum())

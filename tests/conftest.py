@@ -69,3 +69,17 @@ def broker_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def federation(request: pytest.FixtureRequest) -> str:
     return f"t{os.urandom(4).hex()}"
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    """The shared real datasets: FEDMQ_DATA_ROOT, else ../shared/data next to the checkout.
+
+    Skips when absent, unless FEDMQ_REQUIRE_DATA is set (CI sets it where the data exists).
+    """
+    root = Path(os.environ.get("FEDMQ_DATA_ROOT") or Path(__file__).resolve().parents[2] / "shared" / "data")
+    if not root.is_dir():
+        if os.environ.get("FEDMQ_REQUIRE_DATA"):
+            pytest.fail(f"FEDMQ_REQUIRE_DATA is set but the data root {root} does not exist")
+        pytest.skip(f"no dataset root at {root}; set FEDMQ_DATA_ROOT")
+    return root
