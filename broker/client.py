@@ -470,13 +470,15 @@ class BusClient:
         if self._queue is None:
             raise RuntimeError("use the client inside `async with`")
         while True:
-            getter = asyncio.ensure_future(self._queue.get())
             if self._supervisor is None or self._supervisor.done():
-                getter.cancel()
                 raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
-            done, _ = await asyncio.wait({getter, self._supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            getter = asyncio.ensure_future(self._queue.get())
+            try:
+                done, _ = await asyncio.wait({getter, self._supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()  # the consumer was cancelled or the client stopped: no orphaned get()
             if getter not in done:
-                getter.cancel()
                 raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
             yield getter.result()
 

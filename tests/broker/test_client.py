@@ -174,10 +174,13 @@ async def test_client_reconnects_and_resubscribes_after_broker_restart(federatio
     proc = start_mosquitto(port)
     t = Topics(federation)
     cfg = BusConfig(port=port, reconnect_initial_s=0.1, reconnect_max_s=0.5, operation_timeout_s=30)
+    # the publisher retries later than the subscriber, so that the restarted broker (which keeps no
+    # sessions) has the subscription back before the held publish goes out
+    slow = cfg.with_(reconnect_initial_s=2.0, reconnect_max_s=2.0)
     try:
         async with (
             BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a,
-            BusClient(cfg, client_id=f"{federation}-b", federation=federation) as b,
+            BusClient(slow, client_id=f"{federation}-b", federation=federation) as b,
         ):
             await a.subscribe(t.all_updates)
             proc.terminate()
@@ -186,6 +189,10 @@ async def test_client_reconnects_and_resubscribes_after_broker_restart(federatio
             await asyncio.sleep(0.5)
             assert not pending.done()
             proc = start_mosquitto(port)
+            for _ in range(200):
+                if a.connected and a.stats.reconnects >= 1:
+                    break
+                await asyncio.sleep(0.05)
             await asyncio.wait_for(pending, 20)
             got = await next_message(a, timeout=20)
             assert got.message.sender == "n1"
