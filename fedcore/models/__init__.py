@@ -1,0 +1,126 @@
+"""Models, built from a name in the config through `build_model`, so daemons never name one.
+
+The interface (`FedModel`, in ``base.py``) that every model satisfies, so that algorithms use a
+model without knowing it:
+- ``extract(x) -> h``: the feature extractor; ``h`` has shape ``(B, *model.feature_shape)`` and
+  is exactly what the head consumes (``model.feature_dim`` features per sample);
+- ``classify(h) -> logits``: the head, ``(B, num_classes)``;
+- ``forward(x) = classify(extract(x))``, bitwise;
+- ``forward_taps(x) -> (logits, taps)``: the same logits and a dict of named ``(B, d)`` features
+  in the order of ``model.tap_names`` (conv maps pooled, vectors flattened), ``"features"``
+  (the flattened ``h``) always among them; ResNets and MobileNetV2 tap ``layer0`` ... ``layerN``
+  as FedRCL does;
+- ``represent(x) -> (z, logits)``: ``z`` is the tap ``model.representation_tap`` (MOON's
+  projection for "moon-cnn", ``"features"`` elsewhere);
+- ``head_keys()``: the state-dict keys of the head's parameters.
+
+Registered models (name: options, defaults first):
+
+| name | model | options |
+|---|---|---|
+| ``mlp`` | `MLP`: flatten, ReLU hidden layers, linear head | ``hidden`` (``[128]``) |
+| ``dnn`` | FedVLS's MNIST DNN, 784 -> 200 -> 200 -> K | ``hidden`` (``[200, 200]``) |
+| ``cnn`` | `SmallCNN`, the quickstart CNN | ``channels`` (``[16, 32]``), ``hidden`` (64) |
+| ``moon-cnn`` | MOON/KDIA simple CNN with projection head, KDIA's conv/linear split | ``projection_dim`` (256) |
+| ``fedavg-cnn`` | McMahan et al.'s CNN (1,663,370 parameters on MNIST) | none |
+| ``conv2cifar`` | FedROD/FedNH CNN (797,952 parameters, CIFAR-10) | ``head_bias`` (false) |
+| ``resnet18``, ``resnet34`` | BasicBlock ResNets | ``norm``, ``groups``, ``stem``, ``head_bias``, ``init`` |
+| ``resnet32`` | FedVLS's CIFAR ResNet-32 | ``norm``, ``groups``, ``head_bias``, ``init`` |
+| ``mobilenetv2`` | MobileNetV2 | ``variant`` (cifar, imagenet) |
+
+ResNet options: ``norm`` bn | gn, ``groups`` (2, for gn), ``stem`` cifar | imagenet, ``head_bias``
+(true), ``init`` code | pytorch; ``resnet.py`` explains each.
+
+Where a paper and its code disagree on the architecture, the other form is an option:
+``mobilenetv2`` ``variant`` defaults to the code's CIFAR network (fedvls.md A10). The ResNets'
+``stem`` defaults to ``cifar`` (FedRCL, FedACD); FedSA and FedVLS ran torchvision's ImageNet stem
+on 32x32 images, so their configs set ``stem: imagenet`` to reproduce them (fedvls.md A11,
+fedsa.md 2). Initialisation follows each model's reference code: PyTorch's defaults, except the
+ResNets' ``init: code`` (``resnet.py``).
+
+`build_model` draws the initial weights from its own stream seeded by ``seed`` and leaves torch's
+global generator untouched; an unknown model, an unknown option or a bad value is a
+`ConfigError` that names the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from fedcore.errors import ConfigError
+from fedcore.models.base import FedModel
+from fedcore.models.cnn import Conv2Cifar, FedAvgCNN, MoonCNN
+from fedcore.models.mobilenet import MobileNetV2
+from fedcore.models.resnet import ResNet, resnet18, resnet32, resnet34
+from fedcore.models.small import MLP, SmallCNN, dnn
+
+__all__ = [
+    "MLP",
+    "MODELS",
+    "Conv2Cifar",
+    "FedAvgCNN",
+    "FedModel",
+    "MobileNetV2",
+    "MoonCNN",
+    "ResNet",
+    "SmallCNN",
+    "build_model",
+    "count_parameters",
+    "model_options",
+]
+
+MODELS: Mapping[str, Callable[..., FedModel]] = types.MappingProxyType(
+    {
+        "mlp": MLP,
+        "dnn": dnn,
+        "cnn": SmallCNN,
+        "moon-cnn": MoonCNN,
+        "fedavg-cnn": FedAvgCNN,
+        "conv2cifar": Conv2Cifar,
+        "resnet18": resnet18,
+        "resnet34": resnet34,
+        "resnet32": resnet32,
+        "mobilenetv2": MobileNetV2,
+    }
+)
+
+
+def _factory(name: str) -> Callable[..., FedModel]:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}", field="model.name"
+        ) from None
+
+
+def model_options(name: str) -> dict[str, object]:
+    """The options a model accepts, with their defaults."""
+    params = list(inspect.signature(_factory(name)).parameters.values())[2:]  # after input_shape, num_classes
+    return {p.name: p.default for p in params}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int, **options: object) -> FedModel:
+    factory = _factory(name)
+    allowed = model_options(name)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"model {name!r} has no option {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed) or 'none'}",
+            field="model.options",
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return factory(tuple(input_shape), num_classes, **options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model {name!r}: {exc}", field="model.options") from exc
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
