@@ -5,6 +5,7 @@ The only place where names in a config (dataset, model, method) become objects.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from coordinator.daemon import Coordinator
 from experiments.config import ExperimentConfig
 from fedcore.algorithms import build_hyperparams, get_algorithm
 from fedcore.data import Split, TensorDataset, load_dataset
+from fedcore.errors import ConfigError
 from fedcore.models import build_model
 from fedcore.partition import label_histograms, partition
 from fedcore.seeding import torch_seed
@@ -41,31 +43,71 @@ def federation_id(cfg: ExperimentConfig) -> str:
     return cfg.federation or cfg.name
 
 
+def data_root(cfg: ExperimentConfig) -> Path | None:
+    """``data.root``, else the environment variable FEDMQ_DATA_ROOT, else None (loaders then say what to set)."""
+    root = cfg.data.root or os.environ.get("FEDMQ_DATA_ROOT")
+    return Path(root).expanduser() if root else None
+
+
+def cache_dir(cfg: ExperimentConfig) -> Path | None:
+    """``data.cache_dir``, else FEDMQ_CACHE_DIR, else ~/.cache/fedmq; None when ``data.cache`` is false."""
+    if not cfg.data.cache:
+        return None
+    return Path(cfg.data.cache_dir or os.environ.get("FEDMQ_CACHE_DIR") or "~/.cache/fedmq").expanduser()
+
+
 def load_split(cfg: ExperimentConfig) -> Split:
-    return load_dataset(cfg.data.dataset, seed=cfg.seed, **cfg.data.options)
+    """The experiment's dataset with its augmentation and normalisation, from the resolved data root and cache."""
+    d = cfg.data
+    reserved = sorted({"seed", "root", "cache_dir", "download", "augment", "normalize"} & set(d.options))
+    if reserved:
+        raise ConfigError(f"{reserved} are fields of data, not loader options", field="data.options")
+    augment = d.augment if isinstance(d.augment, str) else d.augment.model_dump()
+    normalize = d.normalize if isinstance(d.normalize, str) else d.normalize.model_dump()
+    return load_dataset(
+        d.dataset,
+        seed=cfg.seed,
+        root=data_root(cfg),
+        cache_dir=cache_dir(cfg),
+        download=d.download,
+        augment=augment,
+        normalize=normalize,
+        **d.options,
+    )
 
 
 def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
     """Node id -> indices into the training set; the same on every process for the same seed."""
     labels = split.train.y.numpy()
-    options = (
-        {"alpha": cfg.partition.alpha, "min_samples": cfg.partition.min_samples}
-        if cfg.partition.kind == "dirichlet"
-        else {}
-    )
-    parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=cfg.seed, **options)
+    parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=cfg.seed, **cfg.partition.options())
     return dict(zip(cfg.node_ids(), parts, strict=True))
 
 
 def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
+    """partition.json: the kind and its parameters, and each node's shard size and label histogram."""
     parts = shards(cfg, split)
     hist = label_histograms(split.train.y.numpy(), list(parts.values()), split.train.num_classes)
+    sizes = {node: len(idx) for node, idx in parts.items()}
     return {
         "kind": cfg.partition.kind,
-        "alpha": cfg.partition.alpha if cfg.partition.kind == "dirichlet" else None,
-        "sizes": {node: len(idx) for node, idx in parts.items()},
+        "parameters": cfg.partition.options(),
+        "seed": cfg.seed,
+        "num_classes": split.train.num_classes,
+        "train_samples": len(split.train),
+        "assigned_samples": sum(sizes.values()),
+        "sizes": sizes,
         "label_histograms": {node: row.tolist() for node, row in zip(parts, hist, strict=True)},
     }
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    """Build every part once in this process, so that a missing dataset, an impossible partition or a
+    bad model or method option is a clear error before any daemon starts (and the data cache is warm)."""
+    split = load_split(cfg)
+    shards(cfg, split)
+    make_model(cfg, split.train)
+    build_hyperparams(get_algorithm(cfg.method.name), cfg.method.hyperparams)
+    train_settings(cfg)
 
 
 def train_settings(cfg: ExperimentConfig) -> TrainSettings:

@@ -8,10 +8,21 @@ Every error names the field and says what is allowed; an unknown key is an error
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from fedcore.errors import ConfigError
 
@@ -20,16 +31,175 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class AugmentConfig(_Strict):
+    """A training augmentation on the batch's device (`fedcore.transforms.Augment`); evaluation only centre-crops."""
+
+    crop: int | None = Field(None, ge=1, description="side of the random crop; default: the image's side")
+    padding: int = Field(0, ge=0, description="pixels added on each side before cropping")
+    padding_mode: Literal["zero", "reflect", "replicate"] = "zero"
+    flip: bool = Field(False, description="mirror half the images left-right")
+    rotation_deg: float = Field(0.0, ge=0, le=180, description="a uniform random angle in [-deg, deg] per image")
+    order: list[Literal["crop", "flip", "rotation"]] = Field(
+        ["crop", "flip", "rotation"], description="the order the steps run in"
+    )
+
+
+class NormalizeConfig(_Strict):
+    mean: list[float] = Field(..., min_length=1, description="per channel, for pixels in [0, 1]")
+    std: list[float] = Field(..., min_length=1)
+
+    @model_validator(mode="after")
+    def _per_channel(self) -> NormalizeConfig:
+        if len(self.mean) != len(self.std) or min(self.std) <= 0:
+            raise ValueError("normalize needs one mean and one positive std per channel")
+        return self
+
+
 class DataConfig(_Strict):
-    dataset: str = Field("digits", description="digits | synthetic (the data issue adds the image datasets)")
-    root: str | None = Field(None, description="data root; FEDMQ_DATA_ROOT when unset")
-    options: dict[str, Any] = Field(default_factory=dict, description="loader options, e.g. test_fraction")
+    dataset: str = Field(
+        "digits",
+        description="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100 | cinic10 | tiny-imagenet",
+    )
+    root: str | None = Field(None, description="folder holding the datasets' files; FEDMQ_DATA_ROOT when unset")
+    cache_dir: str | None = Field(
+        None, description="decoded arrays are kept here; FEDMQ_CACHE_DIR, else ~/.cache/fedmq, when unset"
+    )
+    cache: bool = Field(True, description="false: decode the files on every load")
+    download: bool = Field(False, description="fetch missing files with torchvision (where it imports)")
+    augment: Literal["default", "none"] | AugmentConfig = Field(
+        "default", description="default: the dataset's standard (crop 4 + flip for CIFAR-like, none for MNIST)"
+    )
+    normalize: Literal["dataset", "half", "imagenet", "none"] | NormalizeConfig = Field(
+        "dataset", description="dataset: its own train mean/std; half: 0.5/0.5; imagenet; none; or {mean, std}"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="loader options, e.g. test_fraction (digits), labels (cifar100)"
+    )
+
+    @field_validator("augment", "normalize", mode="before")
+    @classmethod
+    def _name_or_mapping(cls, value: Any, info: ValidationInfo) -> Any:
+        """One readable error for a bad name or a bad mapping (not one per member of the union)."""
+        names, model = _DATA_CHOICES[str(info.field_name)]
+        if isinstance(value, str):
+            if value not in names:
+                raise PydanticCustomError(
+                    "data_choice",
+                    "expected {names} or a mapping with {fields}",
+                    {"names": ", ".join(names), "fields": ", ".join(model.model_fields)},
+                )
+            return value
+        if isinstance(value, dict):
+            try:
+                return model.model_validate(value)
+            except ValidationError as exc:
+                problems = [
+                    f"{'.'.join(map(str, e['loc'])) or '(mapping)'}: "
+                    + ("unknown field" if e["type"] == "extra_forbidden" else e["msg"])
+                    for e in exc.errors()
+                ]
+                raise PydanticCustomError(
+                    "data_choice",
+                    "{problems} (allowed fields: {fields})",
+                    {"problems": "; ".join(problems), "fields": ", ".join(model.model_fields)},
+                ) from None
+        return value
 
 
-class PartitionConfig(_Strict):
-    kind: Literal["iid", "dirichlet"] = "dirichlet"
+_DATA_CHOICES: dict[str, tuple[tuple[str, ...], type[BaseModel]]] = {
+    "augment": (("default", "none"), AugmentConfig),
+    "normalize": (("dataset", "half", "imagenet", "none"), NormalizeConfig),
+}
+
+
+class _Partition(_Strict):
+    """One kind of split of the training set across nodes (`fedcore.partition`, where each is documented)."""
+
+    def options(self) -> dict[str, Any]:
+        """The keyword options of `fedcore.partition.partition` for this kind."""
+        return self.model_dump(exclude={"kind"})
+
+    def describe(self) -> str:
+        """``kind(param=value, ...)``, for titles and logs."""
+        params = ", ".join(f"{k}={v}" for k, v in self.options().items() if v is not None)
+        return f"{self.kind}({params})" if params else str(self.kind)  # type: ignore[attr-defined]
+
+
+class IidPartition(_Partition):
+    """Uniform random split; sizes differ by at most one."""
+
+    kind: Literal["iid"] = "iid"
+
+
+class DirichletPartition(_Partition):
+    """Label skew as MOON and KDIA: per class Dir(alpha) over nodes, capped at the average size."""
+
+    kind: Literal["dirichlet"] = "dirichlet"
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (label skew grows as it shrinks)")
-    min_samples: int = Field(10, ge=1, description="every node gets at least this many samples")
+    min_samples: int = Field(10, ge=1, description="every node gets at least this many samples (MOON: 10)")
+
+
+class BalancedDirichletPartition(_Partition):
+    """Label skew with equal node sizes, as FedRCL: per node Dir(alpha) over classes."""
+
+    kind: Literal["dirichlet-balanced"] = "dirichlet-balanced"
+    alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (FedRCL: 0.05, 0.1, 0.3, 0.6)")
+
+
+class ClassesPartition(_Partition):
+    """A fixed number of classes per node, as FedSA (PFLlib "pat") or FedVLS."""
+
+    kind: Literal["classes"] = "classes"
+    classes_per_node: int = Field(2, ge=1, description="classes each node holds (FedSA: 2/10/20, FedVLS: 0.2 x C)")
+    style: Literal["pflib", "fedvls"] = Field("pflib", description="whose assignment and size rule to follow")
+    min_samples: int | None = Field(None, ge=1, description="every node gets at least this many; default: the code's")
+
+
+class ShardsPartition(_Partition):
+    """McMahan et al.'s shards (FedRCL's quantity-based skew): sort by label, shards_per_node random shards each."""
+
+    kind: Literal["shards"] = "shards"
+    shards_per_node: int = Field(2, ge=1, description="shards per node (FedRCL: 2, 5 for CIFAR-10; 20, 50 for 100)")
+
+
+class QuantityPartition(_Partition):
+    """Quantity skew with IID labels, as NIID-Bench "iid-diff-quantity": node sizes from Dir(beta)."""
+
+    kind: Literal["quantity"] = "quantity"
+    beta: float = Field(0.5, gt=0, description="Dirichlet concentration over node sizes (skew grows as it shrinks)")
+    min_samples: int = Field(10, ge=1, description="every node gets at least this many samples (NIID-Bench: 10)")
+
+
+PARTITION_KINDS: dict[str, type[_Partition]] = {
+    cls.model_fields["kind"].default: cls
+    for cls in (
+        IidPartition,
+        DirichletPartition,
+        BalancedDirichletPartition,
+        ClassesPartition,
+        ShardsPartition,
+        QuantityPartition,
+    )
+}
+
+
+def _partition_kind(value: Any) -> str | None:
+    """The tag of a partition mapping: its `kind`, ``dirichlet`` when left out (the default before kinds)."""
+    if isinstance(value, dict):
+        return str(value.get("kind", "dirichlet"))
+    return getattr(value, "kind", None)
+
+
+PartitionConfig = Annotated[
+    Annotated[IidPartition, Tag("iid")]
+    | Annotated[DirichletPartition, Tag("dirichlet")]
+    | Annotated[BalancedDirichletPartition, Tag("dirichlet-balanced")]
+    | Annotated[ClassesPartition, Tag("classes")]
+    | Annotated[ShardsPartition, Tag("shards")]
+    | Annotated[QuantityPartition, Tag("quantity")],
+    Discriminator(_partition_kind),
+]
+"""`partition:` in an experiment file, one of `PARTITION_KINDS` chosen by its `kind`."""
 
 
 class ModelConfig(_Strict):
@@ -92,7 +262,7 @@ class ExperimentConfig(_Strict):
     eval_every: int = Field(1, ge=1)
     deadline_s: float = Field(60.0, gt=0, description="a round closes at its deadline with what arrived")
     data: DataConfig = Field(default_factory=DataConfig)
-    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    partition: PartitionConfig = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=ModelConfig)
     method: MethodConfig = Field(default_factory=MethodConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -129,15 +299,43 @@ class ExperimentConfig(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def _tagged(annotation: Any) -> dict[str, Any]:
+    """The members of a union tagged by `kind` (the partition kinds), by kind; {} for anything else."""
+    members: dict[str, Any] = {}
+    if get_origin(annotation) is not Union:
+        return members
+    for arg in get_args(annotation):
+        member = get_args(arg)[0] if get_origin(arg) is Annotated else arg
+        if isinstance(member, type) and issubclass(member, BaseModel) and "kind" in member.model_fields:
+            members[str(member.model_fields["kind"].default)] = member
+    return members
+
+
 def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
-    loc = ".".join(str(p) for p in error["loc"]) or "(top level)"
-    if error["type"] == "extra_forbidden":
-        parent: Any = model
-        for part in error["loc"][:-1]:
-            field = parent.model_fields.get(str(part)) if isinstance(parent, type) else None
+    # walk the location through the models; a union tag (``partition.dirichlet.alpha``) picks the
+    # member and is left out of the location shown
+    parent: Any = model
+    shown: list[str] = []
+    for i, part in enumerate(error["loc"]):
+        members = _tagged(parent)
+        if str(part) in members:
+            parent = members[str(part)]
+            continue
+        shown.append(str(part))
+        if i < len(error["loc"]) - 1:
+            is_model = isinstance(parent, type) and issubclass(parent, BaseModel)
+            field = parent.model_fields.get(str(part)) if is_model else None
             parent = field.annotation if field is not None else None
+    loc = ".".join(shown) or "(top level)"
+    if error["type"] == "extra_forbidden":
         allowed = sorted(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
-        return f"{loc}: unknown field" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+        kind = f" for kind {parent.model_fields['kind'].default!r}" if "kind" in allowed else ""
+        return f"{loc}: unknown field{kind}" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+    kinds = ", ".join(PARTITION_KINDS)
+    if error["type"] == "union_tag_invalid" and loc == "partition":
+        return f"partition.kind: unknown kind {error['ctx']['tag']!r}; allowed: {kinds}"
+    if error["type"] == "union_tag_not_found" and loc == "partition":
+        return f"partition: expected a mapping with a kind (got {error.get('input')!r}); kinds: {kinds}"
     value = error.get("input")
     shown = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
     return f"{loc}: {error['msg']}{shown}"
@@ -169,7 +367,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The experiment file as a mapping; a clear ConfigError for an unreadable or non-mapping file."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -179,6 +378,19 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an experiment file is a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """One experiment (the daemons' view); a file with a grid is loaded with `experiments.grid`."""
+    data = read_yaml(path)
     if overrides:
-        data = apply_overrides(data if isinstance(data, dict) else {}, overrides)
+        data = apply_overrides(data, overrides)
+    if "grid" in data or "report" in data:
+        raise ConfigError(
+            f"{path} declares a grid or report: run it with `fedmq run`, which gives each cell's own config"
+            " to the daemons"
+        )
     return parse_config(data, source=str(path))

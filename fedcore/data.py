@@ -1,19 +1,33 @@
-"""Datasets as whole tensors in memory (small enough here; the data issue adds the image datasets).
+"""Datasets as whole tensors in memory, and the registry that loads them by name.
 
 A `TensorDataset` is features plus integer labels; nodes batch it with their own generator, with no
-DataLoader workers (they cost more than they save for data this size).
+DataLoader workers (they cost more than they save for data this size). Image datasets keep uint8
+N x C x H x W images (CIFAR-10's training set is 150 MB) and turn each batch into model input with
+their transforms, on the batch's device.
+
+`load_dataset(name, ...)` knows: digits and synthetic (made in memory), mnist, fashion-mnist,
+cifar10, cifar100, cinic10 and tiny-imagenet (read from a data root by `fedcore.datasets`, decoded
+once into a cache folder), each with its standard augmentation and normalisation constants.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from fedcore.errors import ConfigError
+from fedcore.datasets.cache import Arrays
+from fedcore.datasets.cifar import load_cifar
+from fedcore.datasets.download import TORCHVISION, fetch
+from fedcore.datasets.folders import load_cinic10, load_tiny_imagenet
+from fedcore.datasets.mnist import load_idx_dataset
+from fedcore.errors import ConfigError, DataError
 from fedcore.seeding import stream
-from fedcore.transforms import BatchTransform
+from fedcore.transforms import Augment, BatchTransform, pipelines
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +128,211 @@ def load_synthetic(
     return Split(draw(train_size), draw(test_size))
 
 
-DATASETS = {"digits": load_digits, "synthetic": load_synthetic}
+def _split(arrays: Arrays, num_classes: int, *, y: str = "y", train: Sequence[str] = ("train",)) -> Split:
+    def part(x: np.ndarray, labels: np.ndarray) -> TensorDataset:
+        # views of read-only buffers are copied (torch tensors are writable); cached arrays are
+        # copy-on-write memory maps and are not
+        x, labels = (a if a.flags.writeable else a.copy() for a in (x, labels))
+        return TensorDataset(torch.from_numpy(x), torch.from_numpy(labels), num_classes)
+
+    if len(train) == 1:
+        train_set = part(arrays[f"{train[0]}_x"], arrays[f"{train[0]}_{y}"])
+    else:
+        train_set = part(
+            np.concatenate([arrays[f"{s}_x"] for s in train]), np.concatenate([arrays[f"{s}_{y}"] for s in train])
+        )
+    return Split(train_set, part(arrays["test_x"], arrays[f"test_{y}"]))
 
 
-def load_dataset(name: str, *, seed: int, **options: object) -> Split:
+def load_mnist(*, root: Path | None, cache_dir: Path | None) -> Split:
+    """MNIST: 60,000 / 10,000 images 1 x 28 x 28 uint8, 10 classes, from the idx files."""
+    return _split(load_idx_dataset("mnist", root, cache_dir), 10)
+
+
+def load_fashion_mnist(*, root: Path | None, cache_dir: Path | None) -> Split:
+    """Fashion-MNIST: 60,000 / 10,000 images 1 x 28 x 28 uint8, 10 classes, from the idx files."""
+    return _split(load_idx_dataset("fashion-mnist", root, cache_dir), 10)
+
+
+def load_cifar10(*, root: Path | None, cache_dir: Path | None) -> Split:
+    """CIFAR-10: 50,000 / 10,000 images 3 x 32 x 32 uint8, 10 classes (WebP pack or python pickles)."""
+    return _split(load_cifar("cifar10", root, cache_dir), 10)
+
+
+def load_cifar100(*, root: Path | None, cache_dir: Path | None, labels: str = "fine") -> Split:
+    """CIFAR-100: 50,000 / 10,000 images 3 x 32 x 32 uint8; `labels` fine (100 classes) or coarse (20)."""
+    if labels not in ("fine", "coarse"):
+        raise ConfigError(f"labels must be fine or coarse, got {labels!r}", field="data.options.labels")
+    arrays = load_cifar("cifar100", root, cache_dir)
+    return _split(arrays, 100, y="y") if labels == "fine" else _split(arrays, 20, y="coarse_y")
+
+
+def load_cinic(*, root: Path | None, cache_dir: Path | None, include_valid: bool = False) -> Split:
+    """CINIC-10: 90,000 training (180,000 with `include_valid`) / 90,000 test images 3 x 32 x 32, 10 classes."""
+    arrays = load_cinic10(root, cache_dir)
+    return _split(arrays, 10, train=("train", "valid") if include_valid else ("train",))
+
+
+def load_tiny(*, root: Path | None, cache_dir: Path | None) -> Split:
+    """Tiny-ImageNet: 100,000 training / 10,000 validation (as test) images 3 x 64 x 64, 200 classes."""
+    return _split(load_tiny_imagenet(root, cache_dir), 200)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetSpec:
+    """A dataset by name: its loader and its standard preprocessing."""
+
+    load: Callable[..., Split]
+    files: bool = True
+    """read from the data root (the loader takes root and cache_dir), or made in memory (it takes seed)"""
+    mean: tuple[float, ...] | None = None
+    """per-channel training-set mean of pixels in [0, 1] (`normalize: dataset`); None: not normalised"""
+    std: tuple[float, ...] | None = None
+    augment: Augment | None = None
+    """the standard training augmentation (`augment: default`)"""
+
+
+_CIFAR_AUGMENT = Augment(crop=32, padding=4, flip=True)
+
+DATASETS: dict[str, DatasetSpec] = {
+    "digits": DatasetSpec(load=load_digits, files=False),
+    "synthetic": DatasetSpec(load=load_synthetic, files=False),
+    "mnist": DatasetSpec(load=load_mnist, mean=(0.1307,), std=(0.3081,)),
+    "fashion-mnist": DatasetSpec(load=load_fashion_mnist, mean=(0.2860,), std=(0.3530,)),
+    "cifar10": DatasetSpec(
+        load=load_cifar10, mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), augment=_CIFAR_AUGMENT
+    ),
+    "cifar100": DatasetSpec(
+        load=load_cifar100, mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762), augment=_CIFAR_AUGMENT
+    ),
+    "cinic10": DatasetSpec(
+        load=load_cinic, mean=(0.4789, 0.4723, 0.4305), std=(0.2421, 0.2383, 0.2587), augment=_CIFAR_AUGMENT
+    ),
+    "tiny-imagenet": DatasetSpec(
+        load=load_tiny,
+        mean=(0.4802, 0.4481, 0.3975),
+        std=(0.2770, 0.2691, 0.2821),
+        augment=Augment(crop=64, padding=4, flip=True),
+    ),
+}
+
+NORMALIZATIONS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+AugmentChoice = Augment | Mapping[str, object] | str | None
+NormalizeChoice = Mapping[str, Sequence[float]] | tuple[Sequence[float], Sequence[float]] | str | None
+
+
+def resolve_augment(choice: AugmentChoice, spec: DatasetSpec) -> Augment | None:
+    """``default`` (the dataset's standard one), ``none``, an `Augment`, or a mapping of its fields."""
+    if isinstance(choice, Augment) or choice is None:
+        return choice
+    if choice == "default":
+        return spec.augment
+    if choice == "none":
+        return None
+    if isinstance(choice, Mapping):
+        known = {f.name for f in Augment.__dataclass_fields__.values()}
+        unknown = sorted(set(choice) - known)
+        if unknown:
+            raise ConfigError(f"unknown fields {unknown}; allowed: {sorted(known)}", field="data.augment")
+        values = dict(choice)
+        if "order" in values:
+            values["order"] = tuple(values["order"])  # type: ignore[arg-type]
+        return Augment(**values)  # type: ignore[arg-type]
+    raise ConfigError(f"expected default, none or a mapping, got {choice!r}", field="data.augment")
+
+
+def resolve_normalize(
+    choice: NormalizeChoice, spec: DatasetSpec, channels: int
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """``dataset`` (its own constants, none for digits and synthetic), ``half``, ``imagenet``, ``none``, or mean/std."""
+    if choice is None or choice == "none":
+        return None
+    if choice == "dataset":
+        return (spec.mean, spec.std) if spec.mean is not None and spec.std is not None else None
+    if choice == "half":
+        return (0.5,) * channels, (0.5,) * channels
+    if isinstance(choice, str) and choice in NORMALIZATIONS:
+        return NORMALIZATIONS[choice]
+    if isinstance(choice, Mapping) and set(choice) == {"mean", "std"}:
+        mean, std = tuple(map(float, choice["mean"])), tuple(map(float, choice["std"]))
+    elif isinstance(choice, tuple) and len(choice) == 2:
+        mean, std = tuple(map(float, choice[0])), tuple(map(float, choice[1]))
+    else:
+        raise ConfigError(
+            f"expected dataset, half, imagenet, none or {{mean: [...], std: [...]}}, got {choice!r}",
+            field="data.normalize",
+        )
+    if len(mean) != len(std) or not mean or min(std) <= 0:
+        raise ConfigError("needs one mean and one positive std per channel", field="data.normalize")
+    return mean, std
+
+
+def with_transforms(split: Split, augment: Augment | None, normalize: tuple[Sequence[float], ...] | None) -> Split:
+    """The split with its train and eval transforms; float features with neither are left as they are."""
+    if augment is None and normalize is None and split.train.x.is_floating_point():
+        return split
+    train_t, eval_t = pipelines(augment, normalize, split.train.input_shape)  # type: ignore[arg-type]
+    return Split(
+        replace(split.train, train_transform=train_t, eval_transform=eval_t),
+        replace(split.test, train_transform=train_t, eval_transform=eval_t),
+    )
+
+
+def _call(name: str, loader: Callable[..., Split], fixed: dict[str, object], options: dict[str, object]) -> Split:
     try:
-        loader = DATASETS[name]
+        inspect.signature(loader).bind(**fixed, **options)
+    except TypeError as exc:
+        allowed = [p for p in inspect.signature(loader).parameters if p not in fixed]
+        raise ConfigError(
+            f"bad options for dataset {name!r} ({exc}); allowed: {', '.join(allowed) or 'none'}", field="data.options"
+        ) from None
+    return loader(**fixed, **options)
+
+
+def load_dataset(
+    name: str,
+    *,
+    seed: int,
+    root: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    download: bool = False,
+    augment: AugmentChoice = "default",
+    normalize: NormalizeChoice = "dataset",
+    **options: object,
+) -> Split:
+    """The dataset `name` with its transforms.
+
+    `root` is the folder holding the datasets' files (``ROOT/mnist/...``, ``ROOT/cifar10/...``);
+    `cache_dir` keeps decoded arrays (None: decode every time); `download` fetches missing files
+    with torchvision where it imports. `augment` and `normalize` choose the preprocessing
+    (see `resolve_augment` and `resolve_normalize`); `options` go to the loader. A missing or
+    malformed dataset raises `DataError`; a bad setting `ConfigError`.
+    """
+    try:
+        spec = DATASETS[name]
     except KeyError:
         raise ConfigError(
             f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}", field="data.dataset"
         ) from None
-    try:
-        return loader(seed=seed, **options)  # type: ignore[operator]
-    except TypeError as exc:
-        raise ConfigError(f"bad options for dataset {name!r}: {exc}", field="data") from exc
+    aug = resolve_augment(augment, spec)
+    if download and name not in TORCHVISION:
+        raise ConfigError(f"{name!r} cannot be downloaded; only {', '.join(TORCHVISION)}", field="data.download")
+    if not spec.files:
+        split = _call(name, spec.load, {"seed": seed}, dict(options))
+    else:
+        paths = {
+            "root": Path(root).expanduser() if root is not None else None,
+            "cache_dir": Path(cache_dir).expanduser() if cache_dir is not None else None,
+        }
+        try:
+            split = _call(name, spec.load, paths, dict(options))
+        except DataError:
+            if not download:
+                raise
+            fetch(name, paths["root"])
+            split = _call(name, spec.load, paths, dict(options))
+    channels = split.train.input_shape[0] if split.train.x.dim() == 4 else 1
+    return with_transforms(split, aug, resolve_normalize(normalize, spec, channels))

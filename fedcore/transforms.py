@@ -5,15 +5,24 @@ device the batch lives on (the GPU when there is one), never image by image in P
 transform is a callable ``(batch, generator) -> batch``; random ones draw only from the generator
 they are given (the node's training stream), and ``generator=None`` means "evaluation": no
 randomness allowed.
+
+`Augment` describes a training augmentation (random crop with zero, reflect or replicate padding,
+horizontal flip, small rotations, in a chosen order) and `pipelines` turns it and a normalisation
+into the (train, eval) transforms a `TensorDataset` carries: ToFloat, the augmentation (train
+only; eval only centre-crops when the crop is smaller than the image), Normalize. AutoAugment is
+not implemented.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
+import torch.nn.functional as F
+
+from fedcore.errors import ConfigError
 
 
 class BatchTransform(Protocol):
@@ -56,3 +65,191 @@ class Normalize:
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(shape)
         std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(shape)
         return (x - mean) / std
+
+
+# -- augmentation -------------------------------------------------------------------------------
+# Random steps draw one value per image from the generator, on the generator's device, and move it
+# to the batch's device; with generator=None they are the identity (or, for a crop smaller than the
+# image, the centre crop), so evaluation is deterministic.
+
+PaddingMode = Literal["zero", "reflect", "replicate"]
+STEP_NAMES = ("crop", "flip", "rotation")
+_TORCH_PAD = {"zero": "constant", "reflect": "reflect", "replicate": "replicate"}
+
+
+def _draw(generator: torch.Generator, n: int, device: torch.device) -> torch.Tensor:
+    """n uniform values in [0, 1) from `generator`, on `device`."""
+    return torch.rand(n, generator=generator, device=generator.device).to(device)
+
+
+def crop_at(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) -> torch.Tensor:
+    """Per-image windows: image i's ``size x size`` window at (top[i], left[i]) of an N x C x H x W batch."""
+    n, c, _, w = x.shape
+    rows = (top.view(n, 1) + torch.arange(size, device=x.device)).view(n, 1, size, 1).expand(n, c, size, w)
+    x = x.gather(2, rows)
+    cols = (left.view(n, 1) + torch.arange(size, device=x.device)).view(n, 1, 1, size).expand(n, c, size, size)
+    return x.gather(3, cols)
+
+
+def pad(x: torch.Tensor, padding: int, mode: PaddingMode) -> torch.Tensor:
+    """`padding` pixels on each side: zeros, a reflection without repeating the edge, or the edge repeated."""
+    if padding == 0:
+        return x
+    return F.pad(x, (padding,) * 4, mode=_TORCH_PAD[mode], **({"value": 0.0} if mode == "zero" else {}))
+
+
+def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    h, w = x.shape[-2:]
+    if (h, w) == (size, size):
+        return x
+    top, left = round((h - size) / 2), round((w - size) / 2)
+    return x[..., top : top + size, left : left + size]
+
+
+@dataclass(frozen=True, slots=True)
+class RandomCrop:
+    """torchvision's RandomCrop(size, padding, padding_mode) on a batch: pad, then one random window per image.
+
+    Evaluation (no generator): the centre ``size x size`` crop of the unpadded image (the image
+    itself when it is that size).
+    """
+
+    size: int
+    padding: int = 0
+    padding_mode: PaddingMode = "zero"
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is None:
+            return center_crop(x, self.size)
+        x = pad(x, self.padding, self.padding_mode)
+        n, _, h, w = x.shape
+        if h < self.size or w < self.size:
+            raise ValueError(f"a {self.size}-pixel crop of {h} x {w} padded images")
+        top = (_draw(generator, n, x.device) * (h - self.size + 1)).long().clamp_(max=h - self.size)
+        left = (_draw(generator, n, x.device) * (w - self.size + 1)).long().clamp_(max=w - self.size)
+        return crop_at(x, top, left, self.size)
+
+
+@dataclass(frozen=True, slots=True)
+class RandomHorizontalFlip:
+    """Each image mirrored left-right with probability `p`."""
+
+    p: float = 0.5
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is None:
+            return x
+        flip = _draw(generator, len(x), x.device) < self.p
+        return torch.where(flip.view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
+
+
+def rotate(x: torch.Tensor, degrees: torch.Tensor, *, mode: str = "nearest") -> torch.Tensor:
+    """Each image turned counter-clockwise by degrees[i] about its centre, corners filled with zeros.
+
+    torchvision's RandomRotation conventions (nearest neighbour, no expansion, fill 0), done with
+    one affine_grid / grid_sample over the batch.
+    """
+    n, c, h, w = x.shape
+    rad = torch.deg2rad(degrees.to(device=x.device, dtype=torch.float32))
+    cos, sin = torch.cos(rad), torch.sin(rad)
+    zero = torch.zeros_like(cos)
+    # output (x, y) in [-1, 1] (y down) samples the input at R^-1 (x, y), corrected for the aspect ratio
+    theta = torch.stack([torch.stack([cos, -sin * h / w, zero], 1), torch.stack([sin * w / h, cos, zero], 1)], 1)
+    src = x if x.is_floating_point() else x.float()
+    grid = F.affine_grid(theta.to(src.dtype), [n, c, h, w], align_corners=False)
+    out = F.grid_sample(src, grid, mode=mode, padding_mode="zeros", align_corners=False)
+    return out if x.is_floating_point() else out.round_().to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RandomRotation:
+    """torchvision's RandomRotation(degrees): a uniform angle in [-degrees, degrees] per image."""
+
+    degrees: float
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is None or self.degrees == 0:
+            return x
+        angles = (_draw(generator, len(x), x.device) * 2 - 1) * self.degrees
+        return rotate(x, angles)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Augment:
+    """A training augmentation: which random steps, with what settings, in what order.
+
+    `crop` is the output side (None: the image's own side); `padding` pixels are added on each side
+    first (`padding_mode` zero, reflect or replicate); `flip` mirrors half the images; `rotation_deg`
+    turns each image by a uniform angle in [-rotation_deg, rotation_deg]. `order` lists the steps
+    (crop, flip, rotation) in the order they run; steps that do nothing are skipped.
+    """
+
+    crop: int | None = None
+    padding: int = 0
+    padding_mode: PaddingMode = "zero"
+    flip: bool = False
+    rotation_deg: float = 0.0
+    order: tuple[str, ...] = STEP_NAMES
+
+    def __post_init__(self) -> None:
+        def bad(message: str, name: str) -> ConfigError:
+            return ConfigError(message, field=f"data.augment.{name}")
+
+        if self.crop is not None and (isinstance(self.crop, bool) or self.crop < 1):
+            raise bad(f"must be a positive number of pixels, got {self.crop!r}", "crop")
+        if isinstance(self.padding, bool) or self.padding < 0:
+            raise bad(f"must be 0 or more pixels, got {self.padding!r}", "padding")
+        if self.padding_mode not in _TORCH_PAD:
+            raise bad(f"{self.padding_mode!r} is not one of {', '.join(_TORCH_PAD)}", "padding_mode")
+        if not 0 <= self.rotation_deg <= 180:
+            raise bad(f"must be in [0, 180], got {self.rotation_deg!r}", "rotation_deg")
+        if sorted(self.order) != sorted(set(self.order)) or not set(self.order) <= set(STEP_NAMES):
+            raise bad(f"lists each of {', '.join(STEP_NAMES)} at most once, got {list(self.order)}", "order")
+
+    def steps(self, height: int, width: int) -> tuple[tuple[BatchTransform, ...], tuple[BatchTransform, ...]]:
+        """(training steps, evaluation steps) for images of this size."""
+        size = self.crop if self.crop is not None else min(height, width)
+        if size > min(height, width):
+            raise ConfigError(f"a {size}-pixel crop of {height} x {width} images", field="data.augment.crop")
+        if self.crop is None and height != width and self.padding:
+            raise ConfigError("non-square images need an explicit crop size", field="data.augment.crop")
+        made: dict[str, BatchTransform] = {}
+        if self.padding or size != height or size != width:
+            made["crop"] = RandomCrop(size, self.padding, self.padding_mode)
+        if self.flip:
+            made["flip"] = RandomHorizontalFlip()
+        if self.rotation_deg:
+            made["rotation"] = RandomRotation(self.rotation_deg)
+        train = tuple(made[name] for name in self.order if name in made)
+        unlisted = sorted(set(made) - set(self.order))
+        if unlisted:
+            raise ConfigError(f"order leaves out the configured steps {unlisted}", field="data.augment.order")
+        evaluation: tuple[BatchTransform, ...] = (RandomCrop(size),) if "crop" in made else ()
+        return train, evaluation
+
+
+def pipelines(
+    augment: Augment | None,
+    normalize: tuple[Sequence[float], Sequence[float]] | None,
+    input_shape: tuple[int, ...],
+) -> tuple[BatchTransform, BatchTransform]:
+    """(train transform, eval transform): to float in [0, 1], the augmentation (train only), normalisation.
+
+    Evaluation applies only the deterministic part: the centre crop when the crop is smaller than
+    the image, and the normalisation.
+    """
+    train: tuple[BatchTransform, ...] = ()
+    evaluation: tuple[BatchTransform, ...] = ()
+    if augment is not None:
+        if len(input_shape) != 3:
+            raise ConfigError(f"augmentation needs C x H x W images, got {input_shape}", field="data.augment")
+        train, evaluation = augment.steps(input_shape[1], input_shape[2])
+    tail: tuple[BatchTransform, ...] = ()
+    if normalize is not None:
+        mean, std = normalize
+        if len(input_shape) < 2 or len(mean) != input_shape[0]:
+            raise ConfigError(
+                f"{len(mean)} normalisation means for inputs of shape {input_shape}", field="data.normalize"
+            )
+        tail = (Normalize(tuple(mean), tuple(std)),)
+    return Compose((ToFloat(), *train, *tail)), Compose((ToFloat(), *evaluation, *tail))

@@ -33,7 +33,7 @@ def test_quickstart_config_loads_with_the_documented_settings() -> None:
         ({"train": {"lr": -1}}, "train.lr: Input should be greater than 0"),
         ({"train": {"optimiser": "sgd"}}, "train.optimiser: unknown field; allowed here: batch_size, local_epochs, lr"),
         ({"bogus": 1}, "bogus: unknown field; allowed here: bus, data, deadline_s"),
-        ({"partition": {"kind": "shards"}}, "partition.kind: Input should be 'iid' or 'dirichlet'"),
+        ({"partition": {"kind": "bogus"}}, "partition.kind: unknown kind 'bogus'; allowed: iid, dirichlet"),
         ({"name": "a/b"}, "name: String should match pattern"),
         ({"faults": {"node-999": {"delay_s": 1}}}, "faults name nodes that do not exist"),
         ({"faults": {"x": {"delay_s": 1}}}, "is not a node id"),
