@@ -26,10 +26,11 @@ EXIT_OK, EXIT_CONFIG, EXIT_BUS, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 DESCRIPTION = """\
 fedmq: event-driven federated learning over MQTT.
 
-  fedmq run EXP.yaml                 run a whole federation on this machine (broker, coordinator, nodes)
+  fedmq run EXP.yaml                 run a federation (or every cell of a grid) on this machine
   fedmq broker                       run a development broker (mosquitto if installed, else embedded)
   fedmq coordinator --broker URL --config EXP.yaml    the server daemon
   fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
+  fedmq report RUN_DIR               rebuild the tables and plots of a run from its saved metrics
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -76,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, help="node-host processes (default: hosting.processes or the core count)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "report",
+        help="rebuild a run's report from its saved metrics",
+        description="Write report.md (accuracy tables as mean +- std over seeds, rounds to the target, the"
+        " paper's figures beside ours), report.json and the accuracy curves (PNG) into RUN_DIR, from the"
+        " metrics saved there. Works on a grid's directory and on a single run's.",
+    )
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a directory written by `fedmq run`")
+    p.add_argument("--no-plots", action="store_true", help="tables only, no PNG curves")
     _add_common(p)
 
     p = sub.add_parser(
@@ -143,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_async(_coordinator(args))
         if args.command == "node":
             return _run_async(_node(args))
+        if args.command == "report":
+            return _report(args)
         from experiments.runner import run_from_cli
 
         return run_from_cli(args)
@@ -190,6 +204,19 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from experiments.report import write_report
+
+    if not args.run_dir.is_dir():
+        raise ConfigError(f"{args.run_dir} is not a directory; give the --out of a `fedmq run`")
+    try:
+        path = write_report(args.run_dir, plots=not args.no_plots)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    print(f"report written: {path}")
+    return EXIT_OK
+
+
 async def _broker(args: argparse.Namespace) -> int:
     from broker.embedded import serve_embedded
     from broker.mosquitto import find_mosquitto, start_mosquitto
@@ -216,12 +243,15 @@ async def _broker(args: argparse.Namespace) -> int:
 async def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.run_dir import write_json
     from experiments.build import build_coordinator, load_split, partition_report
+    from experiments.plots import partition_png
 
     cfg = _load(args)
     _threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.yaml").write_text(cfg.to_yaml())
-    write_json(args.out / "partition.json", partition_report(cfg, load_split(cfg)))
+    report = partition_report(cfg, load_split(cfg))
+    write_json(args.out / "partition.json", report)
+    partition_png(args.out / "partition.png", report)
     coordinator = build_coordinator(cfg, args.broker, args.out, federation=args.federation, resume=args.resume)
     summary = await coordinator.serve()
     if summary.final_accuracy is not None:

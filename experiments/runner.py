@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -27,7 +29,10 @@ from broker import BusClient, BusConfig, Kind, Topics
 from broker.errors import BusError
 from broker.mosquitto import free_port, wait_for_port
 from coordinator.run_dir import write_json
-from experiments.config import ExperimentConfig, load_config
+from experiments.build import preflight
+from experiments.config import ExperimentConfig
+from experiments.grid import Cell, Grid, load_experiment
+from experiments.report import write_report
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 4, 130
 
@@ -98,20 +103,88 @@ def split_evenly(items: list[str], parts: int) -> list[list[str]]:
 
 
 def run_from_cli(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    out = args.out or default_out(cfg)
-    processes = args.processes or cfg.hosting.processes or os.cpu_count() or 1
-    return asyncio.run(
-        run_federation(
-            cfg,
-            out,
-            broker=args.broker,
-            processes=processes,
-            quiet=args.quiet,
-            timeout_s=args.timeout,
-            verbose=args.verbose,
-        )
-    )
+    grid = load_experiment(args.config, args.overrides)
+    first = grid.cells[0].config
+    out = args.out or default_out(first)
+    processes = args.processes or first.hosting.processes or os.cpu_count() or 1
+    options = {"broker": args.broker, "processes": processes, "quiet": args.quiet, "verbose": args.verbose}
+    if grid.is_grid:
+        return asyncio.run(run_grid(grid, out, timeout_s=args.timeout, **options))
+    code = asyncio.run(run_federation(first, out, timeout_s=args.timeout, **options))
+    if (out / "summary.json").exists():
+        _write_report(out, Console(highlight=False), args.quiet)
+    return code
+
+
+def _write_report(out: Path, console: Console, quiet: bool) -> None:
+    try:
+        path = write_report(out)
+    except (OSError, ValueError, KeyError) as exc:
+        console.print(f"[yellow]could not write the report: {exc}[/]")
+        return
+    if not quiet:
+        console.print(f"report: {path}")
+
+
+def cell_is_done(directory: Path, cell: Cell) -> bool:
+    """A cell finished before with the same config (its federation id aside) is not run again."""
+    try:
+        summary = json.loads((directory / "summary.json").read_text())
+        previous = yaml.safe_load((directory / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    if summary.get("state") != "finished" or not isinstance(previous, dict):
+        return False
+    current = cell.config.model_dump(mode="json")
+    previous.pop("federation", None)
+    current.pop("federation", None)
+    return bool(previous == current)
+
+
+async def run_grid(
+    grid: Grid,
+    out: Path,
+    *,
+    broker: str | None,
+    processes: int,
+    quiet: bool,
+    timeout_s: float | None,
+    verbose: int,
+) -> int:
+    """Every cell of the grid, one federation after another; finished cells are kept (resumable)."""
+    console = Console(highlight=False)
+    for cell in grid.cells:  # a bad cell fails now, not hours into the grid
+        await asyncio.to_thread(preflight, cell.config)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    write_json(out / "grid.json", grid.describe())
+    total, failed, ran = len(grid.cells), [], []
+    started = time.monotonic()
+    for n, cell in enumerate(grid.cells, 1):
+        directory = out / "cells" / cell.cell_id
+        what = ", ".join(f"{k}={v}" for k, v in cell.labels.items())
+        if cell_is_done(directory, cell):
+            console.print(f"[dim]cell {n}/{total} ({what}): finished before, kept[/]")
+            continue
+        if directory.exists():
+            console.print(f"[yellow]cell {n}/{total}: an unfinished or changed earlier run is replaced[/]")
+            await asyncio.to_thread(shutil.rmtree, directory)
+        eta = ""
+        if ran:
+            left = sum(1 for c in grid.cells[n - 1 :] if not cell_is_done(out / "cells" / c.cell_id, c))
+            eta = f", about {left * (time.monotonic() - started) / len(ran) / 60:.1f} min left in the grid"
+        console.print(f"[bold]cell {n}/{total}[/] ({what}){eta}")
+        code = await run_federation(
+            cell.config, directory, broker=broker, processes=processes, quiet=quiet, timeout_s=timeout_s,
+            verbose=verbose,
+        )  # fmt: skip
+        ran.append(cell.cell_id)
+        if code != EXIT_OK:
+            failed.append(cell.cell_id)
+    _write_report(out, console, quiet)
+    if failed:
+        console.print(f"[red]{len(failed)} cell(s) failed: {', '.join(failed)}; run again to retry them[/]")
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 async def run_federation(
@@ -125,6 +198,7 @@ async def run_federation(
     verbose: int = 0,
 ) -> int:
     console = Console(stderr=False, highlight=False)
+    await asyncio.to_thread(preflight, cfg)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (start-up, before any task runs)
     logs = out / "logs"
     federation = cfg.federation or f"{cfg.name}-{os.urandom(3).hex()}"

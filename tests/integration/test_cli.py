@@ -36,7 +36,7 @@ def test_run_quickstart_writes_the_run_directory(tmp_path: Path, broker: str, re
     assert result.returncode == 0, result.stdout + result.stderr
     assert "final accuracy" in result.stdout
     for name in ["config.yaml", "metrics.jsonl", "participation.json", "summary.json", "run.json", "partition.json",
-                 "nodes.json", "checkpoint.safetensors", "logs/coordinator.log", "logs/nodes-0.log"]:  # fmt: skip
+                 "partition.png", "nodes.json", "checkpoint.safetensors", "logs/coordinator.log", "logs/nodes-0.log"]:  # fmt: skip
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())
     for key in ["method", "nodes", "rounds_completed", "final_accuracy", "best_accuracy", "wall_seconds"]:
@@ -112,3 +112,44 @@ def test_coordinator_resumes_from_its_checkpoint(tmp_path: Path, embedded_broker
     assert fed.summary()["rounds_completed"] == 5
     assert {n: r["count"] for n, r in fed.participation().items()} == {n: r["count"] + 2 for n, r in first.items()}
     assert "resumed from the checkpoint of round 2" in fed.log("coordinator.log")
+
+
+def test_run_grid_reports_the_metrics_and_resumes(tmp_path: Path) -> None:
+    """A two-cell grid runs both cells, its report's numbers equal the cells' metrics, a second run
+    keeps the finished cells, and `fedmq report` rebuilds the same numbers."""
+    exp = base_config(nodes=3, rounds=3) | {"grid": {"seed": [1, 2]}, "report": {"average_over": []}}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    out = tmp_path / "out"
+    result = fedmq("run", str(path), "--out", str(out), "--processes", "1", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "report.json").read_text())
+    for cell in json.loads((out / "grid.json").read_text())["cells"]:
+        metrics = [json.loads(x) for x in (out / "cells" / cell["id"] / "metrics.jsonl").read_text().splitlines()]
+        accuracies = [m["accuracy"] for m in metrics if "accuracy" in m]
+        assert len(accuracies) == 3
+        column = f"seed={cell['labels']['seed']}"
+        assert report["tables"]["best"]["fedavg"][column]["values"] == [max(accuracies)]
+        assert report["tables"]["final"]["fedavg"][column]["values"] == [accuracies[-1]]
+    assert (out / "report.md").exists() and (out / "curves-seed=1.png").exists()
+    again = fedmq("run", str(path), "--out", str(out), "--processes", "1", timeout=300)
+    assert again.returncode == 0 and again.stdout.count("finished before, kept") == 2
+    (out / "report.json").unlink()
+    rebuilt = fedmq("report", str(out))
+    assert rebuilt.returncode == 0 and json.loads((out / "report.json").read_text())["tables"] == report["tables"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.root=/nonexistent-fedmq", "fedmq: data error: dataset 'cifar10': not found under the data root"),
+        ("model.options.bogus=1", "model 'cnn' has no option 'bogus'"),
+        ("partition.min_samples=1000", "partition.min_samples: 20 nodes x 1000 samples needs 20000"),
+    ],
+)
+def test_run_refuses_what_cannot_work_before_starting_anything(tmp_path: Path, override: str, message: str) -> None:
+    """Missing data, a bad model option or an impossible partition exit 2 with the reason, no daemon started."""
+    extra = ["--set", "data.dataset=cifar10"] if override.startswith("data.") else []
+    result = fedmq("run", str(QUICKSTART), "--out", str(tmp_path / "out"), *extra, "--set", override)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "logs").exists()

@@ -1,0 +1,193 @@
+"""Experiment grids: one file declares methods x settings x seeds, and `fedmq run` runs every cell.
+
+    grid:                          # dotted config paths; a list of values, or a map label -> value
+      method:
+        FedAvg: {name: fedavg}
+        FedProx: {name: fedprox, hyperparams: {mu: 0.01}}
+      partition.alpha: [0.1, 0.5, 5.0]
+      seed: [0, 1, 2]
+    report:
+      rows: [method]               # axes whose labels make the table's rows
+      average_over: [seed]         # axes averaged over (mean +- std); the other axes make the columns
+
+Every cell is validated when the file is loaded, so a bad value fails before anything runs. A file
+without `grid` is a grid of one cell.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml
+from fedcore.errors import ConfigError
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
+
+
+class ReportConfig(BaseModel):
+    """How `report.md` lays out a grid's results, and the paper's figures to show beside ours."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rows: list[str] = Field(default_factory=lambda: ["method"], description="axes that make the rows")
+    average_over: list[str] = Field(default_factory=lambda: ["seed"], description="axes averaged (mean +- std)")
+    baseline: str | None = Field(None, description="row label whose best accuracy is the target, e.g. FedAvg")
+    target_accuracy: float | None = Field(None, gt=0, le=1, description="a fixed target instead of a baseline")
+    paper_metric: Literal["best", "final", "last_mean", "ema"] = Field(
+        "best", description="how the paper reports accuracy, so ours is computed the same way beside it"
+    )
+    last_k: int = Field(10, ge=1, description="rounds averaged by last_mean (FedSA: last 10 rounds)")
+    ema: float = Field(0.9, gt=0, lt=1, description="smoothing of the ema metric (FedRCL: 0.9)")
+    paper: dict[str, dict[str, float | str]] = Field(
+        default_factory=dict, description="row label -> column label -> the paper's accuracy (%)"
+    )
+    paper_source: str | None = Field(None, description="where the paper's figures come from (table, page)")
+
+    @field_validator("rows", "average_over")
+    @classmethod
+    def _paths(cls, value: list[str]) -> list[str]:
+        for key in value:
+            if not key or any(not part.isidentifier() for part in key.split(".")):
+                raise ValueError(f"{key!r} is not a dotted config path")
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    key: str
+    labels: tuple[str, ...]
+    values: tuple[Any, ...]
+    explicit: bool = False
+    """Labels given in the file (a map), shown as they are; otherwise shown as key=label."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    index: int
+    cell_id: str
+    labels: dict[str, str]
+    """Axis key -> the label of this cell's value."""
+    config: ExperimentConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    name: str
+    axes: tuple[Axis, ...]
+    cells: tuple[Cell, ...]
+    report: ReportConfig
+
+    @property
+    def is_grid(self) -> bool:
+        return bool(self.axes)
+
+    def describe(self) -> dict[str, Any]:
+        """What `grid.json` records, enough for `fedmq report` to rebuild the report."""
+        return {
+            "name": self.name,
+            "axes": [{"key": a.key, "labels": list(a.labels), "explicit": a.explicit} for a in self.axes],
+            "cells": [
+                {"index": c.index, "id": c.cell_id, "labels": c.labels, "method": c.config.method.name}
+                for c in self.cells
+            ],
+            "report": self.report.model_dump(mode="json"),
+        }
+
+
+def _label(value: Any) -> str:
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        return value["name"]  # a method or model given as a map: its name
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _axis(key: Any, spec: Any) -> Axis:
+    if not isinstance(key, str) or not key or any(not p.isidentifier() for p in key.split(".")):
+        raise ConfigError(f"grid: {key!r} is not a dotted config path such as partition.alpha")
+    if key in ("grid", "report", "name"):
+        raise ConfigError(f"grid: {key!r} cannot vary across cells")
+    explicit = isinstance(spec, dict)
+    if isinstance(spec, dict):
+        labels, values = tuple(str(k) for k in spec), tuple(spec.values())
+    elif isinstance(spec, list):
+        values = tuple(spec)
+        labels = tuple(_label(v) for v in values)
+    else:
+        raise ConfigError(f"grid.{key}: give a list of values or a map of label to value, got {type(spec).__name__}")
+    if not values:
+        raise ConfigError(f"grid.{key}: no values")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"grid.{key}: labels {list(labels)} repeat; give a map of distinct labels to values")
+    return Axis(key, labels, values, explicit)
+
+
+def _set_path(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"grid.{key}: {part} is not a section of the config")
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def cell_id(index: int, labels: dict[str, str]) -> str:
+    """A short, file-system safe, stable directory name: 003-FedAvg_alpha=0.1_seed=2."""
+    parts = []
+    for key, label in labels.items():
+        short = key.rsplit(".", 1)[-1]
+        parts.append(label if short in ("method", "name") else f"{short}={label}")
+    slug = _SAFE.sub("-", "_".join(parts)).strip("-_")[:80]
+    return f"{index:03d}-{slug}" if slug else f"{index:03d}"
+
+
+def expand(data: dict[str, Any], *, source: str = "config") -> Grid:
+    """Cells of a parsed experiment file; each cell's config is validated here."""
+    data = dict(data)
+    grid_spec = data.pop("grid", None) or {}
+    try:
+        report = ReportConfig.model_validate(data.pop("report", None) or {})
+    except ValidationError as exc:
+        lines = [f"report.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{source} is invalid:\n  " + "\n  ".join(lines)) from None
+    if not isinstance(grid_spec, dict):
+        raise ConfigError(f"{source}: grid must be a map of config paths to lists of values")
+    axes = tuple(_axis(k, v) for k, v in grid_spec.items())
+    keys = {a.key for a in axes}
+    for name in ("rows", "average_over"):
+        unknown = sorted(set(getattr(report, name)) - keys)
+        if axes and unknown and name in report.model_fields_set:  # the defaults apply where the axes exist
+            raise ConfigError(f"{source}: report names axes {unknown} that the grid does not vary ({sorted(keys)})")
+    cells = []
+    for index, combo in enumerate(itertools.product(*(range(len(a.values)) for a in axes))):
+        cell_data = copy.deepcopy(data)
+        labels = {}
+        for axis, i in zip(axes, combo, strict=True):
+            _set_path(cell_data, axis.key, axis.values[i])
+            labels[axis.key] = axis.labels[i]
+        where = f"{source} (cell {', '.join(f'{k}={v}' for k, v in labels.items())})" if labels else source
+        config = parse_config(cell_data, source=where)
+        cells.append(Cell(index, cell_id(index, labels), labels, config))
+    name = str(data.get("name", "experiment"))
+    return Grid(name, axes, tuple(cells), report)
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Grid:
+    """Read an experiment file (with or without a grid); `--set` overrides apply before expansion."""
+    data = read_yaml(path)
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return expand(data, source=str(path))
+
+
+def dump_cell_config(cell: Cell) -> str:
+    return yaml.safe_dump(cell.config.model_dump(mode="json"), sort_keys=False)
