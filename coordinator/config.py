@@ -52,6 +52,8 @@ class CoordinatorConfig:
     method: str = "unknown"
     """For the summary only; the daemon never dispatches on it."""
     resume: bool = False
+    eval_device: str = "cpu"
+    """Where the test set is evaluated (a copy of the model goes there): "cuda" when the machine has one."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:

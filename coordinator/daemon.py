@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from broker.errors import BusError
 from coordinator.config import CoordinatorConfig
@@ -426,7 +428,7 @@ class Coordinator:
         assert self.test_data is not None
         out: dict[str, float] = {}
         for i, (name, model) in enumerate(self.half.evaluation_models().items()):
-            accuracy, loss = evaluate(model, self.test_data)
+            accuracy, loss = evaluate(model, self.test_data, device=torch.device(self.config.eval_device))
             suffix = "" if i == 0 else f"_{name}"
             out[f"accuracy{suffix}"] = accuracy
             out[f"loss{suffix}"] = loss

@@ -148,6 +148,7 @@ def build_coordinator(
         eval_every=cfg.eval_every,
         method=cfg.method.name,
         resume=resume,
+        eval_device=str(best_device()),
     )
     extra = {
         "experiment": cfg.name,

@@ -367,8 +367,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The experiment file as a mapping; a clear ConfigError for an unreadable or non-mapping file."""
+def read_yaml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The experiment file as a mapping; a clear ConfigError for an unreadable or non-mapping file.
+
+    ``extends: OTHER.yaml`` (relative to the file) starts from another experiment file: maps merge
+    key by key, anything else (lists, values) is replaced. A reduced-scale config says only what it
+    reduces.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -380,7 +385,23 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: an experiment file is a YAML mapping, got {type(data).__name__}")
-    return data
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: extends names one experiment file, got {parent!r}")
+    base_path = (path.parent / parent).resolve()
+    if base_path in _seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: extends {parent} makes a cycle")
+    return merge(read_yaml(base_path, _seen=(*_seen, path.resolve())), data)
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated by `changes`, recursively for maps."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
@@ -121,12 +122,19 @@ def local_sgd(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TensorDataset, *, batch_size: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) over `data`."""
+def evaluate(
+    model: nn.Module, data: TensorDataset, *, batch_size: int = 1024, device: torch.device | None = None
+) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) over `data`, on `device` (a copy of the model goes there) or the model's."""
+    here = next(model.parameters()).device
+    if device is not None and device != here:
+        model = copy.deepcopy(model).to(device)
+        here = device
     model.eval()
     correct, loss_sum = 0, 0.0
     for start in range(0, len(data), batch_size):
         x, y = data.eval_batch(start, start + batch_size)
+        x, y = x.to(here, non_blocking=True), y.to(here, non_blocking=True)
         logits = model(x)
         loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(1) == y).sum())

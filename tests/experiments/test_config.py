@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import load_config, parse_config
+from experiments.config import load_config, parse_config, read_yaml
 from fedcore.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,3 +75,33 @@ def test_resolved_config_round_trips_through_yaml() -> None:
     import yaml
 
     assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_extends_merges_maps_and_replaces_values(tmp_path: Path) -> None:
+    """A reduced config names only what it changes: maps merge key by key, lists and values replace."""
+    (tmp_path / "full.yaml").write_text(
+        "name: full\nnodes: 10\nrounds: 200\ntrain: {local_epochs: 10, lr: 0.05}\ngrid: {seed: [0, 1, 2]}\n"
+    )
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "reduced.yaml").write_text(
+        "extends: ../full.yaml\nrounds: 20\ntrain: {local_epochs: 2}\ngrid: {seed: [0]}\n"
+    )
+    data = read_yaml(tmp_path / "sub" / "reduced.yaml")
+    assert data == {
+        "name": "full",
+        "nodes": 10,
+        "rounds": 20,
+        "train": {"local_epochs": 2, "lr": 0.05},
+        "grid": {"seed": [0]},
+    }
+
+
+def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path: Path) -> None:
+    """A file that extends itself (through another) or a missing parent gives a ConfigError, not a crash."""
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\nname: a\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\nname: b\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        read_yaml(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nowhere.yaml\nname: c\n")
+    with pytest.raises(ConfigError, match="cannot read the experiment file"):
+        read_yaml(tmp_path / "c.yaml")

@@ -140,6 +140,18 @@ def test_report_rounds_to_the_baselines_best_use_the_seed_averaged_curve(tmp_pat
     assert "| KDIA | 70.00 ± 0.00 | 61.20 |" in md  # best beside the paper's figure
 
 
+def test_report_lists_the_papers_methods_that_were_not_run(tmp_path: Path) -> None:
+    """A method the paper reports but the grid did not run appears beside the paper with n/a for ours."""
+    run = _fake_grid(
+        tmp_path,
+        {("FedAvg", "0.1", "0"): [0.5]},
+        {"paper": {"FedAvg": {"alpha=0.1": 50.4}, "MOON": {"alpha=0.1": "48.82±2.61"}}},
+    )
+    write_report(run, plots=False)
+    md = (run / "report.md").read_text()
+    assert "| FedAvg | 50.00 | 50.40 |" in md and "| MOON | n/a | 48.82±2.61 |" in md
+
+
 def test_report_of_a_single_run_directory(tmp_path: Path) -> None:
     """`fedmq report` works on a plain run: one row named after the method, curves written."""
     _fake_run(tmp_path / "run", [0.3, 0.6])
