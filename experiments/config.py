@@ -357,22 +357,27 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set rounds=5")
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        set_path(data, key, yaml.safe_load(raw), where=f"--set {item!r}")
     return data
+
+
+def set_path(data: dict[str, Any], key: str, value: Any, *, where: str) -> None:
+    """Set ``a.b.c`` in nested maps, creating the sections on the way."""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where}: {part} is not a section of the config")
+    node[parts[-1]] = value
 
 
 def read_yaml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The experiment file as a mapping; a clear ConfigError for an unreadable or non-mapping file.
 
     ``extends: OTHER.yaml`` (relative to the file) starts from another experiment file: maps merge
-    key by key, anything else (lists, values) is replaced. A reduced-scale config says only what it
-    reduces.
+    key by key, anything else (lists, values) is replaced, and so is each grid axis the file names.
+    A reduced-scale config says only what it reduces.
     """
     path = Path(path)
     try:
@@ -396,11 +401,19 @@ def read_yaml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, An
     return merge(read_yaml(base_path, _seen=(*_seen, path.resolve())), data)
 
 
-def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """`base` updated by `changes`, recursively for maps."""
+_IDENTITY = ("name", "kind", "dataset")
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any], *, _path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`base` updated by `changes`, recursively for maps. Replaced whole instead: a grid axis, and a
+    section that names another model, method, partition kind or dataset (its options would not fit)."""
     out = dict(base)
     for key, value in changes.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        old = out.get(key)
+        nested = isinstance(value, dict) and isinstance(old, dict) and _path != ("grid",)
+        if nested and any(k in value and k in old and value[k] != old[k] for k in _IDENTITY):
+            nested = False
+        out[key] = merge(old, value, _path=(*_path, key)) if nested else value
     return out
 
 

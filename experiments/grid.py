@@ -26,7 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml
+from experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml, set_path
 from fedcore.errors import ConfigError
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
@@ -130,23 +130,17 @@ def _axis(key: Any, spec: Any) -> Axis:
     return Axis(key, labels, values, explicit)
 
 
-def _set_path(data: dict[str, Any], key: str, value: Any) -> None:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"grid.{key}: {part} is not a section of the config")
-    node[parts[-1]] = copy.deepcopy(value)
+def cell_id(index: int, parts: dict[str, tuple[str, Any]]) -> str:
+    """A short, file-system safe, stable directory name: 003-FedAvg_alpha=0.1_seed=2.
 
-
-def cell_id(index: int, labels: dict[str, str]) -> str:
-    """A short, file-system safe, stable directory name: 003-FedAvg_alpha=0.1_seed=2."""
-    parts = []
-    for key, label in labels.items():
+    `parts` maps each axis to (label, value): scalar values show as key=value, maps by their label.
+    """
+    words = []
+    for key, (label, value) in parts.items():
         short = key.rsplit(".", 1)[-1]
-        parts.append(label if short in ("method", "name") else f"{short}={label}")
-    slug = _SAFE.sub("-", "_".join(parts)).strip("-_")[:80]
+        scalar = isinstance(value, int | float | str | bool) and not isinstance(value, dict)
+        words.append(f"{short}={_label(value)}" if scalar else label)
+    slug = _SAFE.sub("-", "_".join(words)).strip("-_")[:80]
     return f"{index:03d}-{slug}" if slug else f"{index:03d}"
 
 
@@ -170,13 +164,14 @@ def expand(data: dict[str, Any], *, source: str = "config") -> Grid:
     cells = []
     for index, combo in enumerate(itertools.product(*(range(len(a.values)) for a in axes))):
         cell_data = copy.deepcopy(data)
-        labels = {}
+        labels, parts = {}, {}
         for axis, i in zip(axes, combo, strict=True):
-            _set_path(cell_data, axis.key, axis.values[i])
+            set_path(cell_data, axis.key, copy.deepcopy(axis.values[i]), where=f"grid.{axis.key}")
             labels[axis.key] = axis.labels[i]
+            parts[axis.key] = (axis.labels[i], axis.values[i])
         where = f"{source} (cell {', '.join(f'{k}={v}' for k, v in labels.items())})" if labels else source
         config = parse_config(cell_data, source=where)
-        cells.append(Cell(index, cell_id(index, labels), labels, config))
+        cells.append(Cell(index, cell_id(index, parts), labels, config))
     name = str(data.get("name", "experiment"))
     return Grid(name, axes, tuple(cells), report)
 

@@ -78,13 +78,16 @@ def test_resolved_config_round_trips_through_yaml() -> None:
 
 
 def test_extends_merges_maps_and_replaces_values(tmp_path: Path) -> None:
-    """A reduced config names only what it changes: maps merge key by key, lists and values replace."""
+    """A reduced config names only what it changes: maps merge, lists, values and grid axes are replaced."""
     (tmp_path / "full.yaml").write_text(
-        "name: full\nnodes: 10\nrounds: 200\ntrain: {local_epochs: 10, lr: 0.05}\ngrid: {seed: [0, 1, 2]}\n"
+        "name: full\nnodes: 10\nrounds: 200\ntrain: {local_epochs: 10, lr: 0.05}\n"
+        "model: {name: mobilenetv2, options: {variant: cifar}}\ndata: {dataset: cifar10, augment: none}\n"
+        "grid: {seed: [0, 1, 2], method: {A: {name: fedavg}, B: {name: fedavg}}}\n"
     )
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "reduced.yaml").write_text(
-        "extends: ../full.yaml\nrounds: 20\ntrain: {local_epochs: 2}\ngrid: {seed: [0]}\n"
+        "extends: ../full.yaml\nrounds: 20\ntrain: {local_epochs: 2}\ngrid: {method: {A: {name: fedavg}}}\n"
+        "model: {name: dnn}\ndata: {augment: default}\n"
     )
     data = read_yaml(tmp_path / "sub" / "reduced.yaml")
     assert data == {
@@ -92,7 +95,9 @@ def test_extends_merges_maps_and_replaces_values(tmp_path: Path) -> None:
         "nodes": 10,
         "rounds": 20,
         "train": {"local_epochs": 2, "lr": 0.05},
-        "grid": {"seed": [0]},
+        "model": {"name": "dnn"},  # another model: its section is replaced, the old options dropped
+        "data": {"dataset": "cifar10", "augment": "default"},
+        "grid": {"seed": [0, 1, 2], "method": {"A": {"name": "fedavg"}}},  # an axis named again is replaced whole
     }
 
 

@@ -1,0 +1,40 @@
+"""The papers' experiment files: they load, and each reduced one keeps its paper's setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from experiments.config import read_yaml
+from experiments.grid import load_experiment
+
+PAPERS = Path(__file__).resolve().parents[2] / "experiments" / "papers"
+FULL = sorted(p for p in PAPERS.glob("*.yaml") if not p.stem.endswith("-reduced"))
+
+
+def test_every_paper_has_a_full_and_a_reduced_config() -> None:
+    """experiments/papers holds one full-scale and one reduced-scale file per paper."""
+    assert {p.stem for p in FULL} == {"kdia", "fedvls", "fedrcl", "fedsa", "fedacd"}
+    for full in FULL:
+        assert (PAPERS / f"{full.stem}-reduced.yaml").exists(), full.stem
+
+
+@pytest.mark.parametrize("full", FULL, ids=lambda p: p.stem)
+def test_paper_config_loads_and_its_reduced_form_keeps_the_setting(full: Path) -> None:
+    """Every cell validates; the reduced file extends the full one and keeps nodes, C and the split kind,
+    and says in its comments what it reduced."""
+    grid = load_experiment(full)
+    reduced_path = PAPERS / f"{full.stem}-reduced.yaml"
+    reduced = load_experiment(reduced_path)
+    assert grid.is_grid and reduced.is_grid and grid.report.paper
+    assert "extends:" in reduced_path.read_text() and "reduced" in reduced_path.read_text().lower()
+    assert read_yaml(reduced_path)["name"] != read_yaml(full)["name"]
+    first, small = grid.cells[0].config, reduced.cells[0].config
+    assert (small.nodes, small.fraction) == (first.nodes, first.fraction)
+    assert small.rounds < first.rounds
+    assert len(reduced.cells) <= len(grid.cells)
+    # every paper figure names a column the full grid produces (so it lands beside ours)
+    columns = {", ".join(c.labels[k] for k in c.labels if k not in ("method", "seed")) for c in grid.cells}
+    for row, figures in grid.report.paper.items():
+        assert set(figures) <= columns, (row, set(figures) - columns)
