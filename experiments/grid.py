@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,14 @@ from experiments.config import ExperimentConfig, apply_overrides, parse_config, 
 from fedcore.errors import ConfigError
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
+
+
+def slug(text: str, limit: int = 80) -> str:
+    """A file-system safe ASCII name: letters such as β become their names (beta), the rest '-'."""
+    spelled = "".join(
+        ch if ch.isascii() else (unicodedata.name(ch, "-").split()[-1].lower() if ch.isalpha() else "-") for ch in text
+    )
+    return _SAFE.sub("-", spelled).strip("-_")[:limit]
 
 
 class ReportConfig(BaseModel):
@@ -140,8 +149,8 @@ def cell_id(index: int, parts: dict[str, tuple[str, Any]]) -> str:
         short = key.rsplit(".", 1)[-1]
         scalar = isinstance(value, int | float | str | bool) and not isinstance(value, dict)
         words.append(f"{short}={_label(value)}" if scalar else label)
-    slug = _SAFE.sub("-", "_".join(words)).strip("-_")[:80]
-    return f"{index:03d}-{slug}" if slug else f"{index:03d}"
+    name = slug("_".join(words))
+    return f"{index:03d}-{name}" if name else f"{index:03d}"
 
 
 def expand(data: dict[str, Any], *, source: str = "config") -> Grid:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.run_dir import write_json
-from experiments.grid import ReportConfig
+from experiments.grid import ReportConfig, slug
 
 logger = logging.getLogger(__name__)
 
@@ -232,10 +232,6 @@ def _rounds(data: ReportData, row: str, column: str) -> str:
     return f"{rounds}{speedup}"
 
 
-def _slug(text: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "._=-" else "-" for ch in text).strip("-") or "all"
-
-
 def plot_curves(data: ReportData, run_dir: Path) -> list[tuple[str, str]]:
     """One PNG per column: mean accuracy by round per row, shaded between the seeds' min and max."""
     import matplotlib
@@ -270,7 +266,7 @@ def plot_curves(data: ReportData, run_dir: Path) -> list[tuple[str, str]]:
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(loc="lower right", fontsize=8)
-        name = f"curves-{_slug(column)}.png"
+        name = f"curves-{slug(column) or 'all'}.png"
         fig.tight_layout()
         fig.savefig(run_dir / name)
         plt.close(fig)

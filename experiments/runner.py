@@ -314,6 +314,7 @@ async def _monitor(cfg: ExperimentConfig, url: str, federation: str, console: Co
         await bus.subscribe(topics.coordinator_status)
         with progress:
             task = progress.add_task("rounds", total=cfg.rounds, status="waiting for nodes")
+            first: tuple[float, int] | None = None  # (when, rounds done) at the first round's end
             async for envelope in bus.messages():
                 if envelope.message.kind != Kind.COORDINATOR_STATUS:
                     continue
@@ -323,7 +324,12 @@ async def _monitor(cfg: ExperimentConfig, url: str, federation: str, console: Co
                 status = f"live {meta.get('live_nodes', 0)}" + (f"  acc {accuracy:.4f}" if accuracy is not None else "")
                 progress.update(task, completed=done, status=status)
                 if not quiet and not console.is_terminal and "round_done" in meta:
-                    console.print(f"round {done}/{cfg.rounds} {status}")
+                    now = time.monotonic()
+                    first = first or (now, done)
+                    eta = ""
+                    if done > first[1]:
+                        eta = f"  {(now - first[0]) / (done - first[1]) * (cfg.rounds - done):.0f} s left"
+                    console.print(f"round {done}/{cfg.rounds} {status}{eta}")
 
 
 def _report(out: Path, console: Console, returncode: int | None, wall: float, quiet: bool) -> int:

@@ -174,3 +174,17 @@ def test_report_missing_results_are_reported_not_fatal(tmp_path: Path) -> None:
     write_report(run, plots=False)
     md = (run / "report.md").read_text()
     assert "| 001 | not run | 0 | n/a | n/a | n/a |" in md and "| B | n/a |" in md
+
+
+def test_cell_ids_are_ascii_and_spell_out_greek_labels() -> None:
+    """Explicit labels such as α=0.05 become alpha=0.05 in directory names; nothing non-ASCII remains."""
+    grid = expand(
+        BASE
+        | {
+            "grid": {
+                "partition": {"α=0.05": {"kind": "dirichlet", "alpha": 0.05}, "iid": {"kind": "iid"}},
+                "train.lr": {"η=0.1": 0.1},
+            }
+        }
+    )
+    assert [c.cell_id for c in grid.cells] == ["000-alpha=0.05_lr=0.1", "001-iid_lr=0.1"]
