@@ -183,7 +183,7 @@ class Coordinator:
         node = message.sender
         if state is None:
             raise ProtocolError("wrong-round", f"update for round {message.round} matches no task sent to {node}")
-        if node in state.accepted or node in state.carried or node in state.rejected:
+        if state.answered(node) or node in state.carried:
             raise ProtocolError("duplicate-update", f"{node} already answered round {state.round}")
         if state.closed:
             self.late_arrivals += 1
@@ -191,6 +191,12 @@ class Coordinator:
                 "late update from %s for round %d (now round %d): not aggregated", node, state.round, self.round
             )
             self._receipt_soon(message, "late", "the round closed before it arrived")
+            return
+        failure = message.meta.get("failed")
+        if failure is not None:
+            detail = str(failure)[:500]
+            logger.warning("node %s reports its training for round %d failed: %s", node, state.round, detail)
+            state.on_failed(node, detail)
             return
         try:
             update = parse_update(message, state, envelope.received_at)
@@ -250,6 +256,7 @@ class Coordinator:
                 "late": list(outcome.late),
                 "lost": list(outcome.lost),
                 "rejected": list(outcome.rejected),
+                "failed": list(outcome.failed),
                 "live": len(self.registry.live_ids()),
             }
             if enough:
@@ -407,6 +414,8 @@ class Coordinator:
             self.participation.lost(node)
         for node in outcome.rejected:
             self.participation.rejected(node)
+        for node in outcome.failed:
+            self.participation.failed(node)
 
     @staticmethod
     def _failures(rnd: int, outcome: RoundOutcome) -> list[Failure]:
@@ -414,6 +423,7 @@ class Coordinator:
             [Failure(n, rnd, "late") for n in outcome.late]
             + [Failure(n, rnd, "lost") for n in outcome.lost]
             + [Failure(n, rnd, "rejected") for n in outcome.rejected]
+            + [Failure(n, rnd, "failed") for n in outcome.failed]
         )
 
     async def _maybe_evaluate(self, rnd: int) -> dict[str, float]:
@@ -501,6 +511,7 @@ class Coordinator:
                 "late": sum(n.late for n in self.participation),
                 "lost": sum(n.lost for n in self.participation),
                 "rejected": sum(n.rejected for n in self.participation),
+                "failed": sum(n.failed for n in self.participation),
             },
         }
         self.run_dir.write_json("summary.json", summary)

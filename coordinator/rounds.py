@@ -1,7 +1,8 @@
 """The bookkeeping of one synchronous round attempt: who was asked, who answered, when it may close.
 
 Pure state plus two events; the daemon feeds it messages and awaits the events. A selected node
-counts as answered when its update was accepted or rejected, or when it went offline: a node that
+counts as answered when its update was accepted or rejected, when it reported a failed training,
+or when it went offline: a node that
 leaves mid-round is not waited for.
 """
 
@@ -25,6 +26,8 @@ class RoundOutcome:
     """Selected, went offline before delivering."""
     rejected: tuple[str, ...]
     carried: tuple[str, ...]
+    failed: tuple[str, ...] = ()
+    """Selected nodes that reported their training failed."""
     """Updates accepted in an earlier attempt of the same round, still counted."""
 
 
@@ -43,6 +46,7 @@ class RoundState:
     acked: set[str] = field(default_factory=set)
     accepted: dict[str, NodeUpdate] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
     offline: set[str] = field(default_factory=set)
     model_published: bool = False
     closed: bool = False
@@ -54,7 +58,7 @@ class RoundState:
 
     @property
     def pending(self) -> set[str]:
-        return set(self.selected) - self.accepted.keys() - self.rejected.keys() - self.offline
+        return set(self.selected) - self.accepted.keys() - self.rejected.keys() - self.failed.keys() - self.offline
 
     @property
     def updates(self) -> dict[str, NodeUpdate]:
@@ -62,7 +66,7 @@ class RoundState:
         return self.carried | self.accepted
 
     def answered(self, node_id: str) -> bool:
-        return node_id in self.accepted or node_id in self.rejected
+        return node_id in self.accepted or node_id in self.rejected or node_id in self.failed
 
     def on_ack(self, node_id: str) -> None:
         self.acked.add(node_id)
@@ -76,13 +80,19 @@ class RoundState:
         self.rejected[node_id] = reason
         self._check()
 
+    def on_failed(self, node_id: str, reason: str) -> None:
+        """The node says its training failed: nothing will come, so the round does not wait for it."""
+        self.failed[node_id] = reason
+        self._check()
+
     def on_offline(self, node_id: str) -> None:
         if node_id in self.selected and not self.answered(node_id):
             self.offline.add(node_id)
             self._check()
 
     def _check(self) -> None:
-        waiting_acks = set(self.selected) - self.acked - self.offline - self.rejected.keys() - self.accepted.keys()
+        answered = self.rejected.keys() | self.accepted.keys() | self.failed.keys()
+        waiting_acks = set(self.selected) - self.acked - self.offline - answered
         if not waiting_acks:
             self.acks_complete.set()
         if len(self.updates) >= self.target or not self.pending:
@@ -99,4 +109,5 @@ class RoundState:
             lost=lost,
             rejected=tuple(sorted(self.rejected)),
             carried=tuple(sorted(self.carried)),
+            failed=tuple(sorted(self.failed)),
         )

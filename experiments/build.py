@@ -189,6 +189,7 @@ def build_nodes(
                 delay_s=fault.delay_s,
                 delay_rounds=frozenset(fault.delay_rounds) if fault.delay_rounds is not None else None,
                 fail_at_round=fault.fail_at_round,
+                error_at_round=fault.error_at_round,
             )
             if fault
             else Faults()

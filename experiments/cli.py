@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -142,8 +143,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PARENT_ENV = "FEDMQ_PARENT_PID"
+
+
+def _die_with_parent() -> None:
+    """A process started by `fedmq run` ends with it, even when `fedmq run` is killed outright.
+
+    Linux only (prctl PR_SET_PDEATHSIG); SIGTERM then stops the daemon cleanly. Elsewhere
+    `fedmq run` still stops its children whenever it can run its own clean-up.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != parent:  # the parent died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _die_with_parent()
     from experiments import logs
 
     console = not (args.command == "run" and not args.verbose)
@@ -159,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         from experiments.runner import run_from_cli
 
-        return run_from_cli(args)
+        return _run_async(run_from_cli(args))
     except ConfigError as exc:
         print(f"fedmq: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

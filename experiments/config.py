@@ -244,7 +244,8 @@ class BusSettings(_Strict):
 class FaultConfig(_Strict):
     delay_s: float = Field(0.0, ge=0)
     delay_rounds: list[int] | None = None
-    fail_at_round: int | None = Field(None, ge=0)
+    fail_at_round: int | None = Field(None, ge=0, description="crash mid-round (the broker fires the will)")
+    error_at_round: int | None = Field(None, ge=0, description="raise in this round's training; reported, not fatal")
 
 
 class HostingConfig(_Strict):

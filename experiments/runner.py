@@ -30,6 +30,7 @@ from broker.errors import BusError
 from broker.mosquitto import free_port, wait_for_port
 from coordinator.run_dir import write_json
 from experiments.build import preflight
+from experiments.cli import PARENT_ENV
 from experiments.config import ExperimentConfig
 from experiments.grid import Cell, Grid, load_experiment
 from experiments.report import write_report
@@ -53,7 +54,7 @@ class Children:
                 *args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                env=os.environ | {"PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
             )
         self.procs[name] = proc
         return proc
@@ -102,15 +103,15 @@ def split_evenly(items: list[str], parts: int) -> list[list[str]]:
     return out
 
 
-def run_from_cli(args: argparse.Namespace) -> int:
+async def run_from_cli(args: argparse.Namespace) -> int:
     grid = load_experiment(args.config, args.overrides)
     first = grid.cells[0].config
     out = args.out or default_out(first)
     processes = args.processes or first.hosting.processes or os.cpu_count() or 1
     options = {"broker": args.broker, "processes": processes, "quiet": args.quiet, "verbose": args.verbose}
     if grid.is_grid:
-        return asyncio.run(run_grid(grid, out, timeout_s=args.timeout, **options))
-    code = asyncio.run(run_federation(first, out, timeout_s=args.timeout, **options))
+        return await run_grid(grid, out, timeout_s=args.timeout, **options)
+    code = await run_federation(first, out, timeout_s=args.timeout, **options)
     if (out / "summary.json").exists():
         _write_report(out, Console(highlight=False), args.quiet)
     return code
@@ -178,6 +179,9 @@ async def run_grid(
             verbose=verbose,
         )  # fmt: skip
         ran.append(cell.cell_id)
+        if code == EXIT_INTERRUPTED:
+            console.print("[yellow]interrupted; run the same command again to resume the grid[/]")
+            return code
         if code != EXIT_OK:
             failed.append(cell.cell_id)
     _write_report(out, console, quiet)

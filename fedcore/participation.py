@@ -28,6 +28,8 @@ class NodeParticipation:
     late: int = 0
     lost: int = 0
     rejected: int = 0
+    failed: int = 0
+    """Rounds whose training the node reported as failed."""
     last_selected_round: int = -1
     intervals: list[int] = field(default_factory=list)
     """Rounds between consecutive accepted participations, the most recent MAX_INTERVALS."""
@@ -107,6 +109,9 @@ class ParticipationRecord:
 
     def rejected(self, node_id: str) -> None:
         self.ensure(node_id).rejected += 1
+
+    def failed(self, node_id: str) -> None:
+        self.ensure(node_id).failed += 1
 
     def arrays(self, node_ids: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """``last_round``, ``count`` and ``num_samples`` as aligned arrays (plus ``node_ids``)."""

@@ -106,6 +106,8 @@ def local_sgd(
         order = torch.randperm(n, generator=generator, device=generator.device).to(data.x.device)
         for start in range(0, n, settings.batch_size):
             idx = order[start : start + settings.batch_size]
+            if len(idx) == 1 and n > 1:
+                break  # a trailing batch of one sample: BatchNorm cannot train on it (and it weighs nothing)
             x, y = data.train_batch(idx, generator)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)

@@ -13,6 +13,8 @@ class Faults:
     """Extra compute time added after training, before the update is sent."""
     delay_rounds: frozenset[int] | None = None
     """Rounds the delay applies to; None means every round."""
+    error_at_round: int | None = None
+    """Raise an error in this round's training (the node reports the failure and goes on)."""
     fail_at_round: int | None = None
     """Crash (drop the connection without a goodbye, so the broker fires the will) on receiving this
     round's model, that is mid-round."""
@@ -20,8 +22,10 @@ class Faults:
     def __post_init__(self) -> None:
         if self.delay_s < 0:
             raise ValueError("delay_s must be non-negative")
-        if self.fail_at_round is not None and self.fail_at_round < 0:
-            raise ValueError("fail_at_round must be a round number")
+        for name in ("fail_at_round", "error_at_round"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a round number")
 
     def delay_for(self, round: int) -> float:
         if self.delay_s and (self.delay_rounds is None or round in self.delay_rounds):

@@ -250,8 +250,15 @@ class NodeDaemon:
     # -- training --------------------------------------------------------------------------
 
     async def _train_and_send(self, task: Task, payload: Payload) -> None:
-        async with self.workspace.lock:
-            frame, train_s = await asyncio.to_thread(self._train_and_encode, task, payload)
+        try:
+            async with self.workspace.lock:
+                frame, train_s = await asyncio.to_thread(self._train_and_encode, task, payload)
+        except Exception as exc:  # the round must not wait for an update that will never come
+            if self._bus is not None:
+                self._bus.stats.rejected["training-error"] += 1
+            self.log.error("training for round %d failed: %r", task.round, exc, exc_info=exc)
+            await self._report_failure(task, f"{type(exc).__name__}: {exc}")
+            return
         delay = self.config.faults.delay_for(task.round)
         if delay:
             self.log.info("fault injection: delaying round %d's update by %g s", task.round, delay)
@@ -260,8 +267,24 @@ class NodeDaemon:
         self.rounds_trained += 1
         self.log.info("round %d: trained %.3f s, update of %d bytes sent", task.round, train_s, len(frame))
 
+    async def _report_failure(self, task: Task, reason: str) -> None:
+        """An update without tensors that says why: the coordinator stops waiting for this node."""
+        failure = Message(
+            kind=Kind.UPDATE,
+            federation=self.config.federation,
+            round=task.round,
+            sender=self.node_id,
+            meta={"task": task.task_id, "failed": reason[:500]},
+        )
+        try:
+            await self._bus_or_fail().publish(self.topics.update(self.node_id), failure)
+        except BusError as exc:
+            self.log.warning("could not report the failure of round %d: %s", task.round, exc)
+
     def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray, float]:
         """Runs in a worker thread; encodes before releasing the workspace, whose tensors the update aliases."""
+        if self.config.faults.error_at_round == task.round:
+            raise RuntimeError(f"fault injection: training error at round {task.round}")
         started = time.perf_counter()
         generator = torch_generator(
             self.config.seed, "node-train", self.node_id, task.round, task.attempt, device=self.workspace.device
@@ -293,10 +316,8 @@ class NodeDaemon:
         if job.cancelled():
             return
         exc = job.exception()
-        if exc is not None:
-            if self._bus is not None:
-                self._bus.stats.rejected["training-error"] += 1
-            self.log.error("training failed: %r", exc, exc_info=exc)
+        if exc is not None:  # a failed publish of the update; training errors are reported in the job
+            self.log.error("round job failed: %r", exc, exc_info=exc)
 
     def _bus_or_fail(self) -> BusClient:
         if self._bus is None:

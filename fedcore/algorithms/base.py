@@ -57,7 +57,7 @@ class Failure:
 
     node_id: str
     round: int
-    reason: Literal["late", "lost", "rejected"]
+    reason: Literal["late", "lost", "rejected", "failed"]
     detail: str = ""
 
 

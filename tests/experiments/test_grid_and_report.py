@@ -177,12 +177,12 @@ def test_report_missing_results_are_reported_not_fatal(tmp_path: Path) -> None:
 
 
 def test_cell_ids_are_ascii_and_spell_out_greek_labels() -> None:
-    """Explicit labels such as α=0.05 become alpha=0.05 in directory names; nothing non-ASCII remains."""
+    """Explicit labels such as α=0.05 become alpha=0.05 in directory names; nothing non-ASCII remains."""  # noqa: RUF002
     grid = expand(
         BASE
         | {
             "grid": {
-                "partition": {"α=0.05": {"kind": "dirichlet", "alpha": 0.05}, "iid": {"kind": "iid"}},
+                "partition": {"α=0.05": {"kind": "dirichlet", "alpha": 0.05}, "iid": {"kind": "iid"}},  # noqa: RUF001
                 "train.lr": {"η=0.1": 0.1},
             }
         }

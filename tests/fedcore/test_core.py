@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from fedcore.aggregation import weighted_average
+from fedcore.data import TensorDataset
 from fedcore.models import build_model, count_parameters
 from fedcore.participation import MAX_INTERVALS, ParticipationRecord
 from fedcore.seeding import stream, torch_generator
 from fedcore.tensors import flatten_groups, non_finite, schema_mismatch, schema_of, split_groups
+from fedcore.training import TrainSettings, local_sgd
 
 
 def test_streams_are_reproducible_and_independent() -> None:
@@ -122,3 +124,12 @@ def test_participation_from_json_rejects_malformed() -> None:
     with pytest.raises(ValueError):
         ParticipationRecord.from_json({"a": {"node_id": "a", "count": 1, "bogus": 2, "last_round": "x"}} | {"c": []})  # type: ignore[dict-item]
     _ = np  # numpy imported for parity with other tests
+
+
+def test_local_sgd_skips_a_trailing_single_sample_batch_that_batchnorm_cannot_train_on() -> None:
+    """11 samples in batches of 10 with a BatchNorm model: the last batch of one is skipped, not fatal."""
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(11, 4, generator=gen), torch.randint(0, 3, (11,), generator=gen), 3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    stats = local_sgd(model, data, TrainSettings(batch_size=10, local_epochs=2), torch.Generator().manual_seed(1))
+    assert (stats.steps, stats.samples_seen) == (2, 20)

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,44 @@ def test_run_refuses_what_cannot_work_before_starting_anything(tmp_path: Path, o
     result = fedmq("run", str(QUICKSTART), "--out", str(tmp_path / "out"), *extra, "--set", override)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "out" / "logs").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_run_stopped_or_killed_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM stops `fedmq run` cleanly (exit 130); even SIGKILL takes the broker, coordinator and
+    nodes with it, so no daemon is orphaned."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--out", str(out), "--set", "rounds=500",
+         "--processes", "2", "--quiet"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(600):  # until the first round is written
+            if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text():
+                break
+            time.sleep(0.1)
+        children = [
+            int(p)
+            for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ]
+        assert len(children) == 4, children  # broker, coordinator, two node hosts
+        proc.send_signal(sig)
+        code = proc.wait(30)
+        assert code == (130 if sig == signal.SIGTERM else -signal.SIGKILL)
+        for _ in range(200):
+            alive = [p for p in children if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+            if not alive:
+                break
+            time.sleep(0.1)
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

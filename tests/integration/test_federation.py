@@ -86,6 +86,23 @@ def test_node_crashing_mid_round_is_lost_and_the_next_rounds_go_on(tmp_path: Pat
     assert fed.summary()["rounds_completed"] == 4
 
 
+def test_node_whose_training_fails_reports_it_and_the_round_does_not_wait(tmp_path: Path, broker_url: str) -> None:
+    """node-001's training raises in round 1: it reports the failure, the round closes without waiting
+    for the 30 s deadline, the failure is in the metrics and the record, and node-001 trains again after."""
+    cfg = base_config(nodes=3, rounds=3, deadline_s=30, faults={"node-001": {"error_at_round": 1}})
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    metrics, record, summary = fed.metrics(), fed.participation(), fed.summary()
+    assert metrics[1]["failed"] == ["node-001"] and metrics[1]["accepted"] == ["node-000", "node-002"]
+    assert metrics[1]["late"] == [] and metrics[1]["round_seconds"] < 10, metrics[1]
+    assert metrics[2]["accepted"] == ["node-000", "node-001", "node-002"]
+    assert record["node-001"]["failed"] == 1 and record["node-001"]["count"] == 2
+    assert summary["participation_totals"]["failed"] == 1
+    assert "fault injection: training error at round 1" in fed.log("node-000.log")
+
+
 def test_node_joining_late_is_sampled_from_then_on(tmp_path: Path, broker_url: str) -> None:
     """The run starts with 2 of 3 nodes (min_nodes=2); node-002 joins mid-run and is selected in
     every round after it came online (C=1)."""
