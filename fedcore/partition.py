@@ -44,6 +44,14 @@ def _check(labels: np.ndarray, num_nodes: int) -> np.ndarray:
     return labels
 
 
+def _check_min_samples(n: int, num_nodes: int, min_samples: int) -> None:
+    if num_nodes * min_samples > n:
+        raise ConfigError(
+            f"{num_nodes} nodes x {min_samples} samples needs {num_nodes * min_samples}, the dataset has {n}",
+            field="partition.min_samples",
+        )
+
+
 def _by_class(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """The classes present, ascending, and each one's sample indices, ascending."""
     order = np.argsort(labels, kind="stable")
@@ -84,11 +92,7 @@ def dirichlet(
     if alpha <= 0:
         raise ConfigError("alpha must be positive", field="partition.alpha")
     n = len(labels)
-    if num_nodes * min_samples > n:
-        raise ConfigError(
-            f"{num_nodes} nodes x {min_samples} samples needs {num_nodes * min_samples}, the dataset has {n}",
-            field="partition.min_samples",
-        )
+    _check_min_samples(n, num_nodes, min_samples)
     rng = stream(seed, "partition", "dirichlet")
     _, per_class = _by_class(labels)
     nodes = np.arange(num_nodes)
@@ -328,11 +332,7 @@ def quantity(
     if beta <= 0:
         raise ConfigError("beta must be positive", field="partition.beta")
     n = len(labels)
-    if num_nodes * min_samples > n:
-        raise ConfigError(
-            f"{num_nodes} nodes x {min_samples} samples needs {num_nodes * min_samples}, the dataset has {n}",
-            field="partition.min_samples",
-        )
+    _check_min_samples(n, num_nodes, min_samples)
     rng = stream(seed, "partition", "quantity")
     perm = rng.permutation(n)
     for _ in range(max_attempts):
