@@ -30,6 +30,7 @@ from coordinator.updates import parse_update
 from fedcore.algorithms.base import CoordinatorHalf, Failure, RoundContext
 from fedcore.data import TensorDataset
 from fedcore.participation import ParticipationRecord
+from fedcore.seeding import torch_generator
 from fedcore.tensors import flatten_groups
 from fedcore.training import evaluate
 
@@ -56,12 +57,15 @@ class Coordinator:
         half: CoordinatorHalf,
         test_data: TensorDataset | None = None,
         *,
+        val_data: TensorDataset | None = None,
         extra_summary: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.bus_config = bus_config
         self.half = half
         self.test_data = test_data
+        self.val_data = val_data
+        self.last_models: dict[str, dict[str, float]] = {}
         self.topics = Topics(config.federation)
         self.registry = NodeRegistry()
         self.participation = ParticipationRecord()
@@ -261,7 +265,7 @@ class Coordinator:
             }
             if enough:
                 self._record_participation(state, outcome)
-                ctx = self._context(rnd, state.selected)
+                ctx = self._context(rnd, state.selected, "aggregate")
                 failures = self._failures(rnd, outcome)
                 ordered = [updates[k] for k in sorted(updates)]
                 metrics = await asyncio.to_thread(self.half.aggregate, ctx, ordered, failures)
@@ -319,7 +323,7 @@ class Coordinator:
             attempt=attempt,
             already=carried,
         )
-        ctx = self._context(rnd, selection.selected)
+        ctx = self._context(rnd, selection.selected, "configure")
         payload = await asyncio.to_thread(self.half.configure_round, ctx)
         task_id = os.urandom(16)
         model = Message(
@@ -392,9 +396,14 @@ class Coordinator:
 
         await asyncio.gather(*(send(node) for node in state.selected))
 
-    def _context(self, rnd: int, selected: tuple[str, ...]) -> RoundContext:
+    def _context(self, rnd: int, selected: tuple[str, ...], step: str) -> RoundContext:
+        """What the algorithm half sees; `step` names its random stream (configure or aggregate)."""
         return RoundContext(
-            round=rnd, selected=selected, participation=self.participation, settings=self.config.train.for_round(rnd)
+            round=rnd,
+            selected=selected,
+            participation=self.participation,
+            settings=self.config.train.for_round(rnd),
+            generator=torch_generator(self.config.seed, "coordinator", step, rnd),
         )
 
     def _record_participation(self, state: RoundState, outcome: RoundOutcome, *, aggregated: bool = True) -> None:
@@ -435,14 +444,39 @@ class Coordinator:
         return results
 
     def _evaluate(self) -> dict[str, float]:
+        """Test accuracy and loss of every model the half offers (the first unsuffixed), and their
+        validation accuracy when a validation split exists; the final model is chosen on the latter."""
         assert self.test_data is not None
+        device = torch.device(self.config.eval_device)
         out: dict[str, float] = {}
+        models: dict[str, dict[str, float]] = {}
         for i, (name, model) in enumerate(self.half.evaluation_models().items()):
-            accuracy, loss = evaluate(model, self.test_data, device=torch.device(self.config.eval_device))
+            accuracy, loss = evaluate(model, self.test_data, device=device)
             suffix = "" if i == 0 else f"_{name}"
             out[f"accuracy{suffix}"] = accuracy
             out[f"loss{suffix}"] = loss
+            models[name] = {"test_accuracy": accuracy}
+            if self.val_data is not None:
+                models[name]["val_accuracy"] = out[f"val_accuracy{suffix}"] = evaluate(
+                    model, self.val_data, device=device
+                )[0]
+        self.last_models = models
         return out
+
+    def _final_model(self) -> dict[str, Any]:
+        """The model a user should deploy: the best on the validation split at the last evaluation
+        (never chosen on the test set); the first model when there is no validation split."""
+        if not self.last_models:
+            return {}
+        names = list(self.last_models)
+        chosen = names[0]
+        if self.val_data is not None:
+            chosen = max(names, key=lambda n: (self.last_models[n]["val_accuracy"], -names.index(n)))
+        return {
+            "final_model": chosen,
+            "final_model_accuracy": self.last_models[chosen]["test_accuracy"],
+            "models": self.last_models,
+        }
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -502,6 +536,7 @@ class Coordinator:
             "rounds_completed": self.rounds_completed,
             "final_accuracy": final,
             "best_accuracy": best,
+            **self._final_model(),
             "wall_seconds": round(wall, 3),
             "model_version": self.model_version,
             "late_arrivals": self.late_arrivals,

@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig, RoundPolicy
 from coordinator.daemon import Coordinator
 from experiments.config import ExperimentConfig
 from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.data import Split, TensorDataset, load_dataset
+from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset
 from fedcore.errors import ConfigError
 from fedcore.models import build_model
 from fedcore.partition import label_histograms, partition
@@ -64,7 +64,7 @@ def load_split(cfg: ExperimentConfig) -> Split:
         raise ConfigError(f"{reserved} are fields of data, not loader options", field="data.options")
     augment = d.augment if isinstance(d.augment, str) else d.augment.model_dump()
     normalize = d.normalize if isinstance(d.normalize, str) else d.normalize.model_dump()
-    return load_dataset(
+    split = load_dataset(
         d.dataset,
         seed=cfg.seed,
         root=data_root(cfg),
@@ -74,6 +74,7 @@ def load_split(cfg: ExperimentConfig) -> Split:
         normalize=normalize,
         **d.options,
     )
+    return hold_out_validation(split, d.validation_fraction, seed=cfg.seed) if d.validation_fraction else split
 
 
 def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
@@ -126,7 +127,7 @@ def build_coordinator(
     spec = get_algorithm(cfg.method.name)
     hp = build_hyperparams(spec, cfg.method.hyperparams)
     split = load_split(cfg)
-    half = spec.coordinator(hp, model=make_model(cfg, split.test))
+    half = spec.coordinator(hp, model=make_model(cfg, split.test), device=best_device())
     policy = RoundPolicy(
         fraction=cfg.fraction,
         over_selection=cfg.policy.over_selection,
@@ -157,7 +158,7 @@ def build_coordinator(
         "fraction": cfg.fraction,
         "seed": cfg.seed,
     }
-    return Coordinator(config, bus_config(cfg, url), half, split.test, extra_summary=extra)
+    return Coordinator(config, bus_config(cfg, url), half, split.test, val_data=split.val, extra_summary=extra)
 
 
 def build_nodes(

@@ -75,6 +75,9 @@ class DataConfig(_Strict):
     options: dict[str, Any] = Field(
         default_factory=dict, description="loader options, e.g. test_fraction (digits), labels (cifar100)"
     )
+    validation_fraction: float = Field(
+        0.0, ge=0, lt=1, description="held out of the training set (stratified) to pick the final model"
+    )
 
     @field_validator("augment", "normalize", mode="before")
     @classmethod

@@ -79,6 +79,25 @@ class TensorDataset:
 class Split:
     train: TensorDataset
     test: TensorDataset
+    val: TensorDataset | None = None
+    """Held out of the training set (never partitioned), for choices that must not see the test set."""
+
+
+def hold_out_validation(split: Split, fraction: float, *, seed: int) -> Split:
+    """Move a stratified `fraction` of the training set into `split.val`, keeping the rest in order."""
+    if not 0 < fraction < 1:
+        raise ConfigError(f"{fraction} is not in (0, 1)", field="data.validation_fraction")
+    labels = split.train.y.numpy()
+    rng = stream(seed, "validation-split")
+    held: list[np.ndarray] = []
+    for label in np.unique(labels):
+        idx = np.flatnonzero(labels == label)
+        held.append(rng.permutation(idx)[: round(len(idx) * fraction)])
+    val = np.sort(np.concatenate(held))
+    keep = np.setdiff1d(np.arange(len(labels)), val)
+    if len(val) == 0 or len(keep) == 0:
+        raise ConfigError(f"{fraction} of {len(labels)} samples leaves an empty part", field="data.validation_fraction")
+    return replace(split, train=split.train.subset(keep), val=split.train.subset(val))
 
 
 def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

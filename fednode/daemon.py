@@ -291,7 +291,13 @@ class NodeDaemon:
         )
         data = self.data
         result = self.half.train(
-            TaskInput(node_id=self.node_id, round=task.round, payload=payload, settings=task.settings),
+            TaskInput(
+                node_id=self.node_id,
+                round=task.round,
+                payload=payload,
+                settings=task.settings,
+                scratch=self.workspace.scratch,
+            ),
             self.workspace.model,
             data,
             generator,

@@ -1,12 +1,15 @@
 """What the nodes hosted by one process share: the device, one model to train in, and a lock.
 
 Nodes of one process train one at a time (the lock), so one model instance is enough for all of
-them: memory per hosted node is its data shard and its algorithm state, not a model copy.
+them: memory per hosted node is its data shard and its algorithm state, not a model copy. The
+same holds for the spare models an algorithm needs (a teacher, a previous model): `scratch`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,3 +27,13 @@ class Workspace:
     def __post_init__(self) -> None:
         self.model.to(self.device)
         self.schema: dict[str, TensorSpec] = schema_of(self.model.state_dict())
+        self._scratch: dict[str, nn.Module] = {}
+
+    def scratch(self, key: str, build: Callable[[], nn.Module] | None = None) -> nn.Module:
+        """A spare model kept under `key` for the nodes of this process: a copy of the training model's
+        architecture, or what `build` makes; on the workspace's device. Use it only under `lock`."""
+        module = self._scratch.get(key)
+        if module is None:
+            module = build() if build is not None else copy.deepcopy(self.model)
+            module = self._scratch[key] = module.to(self.device)
+        return module

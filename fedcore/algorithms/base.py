@@ -9,7 +9,7 @@ thread, and hand every random draw in as a generator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +37,8 @@ class RoundContext:
     participation: ParticipationRecord
     """Read it; only the coordinator writes it."""
     settings: TrainSettings
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    """The coordinator half's random stream for this round (seeded by the run's seed and the round)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,20 +63,31 @@ class Failure:
     detail: str = ""
 
 
+def _no_scratch(key: str, build: Callable[[], nn.Module] | None = None) -> nn.Module:
+    raise RuntimeError("this task has no scratch models")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TaskInput:
     node_id: str
     round: int
     payload: Payload
     settings: TrainSettings
+    scratch: Callable[..., nn.Module] = _no_scratch
+    """``scratch(key)`` gives a spare model of the training model's architecture on its device, and
+    ``scratch(key, build)`` one made by `build`: kept by key and shared by the nodes of a process
+    (they train one at a time), so a teacher or a previous model costs one module per process, not
+    per node. Its weights are whatever the last user left: load what you need into it."""
 
 
 class CoordinatorHalf(ABC):
     """Server side. Holds the global model; `hp` is the algorithm's frozen Hyperparams."""
 
-    def __init__(self, hp: Any, *, model: nn.Module) -> None:
+    def __init__(self, hp: Any, *, model: nn.Module, device: torch.device | None = None) -> None:
         self.hp = hp
         self.model = model
+        self.device = device or torch.device("cpu")
+        """Where heavy coordinator-side work (KDIA's generator) may run; the global model stays on the CPU."""
 
     @abstractmethod
     def configure_round(self, ctx: RoundContext) -> Payload:

@@ -5,6 +5,7 @@ Each test runs against the embedded broker and against mosquitto.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -157,3 +158,19 @@ def test_same_seed_gives_the_same_run(tmp_path: Path, embedded_broker: str) -> N
         assert fed.wait() == 0
         results.append([(m["selected"], m["train_loss"], m["accuracy"], m["loss"]) for m in fed.metrics()])
     assert results[0] == results[1]
+
+
+def test_validation_split_is_held_out_and_names_the_final_model(tmp_path: Path, broker_url: str) -> None:
+    """With data.validation_fraction the nodes never see the held-out samples, every evaluation reports
+    validation accuracy, and the summary names the model chosen on it with that model's test accuracy."""
+    cfg = base_config(nodes=2, rounds=2, data={"dataset": "digits", "validation_fraction": 0.2})
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert all(0 <= m["val_accuracy"] <= 1 for m in metrics)
+    assert summary["final_model"] == "global" and summary["final_model_accuracy"] == summary["final_accuracy"]
+    assert summary["models"]["global"]["val_accuracy"] == metrics[-1]["val_accuracy"]
+    partition = json.loads((fed.out / "partition.json").read_text())
+    assert 1047 < partition["train_samples"] < 1107 and sum(partition["sizes"].values()) == partition["train_samples"]
