@@ -13,7 +13,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ class CellResult:
     wall_seconds: float | None
     curve: tuple[tuple[int, float], ...]
     """(round, test accuracy) at every evaluated round, in order."""
+    others: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """The curves of the run's other evaluated models (KDIA's teacher), by name."""
 
     def metric(self, name: str, cfg: ReportConfig) -> float | None:
         accs = [a for _, a in self.curve]
@@ -118,11 +120,13 @@ class ReportData:
 # -- loading ---------------------------------------------------------------------------------
 
 
-def read_curve(metrics_path: Path) -> tuple[tuple[int, float], ...]:
-    """(round, accuracy) of the evaluated rounds; a retried round counts once, at its aggregated attempt."""
+def read_curves(metrics_path: Path) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Per evaluated model, (round, test accuracy) at its evaluated rounds: ``""`` is the first model
+    (``accuracy``), other names come from ``accuracy_<name>`` (KDIA's teacher). A retried round counts
+    once, at its aggregated attempt."""
     if not metrics_path.exists():
-        return ()
-    curve: dict[int, float] = {}
+        return {}
+    curves: dict[str, dict[int, float]] = {}
     for line in metrics_path.read_text().splitlines():
         if not line.strip():
             continue
@@ -131,12 +135,16 @@ def read_curve(metrics_path: Path) -> tuple[tuple[int, float], ...]:
         except json.JSONDecodeError:
             logger.warning("%s: skipped a line that is not JSON (a run cut off while writing?)", metrics_path)
             continue
-        if isinstance(record, dict) and isinstance(record.get("accuracy"), int | float):
-            curve[int(record["round"])] = float(record["accuracy"])
-    return tuple(sorted(curve.items()))
+        if not isinstance(record, dict) or not isinstance(record.get("round"), int):
+            continue
+        for key, value in record.items():
+            if (key == "accuracy" or key.startswith("accuracy_")) and isinstance(value, int | float):
+                curves.setdefault(key.removeprefix("accuracy").removeprefix("_"), {})[record["round"]] = float(value)
+    return {name: tuple(sorted(points.items())) for name, points in sorted(curves.items())}
 
 
 def load_cell(directory: Path, cell_id: str, labels: dict[str, str], method: str) -> CellResult:
+    curves = read_curves(directory / "metrics.jsonl")
     summary: dict[str, Any] = {}
     path = directory / "summary.json"
     if path.exists():
@@ -151,7 +159,8 @@ def load_cell(directory: Path, cell_id: str, labels: dict[str, str], method: str
         state=str(summary.get("state", "not run")),
         rounds_completed=int(summary.get("rounds_completed", 0) or 0),
         wall_seconds=summary.get("wall_seconds"),
-        curve=read_curve(directory / "metrics.jsonl"),
+        curve=curves.get("", ()),
+        others=tuple((name, curve) for name, curve in curves.items() if name),
     )
 
 
@@ -190,9 +199,12 @@ def load(run_dir: Path) -> ReportData:
     for cell in cells:
         row = key(cell, row_axes, bare=len(row_axes) == 1) or cell.method
         column = key(cell, col_axes, bare=False) or "all"
-        data.groups.setdefault((row, column), []).append(cell)
-        if row not in data.rows:
-            data.rows.append(row)
+        # a run's other evaluated models (KDIA's teacher) get their own row: "KDIA (teacher)"
+        variants = [(row, cell)] + [(f"{row} ({name})", replace(cell, curve=c, others=())) for name, c in cell.others]
+        for label, result in variants:
+            data.groups.setdefault((label, column), []).append(result)
+            if label not in data.rows:
+                data.rows.append(label)
         if column not in data.columns:
             data.columns.append(column)
     return data

@@ -188,3 +188,21 @@ def test_cell_ids_are_ascii_and_spell_out_greek_labels() -> None:
         }
     )
     assert [c.cell_id for c in grid.cells] == ["000-alpha=0.05_lr=0.1", "001-iid_lr=0.1"]
+
+
+def test_report_gives_each_evaluated_model_its_own_row(tmp_path: Path) -> None:
+    """A run that evaluates a second model (KDIA's teacher, metrics key accuracy_teacher) adds a row
+    'KDIA (teacher)' with that model's numbers, beside the first model's row."""
+    _fake_run(tmp_path / "cells" / "000", [0.2, 0.4])
+    lines = [
+        {"round": 0, "accuracy": 0.2, "accuracy_teacher": 0.3},
+        {"round": 1, "accuracy": 0.4, "accuracy_teacher": 0.5},
+    ]
+    (tmp_path / "cells" / "000" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cells = [{"index": 0, "id": "000", "labels": {"method": "KDIA"}, "method": "kdia"}]
+    axes = [{"key": "method", "labels": ["KDIA"], "explicit": True}]
+    (tmp_path / "grid.json").write_text(json.dumps({"name": "t", "axes": axes, "cells": cells, "report": {}}))
+    write_report(tmp_path, plots=False)
+    tables = json.loads((tmp_path / "report.json").read_text())["tables"]
+    assert tables["best"]["KDIA"]["all"]["values"] == [0.4]
+    assert tables["best"]["KDIA (teacher)"]["all"]["values"] == [0.5]
