@@ -1,6 +1,7 @@
 """Experiment grids: one file declares methods x settings x seeds, and `fedmq run` runs every cell.
 
     grid:                          # dotted config paths; a list of values, or a map label -> value
+      nodes,fraction: {N=30: [30, 0.1], C=0.5: [100, 0.5]}   # paths set together, not crossed
       method:
         FedAvg: {name: fedavg}
         FedProx: {name: fedprox, hyperparams: {mu: 0.01}}
@@ -119,11 +120,18 @@ def _label(value: Any) -> str:
     return str(value)
 
 
-def _axis(key: Any, spec: Any) -> Axis:
-    if not isinstance(key, str) or not key or any(not p.isidentifier() for p in key.split(".")):
-        raise ConfigError(f"grid: {key!r} is not a dotted config path such as partition.alpha")
-    if key in ("grid", "report", "name"):
+def _paths(key: Any) -> list[str]:
+    """The config paths an axis sets: one (``partition.alpha``) or several together (``nodes,fraction``)."""
+    paths = [k.strip() for k in key.split(",")] if isinstance(key, str) else []
+    if not paths or any(not p or any(not part.isidentifier() for part in p.split(".")) for p in paths):
+        raise ConfigError(f"grid: {key!r} is not a dotted config path such as partition.alpha (or paths joined by ',')")
+    if any(p in ("grid", "report", "name") for p in paths):
         raise ConfigError(f"grid: {key!r} cannot vary across cells")
+    return paths
+
+
+def _axis(key: Any, spec: Any) -> Axis:
+    paths = _paths(key)
     explicit = isinstance(spec, dict)
     if isinstance(spec, dict):
         labels, values = tuple(str(k) for k in spec), tuple(spec.values())
@@ -136,6 +144,8 @@ def _axis(key: Any, spec: Any) -> Axis:
         raise ConfigError(f"grid.{key}: no values")
     if len(set(labels)) != len(labels):
         raise ConfigError(f"grid.{key}: labels {list(labels)} repeat; give a map of distinct labels to values")
+    if len(paths) > 1 and any(not isinstance(v, list) or len(v) != len(paths) for v in values):
+        raise ConfigError(f"grid.{key}: each value is a list of {len(paths)}, one per path, e.g. [100, 0.1]")
     return Axis(key, labels, values, explicit)
 
 
@@ -175,7 +185,10 @@ def expand(data: dict[str, Any], *, source: str = "config") -> Grid:
         cell_data = copy.deepcopy(data)
         labels, parts = {}, {}
         for axis, i in zip(axes, combo, strict=True):
-            set_path(cell_data, axis.key, copy.deepcopy(axis.values[i]), where=f"grid.{axis.key}")
+            paths = _paths(axis.key)
+            values = axis.values[i] if len(paths) > 1 else [axis.values[i]]
+            for path, value in zip(paths, values, strict=True):
+                set_path(cell_data, path, copy.deepcopy(value), where=f"grid.{axis.key}")
             labels[axis.key] = axis.labels[i]
             parts[axis.key] = (axis.labels[i], axis.values[i])
         where = f"{source} (cell {', '.join(f'{k}={v}' for k, v in labels.items())})" if labels else source

@@ -206,3 +206,12 @@ def test_report_gives_each_evaluated_model_its_own_row(tmp_path: Path) -> None:
     tables = json.loads((tmp_path / "report.json").read_text())["tables"]
     assert tables["best"]["KDIA"]["all"]["values"] == [0.4]
     assert tables["best"]["KDIA (teacher)"]["all"]["values"] == [0.5]
+
+
+def test_grid_axis_of_several_paths_sets_them_together() -> None:
+    """`nodes,fraction` takes [N, C] pairs: three cells, not a cross product; a wrong length is refused."""
+    grid = expand(BASE | {"grid": {"nodes,fraction": {"N=4": [4, 0.5], "N=6": [6, 0.5], "C=1": [4, 1.0]}}})
+    assert [(c.config.nodes, c.config.fraction) for c in grid.cells] == [(4, 0.5), (6, 0.5), (4, 1.0)]
+    assert [c.cell_id for c in grid.cells] == ["000-N=4", "001-N=6", "002-C=1"]
+    with pytest.raises(ConfigError, match="each value is a list of 2"):
+        expand(BASE | {"grid": {"nodes,fraction": {"x": [4]}}})
