@@ -8,11 +8,16 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from fedcore.algorithms import fedavg
+from fedcore.algorithms import fedavg, fedavgm, feddisco, fedgkd, fedprox, kdia, moon
 from fedcore.algorithms.base import AlgorithmSpec
 from fedcore.errors import ConfigError
 
-ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType({spec.name: spec for spec in (fedavg.SPEC,)})
+ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (fedavg.SPEC, fedavgm.SPEC, fedprox.SPEC, moon.SPEC, fedgkd.SPEC, feddisco.SPEC, kdia.SPEC)
+    }
+)
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

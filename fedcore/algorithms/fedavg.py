@@ -7,6 +7,7 @@ model; the coordinator averages the returned models weighted by each node's numb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,20 @@ class CoordinatorHalf(base.CoordinatorHalf):
         weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in updates]
         # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only
         self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
-        losses = [float(u.payload.meta.get("loss", float("nan"))) for u in updates]
-        return {"train_loss": sum(w * loss for w, loss in zip(weights, losses, strict=True)) / sum(weights)}
+        return {"train_loss": mean_reported_loss(updates, weights)}
+
+
+def mean_reported_loss(updates: Sequence[base.NodeUpdate], weights: Sequence[float]) -> float:
+    """The weighted mean of the training losses the nodes reported (meta ``loss``), over the updates
+    that reported a finite number; NaN when none did. The value comes from the wire: anything that
+    is not a finite number is left out, never trusted."""
+    total = weight_sum = 0.0
+    for update, weight in zip(updates, weights, strict=True):
+        loss = update.payload.meta.get("loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool) and math.isfinite(loss):
+            total += weight * float(loss)
+            weight_sum += weight
+    return total / weight_sum if weight_sum > 0 else float("nan")
 
 
 class NodeHalf(base.NodeHalf):
@@ -48,14 +61,18 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        try:
-            model.load_state_dict(task.payload.tensors["model"])
-        except (KeyError, RuntimeError) as exc:
-            raise AlgorithmError(
-                f"task carries no usable model: {exc}", node_id=self.node_id, round=task.round
-            ) from exc
+        load_group(task, "model", model, node_id=self.node_id)
         stats = local_sgd(model, data, task.settings, generator)
         return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+
+
+def load_group(task: base.TaskInput, group: str, model: nn.Module, *, node_id: str) -> None:
+    """Load the task's tensor group `group` (the global model, a teacher) into `model`; a group that
+    is missing or does not fit the model is an AlgorithmError, not a KeyError deep in training."""
+    try:
+        model.load_state_dict(task.payload.tensors[group])
+    except (KeyError, RuntimeError) as exc:
+        raise AlgorithmError(f"task carries no usable {group}: {exc}", node_id=node_id, round=task.round) from exc
 
 
 SPEC = base.AlgorithmSpec(name="fedavg", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

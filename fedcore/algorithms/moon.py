@@ -1,0 +1,158 @@
+"""MOON: model-contrastive federated learning.
+
+Li, He and Song, "Model-Contrastive Federated Learning", CVPR 2021, https://arxiv.org/abs/2103.16257;
+code https://github.com/QinbinLi/MOON (``train_net_fedcon``). A node starts from the global model
+w^t and minimises, per mini-batch,
+
+    l = l_sup(w; x, y) + mu l_con                                                (Eq. 4)
+    l_con = -log [ exp(sim(z, z_glob) / tau)
+                   / (exp(sim(z, z_glob) / tau) + sum_j exp(sim(z, z_prev_j) / tau)) ]  (Eq. 3)
+
+where z, z_glob and z_prev_j are the representations of x under the model being trained, the
+global model w^t and the node's previous local models, and sim is the cosine similarity. The code
+computes l_con as the cross-entropy of the logits [sim(z, z_glob), sim(z, z_prev_1), ...] / tau
+with label 0, averaged over the batch; so does `contrastive_loss`. The representation is the
+model's `represent` (the projection head's output for "moon-cnn", MOON's simple CNN; the features
+for any other model). The global and previous models run in eval mode, without gradients, as in
+the code. The coordinator is FedAvg's (sample-weighted average).
+
+Per-node state: the last `previous_models` local models this node trained (the code's
+``model_buffer_size``, default 1; FIFO), kept by the node half as state dicts on the CPU, and
+loaded into the process's spare models (`TaskInput.scratch`) while the node trains.
+
+Choices and deviations:
+- A node's first participation has no previous model, so l_con is left out (a softmax over the
+  positive alone is exactly 0). The code does the same in round 0; from round 1 on it uses, for a
+  client that has not trained yet, that client's never-trained random initial network as the
+  negative, a by-product of keeping N networks, not part of the method.
+- The previous models live as long as the node daemon: a restarted node starts without one.
+- ``mu = 0`` trains exactly as FedAvg does (the term is skipped, not multiplied by zero).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedcore.aggregation import weighted_average
+from fedcore.algorithms import base, fedavg
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError
+from fedcore.tensors import StateDict
+from fedcore.training import local_sgd
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hyperparams:
+    mu: float = 5.0
+    """Weight of the model-contrastive loss, non-negative (KDIA paper: grid 1, 5, 10; default 5)."""
+    temperature: float = 0.5
+    """The contrastive temperature tau, positive (MOON's and KDIA's code: 0.5)."""
+    previous_models: int = 1
+    """How many of the node's previous local models serve as negatives (MOON's code: 1)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mu) and self.mu >= 0.0):
+            raise ValueError(f"mu must be a non-negative number, got {self.mu!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0.0):
+            raise ValueError(f"temperature must be a positive number, got {self.temperature!r}")
+        if self.previous_models < 1:
+            raise ValueError(f"previous_models must be at least 1, got {self.previous_models!r}")
+
+
+def contrastive_loss(
+    z: torch.Tensor, z_global: torch.Tensor, z_previous: Sequence[torch.Tensor], temperature: float
+) -> torch.Tensor:
+    """MOON's l_con (Eq. 3), averaged over the batch: the positive pair is (z, z_global), the
+    negatives (z, z_previous[j]); similarities are cosine, divided by `temperature`."""
+    sims = [F.cosine_similarity(z, z_global, dim=-1)]
+    sims += [F.cosine_similarity(z, zp, dim=-1) for zp in z_previous]
+    logits = torch.stack(sims, dim=1) / temperature
+    return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+
+class CoordinatorHalf(base.CoordinatorHalf):
+    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+
+    hp: Hyperparams
+
+    def configure_round(self, ctx: base.RoundContext) -> base.Payload:
+        return base.Payload(tensors={"model": self.model.state_dict()})
+
+    def aggregate(
+        self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
+    ) -> Mapping[str, float]:
+        weights = [float(u.num_samples) for u in updates]
+        self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
+        return {"train_loss": fedavg.mean_reported_loss(updates, weights)}
+
+
+class NodeHalf(base.NodeHalf):
+    hp: Hyperparams
+
+    def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
+        super().__init__(hp, node_id=node_id)
+        self.previous: list[StateDict] = []
+        """This node's last local models, oldest first, on the CPU (at most `previous_models`)."""
+
+    def train(
+        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
+    ) -> base.Payload:
+        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        mu, tau = self.hp.mu, self.hp.temperature
+        if mu == 0.0:
+            stats = local_sgd(model, data, task.settings, generator)
+        else:
+            represent = self._representation(model, task.round)
+            frozen = [self._representation(m, task.round) for m in self._frozen_models(task)]
+
+            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                z, logits = represent(x)
+                loss = F.cross_entropy(logits, y)  # l_sup
+                if frozen:  # [global model, previous models...]; none before a first previous model
+                    with torch.no_grad():
+                        z_glob, *z_prev = (rep(x)[0] for rep in frozen)
+                    loss = loss + mu * contrastive_loss(z, z_glob, z_prev, tau)  # l_sup + mu l_con
+                return loss
+
+            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
+            # the model just trained is this node's newest previous model (FIFO of `previous_models`)
+            self.previous.append({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+            del self.previous[: -self.hp.previous_models]
+        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+
+    def _frozen_models(self, task: base.TaskInput) -> list[nn.Module]:
+        """The global model, then the previous local models, in the process's spare modules in eval
+        mode; none while this node has no previous model (l_con needs a negative)."""
+        if not self.previous:
+            return []
+        global_model = task.scratch("moon-global")
+        fedavg.load_group(task, "model", global_model, node_id=self.node_id)
+        frozen = [global_model]
+        for i, state in enumerate(self.previous):
+            module = task.scratch(f"moon-previous-{i}")
+            module.load_state_dict(state)
+            frozen.append(module)
+        for module in frozen:
+            module.eval()
+        return frozen
+
+    def _representation(
+        self, model: nn.Module, round: int
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        represent = getattr(model, "represent", None)
+        if represent is None:
+            raise AlgorithmError(
+                f"MOON needs a model with represent(x) -> (z, logits), not {type(model).__name__}",
+                node_id=self.node_id,
+                round=round,
+            )
+        return represent  # type: ignore[no-any-return]
+
+
+SPEC = base.AlgorithmSpec(name="moon", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

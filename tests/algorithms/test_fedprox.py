@@ -1,0 +1,120 @@
+"""FedProx's two halves in-process: the proximal term and its gradient by hand, FedAvg at mu = 0,
+determinism and bad hyperparameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedcore.algorithms.base import Payload, TaskInput
+from fedcore.algorithms.fedprox import proximal_term
+from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.seeding import torch_generator
+from fedcore.training import TrainSettings
+from tests.algorithms.common import Federation, same_state, shards, tiny_model
+
+SPEC = get_algorithm("fedprox")
+
+
+def test_proximal_term_value_and_gradient_match_hand_computation() -> None:
+    """mu = 0.1, w = (1, 2) and (3,), w^t = 0: (0.1 / 2)(1 + 4 + 9) = 0.7, gradient mu w."""
+    w = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([3.0], requires_grad=True)]
+    anchor = [torch.zeros(2), torch.zeros(1)]
+    term = proximal_term(w, anchor, 0.1)
+    term.backward()
+    assert float(term.detach()) == pytest.approx(0.7)
+    assert torch.allclose(w[0].grad, torch.tensor([0.1, 0.2])) and torch.allclose(w[1].grad, torch.tensor([0.3]))
+
+
+def test_fedprox_node_training_follows_the_proximal_gradient() -> None:
+    """Two full-batch SGD steps: the first is plain SGD (w = w^t), the second adds mu (w_1 - w^t) to the gradient."""
+    mu, lr = 0.5, 0.1
+    data = shards()[2]
+    settings = TrainSettings(local_epochs=2, batch_size=len(data), lr=lr)
+    start = tiny_model(1).state_dict()
+    half = SPEC.node(build_hyperparams(SPEC, {"mu": mu}), node_id="n0")
+    workspace = tiny_model(99)
+    task = TaskInput(node_id="n0", round=0, payload=Payload(tensors={"model": start}), settings=settings)
+    out = half.train(task, workspace, data, torch_generator(0, "t"))
+
+    manual = tiny_model(1)
+    anchor = [p.detach().clone() for p in manual.parameters()]
+    for _ in range(2):
+        manual.zero_grad()
+        F.cross_entropy(manual(data.x), data.y).backward()
+        with torch.no_grad():
+            for p, a in zip(manual.parameters(), anchor, strict=True):
+                p -= lr * (p.grad + mu * (p - a))
+    for name, p in manual.state_dict().items():
+        assert torch.allclose(out.tensors["model"][name], p, atol=1e-6), name
+    plain = Federation("fedavg").nodes["node-000"]
+    fedavg_out = plain.train(task, tiny_model(99), data, torch_generator(0, "t"))
+    assert not same_state(out.tensors["model"], fedavg_out.tensors["model"])
+
+
+def test_fedprox_neutral_setting_equals_fedavg_exactly() -> None:
+    """mu = 0 gives FedAvg's global model bit for bit, on the same seed."""
+    fedavg = Federation("fedavg").run(2)
+    assert same_state(fedavg, Federation("fedprox", {"mu": 0.0}).run(2))
+    assert not same_state(fedavg, Federation("fedprox", {"mu": 1.0}).run(2))
+
+
+def test_fedprox_training_is_deterministic_under_a_fixed_seed() -> None:
+    """Two federations with the same seed end with the same model; another seed differs."""
+    a = Federation("fedprox")
+    assert same_state(a.run(2), Federation("fedprox").run(2))
+    assert not same_state(a.coordinator.model.state_dict(), Federation("fedprox", seed=1).run(2))
+    assert a.metrics[-1]["train_loss"] < 1.2
+
+
+def test_fedprox_larger_mu_keeps_the_node_nearer_the_global_model() -> None:
+    """The squared distance a node travels from w^t shrinks when mu grows."""
+    start = tiny_model(0).state_dict()
+
+    def drift(mu: float) -> float:
+        fed = Federation("fedprox", {"mu": mu})
+        out = fed.train("node-002", Payload(tensors={"model": {k: v.clone() for k, v in start.items()}}))
+        return sum(float((out.payload.tensors["model"][k] - start[k]).pow(2).sum()) for k in start)
+
+    assert drift(5.0) < drift(0.0)
+
+
+def test_fedprox_state_round_trip_is_empty() -> None:
+    """The coordinator keeps no state beyond the model; any extra state is refused."""
+    coordinator = Federation("fedprox").coordinator
+    assert coordinator.state_dict() == {}
+    coordinator.load_state_dict({})
+    with pytest.raises(ValueError, match="no extra state"):
+        coordinator.load_state_dict({"x": torch.zeros(1)})
+
+
+def test_fedprox_node_without_model_in_task_raises_algorithm_error() -> None:
+    """A task whose model group is missing is an AlgorithmError naming the node and round."""
+    fed = Federation("fedprox")
+    with pytest.raises(AlgorithmError, match="no usable model.*node node-000, round 0"):
+        fed.train("node-000", Payload(tensors={"teacher": copy.deepcopy(tiny_model().state_dict())}))
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"mu": -0.01}, "mu"),
+        ({"mu": float("nan")}, "mu"),
+        ({"mu": float("inf")}, "mu"),
+        ({"mu": "0.1"}, "not a float"),
+        ({"lambda": 1}, "unknown"),
+    ],
+)
+def test_fedprox_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
+    """Negative, non-finite, mistyped and unknown hyperparameters are ConfigErrors."""
+    with pytest.raises(ConfigError, match=match):
+        build_hyperparams(SPEC, values)
+
+
+def test_fedprox_default_mu_is_the_spec_value() -> None:
+    """mu defaults to 0.01 (KDIA's setting)."""
+    assert build_hyperparams(SPEC, {}).mu == 0.01

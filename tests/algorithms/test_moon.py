@@ -1,0 +1,136 @@
+"""MOON's two halves in-process: the contrastive loss by hand, the previous models a node keeps,
+FedAvg at mu = 0, the projection head of "moon-cnn", determinism and bad hyperparameters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fedcore.algorithms import build_hyperparams, get_algorithm, moon
+from fedcore.algorithms.base import Payload, TaskInput
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.seeding import torch_generator
+from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, tiny_model
+
+SPEC = get_algorithm("moon")
+
+
+def test_contrastive_loss_on_fixed_vectors_matches_hand_value() -> None:
+    """sim(z, z_glob) = 1, sim(z, z_prev) = 0, tau = 0.5: -log(e^2 / (e^2 + e^0)) = log(1 + e^-2)."""
+    z, z_glob, z_prev = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 3.0]])
+    assert float(moon.contrastive_loss(z, z_glob, [z_prev], 0.5)) == pytest.approx(math.log1p(math.exp(-2)))
+    # a second negative with similarity -1 adds e^-2 / e^2 = e^-4; the loss is averaged over the batch
+    two = moon.contrastive_loss(z.repeat(2, 1), z_glob.repeat(2, 1), [z_prev.repeat(2, 1), -z.repeat(2, 1)], 0.5)
+    assert float(two) == pytest.approx(math.log(1 + math.exp(-2) + math.exp(-4)))
+    # no negative: the softmax over the positive alone is 1, the loss 0
+    assert float(moon.contrastive_loss(z, z_glob, [], 0.5)) == 0.0
+
+
+def test_moon_first_participation_trains_as_fedavg() -> None:
+    """Without a previous model there is no negative: a node's first training equals FedAvg's bit for bit."""
+    fedavg, moon_fed = Federation("fedavg"), Federation("moon")
+    start = {k: v.clone() for k, v in tiny_model(0).state_dict().items()}
+    a = fedavg.train("node-001", Payload(tensors={"model": start}))
+    b = moon_fed.train("node-001", Payload(tensors={"model": start}))
+    assert same_state(a.payload.tensors["model"], b.payload.tensors["model"])
+    assert len(moon_fed.nodes["node-001"].previous) == 1 and not moon_fed.scratch.modules
+
+
+def test_moon_node_keeps_its_last_previous_models_fifo() -> None:
+    """With previous_models = 2, three trainings leave the last two local models, the newest last, on the CPU."""
+    fed = Federation("moon", {"previous_models": 2})
+    start = tiny_model(0).state_dict()
+    trained = []
+    for r in range(3):
+        fed.round = r
+        trained.append(fed.train("node-000", Payload(tensors={"model": {k: v.clone() for k, v in start.items()}})))
+    previous = fed.nodes["node-000"].previous
+    assert len(previous) == 2
+    assert same_state(previous[0], trained[1].payload.tensors["model"])
+    assert same_state(previous[1], trained[2].payload.tensors["model"])
+    assert all(t.device.type == "cpu" for state in previous for t in state.values())
+    assert set(fed.scratch.modules) == {"moon-global", "moon-previous-0", "moon-previous-1"}
+
+
+def test_moon_neutral_setting_equals_fedavg_exactly() -> None:
+    """mu = 0 gives FedAvg's global model bit for bit; mu = 5 differs from round 1 on (the first round with negatives)."""
+    fedavg = Federation("fedavg").run(2)
+    assert same_state(fedavg, Federation("moon", {"mu": 0.0}).run(2))
+    assert same_state(Federation("fedavg").run(1), Federation("moon").run(1))
+    assert not same_state(fedavg, Federation("moon").run(2))
+
+
+def test_moon_training_is_deterministic_under_a_fixed_seed() -> None:
+    """Two federations with the same seed end with the same model; another seed differs."""
+    a = Federation("moon")
+    assert same_state(a.run(3), Federation("moon").run(3))
+    assert not same_state(a.coordinator.model.state_dict(), Federation("moon", seed=1).run(3))
+    assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
+
+
+def test_moon_cnn_contrasts_the_projection_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On "moon-cnn" the compared representations are the 256-wide projections (l2), not the 16 features."""
+    seen: list[tuple[int, ...]] = []
+    real = moon.contrastive_loss
+
+    def spy(z, z_glob, z_prev, tau):  # type: ignore[no-untyped-def]
+        seen.append((z.shape[1], z_glob.shape[1], *(p.shape[1] for p in z_prev)))
+        return real(z, z_glob, z_prev, tau)
+
+    monkeypatch.setattr(moon, "contrastive_loss", spy)
+    gen = torch.Generator().manual_seed(0)
+    images = [TensorDataset(torch.randn(12, 3, 16, 16, generator=gen), torch.arange(12) % 3, 3) for _ in range(2)]
+    fed = Federation("moon", model="moon-cnn", input_shape=(3, 16, 16), data=images)
+    fed.run(2)
+    assert seen and set(seen) == {(256, 256, 256)}
+
+
+def test_moon_model_without_represent_raises_algorithm_error() -> None:
+    """A model that cannot give (z, logits) is an AlgorithmError naming the node and the round."""
+    half = SPEC.node(build_hyperparams(SPEC, {}), node_id="n0")
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    task = TaskInput(
+        node_id="n0",
+        round=2,
+        payload=Payload(tensors={"model": model.state_dict()}),
+        settings=SETTINGS,
+        scratch=Scratch(model),
+    )
+    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
+    with pytest.raises(AlgorithmError, match="represent.*node n0, round 2"):
+        half.train(task, model, data, torch_generator(0, "t"))
+
+
+def test_moon_state_round_trip_is_empty() -> None:
+    """The coordinator keeps no state beyond the model (the previous models live on the nodes)."""
+    coordinator = Federation("moon").coordinator
+    assert coordinator.state_dict() == {}
+    coordinator.load_state_dict({})
+
+
+def test_moon_defaults_are_the_spec_values() -> None:
+    """mu 5, temperature 0.5, one previous model."""
+    hp = build_hyperparams(SPEC, {})
+    assert (hp.mu, hp.temperature, hp.previous_models) == (5.0, 0.5, 1)
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"mu": -1.0}, "mu"),
+        ({"mu": float("nan")}, "mu"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"previous_models": 0}, "previous_models"),
+        ({"previous_models": 1.5}, "not a int"),
+        ({"tau": 0.5}, "unknown"),
+    ],
+)
+def test_moon_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
+    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors."""
+    with pytest.raises(ConfigError, match=match):
+        build_hyperparams(SPEC, values)
