@@ -269,6 +269,7 @@ class Coordinator:
                 failures = self._failures(rnd, outcome)
                 ordered = [updates[k] for k in sorted(updates)]
                 metrics = await asyncio.to_thread(self.half.aggregate, ctx, ordered, failures)
+                await asyncio.to_thread(self._write_round_records)
                 self.model_version += 1
                 self.rounds_completed += 1
                 record |= {"aggregated": True, **{k: float(v) for k, v in metrics.items()}}
@@ -425,6 +426,10 @@ class Coordinator:
             self.participation.rejected(node)
         for node in outcome.failed:
             self.participation.failed(node)
+
+    def _write_round_records(self) -> None:
+        for name, records in self.half.round_records().items():
+            self.run_dir.append_records(name, records)
 
     @staticmethod
     def _failures(rnd: int, outcome: RoundOutcome) -> list[Failure]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +46,21 @@ class RunDir:
         self.metrics_path = self.root / "metrics.jsonl"
 
     def append_metrics(self, record: Mapping[str, Any]) -> None:
-        with self.metrics_path.open("a") as fh:
-            fh.write(json.dumps(record, sort_keys=True) + "\n")
+        self.append_records("metrics", [record])
+
+    def append_records(self, name: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append `records` (each with a "round") to ``<name>.jsonl``: metrics, KDIA's teacher weights."""
+        if not name.isidentifier():
+            raise ValueError(f"a record log needs a plain name, not {name!r}")
+        with (self.root / f"{name}.jsonl").open("a") as fh:
+            fh.write("".join(json.dumps(record, sort_keys=True) + "\n" for record in records))
 
     def truncate_metrics_after(self, round: int) -> None:
-        """On resume, drop lines of rounds after the checkpoint, so no round appears twice."""
-        if not self.metrics_path.exists():
-            return
-        kept = [
-            line for line in self.metrics_path.read_text().splitlines() if line and json.loads(line)["round"] <= round
-        ]
-        _atomic_write(self.metrics_path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
+        """On resume, drop lines of rounds after the checkpoint from every record log (metrics and
+        the algorithm's), so no round appears twice."""
+        for path in sorted(self.root.glob("*.jsonl")):
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["round"] <= round]
+            _atomic_write(path, lambda tmp, kept=kept: tmp.write_text("".join(f"{line}\n" for line in kept)))
 
     def write_json(self, name: str, data: Any) -> None:
         write_json(self.root / name, data)

@@ -110,6 +110,11 @@ class CoordinatorHalf(ABC):
         """The models to evaluate on the test set; the first is the one reported as ``accuracy``."""
         return {"global": self.model}
 
+    def round_records(self) -> Mapping[str, Sequence[Mapping[str, Any]]]:
+        """JSON-able records of the round just aggregated, by log name: the daemon appends each list
+        to ``<name>.jsonl`` in the run directory (KDIA: ``teacher_weights``). Read after `aggregate`."""
+        return {}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Extra state to checkpoint besides the global model (server momentum, control variates)."""
         return {}
