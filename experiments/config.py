@@ -380,7 +380,8 @@ def read_yaml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, An
     """The experiment file as a mapping; a clear ConfigError for an unreadable or non-mapping file.
 
     ``extends: OTHER.yaml`` (relative to the file) starts from another experiment file: maps merge
-    key by key, anything else (lists, values) is replaced, and so is each grid axis the file names.
+    key by key, anything else (lists, values) is replaced, and so is each grid axis the file names
+    (``axis: null`` removes one), and so is the report's table of paper figures.
     A reduced-scale config says only what it reduces.
     """
     path = Path(path)
@@ -413,8 +414,12 @@ def merge(base: dict[str, Any], changes: dict[str, Any], *, _path: tuple[str, ..
     section that names another model, method, partition kind or dataset (its options would not fit)."""
     out = dict(base)
     for key, value in changes.items():
+        if _path == ("grid",) and value is None:
+            out.pop(key, None)  # `axis: null` removes an axis the parent file varies
+            continue
         old = out.get(key)
         nested = isinstance(value, dict) and isinstance(old, dict) and _path != ("grid",)
+        nested = nested and (*_path, key) != ("report", "paper")  # another table's figures: all replaced
         if nested and any(k in value and k in old and value[k] != old[k] for k in _IDENTITY):
             nested = False
         out[key] = merge(old, value, _path=(*_path, key)) if nested else value

@@ -5,6 +5,9 @@
       method:
         FedAvg: {name: fedavg}
         FedProx: {name: fedprox, hyperparams: {mu: 0.01}}
+        KDIA:                      # a value may depend on another axis's label (lambda_gen per beta):
+          name: kdia
+          hyperparams: {lambda_gen: {per: partition.alpha, 0.1: 0.01, 0.5: 1.0, 5: 0.01}}
       partition.alpha: [0.1, 0.5, 5.0]
       seed: [0, 1, 2]
     report:
@@ -192,10 +195,29 @@ def expand(data: dict[str, Any], *, source: str = "config") -> Grid:
             labels[axis.key] = axis.labels[i]
             parts[axis.key] = (axis.labels[i], axis.values[i])
         where = f"{source} (cell {', '.join(f'{k}={v}' for k, v in labels.items())})" if labels else source
+        cell_data = _resolve_per_axis(cell_data, labels, where)
         config = parse_config(cell_data, source=where)
         cells.append(Cell(index, cell_id(index, parts), labels, config))
     name = str(data.get("name", "experiment"))
     return Grid(name, axes, tuple(cells), report)
+
+
+def _resolve_per_axis(value: Any, labels: dict[str, str], where: str) -> Any:
+    """Replace every ``{per: AXIS, LABEL: value, ...}`` by the value for this cell's label on AXIS
+    (a hyperparameter the paper sets per setting, such as KDIA's lambda_gen per beta)."""
+    if isinstance(value, list):
+        return [_resolve_per_axis(v, labels, where) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "per" not in value:
+        return {k: _resolve_per_axis(v, labels, where) for k, v in value.items()}
+    axis = value["per"]
+    choices = {str(k): v for k, v in value.items() if k != "per"}
+    if axis not in labels:
+        raise ConfigError(f"{where}: 'per: {axis}' names no grid axis; axes: {sorted(labels)}")
+    if labels[axis] not in choices:
+        raise ConfigError(f"{where}: 'per: {axis}' gives no value for {labels[axis]!r}; it has {sorted(choices)}")
+    return _resolve_per_axis(choices[labels[axis]], labels, where)
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Grid:

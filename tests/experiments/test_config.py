@@ -99,6 +99,8 @@ def test_extends_merges_maps_and_replaces_values(tmp_path: Path) -> None:
         "data": {"dataset": "cifar10", "augment": "default"},
         "grid": {"seed": [0, 1, 2], "method": {"A": {"name": "fedavg"}}},  # an axis named again is replaced whole
     }
+    (tmp_path / "one-seed.yaml").write_text("extends: full.yaml\ngrid: {seed: null}\n")
+    assert read_yaml(tmp_path / "one-seed.yaml")["grid"] == {"method": {"A": {"name": "fedavg"}, "B": {"name": "fedavg"}}}
 
 
 def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path: Path) -> None:

@@ -215,3 +215,23 @@ def test_grid_axis_of_several_paths_sets_them_together() -> None:
     assert [c.cell_id for c in grid.cells] == ["000-N=4", "001-N=6", "002-C=1"]
     with pytest.raises(ConfigError, match="each value is a list of 2"):
         expand(BASE | {"grid": {"nodes,fraction": {"x": [4]}}})
+
+
+def test_a_value_per_axis_label_follows_the_cell() -> None:
+    """KDIA's lambda_gen depends on beta: ``{per: partition.alpha, ...}`` picks each cell's value; the
+    other method's hyperparameters stay untouched; an unknown axis or a missing label is refused."""
+    kdia = {"name": "kdia", "hyperparams": {"lambda_gen": {"per": "partition.alpha", 0.1: 0.01, 0.5: 1.0}}}
+    grid = expand(
+        BASE | {"grid": {"method": {"FedAvg": {"name": "fedavg"}, "KDIA": kdia}, "partition.alpha": [0.1, 0.5]}}
+    )
+    values = {(c.labels["method"], c.labels["partition.alpha"]): c.config.method.hyperparams for c in grid.cells}
+    assert values == {
+        ("FedAvg", "0.1"): {},
+        ("FedAvg", "0.5"): {},
+        ("KDIA", "0.1"): {"lambda_gen": 0.01},
+        ("KDIA", "0.5"): {"lambda_gen": 1.0},
+    }
+    with pytest.raises(ConfigError, match="no value for '5'"):
+        expand(BASE | {"grid": {"method": {"KDIA": kdia}, "partition.alpha": [0.1, 5.0]}})
+    with pytest.raises(ConfigError, match="names no grid axis"):
+        expand(BASE | {"method": {"name": "kdia", "hyperparams": {"lambda_gen": {"per": "seed", 0: 1.0}}}})
