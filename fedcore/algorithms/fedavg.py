@@ -36,7 +36,8 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in updates]
+        weighted = getattr(self.hp, "weighted", True)  # methods that reuse this server have no such option
+        weights = [float(u.num_samples) if weighted else 1.0 for u in updates]
         # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only
         self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
         return {"train_loss": mean_reported_loss(updates, weights)}

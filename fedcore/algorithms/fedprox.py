@@ -20,14 +20,13 @@ Choices:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, fedavg
 from fedcore.data import TensorDataset
 from fedcore.training import local_sgd
@@ -51,20 +50,8 @@ def proximal_term(params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]
     return 0.5 * mu * total
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
+class CoordinatorHalf(fedavg.CoordinatorHalf):
     """FedAvg's server: the global model is the sample-weighted average of the updates."""
-
-    hp: Hyperparams
-
-    def configure_round(self, ctx: base.RoundContext) -> base.Payload:
-        return base.Payload(tensors={"model": self.model.state_dict()})
-
-    def aggregate(
-        self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
-    ) -> Mapping[str, float]:
-        weights = [float(u.num_samples) for u in updates]
-        self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
-        return {"train_loss": fedavg.mean_reported_loss(updates, weights)}
 
 
 class NodeHalf(base.NodeHalf):
