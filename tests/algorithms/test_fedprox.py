@@ -95,7 +95,7 @@ def test_fedprox_state_round_trip_is_empty() -> None:
 def test_fedprox_node_without_model_in_task_raises_algorithm_error() -> None:
     """A task whose model group is missing is an AlgorithmError naming the node and round."""
     fed = Federation("fedprox")
-    with pytest.raises(AlgorithmError, match="no usable model.*node node-000, round 0"):
+    with pytest.raises(AlgorithmError, match=r"no usable model.*node node-000, round 0"):
         fed.train("node-000", Payload(tensors={"teacher": copy.deepcopy(tiny_model().state_dict())}))
 
 

@@ -101,7 +101,7 @@ def test_moon_model_without_represent_raises_algorithm_error() -> None:
         scratch=Scratch(model),
     )
     data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
-    with pytest.raises(AlgorithmError, match="represent.*node n0, round 2"):
+    with pytest.raises(AlgorithmError, match=r"represent.*node n0, round 2"):
         half.train(task, model, data, torch_generator(0, "t"))
 
 

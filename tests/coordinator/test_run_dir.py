@@ -42,3 +42,17 @@ def test_metrics_truncation_on_resume(tmp_path: Path) -> None:
         run.append_metrics({"round": r})
     run.truncate_metrics_after(2)
     assert [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def test_algorithm_record_logs_are_appended_and_truncated_with_the_metrics(tmp_path: Path) -> None:
+    """KDIA's teacher_weights.jsonl: many records a round; a resume drops the rounds after the checkpoint."""
+    run = RunDir(tmp_path)
+    for r in range(4):
+        run.append_metrics({"round": r})
+        run.append_records("teacher_weights", [{"round": r, "node_id": n} for n in ("a", "b")])
+    run.truncate_metrics_after(1)
+    lines = [json.loads(x) for x in (tmp_path / "teacher_weights.jsonl").read_text().splitlines()]
+    assert [(x["round"], x["node_id"]) for x in lines] == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(ValueError, match="plain name"):
+        run.append_records("../escape", [{"round": 0}])

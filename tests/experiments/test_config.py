@@ -83,6 +83,7 @@ def test_extends_merges_maps_and_replaces_values(tmp_path: Path) -> None:
         "name: full\nnodes: 10\nrounds: 200\ntrain: {local_epochs: 10, lr: 0.05}\n"
         "model: {name: mobilenetv2, options: {variant: cifar}}\ndata: {dataset: cifar10, augment: none}\n"
         "grid: {seed: [0, 1, 2], method: {A: {name: fedavg}, B: {name: fedavg}}}\n"
+        "report: {paper: {A: {x: 2}}}\n"
     )
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "reduced.yaml").write_text(
@@ -98,9 +99,13 @@ def test_extends_merges_maps_and_replaces_values(tmp_path: Path) -> None:
         "model": {"name": "dnn"},  # another model: its section is replaced, the old options dropped
         "data": {"dataset": "cifar10", "augment": "default"},
         "grid": {"seed": [0, 1, 2], "method": {"A": {"name": "fedavg"}}},  # an axis named again is replaced whole
+        "report": {"paper": {"A": {"x": 2}}},
     }
-    (tmp_path / "one-seed.yaml").write_text("extends: full.yaml\ngrid: {seed: null}\n")
-    assert read_yaml(tmp_path / "one-seed.yaml")["grid"] == {"method": {"A": {"name": "fedavg"}, "B": {"name": "fedavg"}}}
+    (tmp_path / "one-seed.yaml").write_text("extends: full.yaml\ngrid: {seed: null}\nreport: {paper: {B: {x: 1}}}\n")
+    assert read_yaml(tmp_path / "one-seed.yaml")["report"] == {"paper": {"B": {"x": 1}}}  # figures replaced whole
+    assert read_yaml(tmp_path / "one-seed.yaml")["grid"] == {
+        "method": {"A": {"name": "fedavg"}, "B": {"name": "fedavg"}}
+    }
 
 
 def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path: Path) -> None:
