@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ fedmq: event-driven federated learning over MQTT.
   fedmq coordinator --broker URL --config EXP.yaml    the server daemon
   fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
   fedmq report RUN_DIR               rebuild the tables and plots of a run from its saved metrics
+  fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -89,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a directory written by `fedmq run`")
     p.add_argument("--no-plots", action="store_true", help="tables only, no PNG curves")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "methods",
+        help="list the methods and their hyperparameters",
+        description="Without NAME: every method a config's method.name may give. With NAME: its"
+        " hyperparameters (method.hyperparams), their types, defaults and what each does.",
+    )
+    p.add_argument("name", nargs="?", help="one method, e.g. kdia")
     _add_common(p)
 
     p = sub.add_parser(
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_async(_node(args))
         if args.command == "report":
             return _report(args)
+        if args.command == "methods":
+            return _methods(args)
         from experiments.runner import run_from_cli
 
         return _run_async(run_from_cli(args))
@@ -223,6 +236,26 @@ def _threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _methods(args: argparse.Namespace) -> int:
+    from fedcore.algorithms import ALGORITHMS, get_algorithm
+    from fedcore.algorithms.describe import options, summary
+
+    if args.name is None:
+        width = max(map(len, ALGORITHMS))
+        for name, spec in ALGORITHMS.items():
+            print(f"{name:<{width}}  {summary(spec)}")
+        print("\nfedmq methods NAME: its hyperparameters (method.hyperparams in an experiment file)")
+        return EXIT_OK
+    spec = get_algorithm(args.name)
+    print(f"{spec.name}: {summary(spec)}\n")
+    for option in options(spec):
+        print(f"  {option.name}: {option.type} = {option.default!r}")
+        if option.doc:
+            for line in textwrap.wrap(option.doc, 92):
+                print(f"      {line}")
+    return EXIT_OK
 
 
 def _report(args: argparse.Namespace) -> int:

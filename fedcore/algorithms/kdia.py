@@ -105,13 +105,17 @@ class Hyperparams:
     teacher_log_every: int = 1
     """Write every known node's teacher weight to teacher_weights.jsonl every this many rounds (0: never)."""
     noise_dim: int = 100
+    """Dimension of the generator's Gaussian noise z (paper: 100)."""
     gen_epochs: int = 10
     """A3: generator epochs per round (paper 10; the code 20)."""
     gen_batches_per_epoch: int = 200
     """A3: generator batches per epoch (paper 200; the code 100); the label pool holds this many batches."""
     gen_batch_size: int = 64
+    """Generated features per generator step (paper: 64); the diversity loss compares its two halves."""
     gen_lr: float = 1e-3
+    """Adam's learning rate for the generator (paper: 1e-3)."""
     gen_weight_decay: float = 1e-5
+    """Adam's weight decay for the generator (paper: 1e-5)."""
     gen_keep_optimizer: bool = False
     """A4: keep Adam's moments across rounds (the code re-creates Adam every round)."""
     generator_heads: str = "participants"

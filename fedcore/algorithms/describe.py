@@ -1,0 +1,50 @@
+"""What `fedmq methods` prints: each method's summary and its hyperparameters with their defaults
+and the attribute docstrings written under them in the module (read from the source, so the text
+the code documents is the text users see)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+
+from fedcore.algorithms.base import AlgorithmSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str
+    type: str
+    default: object
+    doc: str
+
+
+def summary(spec: AlgorithmSpec) -> str:
+    """The first line of the method module's docstring."""
+    doc = inspect.getdoc(sys.modules[spec.coordinator.__module__]) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else spec.name
+
+
+def options(spec: AlgorithmSpec) -> list[Option]:
+    """The Hyperparams fields in order, each with the docstring string that follows it in the class body."""
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(spec.hyperparams)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    if tree is not None:
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, [*body[1:], None], strict=True):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                text = (
+                    after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+                )
+                docs[node.target.id] = " ".join(str(text).split())
+    out = []
+    for f in dataclasses.fields(spec.hyperparams):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out.append(Option(f.name, str(f.type), default, docs.get(f.name, "")))
+    return out

@@ -1,0 +1,30 @@
+"""`fedmq methods`: every method is listed, and every hyperparameter says what it does."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.cli import main
+from fedcore.algorithms import ALGORITHMS
+from fedcore.algorithms.describe import options
+
+
+def test_methods_lists_every_registered_method(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in lines if line and not line.startswith("fedmq")} == set(ALGORITHMS)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_hyperparameter_is_documented(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = ALGORITHMS[name]
+    undocumented = [o.name for o in options(spec) if not o.doc]
+    assert not undocumented, f"{name}: write a docstring under {undocumented}"
+    assert main(["methods", name]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {o.name}: " in out for o in options(spec))
+
+
+def test_unknown_method_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["methods", "fedsgd"]) == 2
+    assert "available: fedavg" in capsys.readouterr().err
