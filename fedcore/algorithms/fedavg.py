@@ -76,4 +76,14 @@ def load_group(task: base.TaskInput, group: str, model: nn.Module, *, node_id: s
         raise AlgorithmError(f"task carries no usable {group}: {exc}", node_id=node_id, round=task.round) from exc
 
 
+def task_flag(task: base.TaskInput, key: str, *, node_id: str, default: bool | None = None) -> bool:
+    """A true/false switch from the task's meta (FedGKD's and KDIA's "distill"); anything else,
+    or a missing key without a `default`, is an AlgorithmError: the value came over the wire."""
+    value = task.payload.meta.get(key, default)
+    if not isinstance(value, bool):
+        message = f"task meta {key!r} must be true or false, got {value!r}"
+        raise AlgorithmError(message, node_id=node_id, round=task.round)
+    return value
+
+
 SPEC = base.AlgorithmSpec(name="fedavg", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

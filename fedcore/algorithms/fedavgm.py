@@ -57,7 +57,7 @@ class Hyperparams:
             raise ValueError(f"server_lr must be a positive number, got {self.server_lr!r}")
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
+class CoordinatorHalf(fedavg.CoordinatorHalf):
     hp: Hyperparams
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
@@ -65,9 +65,6 @@ class CoordinatorHalf(base.CoordinatorHalf):
         floating = {name: t for name, t in model.state_dict().items() if t.is_floating_point()}
         self.velocity = {name: torch.zeros_like(t, dtype=_accumulator(t)) for name, t in floating.items()}
         """v, one tensor per floating entry of the model's state dict; zero before the first round."""
-
-    def configure_round(self, ctx: base.RoundContext) -> base.Payload:
-        return base.Payload(tensors={"model": self.model.state_dict()})
 
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]

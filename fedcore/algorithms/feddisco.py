@@ -88,11 +88,8 @@ def disco_weights(num_samples: Sequence[int], discrepancies: Sequence[float], a:
     return [max(0.0, float(n_k) - n * (a * d_k - b)) for n_k, d_k in zip(num_samples, discrepancies, strict=True)]
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
+class CoordinatorHalf(fedavg.CoordinatorHalf):
     hp: Hyperparams
-
-    def configure_round(self, ctx: base.RoundContext) -> base.Payload:
-        return base.Payload(tensors={"model": self.model.state_dict()})
 
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]

@@ -43,7 +43,6 @@ from torch.nn import functional as F
 from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, fedavg
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
 from fedcore.tensors import StateDict
 from fedcore.training import local_sgd
 
@@ -150,11 +149,7 @@ class NodeHalf(base.NodeHalf):
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
         fedavg.load_group(task, "model", model, node_id=self.node_id)
-        distill = task.payload.meta.get("distill")
-        if not isinstance(distill, bool):
-            raise AlgorithmError(
-                f"task meta 'distill' must be true or false, got {distill!r}", node_id=self.node_id, round=task.round
-            )
+        distill = fedavg.task_flag(task, "distill", node_id=self.node_id)
         if not distill or self.hp.gamma == 0.0:
             stats = local_sgd(model, data, task.settings, generator)
         else:

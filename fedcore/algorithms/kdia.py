@@ -370,8 +370,8 @@ class NodeHalf(base.NodeHalf):
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
         fedavg.load_group(task, "model", model, node_id=self.node_id)
-        distill = self._flag(task, "distill") and self.hp.lambda_kd > 0
-        generate = self._flag(task, "generate") and self.hp.lambda_gen > 0
+        distill = fedavg.task_flag(task, "distill", node_id=self.node_id, default=False) and self.hp.lambda_kd > 0
+        generate = fedavg.task_flag(task, "generate", node_id=self.node_id, default=False) and self.hp.lambda_gen > 0
         teacher = self._teacher(task) if distill else None
         feature_generator = self._generator(task, model) if generate else None
         settings = task.settings
@@ -417,14 +417,6 @@ class NodeHalf(base.NodeHalf):
             if feature_generator is not None:
                 meta["gen_loss"] = terms["gen"] / stats.steps
         return base.Payload(tensors={"model": model.state_dict()}, meta=meta)
-
-    def _flag(self, task: base.TaskInput, key: str) -> bool:
-        value = task.payload.meta.get(key, False)
-        if not isinstance(value, bool):
-            raise AlgorithmError(
-                f"task meta {key!r} must be true or false, got {value!r}", node_id=self.node_id, round=task.round
-            )
-        return value
 
     def _teacher(self, task: base.TaskInput) -> nn.Module:
         teacher = task.scratch("kdia-teacher")
