@@ -100,10 +100,12 @@ class NodeDaemon:
                         task.cancel()
                 await asyncio.gather(receiver, stopper, *([self._job] if self._job else []), return_exceptions=True)
                 self.log.info("stopping after %d rounds trained; bus %s", self.rounds_trained, bus.stats.as_dict())
-                if not self.crashed:
-                    try:  # a clean DISCONNECT does not fire the will, so say goodbye explicitly
+                # a clean DISCONNECT does not fire the will, so say goodbye explicitly; without a
+                # connection there is nobody to tell (the broker is gone, or it fired the will already)
+                if not self.crashed and bus.connected:
+                    try:
                         await asyncio.wait_for(
-                            bus.publish(self.topics.node_status(self.node_id), self._status("offline"), retain=True), 5
+                            bus.publish(self.topics.node_status(self.node_id), self._status("offline"), retain=True), 2
                         )
                     except (BusError, TimeoutError) as exc:
                         self.log.warning("could not publish the offline status: %s", exc)
