@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args, args.worker_out)))
         return 0
+    if args.nodes < 1 or args.rounds < 1 or not 0 < args.fraction <= 1:
+        parser.error("--nodes and --rounds must be at least 1, and --fraction in (0, 1]")
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

@@ -85,6 +85,11 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+def cpu_copy(state: Mapping[str, torch.Tensor]) -> StateDict:
+    """A detached copy on the CPU that later training or loading cannot change (stored models)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
 def schema_of(state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in state.items()}
 

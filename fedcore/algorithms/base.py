@@ -8,6 +8,7 @@ thread, and hand every random draw in as a generator.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,30 @@ from fedcore.data import TensorDataset
 from fedcore.participation import ParticipationRecord
 from fedcore.tensors import StateDict, TensorSpec, schema_of
 from fedcore.training import TrainSettings
+
+
+def require_non_negative(hp: object, *names: str) -> None:
+    """For Hyperparams.__post_init__: each named field is a finite number >= 0, or ValueError."""
+    _require(hp, names, lambda v: v >= 0, "a non-negative number")
+
+
+def require_positive(hp: object, *names: str) -> None:
+    """For Hyperparams.__post_init__: each named field is a finite number > 0, or ValueError."""
+    _require(hp, names, lambda v: v > 0, "a positive number")
+
+
+def _require(hp: object, names: tuple[str, ...], ok: Callable[[float], bool], allowed: str) -> None:
+    for name in names:
+        value = getattr(hp, name)
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def wire_number(value: object) -> float | None:
+    """A finite int or float that came in an update's meta, else None: never trust the wire."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

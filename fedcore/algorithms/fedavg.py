@@ -7,7 +7,6 @@ model; the coordinator averages the returned models weighted by each node's numb
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,9 +48,9 @@ def mean_reported_loss(updates: Sequence[base.NodeUpdate], weights: Sequence[flo
     is not a finite number is left out, never trusted."""
     total = weight_sum = 0.0
     for update, weight in zip(updates, weights, strict=True):
-        loss = update.payload.meta.get("loss")
-        if isinstance(loss, int | float) and not isinstance(loss, bool) and math.isfinite(loss):
-            total += weight * float(loss)
+        loss = base.wire_number(update.payload.meta.get("loss"))
+        if loss is not None:
+            total += weight * loss
             weight_sum += weight
     return total / weight_sum if weight_sum > 0 else float("nan")
 

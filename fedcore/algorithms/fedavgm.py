@@ -53,8 +53,7 @@ class Hyperparams:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0):
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if not (math.isfinite(self.server_lr) and self.server_lr > 0.0):
-            raise ValueError(f"server_lr must be a positive number, got {self.server_lr!r}")
+        base.require_positive(self, "server_lr")
 
 
 class CoordinatorHalf(fedavg.CoordinatorHalf):

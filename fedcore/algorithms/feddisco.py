@@ -62,10 +62,7 @@ class Hyperparams:
     """Divide each d_k by the round's sum of d_j first, as the authors' code does for KL."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.a) and self.a >= 0.0):
-            raise ValueError(f"a must be a non-negative number, got {self.a!r}")
-        if not (math.isfinite(self.b) and self.b >= 0.0):
-            raise ValueError(f"b must be a non-negative number, got {self.b!r}")
+        base.require_non_negative(self, "a", "b")
 
 
 def label_discrepancy(histogram: Sequence[int]) -> float:
@@ -123,11 +120,10 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
     def _discrepancy(self, update: base.NodeUpdate) -> float | None:
         """The update's d_k, or None (with a warning) when it is not a usable number."""
         value = update.payload.meta.get(DISCREPANCY)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        d_k = base.wire_number(value)
         classes = getattr(self.model, "num_classes", None)
-        if ok and isinstance(classes, int) and classes > 1:
-            ok = value <= math.log(classes) * (1 + _SLACK)
-        if not ok:
+        upper = math.log(classes) * (1 + _SLACK) if isinstance(classes, int) and classes > 1 else math.inf
+        if d_k is None or not 0 <= d_k <= upper:
             logger.warning(
                 "round %d: update of %s carries no valid discrepancy (%r); left out of the average",
                 update.round,
@@ -135,7 +131,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
                 value,
             )
             return None
-        return float(value)
+        return d_k
 
 
 class NodeHalf(fedavg.NodeHalf):

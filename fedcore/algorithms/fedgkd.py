@@ -32,7 +32,6 @@ Paper vs code, and choices:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from torch.nn import functional as F
 from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, fedavg
 from fedcore.data import TensorDataset
-from fedcore.tensors import StateDict
+from fedcore.tensors import StateDict, cpu_copy
 from fedcore.training import local_sgd
 
 BUFFER = "buffer/"
@@ -63,10 +62,8 @@ class Hyperparams:
     """"paper": (gamma / 2) KL; "code": gamma tau^2 KL, as the authors' code computes it."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.gamma) and self.gamma >= 0.0):
-            raise ValueError(f"gamma must be a non-negative number, got {self.gamma!r}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0.0):
-            raise ValueError(f"temperature must be a positive number, got {self.temperature!r}")
+        base.require_non_negative(self, "gamma")
+        base.require_positive(self, "temperature")
         if self.buffer_size < 1:
             raise ValueError(f"buffer_size must be at least 1, got {self.buffer_size!r}")
         if self.kd_scale not in KD_SCALES:
@@ -113,7 +110,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         weights = [float(u.num_samples) for u in updates]
         # w_{t+1} = sum_k (n_k / n) w^k_{t+1}, as FedAvg; then w_{t+1} joins the buffer of global models
         self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
-        self.buffer.append({k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()})
+        self.buffer.append(cpu_copy(self.model.state_dict()))
         del self.buffer[: -self.hp.buffer_size]
         return {"train_loss": fedavg.mean_reported_loss(updates, weights)}
 
@@ -138,7 +135,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             for name, t in saved.items():
                 if t.shape != reference[name].shape or t.dtype != reference[name].dtype:
                     raise ValueError(f"FedGKD buffered model {i}: {name} does not match the model")
-            buffer.append({name: t.detach().to("cpu", copy=True) for name, t in saved.items()})
+            buffer.append(cpu_copy(saved))
         self.buffer = buffer[-self.hp.buffer_size :]
 
 

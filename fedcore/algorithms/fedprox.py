@@ -19,7 +19,6 @@ Choices:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,8 +37,7 @@ class Hyperparams:
     """Weight of the proximal term, non-negative (KDIA paper: grid 0.001, 0.01, 0.1, 1; default 0.01)."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.mu) and self.mu >= 0.0):
-            raise ValueError(f"mu must be a non-negative number, got {self.mu!r}")
+        base.require_non_negative(self, "mu")
 
 
 def proximal_term(params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor], mu: float) -> torch.Tensor:

@@ -25,7 +25,6 @@ coordinator's record); A16 integer buffers by max; A17 Nc from the model; A19 `g
 from __future__ import annotations
 
 import copy
-import math
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -61,6 +60,7 @@ from fedcore.algorithms.kdia_teacher import (
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.models.base import FedModel
+from fedcore.tensors import cpu_copy
 from fedcore.training import local_sgd
 
 KD_DIRECTIONS = ("forward", "reverse")
@@ -130,12 +130,8 @@ class Hyperparams:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        for name in ("lambda_kd", "lambda_gen", "window_min_share", "gen_weight_decay"):
-            value = getattr(self, name)
-            check(name, math.isfinite(value) and value >= 0, "a non-negative number")
-        for name in ("temperature", "gen_lr"):
-            value = getattr(self, name)
-            check(name, math.isfinite(value) and value > 0, "a positive number")
+        base.require_non_negative(self, "lambda_kd", "lambda_gen", "window_min_share", "gen_weight_decay")
+        base.require_positive(self, "temperature", "gen_lr")
         for name in ("noise_dim", "gen_epochs", "gen_batches_per_epoch"):
             check(name, getattr(self, name) >= 1, "at least 1")
         check("gen_batch_size", self.gen_batch_size >= 2, "at least 2 (the diversity loss compares halves)")
@@ -210,7 +206,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             raise AlgorithmError(
                 f"KDIA's generator needs a model split into extract/classify, not {type(model).__name__}"
             )
-        initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        initial = cpu_copy(model.state_dict())
         self.teacher_model = copy.deepcopy(model)
         """theta_T; theta_T^0 = theta_g^0 (the code's ``t_net = deepcopy(global_model)``)."""
         self.store: ModelStore | None = None

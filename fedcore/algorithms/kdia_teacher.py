@@ -45,7 +45,7 @@ import safetensors.torch
 import torch
 
 from fedcore.participation import ParticipationRecord
-from fedcore.tensors import StateDict
+from fedcore.tensors import StateDict, cpu_copy
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class MemoryStore(ModelStore):
         self._models: dict[str, tuple[int, StateDict]] = {}
 
     def put(self, node_id: str, round: int, state: Mapping[str, torch.Tensor]) -> None:
-        self._models[node_id] = (round, {k: v.detach().to("cpu", copy=True) for k, v in state.items()})
+        self._models[node_id] = (round, cpu_copy(state))
 
     def get(self, node_id: str) -> StateDict | None:
         entry = self._models.get(node_id)
@@ -443,7 +443,7 @@ class Teacher(ABC):
     """Builds theta_T each round from the weights, this round's uploads and what it keeps."""
 
     def __init__(self, initial: Mapping[str, torch.Tensor]) -> None:
-        self.initial = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
+        self.initial = cpu_copy(initial)
         """theta_g^0: the teacher before any round, and the stand-in model of never-seen nodes (A10)."""
 
     @abstractmethod

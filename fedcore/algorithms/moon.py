@@ -31,7 +31,6 @@ Choices and deviations:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from torch.nn import functional as F
 from fedcore.algorithms import base, fedavg
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
-from fedcore.tensors import StateDict
+from fedcore.tensors import StateDict, cpu_copy
 from fedcore.training import local_sgd
 
 
@@ -56,10 +55,8 @@ class Hyperparams:
     """How many of the node's previous local models serve as negatives (MOON's code: 1)."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.mu) and self.mu >= 0.0):
-            raise ValueError(f"mu must be a non-negative number, got {self.mu!r}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0.0):
-            raise ValueError(f"temperature must be a positive number, got {self.temperature!r}")
+        base.require_non_negative(self, "mu")
+        base.require_positive(self, "temperature")
         if self.previous_models < 1:
             raise ValueError(f"previous_models must be at least 1, got {self.previous_models!r}")
 
@@ -109,7 +106,7 @@ class NodeHalf(base.NodeHalf):
 
             stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
             # the model just trained is this node's newest previous model (FIFO of `previous_models`)
-            self.previous.append({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+            self.previous.append(cpu_copy(model.state_dict()))
             del self.previous[: -self.hp.previous_models]
         return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
 
