@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from fedcore.tensors import StateDict
+
+Aggregator = Callable[[Sequence[StateDict], Sequence[float]], StateDict]
+"""(client models, their weights) -> one model: the step FedSA replaces in any averaging method."""
 
 
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fedcore.aggregation import Aggregator, weighted_average
 from fedcore.data import TensorDataset
 from fedcore.participation import ParticipationRecord
 from fedcore.tensors import StateDict, TensorSpec, schema_of
@@ -113,6 +114,9 @@ class CoordinatorHalf(ABC):
         self.model = model
         self.device = device or torch.device("cpu")
         """Where heavy coordinator-side work (KDIA's generator) may run; the global model stays on the CPU."""
+        self.average: Aggregator = weighted_average
+        """How client models become one: the weighted mean by default; ``method.aggregator`` in an
+        experiment file swaps in another rule (FedSA's) for any method whose server averages models."""
 
     @abstractmethod
     def configure_round(self, ctx: RoundContext) -> Payload:

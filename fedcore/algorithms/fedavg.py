@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
@@ -38,7 +37,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         weighted = getattr(self.hp, "weighted", True)  # methods that reuse this server have no such option
         weights = [float(u.num_samples) if weighted else 1.0 for u in updates]
         # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only
-        self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
+        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in updates], weights))
         return {"train_loss": mean_reported_loss(updates, weights)}
 
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, fedavg
 
 VELOCITY = "velocity/"
@@ -69,7 +68,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
         weights = [float(u.num_samples) for u in updates]
-        average = weighted_average([u.payload.tensors["model"] for u in updates], weights)
+        average = self.average([u.payload.tensors["model"] for u in updates], weights)
         beta, eta = self.hp.momentum, self.hp.server_lr
         scale = 1.0 - beta if self.hp.dampening else 1.0
         new: dict[str, torch.Tensor] = {}

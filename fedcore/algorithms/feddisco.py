@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, fedavg
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
@@ -109,7 +108,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         if fallback:
             logger.warning("round %d: every FedDisco weight clipped to zero; using FedAvg's weights", ctx.round)
             weights = [float(n) for n in samples]
-        self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in valid], weights))
+        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in valid], weights))
         return {
             "train_loss": fedavg.mean_reported_loss(valid, [float(n) for n in samples]),
             "disco_clipped": float(sum(w == 0.0 for w in weights)),

@@ -109,7 +109,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
     ) -> Mapping[str, float]:
         weights = [float(u.num_samples) for u in updates]
         # w_{t+1} = sum_k (n_k / n) w^k_{t+1}, as FedAvg; then w_{t+1} joins the buffer of global models
-        self.model.load_state_dict(weighted_average([u.payload.tensors["model"] for u in updates], weights))
+        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in updates], weights))
         self.buffer.append(cpu_copy(self.model.state_dict()))
         del self.buffer[: -self.hp.buffer_size]
         return {"train_loss": fedavg.mean_reported_loss(updates, weights)}

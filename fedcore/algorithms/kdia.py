@@ -36,7 +36,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, fedavg
 from fedcore.algorithms.kdia_generator import (
     FeatureGenerator,
@@ -251,7 +250,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         sizes = [float(u.num_samples) for u in updates]
         states = [u.payload.tensors["model"] for u in updates]
         # student, Eq. 1: theta_g = sum_{k in S_t} (N_k / sum_j N_j) theta_k^{t+1}
-        self.model.load_state_dict(weighted_average(states, sizes))
+        self.model.load_state_dict(self.average(states, sizes))
 
         # teacher, Eq. 5-10: overwrite the participants' stored models, weigh every stored model
         started = time.perf_counter()

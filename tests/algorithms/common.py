@@ -12,7 +12,15 @@ import torch
 from torch import nn
 
 from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import CoordinatorHalf, NodeHalf, NodeUpdate, Payload, RoundContext, TaskInput
+from fedcore.algorithms.base import (
+    AlgorithmSpec,
+    CoordinatorHalf,
+    NodeHalf,
+    NodeUpdate,
+    Payload,
+    RoundContext,
+    TaskInput,
+)
 from fedcore.data import TensorDataset, load_dataset
 from fedcore.models import build_model
 from fedcore.participation import ParticipationRecord
@@ -76,7 +84,8 @@ def clone(state: Mapping[str, torch.Tensor]) -> StateDict:
 class Federation:
     """A coordinator half, one node half per node, one workspace model shared by the nodes."""
 
-    name: str
+    name: str | AlgorithmSpec
+    """A registered method's name, or a module's SPEC (before it is registered)."""
     hyperparams: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     model: str = "mlp"
@@ -84,7 +93,7 @@ class Federation:
     input_shape: tuple[int, ...] = INPUT_SHAPE
 
     def __post_init__(self) -> None:
-        spec = get_algorithm(self.name)
+        spec = self.name if isinstance(self.name, AlgorithmSpec) else get_algorithm(self.name)
         hp = build_hyperparams(spec, self.hyperparams)
         self.coordinator: CoordinatorHalf = spec.coordinator(
             hp, model=tiny_model(self.seed, self.model, self.input_shape)
