@@ -15,7 +15,7 @@ from broker import BusConfig
 from coordinator.config import CoordinatorConfig, RoundPolicy
 from coordinator.daemon import Coordinator
 from experiments.config import ExperimentConfig
-from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
 from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset
 from fedcore.errors import ConfigError
 from fedcore.models import build_model
@@ -108,6 +108,7 @@ def preflight(cfg: ExperimentConfig) -> None:
     shards(cfg, split)
     make_model(cfg, split.train)
     build_hyperparams(get_algorithm(cfg.method.name), cfg.method.hyperparams)
+    build_aggregator(cfg.method.aggregator.name, cfg.method.aggregator.options)
     train_settings(cfg)
 
 
@@ -128,6 +129,8 @@ def build_coordinator(
     hp = build_hyperparams(spec, cfg.method.hyperparams)
     split = load_split(cfg)
     half = spec.coordinator(hp, model=make_model(cfg, split.test), device=best_device())
+    if cfg.method.aggregator.name != "mean":
+        half.average = build_aggregator(cfg.method.aggregator.name, cfg.method.aggregator.options)
     policy = RoundPolicy(
         fraction=cfg.fraction,
         over_selection=cfg.policy.over_selection,

@@ -210,9 +210,18 @@ class ModelConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class AggregatorConfig(_Strict):
+    name: str = Field("mean", description="mean (the method's own weighted mean) | fedsa")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class MethodConfig(_Strict):
     name: str = Field("fedavg", description="the algorithm, from fedcore.algorithms")
     hyperparams: dict[str, Any] = Field(default_factory=dict)
+    aggregator: AggregatorConfig = Field(
+        default_factory=AggregatorConfig,
+        description="the rule that turns client models into one, for any method whose server averages models",
+    )
 
 
 class TrainConfig(_Strict):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from fedcore.aggregation import Aggregator, weighted_average
 from fedcore.algorithms import fedavg, fedavgm, feddisco, fedgkd, fedprox, kdia, moon
 from fedcore.algorithms.base import AlgorithmSpec
 from fedcore.errors import ConfigError
@@ -18,6 +19,30 @@ ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
         for spec in (fedavg.SPEC, fedavgm.SPEC, fedprox.SPEC, moon.SPEC, fedgkd.SPEC, feddisco.SPEC, kdia.SPEC)
     }
 )
+
+
+AGGREGATORS: Mapping[str, tuple[type | None, Callable[[Any], Aggregator]]] = types.MappingProxyType(
+    {
+        "mean": (None, lambda hp: weighted_average),
+    }
+)
+"""Rules an experiment file may put in place of a method's model averaging (``method.aggregator``):
+name -> (its options' Hyperparams class, or None for no options; a factory from those options)."""
+
+
+def build_aggregator(name: str, options: Mapping[str, Any] | None = None) -> Aggregator:
+    """The averaging rule `name` with its `options` validated as a method's hyperparameters are."""
+    try:
+        hyperparams, factory = AGGREGATORS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown aggregator {name!r}; available: {', '.join(sorted(AGGREGATORS))}", field="method.aggregator.name"
+        ) from None
+    if hyperparams is None:
+        if options:
+            raise ConfigError(f"aggregator {name!r} takes no options", field="method.aggregator.options")
+        return factory(None)
+    return factory(_options(hyperparams, f"aggregator {name}", options, "method.aggregator.options", "options"))
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
@@ -31,15 +56,21 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 
 def build_hyperparams(spec: AlgorithmSpec, values: Mapping[str, Any] | None) -> Any:
     """The algorithm's frozen Hyperparams from a mapping; unknown keys and wrong types are errors."""
+    return _options(spec.hyperparams, spec.name, values, "method.hyperparams")
+
+
+def _options(cls: type, owner: str, values: Mapping[str, Any] | None, where: str, noun: str = "hyperparameters") -> Any:
+    """`cls` (a frozen options dataclass) from a mapping from outside: unknown keys, wrong types and
+    values its __post_init__ rejects are ConfigErrors naming the field."""
     values = dict(values or {})
-    fields = {f.name: f for f in dataclasses.fields(spec.hyperparams)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(
-            f"unknown hyperparameters {unknown} for {spec.name}; allowed: {sorted(fields) or 'none'}",
-            field="method.hyperparams",
+            f"unknown {noun} {unknown} for {owner}; allowed: {sorted(fields) or 'none'}",
+            field=where,
         )
-    hints = typing.get_type_hints(spec.hyperparams)
+    hints = typing.get_type_hints(cls)
     for name, value in values.items():
         expected = hints[name]
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -47,8 +78,8 @@ def build_hyperparams(spec: AlgorithmSpec, values: Mapping[str, Any] | None) -> 
         elif expected in (int, float, bool, str) and (
             not isinstance(value, expected) or (expected is not bool and isinstance(value, bool))
         ):
-            raise ConfigError(f"{value!r} is not a {expected.__name__}", field=f"method.hyperparams.{name}")
+            raise ConfigError(f"{value!r} is not a {expected.__name__}", field=f"{where}.{name}")
     try:
-        return spec.hyperparams(**values)
+        return cls(**values)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc), field="method.hyperparams") from exc
+        raise ConfigError(str(exc), field=where) from exc
