@@ -9,14 +9,42 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedcore.aggregation import Aggregator, weighted_average
-from fedcore.algorithms import fedavg, fedavgm, feddisco, fedgkd, fedprox, kdia, moon
+from fedcore.algorithms import (
+    fedacd,
+    fedavg,
+    fedavgm,
+    feddisco,
+    feddyn,
+    fedgkd,
+    fedlc,
+    fedprox,
+    fedrs,
+    fedvls,
+    kdia,
+    moon,
+    scaffold,
+)
 from fedcore.algorithms.base import AlgorithmSpec
 from fedcore.errors import ConfigError
 
 ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
     {
         spec.name: spec
-        for spec in (fedavg.SPEC, fedavgm.SPEC, fedprox.SPEC, moon.SPEC, fedgkd.SPEC, feddisco.SPEC, kdia.SPEC)
+        for spec in (
+            fedavg.SPEC,
+            fedavgm.SPEC,
+            fedprox.SPEC,
+            moon.SPEC,
+            fedgkd.SPEC,
+            feddisco.SPEC,
+            kdia.SPEC,
+            scaffold.SPEC,
+            feddyn.SPEC,
+            fedlc.SPEC,
+            fedrs.SPEC,
+            fedvls.SPEC,
+            fedacd.SPEC,
+        )
     }
 )
 

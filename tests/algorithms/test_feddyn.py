@@ -1,0 +1,303 @@
+"""FedDyn's two halves in-process: the regularised local steps and the gradient state by hand on a
+two-weight model (and across rounds), the server's h and theta by hand, m from the participation
+record, h = mean of the nodes' gradient states, the checkpointed h (a resumed run equals an
+uninterrupted one), the evaluated average, the update schema, FedAvg's first local step, determinism
+and bad hyperparameters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fedcore.algorithms import build_hyperparams
+from fedcore.algorithms.base import Payload, TaskInput
+from fedcore.algorithms.feddyn import (
+    SPEC,
+    gradient_state_step,
+    regulariser_gradient,
+    server_model,
+    server_state_step,
+)
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.participation import ParticipationRecord
+from fedcore.seeding import torch_generator
+from fedcore.tensors import schema_mismatch
+from fedcore.training import TrainSettings
+from tests.algorithms.common import (
+    Federation,
+    context,
+    same_state,
+    scalar_model,
+    scalar_state,
+    shards,
+    tiny_model,
+    update,
+)
+
+G0 = 0.25
+"""First coordinate of the cross-entropy gradient of `_data()` at W = 0 (the second is its negative)."""
+
+
+def _data() -> TensorDataset:
+    """Two samples: x = 1 with label 0, x = 2 with label 1."""
+    return TensorDataset(x=torch.tensor([[1.0], [2.0]]), y=torch.tensor([0, 1]), num_classes=2)
+
+
+def _column(a: float, b: float) -> torch.Tensor:
+    return torch.tensor([[a], [b]])
+
+
+def _model(w: tuple[float, float] = (0.0, 0.0)) -> nn.Module:
+    """Logits (w0 x, w1 x): two weights, no bias."""
+    model = nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(_column(*w))
+    return model
+
+
+def _train(node, steps: int, round: int = 0) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """`steps` full-batch SGD steps of lr 0.5 from theta^{t-1} = 0; the node's model."""
+    settings = TrainSettings(local_epochs=steps, batch_size=2, lr=0.5)
+    task = TaskInput(
+        node_id="n0", round=round, payload=Payload(tensors={"model": _model().state_dict()}), settings=settings
+    )
+    out = node.train(task, _model((9.0, 9.0)), _data(), torch_generator(0, "t"))
+    assert out.meta["steps"] == steps
+    return out.tensors["model"]["weight"]
+
+
+def _gradient_at(w: float) -> float:
+    """First coordinate of the cross-entropy gradient at W = (w, -w), by hand: sample 1 (x = 1, y = 0)
+    has p0 = 1 / (1 + e^{-2w}), sample 2 (x = 2, y = 1) p0 = 1 / (1 + e^{-4w}); mean of (p0 - 1) x and p0 x."""
+    p1, p2 = 1 / (1 + math.exp(-2 * w)), 1 / (1 + math.exp(-4 * w))
+    return ((p1 - 1) * 1 + p2 * 2) / 2
+
+
+# -- the rules by hand ---------------------------------------------------------------------------
+
+
+def test_rule_functions_match_hand_values() -> None:
+    """alpha (theta - anchor) - grad_k; grad_k - alpha (theta_k - theta); h - alpha/m sum(theta_k - theta); avg - h/alpha."""
+    t = torch.tensor
+    assert torch.allclose(regulariser_gradient(t([2.0]), t([1.0]), t([0.3]), 0.5), t([0.2]))
+    assert torch.allclose(gradient_state_step(t([0.0]), t([1.5]), t([0.5]), 0.1), t([-0.1]))
+    assert torch.allclose(server_state_step(t([0.0]), [t([1.0]), t([3.0])], t([0.0]), 0.5, 4), t([-0.5]))
+    assert torch.allclose(server_model(t([2.0]), t([-0.5]), 0.5), t([3.0]))
+
+
+def test_node_two_steps_and_gradient_state_by_hand() -> None:
+    """alpha = 0.1, grad_k = 0: step 1 is plain SGD, W1 = -lr g0 = (-0.125, 0.125); step 2 adds
+    alpha (W1 - 0): W2 = W1 - lr (g(W1) + alpha W1); then grad_k = -alpha (W2 - 0)."""
+    node = SPEC.node(build_hyperparams(SPEC, {"alpha": 0.1}), node_id="n0")
+    w2 = -0.125 - 0.5 * (_gradient_at(-0.125) + 0.1 * -0.125)
+    assert torch.allclose(_train(node, 2), _column(w2, -w2), atol=1e-6)
+    assert torch.allclose(node.gradient["weight"], _column(-0.1 * w2, 0.1 * w2), atol=1e-6)
+
+
+def test_gradient_state_persists_and_enters_the_next_round_as_the_linear_term() -> None:
+    """Round 2 from theta = 0 again with grad_k from round 1: one step with gradient g0 - grad_k
+    (the quadratic term is zero there); then grad_k' = grad_k - alpha (W - 0)."""
+    node = SPEC.node(build_hyperparams(SPEC, {"alpha": 0.1}), node_id="n0")
+    _train(node, 2)
+    g = float(node.gradient["weight"][0, 0])
+    w = -0.5 * (G0 - g)
+    assert torch.allclose(_train(node, 1, round=1), _column(w, -w), atol=1e-6)
+    assert torch.allclose(node.gradient["weight"], _column(g - 0.1 * w, -(g - 0.1 * w)), atol=1e-6)
+
+
+def test_first_local_step_equals_fedavg_exactly() -> None:
+    """A node's first round with one full-batch step: both regularisers have zero gradient at theta =
+    theta^{t-1} with grad_k = 0, so the model is FedAvg's bit for bit; with two steps it is not."""
+    data = shards()[2]
+    start = tiny_model(1).state_dict()
+    plain = Federation("fedavg").nodes["node-000"]
+    for epochs, equal in ((1, True), (2, False)):
+        settings = TrainSettings(local_epochs=epochs, batch_size=len(data), lr=0.5, momentum=0.5)
+        task = TaskInput(node_id="n0", round=0, payload=Payload(tensors={"model": start}), settings=settings)
+        node = SPEC.node(build_hyperparams(SPEC, {"alpha": 0.5}), node_id="n0")
+        dyn = node.train(task, tiny_model(99), data, torch_generator(0, "t")).tensors["model"]
+        avg = plain.train(task, tiny_model(99), data, torch_generator(0, "t")).tensors["model"]
+        assert same_state(dyn, avg) is equal
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+def _coordinator(**hp: object):  # type: ignore[no-untyped-def]
+    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=scalar_model(0.0))
+
+
+def _aggregate(coordinator, rows, round: int = 0, participation=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    updates = [update(f"n{i}", scalar_state(v), n, round, loss=1.0) for i, (v, n) in enumerate(rows)]
+    ctx = context(round, tuple(u.node_id for u in updates), participation=participation)
+    return dict(coordinator.aggregate(ctx, updates, []))
+
+
+def _value(t: torch.Tensor) -> float:
+    return float(t.detach().reshape(()))
+
+
+@pytest.mark.parametrize(
+    ("hp", "theta1", "theta2"),
+    [
+        # round 1: h = -0.5 (1/4)(1 + 3) = -0.5, theta = 2 + 1 = 3; round 2 from 3 with models (3.5, 4.5):
+        # h = -0.5 - 0.5 (1/4)(0.5 + 1.5) = -0.75, theta = 4 + 1.5 = 5.5
+        ({"alpha": 0.5, "num_nodes": 4}, 3.0, 5.5),
+        # sample-weighted mean (10, 30): round 1 avg 2.5, theta 3.5; round 2 from 3.5: drifts 0 and 1,
+        # h = -0.5 - 0.125 = -0.625, avg 4.25, theta = 4.25 + 1.25 = 5.5
+        ({"alpha": 0.5, "num_nodes": 4, "weighted": True}, 3.5, 5.5),
+    ],
+)
+def test_server_h_and_model_by_hand(hp: dict[str, object], theta1: float, theta2: float) -> None:
+    """theta = 0, h = 0, alpha = 0.5, m = 4: h and theta after two rounds of two updates, by hand."""
+    coordinator = _coordinator(**hp)
+    metrics = _aggregate(coordinator, [(1.0, 10), (3.0, 30)])
+    assert _value(coordinator.model.weight) == pytest.approx(theta1, abs=1e-6)
+    assert _value(coordinator.h["weight"]) == pytest.approx(-0.5, abs=1e-6)
+    assert metrics["federation_size"] == 4.0 and metrics["h_norm"] == pytest.approx(0.5, abs=1e-6)
+    _aggregate(coordinator, [(3.5, 10), (4.5, 30)], round=1)
+    assert _value(coordinator.model.weight) == pytest.approx(theta2, abs=1e-6)
+    payload = coordinator.configure_round(context(2, ("n0",)))
+    assert payload.tensors.keys() == {"model"}
+    assert _value(payload.tensors["model"]["weight"]) == pytest.approx(theta2, abs=1e-6)
+
+
+def test_m_comes_from_the_participation_record_by_default() -> None:
+    """num_nodes = 0 with 5 nodes in the record: h = -0.5 (1/5)(1 + 3) = -0.4, theta = 2 + 0.8."""
+    record = ParticipationRecord()
+    for i in range(5):
+        record.ensure(f"n{i}")
+    coordinator = _coordinator(alpha=0.5)
+    assert _aggregate(coordinator, [(1.0, 10), (3.0, 30)], participation=record)["federation_size"] == 5.0
+    assert _value(coordinator.h["weight"]) == pytest.approx(-0.4, abs=1e-6)
+    assert _value(coordinator.model.weight) == pytest.approx(2.8, abs=1e-6)
+
+
+def test_replaced_averaging_step_keeps_h_on_its_own_rule() -> None:
+    """With `average` swapped (as FedSA does) for "the first model": h = -0.5 still, theta = 1 + 1 = 2."""
+    coordinator = _coordinator(alpha=0.5, num_nodes=4)
+    coordinator.average = lambda states, weights: {k: v.clone() for k, v in states[0].items()}
+    _aggregate(coordinator, [(1.0, 10), (3.0, 30)])
+    assert _value(coordinator.h["weight"]) == pytest.approx(-0.5, abs=1e-6)
+    assert _value(coordinator.model.weight) == pytest.approx(2.0, abs=1e-6)
+
+
+def test_evaluate_average_adds_the_mean_of_the_node_models() -> None:
+    """evaluate_average: "global" is theta (3.0 above), "average" the plain mean (2.0); off by default."""
+    assert list(_coordinator().evaluation_models()) == ["global"]
+    coordinator = _coordinator(alpha=0.5, num_nodes=4, evaluate_average=True)
+    _aggregate(coordinator, [(1.0, 10), (3.0, 30)])
+    models = coordinator.evaluation_models()
+    assert list(models) == ["global", "average"]
+    assert _value(models["global"].weight) == pytest.approx(3.0, abs=1e-6)
+    assert _value(models["average"].weight) == pytest.approx(2.0, abs=1e-6)
+
+
+def test_h_is_the_mean_of_the_node_gradient_states_with_partial_participation() -> None:
+    """m = 3, rounds with nodes {0, 2}, {0, 1, 2}, {1}: h = (1/m) sum_k grad_k after each round."""
+    fed = Federation(SPEC, {"alpha": 0.1, "num_nodes": 3})
+    for chosen in (("node-000", "node-002"), None, ("node-001",)):
+        fed.run(1, chosen)
+        states = [node.gradient for node in fed.nodes.values() if node.gradient is not None]
+        for name, h in fed.coordinator.h.items():
+            assert torch.allclose(h, sum(s[name] for s in states) / 3, atol=1e-7), name
+    assert max(float(h.abs().max()) for h in fed.coordinator.h.values()) > 0
+
+
+# -- state, schema, determinism ------------------------------------------------------------------
+
+
+def test_state_round_trip_resumes_the_run_exactly() -> None:
+    """Two rounds in one go equal one round, a checkpoint (model + state_dict) into a fresh
+    coordinator, and a second round: h survives the resume."""
+    straight = Federation(SPEC)
+    expected = straight.run(2)
+    resumed = Federation(SPEC)
+    resumed.run(1)
+    saved_model = {k: v.clone() for k, v in resumed.coordinator.model.state_dict().items()}
+    saved_state = {k: v.clone() for k, v in resumed.coordinator.state_dict().items()}
+    assert saved_state.keys() == {f"h/{name}" for name, _ in tiny_model().named_parameters()}
+    fresh = SPEC.coordinator(build_hyperparams(SPEC, {}), model=tiny_model(5))
+    fresh.model.load_state_dict(saved_model)
+    fresh.load_state_dict(saved_state)
+    resumed.coordinator = fresh
+    assert same_state(resumed.run(1), expected)
+    assert same_state(fresh.state_dict(), straight.coordinator.state_dict())
+
+
+@pytest.mark.parametrize("bad", ["missing", "extra", "shape"])
+def test_load_state_dict_rejects_state_that_does_not_fit(bad: str) -> None:
+    """A checkpoint with a missing, unexpected or misshapen h tensor is a ValueError."""
+    coordinator = Federation(SPEC).coordinator
+    state = {k: v.clone() for k, v in coordinator.state_dict().items()}
+    key = sorted(state)[0]
+    if bad == "missing":
+        del state[key]
+    elif bad == "extra":
+        state["h/nope"] = torch.zeros(1)
+    else:
+        state[key] = torch.zeros(7)
+    with pytest.raises(ValueError, match="FedDyn"):
+        coordinator.load_state_dict(state)
+
+
+def test_update_schema_is_the_model_alone_and_rejects_bad_shapes() -> None:
+    """The update carries the model only (grad_k stays on the node); a misshapen tensor is rejected."""
+    fed = Federation(SPEC)
+    schema = fed.coordinator.update_schema()
+    assert schema.keys() == {"model"}
+    out = fed.train("node-000", fed.coordinator.configure_round(context(0, fed.node_ids)))
+    assert out.payload.tensors.keys() == {"model"}
+    assert schema_mismatch(out.payload.tensors["model"], schema["model"]) is None
+    model = dict(out.payload.tensors["model"])
+    name = sorted(model)[0]
+    assert schema_mismatch({**model, name: torch.zeros(3)}, schema["model"])[0] == "wrong-shape"
+
+
+def test_feddyn_training_is_deterministic_under_a_fixed_seed() -> None:
+    """Two federations with the same seed end with the same model and h; another seed differs."""
+    a, b = Federation(SPEC), Federation(SPEC)
+    assert same_state(a.run(2), b.run(2))
+    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
+    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(1))
+    assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
+
+
+def test_node_without_model_in_task_raises_algorithm_error() -> None:
+    """A task whose model group is missing is an AlgorithmError; the node's state is untouched."""
+    fed = Federation(SPEC)
+    with pytest.raises(AlgorithmError, match=r"no usable model.*node node-000, round 0"):
+        fed.train("node-000", Payload(tensors={}))
+    assert fed.nodes["node-000"].gradient is None
+
+
+# -- hyperparameters -----------------------------------------------------------------------------
+
+
+def test_feddyn_defaults() -> None:
+    """alpha = 0.01 (the authors' script; paper grid 0.1, 0.01, 0.001), plain mean, m from the record."""
+    hp = build_hyperparams(SPEC, {})
+    assert (hp.alpha, hp.weighted, hp.num_nodes, hp.evaluate_average) == (0.01, False, 0, False)
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"alpha": 0.0}, "alpha"),
+        ({"alpha": -0.1}, "alpha"),
+        ({"alpha": float("nan")}, "alpha"),
+        ({"alpha": float("inf")}, "alpha"),
+        ({"alpha": "0.1"}, "not a float"),
+        ({"num_nodes": -3}, "num_nodes"),
+        ({"evaluate_average": 1}, "not a bool"),
+        ({"mu": 0.1}, "unknown"),
+    ],
+)
+def test_feddyn_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
+    """A zero, negative or non-finite alpha, a negative m, wrong types and unknown keys are ConfigErrors."""
+    with pytest.raises(ConfigError, match=match):
+        build_hyperparams(SPEC, values)

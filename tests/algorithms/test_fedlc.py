@@ -1,0 +1,142 @@
+"""FedLC's two halves in-process: the margins tau n_c^{-1/4} and the calibrated cross-entropy by hand,
+the missing class at -inf (no NaN, no gradient), the shared label-count helper, FedAvg at tau = 0,
+determinism, what the update carries and bad hyperparameters."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from fedcore.algorithms import build_hyperparams, fedlc
+from fedcore.algorithms.base import Payload, TaskInput
+from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.seeding import torch_generator
+from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, shards, tiny_model
+
+SPEC = fedlc.SPEC
+
+
+def test_fedlc_offsets_are_minus_tau_n_to_the_minus_quarter_and_minus_inf_when_missing() -> None:
+    """Counts (16, 1, 0), tau 0.5: offsets (-0.5 / 2, -0.5, -inf); tau 0 gives zeros, not NaN."""
+    offsets = fedlc.fedlc_offsets(torch.tensor([16.0, 1.0, 0.0]), 0.5)
+    assert offsets[:2].tolist() == pytest.approx([-0.25, -0.5])
+    assert offsets[2] == float("-inf")
+    assert fedlc.fedlc_offsets(torch.tensor([16.0, 1.0, 0.0]), 0.0).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_calibrated_cross_entropy_matches_hand_value() -> None:
+    """Zero logits, label 0, offsets (-0.25, -0.5, -inf): -log(e^-0.25 / (e^-0.25 + e^-0.5)); the missing
+    class contributes nothing to the denominator."""
+    offsets = fedlc.fedlc_offsets(torch.tensor([16.0, 1.0, 0.0]), 0.5)
+    loss = fedlc.calibrated_cross_entropy(torch.zeros(1, 3), torch.tensor([0]), offsets)
+    expected = -math.log(math.exp(-0.25) / (math.exp(-0.25) + math.exp(-0.5)))
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+
+
+def test_calibrated_cross_entropy_equals_the_fedvls_code_rule_on_present_classes() -> None:
+    """On random logits with every class present, the loss is CE(f - tau n^{-1/4}, y), as in FedVLS's
+    ``clientlogitcal.py`` (``output -= cal_tem * class2data ** (-0.25)``)."""
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(6, 4, generator=g), torch.tensor([0, 1, 2, 3, 3, 1])
+    counts = torch.tensor([5.0, 2.0, 9.0, 30.0])
+    reference = F.cross_entropy(logits - 0.1 * counts ** (-0.25), y)
+    assert float(fedlc.calibrated_cross_entropy(logits, y, fedlc.fedlc_offsets(counts, 0.1))) == pytest.approx(
+        float(reference), rel=1e-6
+    )
+
+
+def test_missing_class_gets_no_gradient_and_no_nan() -> None:
+    """A class at -inf is out of the softmax: finite loss, finite gradient, exactly 0 on its logit."""
+    logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    offsets = fedlc.fedlc_offsets(torch.tensor([3.0, 0.0, 2.0]), 1.0)
+    loss = fedlc.calibrated_cross_entropy(logits, torch.tensor([0, 2, 2, 0]), offsets)
+    loss.backward()
+    assert math.isfinite(float(loss.detach()))
+    assert torch.isfinite(logits.grad).all()
+    assert torch.equal(logits.grad[:, 1], torch.zeros(4))
+    assert (logits.grad[:, [0, 2]] != 0).any()
+
+
+def test_calibrated_cross_entropy_with_wrong_width_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        fedlc.calibrated_cross_entropy(torch.zeros(2, 3), torch.tensor([0, 1]), torch.zeros(4))
+
+
+def _task(round: int = 0) -> TaskInput:
+    return TaskInput(
+        node_id="node-000",
+        round=round,
+        payload=Payload(tensors={"model": tiny_model().state_dict()}),
+        settings=SETTINGS,
+        scratch=Scratch(tiny_model()),
+    )
+
+
+def test_local_label_counts_is_the_shard_histogram() -> None:
+    """The shared helper returns n_c of the whole shard as float32 (shard 1: 19, 11, 0)."""
+    data = shards()[1]
+    counts = fedlc.local_label_counts(data, tiny_model(), node_id="n", round=0)
+    assert counts.dtype == torch.float32 and counts.tolist() == [19.0, 11.0, 0.0]
+
+
+def test_local_label_counts_of_empty_or_mismatched_shard_raise_algorithm_error() -> None:
+    """No labels, or labels that do not fit the model's logits, fail the round naming the node."""
+    empty = shards()[0].subset(np.array([], dtype=np.int64))
+    with pytest.raises(AlgorithmError, match="empty"):
+        fedlc.local_label_counts(empty, tiny_model(), node_id="n", round=0)
+    wide = tiny_model()
+    wide.num_classes = 5  # the data has 3 classes
+    with pytest.raises(AlgorithmError, match="5 logits"):
+        fedlc.local_label_counts(shards()[0], wide, node_id="n", round=0)
+
+
+def test_node_with_empty_shard_raises_algorithm_error() -> None:
+    node = SPEC.node(build_hyperparams(SPEC, {}), node_id="node-000")
+    empty = shards()[0].subset(np.array([], dtype=np.int64))
+    with pytest.raises(AlgorithmError, match="empty"):
+        node.train(_task(), tiny_model(), empty, torch_generator(0, "node-train", "node-000", 0))
+
+
+def test_fedlc_neutral_setting_equals_fedavg_exactly() -> None:
+    """tau = 0 gives FedAvg's global model bit for bit; the default tau does not."""
+    fedavg = Federation("fedavg").run(2)
+    assert same_state(fedavg, Federation(SPEC, {"tau": 0.0}).run(2))
+    assert not same_state(fedavg, Federation(SPEC).run(2))
+
+
+def test_fedlc_training_is_deterministic_finite_and_sends_only_the_model() -> None:
+    """Same seed, same model; another seed differs; every node (each lacks a class) reports a finite
+    loss, and the update holds the model, the loss and the steps only: the histogram stays home."""
+    a = Federation(SPEC, {"tau": 1.0})
+    assert same_state(a.run(2), Federation(SPEC, {"tau": 1.0}).run(2))
+    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"tau": 1.0}, seed=1).run(2))
+    payload = Payload(tensors={"model": tiny_model().state_dict()})
+    for node in a.node_ids:
+        out = a.train(node, payload)
+        assert set(out.payload.tensors) == {"model"} and set(out.payload.meta) == {"loss", "steps"}
+        assert math.isfinite(out.payload.meta["loss"])
+        assert all(torch.isfinite(t).all() for t in out.payload.tensors["model"].values())
+
+
+def test_fedlc_defaults_are_the_fedvls_table_10_value() -> None:
+    assert build_hyperparams(SPEC, {}).tau == 0.5
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"tau": -0.1}, "tau"),
+        ({"tau": float("nan")}, "tau"),
+        ({"tau": float("inf")}, "tau"),
+        ({"tau": "0.5"}, "not a float"),
+        ({"cal_tem": 0.1}, "unknown"),
+    ],
+)
+def test_fedlc_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
+    """Negative, non-finite, mistyped and unknown hyperparameters are ConfigErrors."""
+    with pytest.raises(ConfigError, match=match):
+        build_hyperparams(SPEC, values)

@@ -1,0 +1,400 @@
+"""SCAFFOLD's two halves in-process: the corrected local step and options I, II and gradient_mean by
+hand on a two-weight model, the node's control variate across rounds, the server's x and c by hand,
+N from the participation record, the checkpointed c (a resumed run equals an uninterrupted one),
+the update schema, FedAvg at the first round, determinism, bad tasks and bad hyperparameters."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedcore.algorithms import build_hyperparams
+from fedcore.algorithms.base import NodeUpdate, Payload, RoundContext, TaskInput
+from fedcore.algorithms.scaffold import (
+    CONTROL,
+    CONTROL_DELTA,
+    SPEC,
+    corrected_gradient,
+    option_ii_delta,
+    server_control_step,
+    server_model_step,
+)
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.participation import ParticipationRecord
+from fedcore.seeding import torch_generator
+from fedcore.tensors import schema_mismatch
+from fedcore.training import TrainSettings
+from tests.algorithms.common import Federation, context, same_state, scalar_model, shards, tiny_model
+
+G0 = (0.25, -0.25)
+"""The gradient of the mean cross-entropy of `_data()` at W = 0: ((p - onehot(y)) x) averaged, p = (1/2, 1/2)."""
+
+
+def _data() -> TensorDataset:
+    """Two samples: x = 1 with label 0, x = 2 with label 1."""
+    return TensorDataset(x=torch.tensor([[1.0], [2.0]]), y=torch.tensor([0, 1]), num_classes=2)
+
+
+def _model(w: tuple[float, float] = (0.0, 0.0)) -> nn.Module:
+    """Logits (w0 x, w1 x): two weights, no bias."""
+    model = nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[w[0]], [w[1]]]))
+    return model
+
+
+def _column(a: float, b: float) -> torch.Tensor:
+    return torch.tensor([[a], [b]])
+
+
+def _task(c: tuple[float, float], settings: TrainSettings, round: int = 0, w=(0.0, 0.0)) -> TaskInput:  # type: ignore[no-untyped-def]
+    tensors = {"model": _model(w).state_dict(), CONTROL: {"weight": _column(*c)}}
+    return TaskInput(node_id="n0", round=round, payload=Payload(tensors=tensors), settings=settings)
+
+
+def _node(**hp: object):  # type: ignore[no-untyped-def]
+    return SPEC.node(build_hyperparams(SPEC, hp), node_id="n0")
+
+
+def _plain(steps: int = 1, lr: float = 0.5, **extra: object) -> TrainSettings:
+    """Full-batch SGD (the two samples in one batch), `steps` epochs of one step each."""
+    return TrainSettings(local_epochs=steps, batch_size=2, lr=lr, **extra)  # type: ignore[arg-type]
+
+
+def _train(node, task: TaskInput):  # type: ignore[no-untyped-def]
+    out = node.train(task, _model((9.0, 9.0)), _data(), torch_generator(0, "t"))
+    return out.tensors["model"]["weight"], out.tensors[CONTROL_DELTA]["weight"], out.meta
+
+
+def _second_gradient(w: float) -> float:
+    """The first coordinate of the gradient at W = (-w, w) (the second is its negative), by hand:
+    sample 1 (x = 1, y = 0): p0 = 1 / (1 + e^{2w}); sample 2 (x = 2, y = 1): p0 = 1 / (1 + e^{4w})."""
+    p1, p2 = 1 / (1 + math.exp(2 * w)), 1 / (1 + math.exp(4 * w))
+    return ((p1 - 1) * 1 + p2 * 2) / 2
+
+
+# -- the rules by hand ---------------------------------------------------------------------------
+
+
+def test_rule_functions_match_hand_values() -> None:
+    """g - c_i + c; (x - y)/(K lr) - c; x + eta_g (avg - x); c + sum(delta) / N: small numbers by hand."""
+    t = torch.tensor
+    assert torch.allclose(corrected_gradient(t([1.0]), t([0.25]), t([0.5])), t([1.25]))
+    assert torch.allclose(option_ii_delta(t([1.0]), t([0.4]), t([0.1]), 3, 0.2), t([0.6 / 0.6 - 0.1]))
+    assert torch.allclose(server_model_step(t([1.0]), t([3.0]), 0.5), t([2.0]))
+    avg = t([3.0])
+    assert server_model_step(t([1.0]), avg, 1.0) is avg  # eta_g = 1 takes the average itself
+    assert torch.allclose(server_control_step(t([0.1]), [t([0.4]), t([0.8])], 4), t([0.4]))
+
+
+def test_first_round_single_step_corrected_gradient_and_option_ii_by_hand() -> None:
+    """c = (0.1, -0.3), c_i = 0, one full-batch step of lr 0.5 from W = 0: y = -lr (g + c), and
+    Delta c_i = (x - y)/(1 lr) - c = g exactly the gradient, (0.25, -0.25); the node keeps c_i = g."""
+    node = _node()
+    y, delta, meta = _train(node, _task((0.1, -0.3), _plain()))
+    assert torch.allclose(y, _column(-0.5 * (0.25 + 0.1), -0.5 * (-0.25 - 0.3)))
+    assert torch.allclose(delta, _column(*G0), atol=1e-6)
+    assert torch.allclose(node.control["weight"], _column(*G0), atol=1e-6)
+    assert meta["steps"] == 1 and meta["loss"] == pytest.approx(math.log(2))
+
+
+def test_node_control_variate_persists_into_the_next_round() -> None:
+    """Round 2 from the same x with c = 0 and c_i = g: the corrected gradient g - g + 0 is zero, the
+    node does not move and Delta c_i = 0; with c = (0.1, -0.3) it moves by -lr c and Delta c_i = 0."""
+    node = _node()
+    _train(node, _task((0.1, -0.3), _plain()))
+    y, delta, _ = _train(node, _task((0.0, 0.0), _plain(), round=1))
+    assert torch.allclose(y, _column(0.0, 0.0), atol=1e-7)
+    assert torch.allclose(delta, _column(0.0, 0.0), atol=1e-6)
+    y, delta, _ = _train(node, _task((0.1, -0.3), _plain(), round=2))
+    assert torch.allclose(y, _column(-0.05, 0.15), atol=1e-6)
+    assert torch.allclose(delta, _column(0.0, 0.0), atol=1e-6)
+    assert torch.allclose(node.control["weight"], _column(*G0), atol=1e-6)
+
+
+def test_two_steps_option_ii_is_the_mean_of_the_two_gradients() -> None:
+    """c = c_i = 0, two steps of lr 0.5: W1 = -lr g0, W2 = W1 - lr g(W1); Delta c_i = (x - W2)/(2 lr)
+    = (g0 + g(W1)) / 2, with g(W1) from the softmax by hand."""
+    g1 = _second_gradient(0.125)
+    y, delta, meta = _train(_node(), _task((0.0, 0.0), _plain(steps=2)))
+    w2 = -0.125 - 0.5 * g1
+    assert meta["steps"] == 2
+    assert torch.allclose(y, _column(w2, -w2), atol=1e-6)
+    mean = (G0[0] + g1) / 2
+    assert torch.allclose(delta, _column(mean, -mean), atol=1e-6)
+
+
+def test_option_i_sets_c_i_to_the_gradient_at_x() -> None:
+    """Option I: Delta c_i = g_i(x) - c_i = (0.25, -0.25) at the first round, whatever the two local
+    steps did; the local steps themselves are option II's."""
+    y_i, delta_i, _ = _train(_node(control_update="option_i"), _task((0.0, 0.0), _plain(steps=2)))
+    y_ii, delta_ii, _ = _train(_node(), _task((0.0, 0.0), _plain(steps=2)))
+    assert torch.allclose(delta_i, _column(*G0), atol=1e-6)
+    assert torch.equal(y_i, y_ii)
+    assert not torch.allclose(delta_i, delta_ii, atol=1e-3)
+
+
+def test_gradient_mean_equals_option_ii_under_plain_sgd_but_not_under_momentum() -> None:
+    """Without momentum (x - y)/(K lr) - c is the mean raw gradient minus c_i; with momentum 0.9 the
+    model moves further and option II over-estimates it, gradient_mean does not."""
+    plain = _plain(steps=4, lr=0.3)
+    _, mean_delta, _ = _train(_node(control_update="gradient_mean"), _task((0.1, -0.3), plain))
+    _, ii_delta, _ = _train(_node(), _task((0.1, -0.3), plain))
+    assert torch.allclose(mean_delta, ii_delta, atol=1e-6)
+    heavy = _plain(steps=4, lr=0.3, momentum=0.9)
+    _, mean_delta_m, _ = _train(_node(control_update="gradient_mean"), _task((0.0, 0.0), heavy))
+    _, ii_delta_m, _ = _train(_node(), _task((0.0, 0.0), heavy))
+    assert float(ii_delta_m.abs().sum()) > 1.5 * float(mean_delta_m.abs().sum())
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+def _coordinator(**hp: object):  # type: ignore[no-untyped-def]
+    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=scalar_model(0.0))
+
+
+def _update(node: str, value: float, delta: float, n: int, round: int = 0) -> NodeUpdate:
+    tensors = {"model": {"weight": torch.full((1, 1), value)}, CONTROL_DELTA: {"weight": torch.full((1, 1), delta)}}
+    return NodeUpdate(node_id=node, round=round, num_samples=n, payload=Payload(tensors=tensors, meta={"loss": 1.0}))
+
+
+def _aggregate(coordinator, rows, round: int = 0, participation=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    updates = [_update(f"n{i}", v, d, n, round) for i, (v, d, n) in enumerate(rows)]
+    ctx = context(round, tuple(u.node_id for u in updates), participation=participation)
+    return dict(coordinator.aggregate(ctx, updates, []))
+
+
+def _value(t: torch.Tensor) -> float:
+    return float(t.detach().reshape(()))
+
+
+@pytest.mark.parametrize(
+    ("hp", "x1", "x2"),
+    [
+        # uniform: avg 2, x1 = 0 + 0.5 (2 - 0) = 1; round 2 avg 2, x2 = 1 + 0.5 (2 - 1) = 1.5
+        ({"server_lr": 0.5, "num_nodes": 4}, 1.0, 1.5),
+        # sample-weighted: avg (10 + 90) / 40 = 2.5, x1 = 1.25; round 2 x2 = 1.25 + 0.5 (2 - 1.25) = 1.625
+        ({"server_lr": 0.5, "num_nodes": 4, "weighted": True}, 1.25, 1.625),
+        # eta_g = 1: x is the average
+        ({"num_nodes": 4}, 2.0, 2.0),
+    ],
+)
+def test_server_steps_x_and_c_by_hand(hp: dict[str, object], x1: float, x2: float) -> None:
+    """x = 0, c = 0, N = 4; round 1: models (1, 3), deltas (0.4, 0.8): c = 0 + (0.4 + 0.8)/4 = 0.3;
+    round 2: models (2, 2), deltas (0.1, 0.1): c = 0.3 + 0.2/4 = 0.35, unweighted in both cases."""
+    coordinator = _coordinator(**hp)
+    metrics = _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)])
+    assert _value(coordinator.model.weight) == pytest.approx(x1, abs=1e-6)
+    assert _value(coordinator.control["weight"]) == pytest.approx(0.3, abs=1e-6)
+    assert metrics["federation_size"] == 4.0 and metrics["control_norm"] == pytest.approx(0.3, abs=1e-6)
+    _aggregate(coordinator, [(2.0, 0.1, 10), (2.0, 0.1, 30)], round=1)
+    assert _value(coordinator.model.weight) == pytest.approx(x2, abs=1e-6)
+    assert _value(coordinator.control["weight"]) == pytest.approx(0.35, abs=1e-6)
+    payload = coordinator.configure_round(context(2, ("n0",)))
+    assert _value(payload.tensors[CONTROL]["weight"]) == pytest.approx(0.35, abs=1e-6)
+    assert _value(payload.tensors["model"]["weight"]) == pytest.approx(x2, abs=1e-6)
+
+
+def test_federation_size_comes_from_the_participation_record_by_default() -> None:
+    """num_nodes = 0: N = the 5 nodes the record knows, c = (0.4 + 0.8) / 5; a num_nodes below the
+    known count is raised to it with a warning."""
+    record = ParticipationRecord()
+    for i in range(5):
+        record.ensure(f"n{i}")
+    coordinator = _coordinator()
+    assert _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)], participation=record)["federation_size"] == 5.0
+    assert _value(coordinator.control["weight"]) == pytest.approx(0.24, abs=1e-6)
+    coordinator = _coordinator(num_nodes=2)
+    metrics = _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)], participation=record)
+    assert metrics["federation_size"] == 5.0
+
+
+def test_too_small_num_nodes_logs_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """num_nodes = 1 with two updates: N = 2, and the misconfiguration is logged."""
+    with caplog.at_level(logging.WARNING, logger="fedcore.algorithms.scaffold"):
+        metrics = _aggregate(_coordinator(num_nodes=1), [(1.0, 0.4, 10), (3.0, 0.8, 30)])
+    assert metrics["federation_size"] == 2.0
+    assert "num_nodes = 1" in caplog.text
+
+
+def test_replaced_averaging_step_moves_x_while_c_keeps_its_own_rule() -> None:
+    """With `average` swapped (as FedSA does) for "the first model", x follows it; c still sums the deltas over N."""
+    coordinator = _coordinator(num_nodes=4)
+    coordinator.average = lambda states, weights: {k: v.clone() for k, v in states[0].items()}
+    _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)])
+    assert _value(coordinator.model.weight) == pytest.approx(1.0)
+    assert _value(coordinator.control["weight"]) == pytest.approx(0.3, abs=1e-6)
+
+
+def test_server_control_is_the_mean_of_the_node_controls_with_partial_participation() -> None:
+    """N = 3, rounds with nodes {0, 2}, {0, 1, 2}, {1}: c = (1/N) sum_i c_i after each round (Alg. 1's invariant)."""
+    fed = Federation(SPEC, {"num_nodes": 3})
+    for chosen in (("node-000", "node-002"), None, ("node-001",)):
+        fed.run(1, chosen)
+        controls = [node.control for node in fed.nodes.values()]
+        for name, c in fed.coordinator.control.items():
+            total = sum(ci[name] for ci in controls if ci is not None)
+            assert torch.allclose(c, total / 3, atol=1e-6), name
+    assert all(node.control is not None for node in fed.nodes.values())
+
+
+# -- state, schema, FedAvg, determinism ----------------------------------------------------------
+
+
+def test_state_round_trip_resumes_the_run_exactly() -> None:
+    """Two rounds in one go equal one round, a checkpoint (model + state_dict) into a fresh
+    coordinator, and a second round: c survives the resume."""
+    straight = Federation(SPEC)
+    expected = straight.run(2)
+    resumed = Federation(SPEC)
+    resumed.run(1)
+    saved_model = {k: v.clone() for k, v in resumed.coordinator.model.state_dict().items()}
+    saved_state = {k: v.clone() for k, v in resumed.coordinator.state_dict().items()}
+    assert saved_state.keys() == {f"control/{name}" for name, _ in tiny_model().named_parameters()}
+    fresh = SPEC.coordinator(build_hyperparams(SPEC, {}), model=tiny_model(5))
+    fresh.model.load_state_dict(saved_model)
+    fresh.load_state_dict(saved_state)
+    resumed.coordinator = fresh
+    assert same_state(resumed.run(1), expected)
+    assert same_state(fresh.state_dict(), straight.coordinator.state_dict())
+
+
+@pytest.mark.parametrize("bad", ["missing", "extra", "shape"])
+def test_load_state_dict_rejects_state_that_does_not_fit(bad: str) -> None:
+    """A checkpoint with a missing, unexpected or misshapen control tensor is a ValueError."""
+    coordinator = Federation(SPEC).coordinator
+    state = {k: v.clone() for k, v in coordinator.state_dict().items()}
+    key = sorted(state)[0]
+    if bad == "missing":
+        del state[key]
+    elif bad == "extra":
+        state["control/nope"] = torch.zeros(1)
+    else:
+        state[key] = torch.zeros(7)
+    with pytest.raises(ValueError, match="SCAFFOLD"):
+        coordinator.load_state_dict(state)
+
+
+def test_update_schema_declares_the_control_delta_and_rejects_bad_shapes() -> None:
+    """A node's update fits the schema (model and control_delta); a delta of the wrong shape or
+    dtype, or a missing tensor, is what the coordinator daemon rejects (schema_mismatch)."""
+    fed = Federation(SPEC)
+    schema = fed.coordinator.update_schema()
+    assert schema.keys() == {"model", CONTROL_DELTA}
+    params = dict(fed.coordinator.model.named_parameters())
+    assert schema[CONTROL_DELTA].keys() == params.keys()
+    out = fed.train("node-000", fed.coordinator.configure_round(context(0, fed.node_ids)))
+    assert out.payload.tensors.keys() == schema.keys()
+    for group, expected in schema.items():
+        assert schema_mismatch(out.payload.tensors[group], expected) is None
+    delta = dict(out.payload.tensors[CONTROL_DELTA])
+    name = sorted(delta)[0]
+    assert schema_mismatch({**delta, name: torch.zeros(3)}, schema[CONTROL_DELTA])[0] == "wrong-shape"
+    assert schema_mismatch({**delta, name: delta[name].double()}, schema[CONTROL_DELTA])[0] == "wrong-dtype"
+    del delta[name]
+    assert schema_mismatch(delta, schema[CONTROL_DELTA])[0] == "wrong-shape"
+
+
+def test_first_round_equals_fedavg_exactly_with_zero_control_variates() -> None:
+    """c = c_i = 0 and eta_g = 1: the first round's global model is unweighted FedAvg's bit for bit
+    (momentum 0.5 in the shared settings); the second round differs (c and c_i are no longer zero)."""
+    fedavg = Federation("fedavg", {"weighted": False})
+    scaffold = Federation(SPEC)
+    assert same_state(fedavg.run(1), scaffold.run(1))
+    weighted = Federation(SPEC, {"weighted": True}).run(1)
+    assert same_state(Federation("fedavg").run(1), weighted)
+    assert not same_state(fedavg.run(1), scaffold.run(1))
+
+
+def test_scaffold_training_is_deterministic_under_a_fixed_seed() -> None:
+    """Two federations with the same seed end with the same model and c; another seed differs."""
+    a, b = Federation(SPEC), Federation(SPEC)
+    assert same_state(a.run(2), b.run(2))
+    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
+    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(1))
+    assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
+
+
+# -- bad tasks -----------------------------------------------------------------------------------
+
+
+def test_task_without_or_with_misshapen_control_is_an_algorithm_error() -> None:
+    """No control group, a missing entry or a wrong shape: AlgorithmError naming the node and round."""
+    node = _node()
+    task = _task((0.0, 0.0), _plain())
+    no_control = TaskInput(
+        node_id="n0", round=0, payload=Payload(tensors={"model": task.payload.tensors["model"]}), settings=_plain()
+    )
+    with pytest.raises(AlgorithmError, match=r"no control group.*node n0, round 0"):
+        node.train(no_control, _model(), _data(), torch_generator(0, "t"))
+    for control in ({}, {"weight": torch.zeros(2)}):
+        bad = TaskInput(
+            node_id="n0",
+            round=0,
+            payload=Payload(tensors={"model": task.payload.tensors["model"], CONTROL: control}),
+            settings=_plain(),
+        )
+        with pytest.raises(AlgorithmError, match="control"):
+            node.train(bad, _model(), _data(), torch_generator(0, "t"))
+    assert node.control is None  # a refused task leaves the node's state alone
+
+
+def test_option_ii_with_adam_is_refused_on_both_halves() -> None:
+    """Option II's (x - y)/(K lr) assumes SGD: Adam is an AlgorithmError; gradient_mean trains with Adam."""
+    adam = _plain(optimizer="adam")
+    with pytest.raises(AlgorithmError, match="SGD"):
+        _train(_node(), _task((0.0, 0.0), adam))
+    with pytest.raises(AlgorithmError, match="SGD"):
+        ctx = RoundContext(round=0, selected=("n0",), participation=ParticipationRecord(), settings=adam)
+        SPEC.coordinator(build_hyperparams(SPEC, {}), model=_model()).configure_round(ctx)
+    _, delta, _ = _train(_node(control_update="gradient_mean"), _task((0.0, 0.0), adam))
+    assert torch.allclose(delta, _column(*G0), atol=1e-6)  # one step: the mean gradient is g(x)
+
+
+def test_node_without_local_steps_is_an_algorithm_error() -> None:
+    """An empty shard takes no step, so (x - y)/(K lr) is undefined: AlgorithmError."""
+    empty = shards()[0].subset(np.array([], dtype=np.int64))
+    fed = Federation(SPEC)
+    task = TaskInput(
+        node_id="node-000",
+        round=0,
+        payload=fed.coordinator.configure_round(context(0, ("node-000",))),
+        settings=_plain(),
+    )
+    with pytest.raises(AlgorithmError, match="no local step"):
+        fed.nodes["node-000"].train(task, tiny_model(3), empty, torch_generator(0, "t"))
+
+
+# -- hyperparameters -----------------------------------------------------------------------------
+
+
+def test_scaffold_defaults() -> None:
+    """eta_g = 1, option II, the paper's unweighted mean, N from the participation record."""
+    hp = build_hyperparams(SPEC, {})
+    assert (hp.server_lr, hp.control_update, hp.weighted, hp.num_nodes) == (1.0, "option_ii", False, 0)
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"server_lr": 0.0}, "server_lr"),
+        ({"server_lr": -1.0}, "server_lr"),
+        ({"server_lr": float("nan")}, "server_lr"),
+        ({"control_update": "option_iii"}, "control_update must be one of"),
+        ({"num_nodes": -1}, "num_nodes"),
+        ({"num_nodes": 2.0}, "not a int"),
+        ({"weighted": "no"}, "not a bool"),
+        ({"eta_g": 1.0}, "unknown"),
+    ],
+)
+def test_scaffold_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
+    """Non-positive or non-finite eta_g, an unknown option, a negative N, wrong types and unknown keys are ConfigErrors."""
+    with pytest.raises(ConfigError, match=match):
+        build_hyperparams(SPEC, values)
