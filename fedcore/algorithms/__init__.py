@@ -18,6 +18,7 @@ from fedcore.algorithms import (
     fedgkd,
     fedlc,
     fedprox,
+    fedrcl,
     fedrs,
     fedvls,
     kdia,
@@ -44,6 +45,7 @@ ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
             fedrs.SPEC,
             fedvls.SPEC,
             fedacd.SPEC,
+            fedrcl.SPEC,
         )
     }
 )
