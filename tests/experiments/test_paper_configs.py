@@ -8,6 +8,7 @@ import pytest
 
 from experiments.config import read_yaml
 from experiments.grid import load_experiment
+from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
 
 PAPERS = Path(__file__).resolve().parents[2] / "experiments" / "papers"
 FULL = sorted(p for p in PAPERS.glob("*.yaml") if not p.stem.endswith("-reduced"))
@@ -39,3 +40,12 @@ def test_paper_config_loads_and_its_reduced_form_keeps_the_setting(full: Path) -
     columns = {", ".join(c.labels[k] for k in c.labels if k not in ("method", "seed")) for c in grid.cells}
     for row, figures in grid.report.paper.items():
         assert set(figures) <= columns, (row, set(figures) - columns)
+
+
+@pytest.mark.parametrize("path", sorted(PAPERS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_cell_names_a_registered_method_with_valid_hyperparameters(path: Path) -> None:
+    """A typo in a method's name or hyperparameter fails here, not hours into a grid on a GPU machine."""
+    for cell in load_experiment(path).cells:
+        method = cell.config.method
+        build_hyperparams(get_algorithm(method.name), method.hyperparams)
+        build_aggregator(method.aggregator.name, method.aggregator.options)

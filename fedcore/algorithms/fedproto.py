@@ -1,0 +1,362 @@
+"""FedProto: federated prototype learning.
+
+Tan, Long, Liu, Zhou, Lu, Jiang and Zhang, "FedProto: Federated Prototype Learning across
+Heterogeneous Clients", AAAI 2022, https://arxiv.org/abs/2105.00243; code
+https://github.com/yuetan031/FedProto (``lib/update.py`` ``update_weights_het``, ``lib/utils.py``
+``proto_aggregation``, ``exps/federated_main.py``).
+
+Only class prototypes travel in FedProto. Each client keeps its own model across rounds; it trains
+on, per mini-batch,
+
+    L = CE(F(x), y) + lambda MSE(f(x), C_bar^(y))                   (local objective, as the code computes it)
+
+with f(x) the representation (here ``model.extract(x).flatten(1)``, the input of the classifier),
+C_bar^(y) the global prototype of the sample's class, and MSE the mean over the batch and the d
+features (a sample whose class has no global prototype yet contributes 0; in the first round no
+prototype exists and L is plain CE). It then uploads its local prototypes C_i^(j), the mean
+representation of each class j it holds, with the class counts n_ij; the coordinator sets, for every
+class some update holds,
+
+    C_bar^(j) = sum_i n_ij C_i^(j) / sum_i n_ij                     (global prototype, count-weighted)
+
+and keeps the previous prototype of the other classes. Inference is by the nearest global
+prototype: argmin_j ||f(x) - C_bar^(j)||.
+
+The paper is not in the repository: the formulas are restated from the authors' code and the
+paper's method section, without equation numbers (not checked against the text).
+
+How it fits this framework (deviations, documented):
+- FedProto has no global model, but a round ends with the coordinator's model evaluated on the test
+  set. So nodes also upload their models, and the coordinator averages them (`self.average`, sample
+  weights) into an **evaluation-only** model. With ``local_models: true`` (default, the paper) that
+  average is never trained from: each node restores its own model, kept by the node half on the CPU
+  between rounds (it lives as long as the node daemon; 100 simulated nodes keep 100 models). A node's
+  first local model is the model broadcast when it first trains: the common initial model in round
+  0 (as in the paper, where all clients start from one initialisation), the average of the others'
+  later. The model upload costs what FedAvg's does; FedProto's own traffic is the prototypes.
+- ``local_models: false`` makes the average the global model nodes start from: FedAvg with FedProto's
+  prototype regulariser (not the paper's method; ``proto_weight = 0`` then gives FedAvg exactly).
+- Evaluation: the first model reported is the average's own classifier head; with
+  ``evaluate_prototypes: true`` FedProto's nearest-prototype rule on the average's representations is
+  reported first (as ``accuracy``; the head's becomes ``accuracy_global``). Neither is the paper's
+  metric, which is each client's model on its own test split (personalised accuracy): the paper's
+  numbers cannot be reproduced with one global test set, and no table of the specs uses FedProto.
+
+Paper vs code, and choices:
+- Aggregation weights (`weighting`): "counts" (default) is the paper's global-prototype formula
+  read as a count-weighted mean (its printed normalisation, 1 / |N_j| times n_ij / N_j, does not
+  sum to 1); "uniform" is the code's plain mean over the clients holding the class.
+- Local prototypes (`prototype_pass`): "train" (default, the code) averages the representations the
+  model produced on the training batches of the last local epoch, while it was changing (with
+  augmentation); "eval" is the paper's local-prototype definition read literally: one pass of the
+  trained model, in eval mode, without augmentation, over the node's data.
+- The regulariser is per sample (the code's MSE between f(x) and C_bar^(y)); the paper's objective
+  writes it between the local and the global prototypes.
+- The uploaded class counts are the node's label histogram (of the last epoch for "train"): the
+  method needs them for the global prototypes, so they leave the node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedcore.algorithms import base, fedavg
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError
+from fedcore.tensors import StateDict, TensorSpec, cpu_copy, schema_of
+from fedcore.training import local_sgd
+
+logger = logging.getLogger(__name__)
+
+WEIGHTINGS = ("counts", "uniform")
+PASSES = ("train", "eval")
+EVAL_BATCH = 512
+"""Batch size of the "eval" prototype pass."""
+ABSENT_MARGIN = 1e4
+"""How far below a row's lowest logit the nearest-prototype classifier puts classes without a prototype."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hyperparams:
+    proto_weight: float = 1.0
+    """lambda, weight of the prototype regulariser, non-negative (the code's --ld: 1; FedNH's code uses 0.1)."""
+    weighting: str = "counts"
+    """How the coordinator averages a class's local prototypes: "counts" (the paper) or "uniform" (the code)."""
+    prototype_pass: str = "train"
+    """Where local prototypes come from: "train" (the last local epoch's batches, the code) or "eval" (the paper)."""
+    local_models: bool = True
+    """Nodes keep their own models across rounds (the paper); false: they start from the coordinator's average."""
+    evaluate_prototypes: bool = False
+    """Report nearest-prototype accuracy of the averaged model first (FedProto's inference rule)."""
+
+    def __post_init__(self) -> None:
+        base.require_non_negative(self, "proto_weight")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(map(repr, WEIGHTINGS))}, got {self.weighting!r}")
+        if self.prototype_pass not in PASSES:
+            raise ValueError(
+                f"prototype_pass must be one of {', '.join(map(repr, PASSES))}, got {self.prototype_pass!r}"
+            )
+
+
+# -- losses and aggregation ------------------------------------------------------------------------
+
+
+def prototype_loss(
+    features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor, present: torch.Tensor
+) -> torch.Tensor:
+    """MSE(f(x), C_bar^(y)) over the batch and the features; a sample whose class has no prototype
+    is its own target (0), as in the code."""
+    target = torch.where(present[labels][:, None], prototypes[labels], features.detach())
+    return F.mse_loss(features, target)
+
+
+def aggregate_prototypes(
+    means: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], weighting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C_bar, held): per class, the count-weighted (paper) or plain (code) mean of the local
+    prototypes of the clients holding it, and which classes some client holds (the others are 0)."""
+    acc = torch.zeros(means[0].shape, dtype=torch.float64)
+    total = torch.zeros(means[0].shape[0], dtype=torch.float64)
+    for mean, count in zip(means, counts, strict=True):
+        n = count.to("cpu", torch.float64)
+        w = n if weighting == "counts" else (n > 0).to(torch.float64)
+        acc += w[:, None] * mean.to("cpu", torch.float64)
+        total += w
+    held = total > 0
+    return (acc / total.clamp(min=1.0)[:, None]).float(), held
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """How many batches `local_sgd` takes per epoch over n samples: it stops before a trailing batch
+    of one sample (mirrors its loop; the "train" prototype pass counts on it)."""
+    count = 0
+    for start in range(0, n, batch_size):
+        if min(batch_size, n - start) == 1 and n > 1:
+            break
+        count += 1
+    return count
+
+
+class NearestPrototype(nn.Module):
+    """FedProto's inference on a model's representations: logits -||f(x) - C_bar^(j)||^2, classes
+    without a prototype `ABSENT_MARGIN` below a row's lowest logit (never predicted, finite loss)."""
+
+    def __init__(self, body: nn.Module, prototypes: torch.Tensor, present: torch.Tensor) -> None:
+        super().__init__()
+        self.body = body
+        self.register_buffer("prototypes", prototypes.detach().clone())
+        self.register_buffer("present", present.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body.extract(x).flatten(1)  # type: ignore[operator]
+        logits = -torch.cdist(features, self.prototypes.to(features.dtype)).pow(2)
+        if not bool(self.present.any()):
+            return torch.zeros_like(logits)
+        floor = logits[:, self.present].min(dim=1, keepdim=True).values - ABSENT_MARGIN
+        return torch.where(self.present[None, :], logits, floor)
+
+
+def _model_shape(model: nn.Module) -> tuple[int, int]:
+    classes, dim = getattr(model, "num_classes", None), getattr(model, "feature_dim", None)
+    if not isinstance(classes, int) or not isinstance(dim, int) or not hasattr(model, "extract"):
+        raise ValueError(f"FedProto needs a FedModel (num_classes, feature_dim, extract), not {type(model).__name__}")
+    return classes, dim
+
+
+# -- the two halves --------------------------------------------------------------------------------
+
+
+class CoordinatorHalf(base.CoordinatorHalf):
+    hp: Hyperparams
+
+    def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
+        super().__init__(hp, model=model, device=device)
+        self.classes, self.dim = _model_shape(model)
+        self.prototypes = torch.zeros(self.classes, self.dim)
+        """C_bar, (C, d) on the CPU; rows of classes without a prototype are 0."""
+        self.present = torch.zeros(self.classes, dtype=torch.bool)
+        """Which classes have a global prototype (none before the first aggregation)."""
+
+    def configure_round(self, ctx: base.RoundContext) -> base.Payload:
+        return base.Payload(
+            tensors={
+                "model": self.model.state_dict(),
+                "prototypes": {"weight": self.prototypes, "present": self.present},
+            }
+        )
+
+    def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
+        return {
+            "model": schema_of(self.model.state_dict()),
+            "class_means": {
+                "means": TensorSpec(torch.float32, (self.classes, self.dim)),
+                "counts": TensorSpec(torch.int64, (self.classes,)),
+            },
+        }
+
+    def evaluation_models(self) -> Mapping[str, nn.Module]:
+        if not self.hp.evaluate_prototypes:
+            return {"global": self.model}
+        return {"prototype": NearestPrototype(self.model, self.prototypes, self.present), "global": self.model}
+
+    def aggregate(
+        self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
+    ) -> Mapping[str, float]:
+        valid = []
+        for update in updates:
+            problem = self._invalid(update)
+            if problem is None:
+                valid.append(update)
+            else:
+                logger.warning("round %d: update of %s left out: %s", ctx.round, update.node_id, problem)
+        if not valid:
+            raise AlgorithmError("no update of this round carries valid FedProto prototypes", round=ctx.round)
+        weights = [float(u.num_samples) for u in valid]
+        # the models' average: for evaluation only (local_models) or the next global model
+        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in valid], weights))
+        # C_bar^(j) for the classes held this round; the others keep theirs
+        stats = [u.payload.tensors["class_means"] for u in valid]
+        new, held = aggregate_prototypes([s["means"] for s in stats], [s["counts"] for s in stats], self.hp.weighting)
+        self.prototypes = torch.where(held[:, None], new, self.prototypes)
+        self.present = self.present | held
+        return {
+            "train_loss": fedavg.mean_reported_loss(valid, weights),
+            "fedproto_invalid": float(len(updates) - len(valid)),
+            "fedproto_classes": float(self.present.sum()),
+        }
+
+    def _invalid(self, update: base.NodeUpdate) -> str | None:
+        """Why the update's local prototypes cannot be used, or None: they came over the wire."""
+        stats = update.payload.tensors.get("class_means")
+        if stats is None or "means" not in stats or "counts" not in stats:
+            return "no class means"
+        means, counts = stats["means"], stats["counts"]
+        if tuple(means.shape) != (self.classes, self.dim) or tuple(counts.shape) != (self.classes,):
+            return "class means or counts of the wrong shape"
+        if counts.is_floating_point() or counts.dtype == torch.bool:
+            return "counts are not integers"
+        if bool((counts < 0).any()):
+            return "negative counts"
+        total = int(counts.sum())
+        if not 0 < total <= update.num_samples:
+            return f"counts sum to {total}, not in 1..{update.num_samples}"
+        if not means.is_floating_point() or not bool(torch.isfinite(means).all()):
+            return "class means are not finite numbers"
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"prototypes": self.prototypes, "present": self.present}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if set(state) != {"prototypes", "present"}:
+            raise ValueError(f"FedProto state must hold prototypes and present, got {sorted(state)[:5]}")
+        prototypes, present = state["prototypes"], state["present"]
+        if tuple(prototypes.shape) != (self.classes, self.dim) or tuple(present.shape) != (self.classes,):
+            raise ValueError(
+                f"FedProto state has prototypes {tuple(prototypes.shape)} and present {tuple(present.shape)}, "
+                f"expected {(self.classes, self.dim)} and ({self.classes},)"
+            )
+        if present.dtype != torch.bool or not bool(torch.isfinite(prototypes).all()):
+            raise ValueError("FedProto state needs finite prototypes and a boolean present mask")
+        self.prototypes = prototypes.detach().to("cpu", torch.float32).clone()
+        self.present = present.detach().to("cpu").clone()
+
+
+class NodeHalf(base.NodeHalf):
+    hp: Hyperparams
+
+    def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
+        super().__init__(hp, node_id=node_id)
+        self.local: StateDict | None = None
+        """This node's own model between rounds, on the CPU (``local_models``; None before its first round)."""
+
+    def train(
+        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
+    ) -> base.Payload:
+        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        if self.hp.local_models and self.local is not None:
+            model.load_state_dict(self.local)  # FedProto: the node goes on from its own model
+        try:
+            classes, dim = _model_shape(model)
+        except ValueError as exc:
+            raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
+        device = next(model.parameters()).device
+        prototypes, present = self._global_prototypes(task, classes, dim, device)
+        lam = self.hp.proto_weight
+        regularise = lam > 0.0 and bool(present.any())
+        record = self.hp.prototype_pass == "train"
+        sums = torch.zeros(classes, dim, device=device)
+        counts = torch.zeros(classes, dtype=torch.int64, device=device)
+        first_recorded = (task.settings.local_epochs - 1) * batches_per_epoch(len(data), task.settings.batch_size)
+        step = 0
+
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            nonlocal step
+            h = m.extract(x)  # type: ignore[operator]
+            features = h.flatten(1)
+            loss = F.cross_entropy(m.classify(h), y)  # type: ignore[operator]  # = CE(m(x), y), bit for bit
+            if regularise:
+                # CE(F(x), y) + lambda MSE(f(x), C_bar^(y))
+                loss = loss + lam * prototype_loss(features, y, prototypes, present)
+            if record and step >= first_recorded:  # the last local epoch's representations (the code's C_i)
+                sums.index_add_(0, y, features.detach().float())
+                counts.add_(torch.bincount(y, minlength=classes))
+            step += 1
+            return loss
+
+        stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
+        if not record:
+            sums, counts = _eval_pass(model, data, classes, dim, device)
+        means = sums / counts.clamp(min=1)[:, None].to(sums.dtype)  # C_i^(j); zero rows for absent classes
+        if self.hp.local_models:
+            self.local = cpu_copy(model.state_dict())
+        return base.Payload(
+            tensors={"model": model.state_dict(), "class_means": {"means": means, "counts": counts}},
+            meta={"loss": stats.loss, "steps": stats.steps},
+        )
+
+    def _global_prototypes(
+        self, task: base.TaskInput, classes: int, dim: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        group = task.payload.tensors.get("prototypes", {})
+        weight, present = group.get("weight"), group.get("present")
+        if (
+            weight is None
+            or present is None
+            or tuple(weight.shape) != (classes, dim)
+            or tuple(present.shape) != (classes,)
+            or present.dtype != torch.bool
+        ):
+            raise AlgorithmError(
+                f"task carries no usable global prototypes ({classes} x {dim}, with a mask)",
+                node_id=self.node_id,
+                round=task.round,
+            )
+        return weight.to(device, torch.float32), present.to(device)
+
+
+def _eval_pass(
+    model: nn.Module, data: TensorDataset, classes: int, dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class sums of the trained model's representations and the class counts, in eval mode,
+    without gradients or augmentation (the paper's C_i^(j) once divided)."""
+    model.eval()
+    sums = torch.zeros(classes, dim, device=device)
+    counts = torch.zeros(classes, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        for start in range(0, len(data), EVAL_BATCH):
+            x, y = data.eval_batch(start, start + EVAL_BATCH)
+            x, y = x.to(device), y.to(device)
+            sums.index_add_(0, y, model.extract(x).flatten(1).float())  # type: ignore[operator]
+            counts += torch.bincount(y, minlength=classes)
+    return sums, counts
+
+
+SPEC = base.AlgorithmSpec(name="fedproto", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)
