@@ -269,6 +269,7 @@ class Coordinator:
                 failures = self._failures(rnd, outcome)
                 ordered = [updates[k] for k in sorted(updates)]
                 metrics = await asyncio.to_thread(self.half.aggregate, ctx, ordered, failures)
+                metrics = {**self.half.averaging_metrics(), **metrics}
                 await asyncio.to_thread(self._write_round_records)
                 self.model_version += 1
                 self.rounds_completed += 1

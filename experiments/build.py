@@ -130,7 +130,9 @@ def build_coordinator(
     split = load_split(cfg)
     half = spec.coordinator(hp, model=make_model(cfg, split.test), device=best_device())
     if cfg.method.aggregator.name != "mean":
-        half.average = build_aggregator(cfg.method.aggregator.name, cfg.method.aggregator.options)
+        half.average = build_aggregator(
+            cfg.method.aggregator.name, cfg.method.aggregator.options, model=half.model, device=half.device
+        )
     policy = RoundPolicy(
         fraction=cfg.fraction,
         over_selection=cfg.policy.over_selection,

@@ -8,6 +8,9 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+from torch import nn
+
 from fedcore.aggregation import Aggregator, weighted_average
 from fedcore.algorithms import (
     fedacd,
@@ -24,6 +27,7 @@ from fedcore.algorithms import (
     fedprox,
     fedrcl,
     fedrs,
+    fedsa,
     fedvls,
     kdia,
     moon,
@@ -54,22 +58,34 @@ ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
             fednh.SPEC,
             fedproto.SPEC,
             fedrcl.SPEC,
+            fedsa.SPEC,
         )
     }
 )
 
 
-AGGREGATORS: Mapping[str, tuple[type | None, Callable[[Any], Aggregator]]] = types.MappingProxyType(
+AggregatorFactory = Callable[[Any, nn.Module | None, torch.device | None], Aggregator]
+
+AGGREGATORS: Mapping[str, tuple[type | None, AggregatorFactory]] = types.MappingProxyType(
     {
-        "mean": (None, lambda hp: weighted_average),
+        "mean": (None, lambda hp, model, device: weighted_average),
+        "fedsa": (fedsa.Hyperparams, lambda hp, model, device: fedsa.aggregator(hp, model=model, device=device)),
     }
 )
 """Rules an experiment file may put in place of a method's model averaging (``method.aggregator``):
-name -> (its options' Hyperparams class, or None for no options; a factory from those options)."""
+name -> (its options' Hyperparams class, or None for no options; a factory from (options, the
+global model, the coordinator's device))."""
 
 
-def build_aggregator(name: str, options: Mapping[str, Any] | None = None) -> Aggregator:
-    """The averaging rule `name` with its `options` validated as a method's hyperparameters are."""
+def build_aggregator(
+    name: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    model: nn.Module | None = None,
+    device: torch.device | None = None,
+) -> Aggregator:
+    """The averaging rule `name` with its `options` validated as a method's hyperparameters are; `model`
+    tells a rule which entries are buffers (FedSA averages those plainly)."""
     try:
         hyperparams, factory = AGGREGATORS[name]
     except KeyError:
@@ -79,8 +95,9 @@ def build_aggregator(name: str, options: Mapping[str, Any] | None = None) -> Agg
     if hyperparams is None:
         if options:
             raise ConfigError(f"aggregator {name!r} takes no options", field="method.aggregator.options")
-        return factory(None)
-    return factory(_options(hyperparams, f"aggregator {name}", options, "method.aggregator.options", "options"))
+        return factory(None, model, device)
+    hp = _options(hyperparams, f"aggregator {name}", options, "method.aggregator.options", "options")
+    return factory(hp, model, device)
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

@@ -139,6 +139,11 @@ class CoordinatorHalf(ABC):
         """The models to evaluate on the test set; the first is the one reported as ``accuracy``."""
         return {"global": self.model}
 
+    def averaging_metrics(self) -> Mapping[str, float]:
+        """What the averaging rule reports of its last call (FedSA's: share of dispersed parameters,
+        clusters); read by the daemon after `aggregate` and logged with the round. None for the mean."""
+        return dict(getattr(self.average, "metrics", {}))
+
     def round_records(self) -> Mapping[str, Sequence[Mapping[str, Any]]]:
         """JSON-able records of the round just aggregated, by log name: the daemon appends each list
         to ``<name>.jsonl`` in the run directory (KDIA: ``teacher_weights``). Read after `aggregate`."""

@@ -39,3 +39,38 @@ def test_experiment_files_default_to_the_mean_and_reject_unknown_keys() -> None:
         parse_config(
             {"name": "x", "nodes": 2, "rounds": 1, "method": {"name": "fedprox", "aggregator": {"nme": "fedsa"}}}
         )
+
+
+def test_fedsa_options_are_validated_and_buffers_stay_plain_means() -> None:
+    """FedSA's rule comes with its own options (checked like hyperparameters) and learns the model's
+    buffers, which it averages plainly instead of clustering them."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    rule = build_aggregator("fedsa", {"cv_t": 0.3}, model=model)
+    assert rule.hp.cv_t == 0.3 and "1.running_mean" in rule.frozen and "0.weight" not in rule.frozen
+    with pytest.raises(ConfigError, match=re.escape("method.aggregator.options: unknown options ['cvt']")):
+        build_aggregator("fedsa", {"cvt": 0.3})
+    with pytest.raises(ConfigError, match=re.escape("method.aggregator.options.c_mic")):
+        build_aggregator("fedsa", {"c_mic": "four"})
+
+
+def test_an_experiment_puts_the_rule_in_place_of_the_methods_mean(tmp_path) -> None:
+    """`build_coordinator` gives FedProx's server FedSA's rule; without `aggregator` it keeps the mean."""
+    from experiments.build import build_coordinator
+    from fedcore.algorithms.fedsa import SkewAwareAggregator
+
+    def coordinator(method: dict) -> object:
+        cfg = parse_config(
+            {
+                "name": "x",
+                "nodes": 2,
+                "rounds": 1,
+                "data": {"dataset": "digits"},
+                "model": {"name": "mlp"},
+                "method": method,
+            }
+        )
+        return build_coordinator(cfg, "mqtt://127.0.0.1:1", tmp_path).half
+
+    with_sa = coordinator({"name": "fedprox", "aggregator": {"name": "fedsa"}})
+    assert isinstance(with_sa.average, SkewAwareAggregator)
+    assert coordinator({"name": "fedprox"}).average is weighted_average

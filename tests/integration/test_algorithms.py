@@ -73,6 +73,18 @@ def test_kdia_teacher_weights_follow_the_participation_record(tmp_path: Path, br
         ("fedgkd", {"buffer_size": 2}),
         ("feddisco", {}),
         ("kdia", {"teacher_mode": "streaming", **SMALL_GENERATOR}),
+        ("scaffold", {"control_update": "gradient_mean"}),
+        ("feddyn", {}),
+        ("fedlc", {}),
+        ("fedrs", {}),
+        ("fedvls", {}),
+        ("fedntd", {}),
+        ("feddecorr", {}),
+        ("fednh", {}),
+        ("fedproto", {}),
+        ("fedrcl", {}),
+        ("fedsa", {}),
+        ("fedacd", {}),
     ],
 )
 def test_each_method_learns_through_the_daemons(
@@ -88,3 +100,22 @@ def test_each_method_learns_through_the_daemons(
     assert all(m["accepted"] == m["selected"] for m in metrics)
     assert summary["final_accuracy"] > 0.5, metrics
     assert summary["bus"]["rejected"] == {}
+
+
+def test_fedsa_rule_replaces_the_mean_of_another_method(tmp_path: Path, broker_url: str) -> None:
+    """FedProx with `method.aggregator: fedsa` over each real broker: the run learns, and every round's
+    metrics carry the statistics of FedSA's rule (so it, not the mean, averaged the models)."""
+    cfg = base_config(
+        nodes=4,
+        rounds=3,
+        method={"name": "fedprox", "hyperparams": {"mu": 0.01}, "aggregator": {"name": "fedsa"}},
+    )
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002", "node-003")
+    assert fed.wait(120) == 0, fed.log("coordinator.log")
+    summary = fed.summary()
+    assert summary["state"] == "finished" and summary["final_accuracy"] > 0.5
+    assert summary["bus"]["rejected"] == {}
+    metrics = fed.metrics()
+    assert all(0 < m["sa_high_share"] < 1 and m["sa_layers_clustered"] >= 1 for m in metrics), metrics
