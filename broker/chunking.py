@@ -4,7 +4,9 @@ Each chunk is an ordinary frame of kind ``chunk`` (so it has its own CRC) whose 
 ``data`` is a slice of the original frame. Its meta says where the slice goes:
 ``xfer`` (16-byte transfer id), ``index``, ``count``, ``total`` (frame length) and ``offset``.
 Brokers and clients deliver chunks in any order, possibly twice; the reassembler copies each into
-place once and hands back the whole frame when the last one lands.
+place once and hands back the whole frame when the last one lands, after checking that the chunks
+cover it exactly (no gap, no overlap): each chunk's own checksum was verified on arrival, so the
+frame needs no second pass over its bytes.
 """
 
 from __future__ import annotations
@@ -52,10 +54,21 @@ class _Transfer:
     sender: str
     total: int
     count: int
-    buffer: bytearray
+    buffer: np.ndarray
+    """Not zero-filled: its pages are touched as the chunks land, not all at once at the first one."""
     received: set[int] = field(default_factory=set)
+    spans: list[tuple[int, int]] = field(default_factory=list)
     received_bytes: int = 0
     started: float = 0.0
+
+    def covered_exactly(self) -> bool:
+        """The chunks' (offset, length) tile [0, total) with no gap and no overlap."""
+        end = 0
+        for offset, length in sorted(self.spans):
+            if offset != end:
+                return False
+            end += length
+        return end == self.total
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +130,7 @@ class Reassembler:
     def __len__(self) -> int:
         return len(self._transfers)
 
-    def add(self, chunk: Message) -> bytearray | None:
+    def add(self, chunk: Message) -> memoryview | None:
         """Place one chunk. Raises `CodecError` for chunks that are inconsistent or over the bound."""
         self.expire()
         meta = ChunkMeta.of(chunk)
@@ -138,9 +151,9 @@ class Reassembler:
             return None
         if meta.offset + len(data) > transfer.total:
             raise CodecError("bad-chunk", "chunk overruns the announced frame length")
-        with memoryview(transfer.buffer) as dst:
-            dst[meta.offset : meta.offset + len(data)] = data.data
+        transfer.buffer[meta.offset : meta.offset + len(data)] = data
         transfer.received.add(meta.index)
+        transfer.spans.append((meta.offset, len(data)))
         transfer.received_bytes += len(data)
         if len(transfer.received) < transfer.count:
             return None
@@ -149,9 +162,11 @@ class Reassembler:
         self._completed[key] = None
         while len(self._completed) > self._remember:
             self._completed.popitem(last=False)
-        if transfer.received_bytes != transfer.total:
-            raise CodecError("bad-chunk", f"chunks cover {transfer.received_bytes} of {transfer.total} bytes")
-        return transfer.buffer
+        if transfer.received_bytes != transfer.total or not transfer.covered_exactly():
+            raise CodecError(
+                "bad-chunk", f"chunks of {transfer.received_bytes} bytes do not tile the {transfer.total}-byte frame"
+            )
+        return memoryview(transfer.buffer)
 
     def _start(self, key: tuple[str, bytes], meta: ChunkMeta) -> _Transfer:
         if meta.total > self.max_transfer_bytes:
@@ -162,7 +177,8 @@ class Reassembler:
                 f"{meta.total} more bytes would exceed the reassembly bound of {self.max_bytes}"
                 f" ({self.in_flight_bytes} in flight over {len(self._transfers)} transfers)",
             )
-        transfer = _Transfer(key[0], meta.total, meta.count, bytearray(meta.total), started=self._clock())
+        buffer = np.empty(meta.total, dtype=np.uint8)
+        transfer = _Transfer(key[0], meta.total, meta.count, buffer, started=self._clock())
         self._transfers[key] = transfer
         self.in_flight_bytes += meta.total
         return transfer

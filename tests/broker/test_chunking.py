@@ -121,3 +121,17 @@ def test_reassembly_keys_transfers_by_sender() -> None:
     r = Reassembler(max_bytes=10**8, timeout_s=10)
     done = [x for pair in zip(a, b, strict=True) for x in map(r.add, pair) if x is not None]
     assert sorted(map(bytes, done)) == sorted([frame_a, frame_b])
+
+
+def test_reassembly_refuses_chunks_that_overlap_and_leave_a_gap() -> None:
+    """Sizes that add up to the frame are not enough: two chunks at the same offset leave a hole, and
+    the frame is then refused instead of handed on unverified (its bytes are not checked a second time)."""
+    frame = frame_of()
+    chunks = chunks_of(frame)
+    second = chunks[1]
+    moved = dataclasses.replace(second, meta={**second.meta, "offset": chunks[0].meta["offset"]})
+    r = Reassembler(max_bytes=10**7, timeout_s=10)
+    with pytest.raises(CodecError, match="do not tile") as info:
+        for chunk in [chunks[0], moved, *chunks[2:]]:
+            r.add(chunk)
+    assert info.value.reason == "bad-chunk" and len(r) == 0 and r.in_flight_bytes == 0

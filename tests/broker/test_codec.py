@@ -13,7 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker.codec import ALIGN, BFLOAT16, PREFIX, PREFIX_BYTES, decode, encode, encoded_size
+from broker.codec import (
+    ALIGN,
+    BFLOAT16,
+    FORMAT_VERSION,
+    PREFIX,
+    PREFIX_BYTES,
+    checksum,
+    decode,
+    encode,
+    encoded_size,
+)
 from broker.errors import CodecError
 from broker.message import Kind, Message
 
@@ -124,14 +134,12 @@ def _frame() -> bytearray:
 
 def _with_header(header: object, body: bytes = b"") -> bytes:
     """A frame with a hand-made header and a valid checksum, to reach the schema checks."""
-    import zlib
-
     packed = msgpack.packb(header, use_bin_type=True)
     start = (PREFIX_BYTES + len(packed) + ALIGN - 1) // ALIGN * ALIGN
     buf = bytearray(start + len(body))
     buf[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
     buf[start:] = body
-    PREFIX.pack_into(buf, 0, b"FMQ", 1, len(packed), zlib.crc32(memoryview(buf)[PREFIX_BYTES:]))
+    PREFIX.pack_into(buf, 0, b"FMQ", FORMAT_VERSION, len(packed), checksum(buf))
     return bytes(buf)
 
 
@@ -146,9 +154,10 @@ def _header(**changes: object) -> dict[str, object]:
 
 BAD_FRAMES = {
     "empty": (b"", "truncated"),
-    "short": (b"FMQ\x01\x00", "truncated"),
+    "short": (b"FMQ\x02\x00", "truncated"),
     "bad-magic": (b"XYZ" + bytes(_frame()[3:]), "bad-magic"),
-    "wrong-version": (b"FMQ\x02" + bytes(_frame()[4:]), "wrong-version"),
+    "old-version-crc32": (b"FMQ\x01" + bytes(_frame()[4:]), "wrong-version"),
+    "future-version": (b"FMQ\x03" + bytes(_frame()[4:]), "wrong-version"),
     "header-overrun": (bytes(_frame()[:4]) + struct.pack("<I", 10**9) + bytes(_frame()[8:]), "truncated"),
     "truncated-body": (bytes(_frame()[:-5]), "checksum"),
     "bit-flip": (bytes(_frame()[:-1]) + bytes([_frame()[-1] ^ 1]), "checksum"),

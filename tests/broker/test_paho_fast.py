@@ -1,0 +1,121 @@
+"""The copy-free paho paths: the same packets decoded as paho decodes them, and large messages intact
+through real brokers (every other bus test goes through these paths too)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt import _packet
+from paho.mqtt.enums import MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from broker import BusClient, BusConfig, Kind, Message, Topics, paho_fast
+from tests.helpers import next_message
+
+V311, V5 = MQTTProtocolVersion.MQTTv311, MQTTProtocolVersion.MQTTv5
+
+
+def publish_body(topic: bytes, payload: bytes, *, qos: int, v5: bool, props: Properties | None = None) -> bytes:
+    """A PUBLISH packet after its fixed header, built by hand as the MQTT spec lays it out."""
+    body = struct.pack("!H", len(topic)) + topic
+    if qos:
+        body += struct.pack("!H", 4242)
+    if v5:
+        body += (props or Properties(PacketTypes.PUBLISH)).pack()
+    return body + payload
+
+
+def decode_both(header: int, body: bytes, protocol: MQTTProtocolVersion) -> tuple[object, object]:
+    paho_fast._local.zero_copy = True
+    try:
+        fast = paho_fast.decode_publish(header, bytearray(body), protocol)
+    finally:
+        paho_fast._local.zero_copy = False
+    return fast, paho_fast._original_decode_publish(header, bytearray(body), protocol)
+
+
+@pytest.mark.parametrize("protocol", [V311, V5])
+@pytest.mark.parametrize("qos", [0, 1])
+def test_decode_publish_matches_paho_and_does_not_copy_the_payload(protocol: MQTTProtocolVersion, qos: int) -> None:
+    props = Properties(PacketTypes.PUBLISH)
+    props.MessageExpiryInterval = 30
+    props.UserProperty = ("key", "välue")  # a string property: paho's parser needs bytes, not a view
+    payload = bytes(range(256)) * 40
+    body = publish_body(b"fedmq/t/model/3", payload, qos=qos, v5=protocol == V5, props=props)
+    header = 0x30 | (qos << 1) | 0x01 | 0x08
+    fast, slow = decode_both(header, body, protocol)
+    assert isinstance(fast.payload, memoryview) and bytes(fast.payload) == slow.payload == payload
+    for field in ("dup", "qos", "retain", "topic", "mid"):
+        assert getattr(fast, field) == getattr(slow, field), field
+    if protocol == V5:
+        assert fast.properties.MessageExpiryInterval == 30
+        assert fast.properties.UserProperty == slow.properties.UserProperty == [("key", "välue")]
+
+
+def test_decode_publish_is_paho_s_own_outside_a_fast_client() -> None:
+    """Another paho client in the same process gets paho's decoding (bytes payloads), untouched."""
+    body = publish_body(b"a/b", b"xyz", qos=0, v5=False)
+    assert paho_fast.decode_publish(0x30, bytearray(body), V311).payload == b"xyz"
+    assert isinstance(paho_fast.decode_publish(0x30, bytearray(body), V311).payload, bytes)
+
+
+@pytest.mark.parametrize(
+    ("body", "protocol"),
+    [
+        (b"\x00", V311),  # no room for the topic length
+        (b"\x00\x09abc", V311),  # the topic runs past the end
+        (b"\x00\x00payload", V311),  # an empty topic in 3.1.1
+        (b"\x00\x01a\x7f", V5),  # properties longer than the packet
+    ],
+)
+def test_decode_publish_malformed_raises_malformed_packet(body: bytes, protocol: MQTTProtocolVersion) -> None:
+    paho_fast._local.zero_copy = True
+    try:
+        with pytest.raises(_packet.MalformedPacket):
+            paho_fast.decode_publish(0x30, bytearray(body), protocol)
+    finally:
+        paho_fast._local.zero_copy = False
+
+
+def test_speed_up_only_on_the_paho_versions_it_mirrors(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+
+    assert paho_fast.supported("2.2.0") and paho_fast.supported("2.1.3")
+    assert not paho_fast.supported("2.3.0") and not paho_fast.supported("3.0.0")
+    holder = Holder()
+    assert paho_fast.speed_up(holder) is paho_fast.supported()
+    assert type(holder._client) is (paho_fast.FastClient if paho_fast.supported() else mqtt.Client)
+    monkeypatch.setattr(paho_fast, "supported", lambda version="": False)
+    other = Holder()
+    assert paho_fast.speed_up(other) is False and type(other._client) is mqtt.Client
+
+
+async def test_one_large_unchunked_message_arrives_intact(broker_url: str, federation: str) -> None:
+    """A 6 MB frame sent as one MQTT message (chunking off) is read over many recv_into calls and
+    decodes to the same bytes; and a chunked one too, reassembled without a second checksum pass."""
+    t = Topics(federation)
+    weights = np.random.default_rng(1).standard_normal(1_500_000).astype(np.float32)
+    digest = hashlib.sha256(weights.tobytes()).digest()
+    for chunk_bytes in (16 * 2**20, 2**18):
+        cfg = BusConfig.from_url(broker_url, chunk_bytes=chunk_bytes)
+        async with (
+            BusClient(cfg, client_id=f"{federation}-rx-{chunk_bytes}", federation=federation) as rx,
+            BusClient(cfg, client_id=f"{federation}-tx-{chunk_bytes}", federation=federation) as tx,
+        ):
+            await rx.subscribe(t.model(0))
+            sent = Message(
+                kind=Kind.MODEL, federation=federation, round=0, sender="coordinator", tensors={"w": weights}
+            )
+            size = await tx.publish(t.model(0), sent)
+            got = await next_message(rx, timeout=60)
+            assert got.size == size and got.message.message_id == sent.message_id
+            assert hashlib.sha256(got.message.tensors["w"].tobytes()).digest() == digest
+            assert rx.stats.rejected == {}
+            assert tx.stats.published == (1 if chunk_bytes > size else -(-size // chunk_bytes))
