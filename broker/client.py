@@ -40,7 +40,7 @@ _SESSION_EXPIRY_S = 3600
 _CONNECTION_LOST_CODES = (4, 7)
 
 
-def _quiet_pending_publishes(record: logging.LogRecord) -> bool:
+def quiet_pending_publishes(record: logging.LogRecord) -> bool:
     """aiomqtt warns above 10 pending publishes; concurrent chunk publishing does that by design."""
     return not record.getMessage().startswith("There are ") or "pending publish" not in record.getMessage()
 
@@ -111,7 +111,7 @@ class BusClient:
         self._will = will
         self._log = logger or globals()["logger"]
         self._mqtt_log = self._log.getChild("mqtt")
-        self._mqtt_log.addFilter(_quiet_pending_publishes)
+        self._mqtt_log.addFilter(quiet_pending_publishes)
         self._subscriptions: dict[str, int] = {}
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._client: aiomqtt.Client | None = None

@@ -1,6 +1,7 @@
 """The topic scheme, namespaced by federation id (docs/protocol.md has the table).
 
-fedmq/{fed}/coordinator/status   retained   coordinator -> all     round, model version, state
+fedmq/{fed}/coordinator/status   retained   coordinator -> watchers  every round: round, model version, state
+fedmq/{fed}/coordinator/state    retained   coordinator -> nodes     the same, only when the state changes
 fedmq/{fed}/nodes/{node}/status  retained   node -> coordinator    online + announcement / offline (will)
 fedmq/{fed}/nodes/{node}/task               coordinator -> node    the task of a round
 fedmq/{fed}/nodes/{node}/model              coordinator -> node    a model re-sent to one late subscriber
@@ -53,6 +54,12 @@ class Topics:
     def coordinator_status(self) -> str:
         return f"{self.prefix}/coordinator/status"
 
+    @property
+    def coordinator_state(self) -> str:
+        """Published on state changes only: what nodes follow, so that a round's status is not fanned
+        out to every connected node (1000 messages a round at 1000 nodes)."""
+        return f"{self.prefix}/coordinator/state"
+
     def node_status(self, node: str) -> str:
         return f"{self.prefix}/nodes/{node}/status"
 
@@ -98,6 +105,8 @@ class Topics:
         rest = parts[2:]
         if rest == ["coordinator", "status"]:
             return Route("coordinator-status")
+        if rest == ["coordinator", "state"]:
+            return Route("coordinator-state")
         if len(rest) == 3 and rest[0] == "nodes" and rest[2] in ("status", "task", "model", "receipt"):
             return Route(f"node-{rest[2]}", node=rest[1])
         if len(rest) == 2 and rest[0] in ("acks", "updates"):

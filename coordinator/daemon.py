@@ -20,6 +20,7 @@ import torch
 
 from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from broker.errors import BusError
+from coordinator.checkpoints import CheckpointWriter
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import CoordinatorError, ProtocolError
 from coordinator.registry import NodeRegistry
@@ -79,6 +80,10 @@ class Coordinator:
         self.current: RoundState | None = None
         self._past: deque[RoundState] = deque(maxlen=_PAST_ROUNDS_KEPT)
         self._model_frame: bytearray | None = None
+        self._checkpoints = CheckpointWriter()
+        self._published_state: str | None = None
+        self._startup_s: float | None = None
+        """Seconds from start until min_nodes nodes were live and round 0 began."""
         self._background: set[asyncio.Task[Any]] = set()
         self._bus: BusClient | None = None
         self._extra_summary = dict(extra_summary or {})
@@ -123,6 +128,7 @@ class Coordinator:
                 for task in (receiver, driver, *self._background):
                     task.cancel()
                 await asyncio.gather(receiver, driver, return_exceptions=True)
+                await self._checkpoints.flush()  # the last round's checkpoint is on disk before exit
                 summary = self._write_summary()
                 await asyncio.shield(self._publish_status_quietly(self._state))
         return summary
@@ -235,6 +241,7 @@ class Coordinator:
                 f" {policy.wait_for_nodes_s:g} s; start the nodes, or lower min_nodes"
             ) from None
         self._state = "running"
+        self._startup_s = time.monotonic() - self._started
         logger.info(
             "%d nodes live; starting at round %d of %d", len(self.registry.live_ids()), self.round, self.config.rounds
         )
@@ -289,7 +296,12 @@ class Coordinator:
                     record["discarded"] = sorted(updates)
                 elif updates:
                     carried = dict(updates)  # the global model is unchanged, so these stay valid
-            record |= {"round_seconds": round(time.monotonic() - started, 4), "model_version": self.model_version}
+            now = time.monotonic()
+            record |= {
+                "round_seconds": round(now - started, 4),
+                "ended_s": round(now - self._started, 4),  # since the coordinator started: rounds per second
+                "model_version": self.model_version,
+            }
             self.run_dir.append_metrics(record)
             logger.info(
                 "round %d attempt %d: %d accepted, %d late, %d lost%s%s",
@@ -487,8 +499,9 @@ class Coordinator:
     # -- persistence -----------------------------------------------------------------------
 
     async def _checkpoint(self, rnd: int) -> None:
-        tensors = {f"model/{k}": v for k, v in self.half.model.state_dict().items()}
-        tensors |= {f"extra/{k}": v for k, v in self.half.state_dict().items()}
+        """Snapshot the state of round `rnd` (copies: the next round changes the originals) and let the
+        writer put it on disk while the next round runs (coordinator/checkpoints.py)."""
+        tensors = await asyncio.to_thread(self._snapshot_tensors)
         meta = {
             "round": rnd,
             "model_version": self.model_version,
@@ -498,7 +511,12 @@ class Coordinator:
             "federation": self.config.federation,
             "seed": self.config.seed,
         }
-        await asyncio.shield(asyncio.to_thread(self._persist, tensors, meta))
+        self._checkpoints.submit(rnd, lambda: self._persist(tensors, meta))
+
+    def _snapshot_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {f"model/{k}": v for k, v in self.half.model.state_dict().items()}
+        tensors |= {f"extra/{k}": v for k, v in self.half.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
 
     def _persist(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
         self.run_dir.save_checkpoint(tensors, meta)
@@ -544,6 +562,12 @@ class Coordinator:
             "best_accuracy": best,
             **self._final_model(),
             "wall_seconds": round(wall, 3),
+            "startup_seconds": None if self._startup_s is None else round(self._startup_s, 3),
+            "checkpoints": {
+                "written_round": self._checkpoints.written_round,
+                "replaced": self._checkpoints.replaced,
+                "failures": self._checkpoints.failures,
+            },
             "model_version": self.model_version,
             "late_arrivals": self.late_arrivals,
             "bus": bus,
@@ -593,9 +617,13 @@ class Coordinator:
         )
 
     async def _publish_status(self, state: str, *, round_done: int | None = None) -> None:
-        await self._bus_or_fail().publish(
-            self.topics.coordinator_status, self._status_message(state, round_done=round_done), retain=True
-        )
+        """Every round on the status topic (watchers); on the state topic (nodes) only when it changed."""
+        message = self._status_message(state, round_done=round_done)
+        bus = self._bus_or_fail()
+        await bus.publish(self.topics.coordinator_status, message, retain=True)
+        if state != self._published_state:
+            await bus.publish(self.topics.coordinator_state, message, retain=True)
+            self._published_state = state
 
     async def _publish_status_quietly(self, state: str) -> None:
         try:

@@ -66,7 +66,9 @@ class RunDir:
         write_json(self.root / name, data)
 
     def save_checkpoint(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        flat = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+        """Write atomically; the caller's tensors must not change during the call (the coordinator
+        passes copies, so that the next round can run meanwhile)."""
+        flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         _atomic_write(
             self.root / CHECKPOINT, lambda tmp: save_file(flat, str(tmp), metadata={"fedmq": json.dumps(meta)})
         )

@@ -73,6 +73,7 @@ class NodeDaemon:
         self._job: asyncio.Task[None] | None = None
         self._run_id: str | None = None
         self._stop = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation."""
@@ -87,7 +88,7 @@ class NodeDaemon:
         )
         self._bus = client  # before connecting: the on-connect hook announces through it
         async with client as bus:
-            await bus.subscribe(*self.topics.node_inbox(self.node_id), self.topics.coordinator_status)
+            await bus.subscribe(*self.topics.node_inbox(self.node_id), self.topics.coordinator_state)
             receiver = asyncio.create_task(self._receive(bus))
             stopper = asyncio.create_task(self._stop.wait())
             try:
@@ -95,7 +96,7 @@ class NodeDaemon:
                 if receiver.done():
                     receiver.result()
             finally:
-                for task in (receiver, stopper, self._job):
+                for task in (receiver, stopper, self._job, *self._background):
                     if task is not None:
                         task.cancel()
                 await asyncio.gather(receiver, stopper, *([self._job] if self._job else []), return_exceptions=True)
@@ -144,11 +145,11 @@ class NodeDaemon:
             raise TaskError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
         if route.channel == "node-status":
             return  # our own retained status echoes back through the inbox wildcard-free topics; ignore
-        if route.channel in ("node-task", "node-model", "node-receipt", "model", "coordinator-status") and (
+        if route.channel in ("node-task", "node-model", "node-receipt", "model", "coordinator-state") and (
             message.sender != "coordinator"
         ):
             raise TaskError("wrong-sender", f"{route.channel} from {message.sender!r}, expected the coordinator")
-        if route.channel == "coordinator-status" and message.kind == Kind.COORDINATOR_STATUS:
+        if route.channel == "coordinator-state" and message.kind == Kind.COORDINATOR_STATUS:
             self._on_coordinator_status(message)
         elif route.channel == "node-task" and message.kind == Kind.TASK:
             await self._on_task(message)
@@ -209,7 +210,8 @@ class NodeDaemon:
             self.log.debug("model for round %d matches no pending task; ignored", message.round)
             return
         self._task = None
-        await self._unsubscribe_model(task)
+        # clean-up only: the model arrived, so training need not wait for the broker's UNSUBACK
+        self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
         if self.config.faults.fail_at_round == task.round:
             self.log.warning("fault injection: crashing mid-round %d", task.round)
             self.crashed = True
@@ -319,6 +321,17 @@ class NodeDaemon:
             tensors=flatten_groups(result.tensors),
         )
         return encode(update), train_s
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        """A background step that nothing waits for, kept until it ends (never fire-and-forget)."""
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.warning("%s failed: %r", task.get_name(), task.exception())
 
     def _harvest(self, job: asyncio.Task[None]) -> None:
         if job.cancelled():

@@ -17,7 +17,7 @@ STDLIB = set(sys.stdlib_module_names)
 FORBIDDEN_EVERYWHERE = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "torchvision"}
 
 ALLOWED: dict[str, set[str]] = {
-    "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt"},
+    "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt", "xxhash"},
     "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors"},
     "coordinator": {"coordinator", "broker", "fedcore", "torch", "numpy", "safetensors"},
     "fednode": {"fednode", "broker", "fedcore", "torch", "numpy"},
@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
 # only these modules may use the optional third-party pieces
 NARROW = {
     "amqtt": {"broker/embedded.py"},
+    "xxhash": {"broker/codec.py"},  # the frame checksum
     "sklearn": {"fedcore/data.py"},
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS

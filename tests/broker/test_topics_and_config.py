@@ -19,6 +19,7 @@ def test_topics_route_parses_every_channel() -> None:
     """Every topic the daemons use parses back to its channel and its node or round."""
     t = Topics("fed-1")
     assert t.route(t.coordinator_status) == Route("coordinator-status")
+    assert t.route(t.coordinator_state) == Route("coordinator-state")
     assert t.route(t.node_status("n1")) == Route("node-status", node="n1")
     assert t.route(t.task("n1")) == Route("node-task", node="n1")
     assert t.route(t.direct_model("n1")) == Route("node-model", node="n1")
