@@ -185,7 +185,8 @@ def build_nodes(
     split = load_split(cfg)
     parts = shards(cfg, split)
     device = device or best_device()
-    workspace = Workspace(make_model(cfg, split.train), device)
+    group_wait_s = cfg.hosting.vectorize_wait_s if cfg.hosting.vectorize else None
+    workspace = Workspace(make_model(cfg, split.train), device, group_wait_s=group_wait_s)
     bus = bus_config(cfg, url)
     daemons = []
     for node_id in node_ids:

@@ -16,10 +16,12 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -263,6 +265,25 @@ class FaultConfig(_Strict):
 class HostingConfig(_Strict):
     processes: int | None = Field(None, ge=1, description="node-host processes for `fedmq run`; default: cores")
     threads_per_process: int = Field(1, ge=1, description="torch threads per process (fixed for determinism)")
+    vectorize: bool = Field(
+        False,
+        description="train a process's nodes of the same task together, as one vectorised computation (FedAvg,"
+        " noop; no BatchNorm): equal to one-by-one training within float tolerance, so a run is then"
+        " reproducible from its seed only within that tolerance",
+    )
+    vectorize_wait_s: float = Field(
+        2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_default_vectorize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Leave the vectorize fields out of a dump while they are at their defaults, so that the config
+        of a run made before they existed still equals today's (a finished grid cell is kept)."""
+        data: dict[str, Any] = handler(self)
+        for name in ("vectorize", "vectorize_wait_s"):
+            if getattr(self, name) == type(self).model_fields[name].default:
+                data.pop(name, None)
+        return data
 
 
 class ExperimentConfig(_Strict):

@@ -3,6 +3,8 @@
 Per round: a task arrives on the node's own topic; the node subscribes to the round's model topic,
 acknowledges, receives the one broadcast model, trains in a worker thread (one node of the process
 at a time), and publishes its update. Malformed or out-of-round messages are counted and logged.
+With ``hosting.vectorize`` the nodes of a process that received the same task are trained together
+(`fednode.groups`); each still publishes its own update.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from broker.errors import BusError
-from fedcore.algorithms.base import NodeHalf, Payload, TaskInput
+from fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError, ConfigError
 from fedcore.seeding import torch_generator
@@ -96,6 +100,8 @@ class NodeDaemon:
                 if receiver.done():
                     receiver.result()
             finally:
+                if self._task is not None:
+                    self._leave_group(self._task)
                 for task in (receiver, stopper, self._job, *self._background):
                     if task is not None:
                         task.cancel()
@@ -171,9 +177,13 @@ class NodeDaemon:
 
     async def _on_task(self, message: Message) -> None:
         task = self._parse_task(message)
-        if self._task is not None and self._task.model_topic != task.model_topic:
-            await self._unsubscribe_model(self._task)
+        if self._task is not None:
+            self._leave_group(self._task)
+            if self._task.model_topic != task.model_topic:
+                await self._unsubscribe_model(self._task)
         self._task = task
+        if self._grouped(task) and self.workspace.groups is not None:
+            self.workspace.groups.expect(_group_key(task), self.node_id)
         bus = self._bus_or_fail()
         await bus.subscribe(task.model_topic)
         ack = Message(
@@ -253,10 +263,35 @@ class NodeDaemon:
 
     # -- training --------------------------------------------------------------------------
 
+    def _grouped(self, task: Task) -> bool:
+        """Whether this task's training goes through the process's group (``hosting.vectorize``); never
+        in a round where a fault makes this node fail on its own."""
+        groups, faults = self.workspace.groups, self.config.faults
+        if groups is None or task.round in (faults.error_at_round, faults.fail_at_round):
+            return False
+        return groups.admits(self.half)
+
+    def _leave_group(self, task: Task) -> None:
+        if self.workspace.groups is not None:
+            self.workspace.groups.withdraw(_group_key(task), self.node_id)
+
+    async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray, float]:
+        """The encoded update: trained with this task's group when it forms, else alone under the lock."""
+        groups = self.workspace.groups
+        if groups is not None and self._grouped(task):
+            member = GroupMember(
+                half=self.half, task=self._task_input(task, payload), data=self.data, generator=self._generator(task)
+            )
+            grouped = await groups.train(_group_key(task), member)
+            if grouped is not None:
+                result, train_s = grouped
+                return await asyncio.to_thread(self._encode, task, result, train_s), train_s
+        async with self.workspace.lock:
+            return await asyncio.to_thread(self._train_and_encode, task, payload)
+
     async def _train_and_send(self, task: Task, payload: Payload) -> None:
         try:
-            async with self.workspace.lock:
-                frame, train_s = await asyncio.to_thread(self._train_and_encode, task, payload)
+            frame, train_s = await self._produce(task, payload)
         except Exception as exc:  # the round must not wait for an update that will never come
             if self._bus is not None:
                 self._bus.stats.rejected["training-error"] += 1
@@ -290,23 +325,27 @@ class NodeDaemon:
         if self.config.faults.error_at_round == task.round:
             raise RuntimeError(f"fault injection: training error at round {task.round}")
         started = time.perf_counter()
-        generator = torch_generator(
-            self.config.seed, "node-train", self.node_id, task.round, task.attempt, device=self.workspace.device
-        )
-        data = self.data
         result = self.half.train(
-            TaskInput(
-                node_id=self.node_id,
-                round=task.round,
-                payload=payload,
-                settings=task.settings,
-                scratch=self.workspace.scratch,
-            ),
-            self.workspace.model,
-            data,
-            generator,
+            self._task_input(task, payload), self.workspace.model, self.data, self._generator(task)
         )
         train_s = time.perf_counter() - started
+        return self._encode(task, result, train_s), train_s
+
+    def _generator(self, task: Task) -> torch.Generator:
+        return torch_generator(
+            self.config.seed, "node-train", self.node_id, task.round, task.attempt, device=self.workspace.device
+        )
+
+    def _task_input(self, task: Task, payload: Payload) -> TaskInput:
+        return TaskInput(
+            node_id=self.node_id,
+            round=task.round,
+            payload=payload,
+            settings=task.settings,
+            scratch=self.workspace.scratch,
+        )
+
+    def _encode(self, task: Task, result: Payload, train_s: float) -> bytearray:
         update = Message(
             kind=Kind.UPDATE,
             federation=self.config.federation,
@@ -314,13 +353,13 @@ class NodeDaemon:
             sender=self.node_id,
             meta={
                 "task": task.task_id,
-                "num_samples": len(data),
+                "num_samples": len(self.data),
                 "train_seconds": train_s,
                 "payload": dict(result.meta),
             },
             tensors=flatten_groups(result.tensors),
         )
-        return encode(update), train_s
+        return encode(update)
 
     def _spawn(self, coro: Any, name: str) -> None:
         """A background step that nothing waits for, kept until it ends (never fire-and-forget)."""
@@ -344,6 +383,11 @@ class NodeDaemon:
         if self._bus is None:
             raise RuntimeError("the node is not connected")
         return self._bus
+
+
+def _group_key(task: Task) -> tuple[int, int, bytes, TrainSettings]:
+    """Nodes train together only for one task: one round attempt, one broadcast, one set of settings."""
+    return (task.round, task.attempt, task.task_id, task.settings)
 
 
 async def serve_nodes(daemons: list[NodeDaemon]) -> None:

@@ -31,6 +31,7 @@ from fedcore.algorithms import (
     fedvls,
     kdia,
     moon,
+    noop,
     scaffold,
 )
 from fedcore.algorithms.base import AlgorithmSpec
@@ -59,6 +60,7 @@ ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
             fedproto.SPEC,
             fedrcl.SPEC,
             fedsa.SPEC,
+            noop.SPEC,
         )
     }
 )

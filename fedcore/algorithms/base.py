@@ -158,6 +158,16 @@ class CoordinatorHalf(ABC):
             raise ValueError(f"{type(self).__name__} keeps no extra state, got {sorted(state)[:5]}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupMember:
+    """One node of a group trained together (`NodeHalf.train_group`): what `train` would receive."""
+
+    half: NodeHalf
+    task: TaskInput
+    data: TensorDataset
+    generator: torch.Generator
+
+
 class NodeHalf(ABC):
     """Node side. One instance per node id; it may keep state across rounds (SCAFFOLD, MOON)."""
 
@@ -172,6 +182,42 @@ class NodeHalf(ABC):
         The returned tensors may alias `model`'s parameters: the daemon serialises them before the
         workspace is used again.
         """
+
+    def train_group(self, members: Sequence[GroupMember], model: nn.Module) -> list[Payload]:
+        """Train several nodes of this method that received the same task at once (one vectorised
+        computation, `fedcore.vectorized`) and return each member's update, in order: what `train`
+        gives each, within float tolerance. Called on one member's half; `model` is the shared
+        workspace; the returned tensors must not alias it (the group's updates are serialised
+        after the workspace is released). A method overrides it only when that holds."""
+        raise NotImplementedError(f"{type(self).__name__} has no group training")
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        """Why the nodes of this method cannot be trained together with `model`, or None when they can.
+
+        A class trains in groups only when it defines `train_group` itself, next to the `train` in
+        use: a subclass that changes `train` (FedDisco adds to FedAvg's update) never inherits its
+        parent's group training by accident."""
+        if _defined_in(type(self), "train") is not _defined_in(type(self), "train_group"):
+            return f"{type(self).__module__}.{type(self).__qualname__} has no group form of its training"
+        return None
+
+
+def _defined_in(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def same_task(members: Sequence[GroupMember]) -> GroupMember:
+    """The first member, after checking that all are one method with one set of hyperparameters and
+    received one task (round, settings): what a group needs to share; ValueError otherwise."""
+    if not members:
+        raise ValueError("a group needs at least one member")
+    first = members[0]
+    for m in members[1:]:
+        if type(m.half) is not type(first.half) or m.half.hp != first.half.hp:
+            raise ValueError(f"{m.task.node_id} runs another method or hyperparameters than {first.task.node_id}")
+        if m.task.round != first.task.round or m.task.settings != first.task.settings:
+            raise ValueError(f"{m.task.node_id} received another task than {first.task.node_id}")
+    return first
 
 
 @dataclass(frozen=True, slots=True)

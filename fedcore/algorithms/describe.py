@@ -24,7 +24,7 @@ class Option:
 
 def summary(spec: AlgorithmSpec) -> str:
     """The first line of the method module's docstring."""
-    doc = inspect.getdoc(sys.modules[spec.coordinator.__module__]) or ""
+    doc = inspect.getdoc(sys.modules[spec.hyperparams.__module__])  # every method module defines its own or ""
     return doc.strip().splitlines()[0] if doc.strip() else spec.name
 
 

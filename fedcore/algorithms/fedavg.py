@@ -17,6 +17,7 @@ from fedcore.algorithms import base
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.training import local_sgd
+from fedcore.vectorized import train_vectorized, unsupported
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +64,24 @@ class NodeHalf(base.NodeHalf):
         load_group(task, "model", model, node_id=self.node_id)
         stats = local_sgd(model, data, task.settings, generator)
         return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once: local SGD from the one broadcast model, vectorised."""
+        reason = self.group_refusal(model)
+        if reason is not None:  # a subclass with its own `train` (FedDisco) inherits this method, not its use
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        load_group(first.task, "model", model, node_id=first.half.node_id)
+        results = train_vectorized(
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members]
+        )
+        return [
+            base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
+            for state, stats in results
+        ]
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        return super().group_refusal(model) or unsupported(model)
 
 
 def load_group(task: base.TaskInput, group: str, model: nn.Module, *, node_id: str) -> None:

@@ -1,0 +1,301 @@
+"""Vectorised training of many nodes against `local_sgd` node by node.
+
+Tolerance: vectorised and one-by-one training run the same operations, but batched matrix products,
+grouped convolutions and padded batches sum in another order, so results agree to float rounding,
+amplified a little by the steps that follow. Measured on this CPU (mlp and cnn on digits with
+augmentation, 7 unequal shards, 2 epochs, 3 seeds): with SGD (momentum, weight decay, clipping) at
+most 3e-8 on any weight, so every weight must be within 1e-5 (plus 1e-4 relative): far above
+rounding, far below what a wrong step gives (a wrong momentum, a missed weight decay or one extra
+step moves weights by 1e-3 to 1e-2). Adam is another matter: it divides each gradient by the root
+of its running square, so a weight whose gradient is rounding noise (about 1e-9, near eps) takes a
+step of a sizeable fraction of lr in either direction. The mlp stays within 2e-7, but the cnn has a
+few such weights, off by up to 9.3e-5 = 0.0093 lr (1 weight in 30,000). For Adam the test allows
+at most 0.1% of the weights beyond 1e-5 and none beyond 0.1 lr: a real error moves most weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedcore.algorithms.base import GroupMember, Payload, TaskInput
+from fedcore.data import TensorDataset, load_dataset
+from fedcore.errors import AlgorithmError
+from fedcore.models import build_model
+from fedcore.seeding import torch_generator
+from fedcore.training import TrainSettings, TrainStats, local_sgd
+from fedcore.vectorized import (
+    VectorizeError,
+    augment_nodes,
+    known_steps,
+    steps_per_epoch,
+    train_vectorized,
+    unsupported,
+)
+
+ATOL, RTOL = 1e-5, 1e-4
+SIZES = (40, 17, 1, 33, 2, 64, 9)
+"""Unequal shards: a single sample, a trailing batch of one (17 = 16 + 1), short and long ones."""
+
+SGD = TrainSettings(local_epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3, max_grad_norm=1.0)
+ADAM = TrainSettings(local_epochs=2, batch_size=16, optimizer="adam", lr=0.01, weight_decay=1e-3, max_grad_norm=0.5)
+
+
+@pytest.fixture(scope="module")
+def digits() -> TensorDataset:
+    """Digits with a random crop (1 pixel of padding) and flips: both draw from each node's generator."""
+    return load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
+
+
+def shards(data: TensorDataset, sizes: Sequence[int]) -> list[TensorDataset]:
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(7))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [data.subset(perm[s : s + n].numpy()) for s, n in zip(starts, sizes, strict=True)]
+
+
+def generators(k: int) -> list[torch.Generator]:
+    return [torch_generator(3, "node-train", f"node-{i}", 0) for i in range(k)]
+
+
+def one_by_one(
+    model: torch.nn.Module, datasets: Sequence[TensorDataset], settings: TrainSettings
+) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+    out = []
+    for data, gen in zip(datasets, generators(len(datasets)), strict=True):
+        copy_ = copy.deepcopy(model)
+        stats = local_sgd(copy_, data, settings, gen)
+        out.append((copy_.state_dict(), stats))
+    return out
+
+
+def assert_as_local_sgd(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor], settings: TrainSettings) -> None:
+    """Every weight within ATOL/RTOL (SGD); for Adam, see the module docstring."""
+    if settings.optimizer == "sgd":
+        for key in want:
+            torch.testing.assert_close(state[key], want[key], atol=ATOL, rtol=RTOL)
+        return
+    diff = torch.cat([(state[k] - want[k]).abs().flatten() for k in want])
+    beyond = diff > ATOL + RTOL * torch.cat([want[k].abs().flatten() for k in want])
+    assert float(beyond.float().mean()) <= 1e-3 and float(diff.max()) <= 0.1 * settings.lr, (beyond.sum(), diff.max())
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("settings", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_vectorized_unequal_shards_equal_one_by_one_within_tolerance(
+    digits: TensorDataset, name: str, settings: TrainSettings
+) -> None:
+    """Seven nodes of unequal shards (with augmentation, momentum or Adam, weight decay, clipping): each
+    node's weights and stats are what local_sgd gives it alone, within the stated tolerance."""
+    model = build_model(name, digits.input_shape, 10, seed=0)
+    start = copy.deepcopy(model.state_dict())
+    datasets = shards(digits, SIZES)
+    expected = one_by_one(model, datasets, settings)
+    got = train_vectorized(model, datasets, settings, generators(len(datasets)))
+    assert all(torch.equal(start[k], v) for k, v in model.state_dict().items()), "the template model moved"
+    for (want_state, want), (state, stats) in zip(expected, got, strict=True):
+        assert (stats.steps, stats.samples_seen) == (want.steps, want.samples_seen)
+        assert stats.loss == pytest.approx(want.loss, rel=RTOL, abs=ATOL)
+        assert_as_local_sgd(state, want_state, settings)
+        assert max_difference(state, start) > 1e-3, "a node did not train"
+    assert [s.steps for _, s in got] == [2 * steps_per_epoch(n, 16) for n in SIZES] == [6, 2, 2, 4, 2, 8, 2]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("settings", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_vectorized_in_float64_equals_one_by_one_to_rounding(
+    digits: TensorDataset, name: str, settings: TrainSettings
+) -> None:
+    """In float64 the two agree to 1e-12 on every weight, Adam and the cnn included: what float32 shows
+    beyond its rounding is rounding amplified (a near tie in a max-pool or a ReLU, a near-zero gradient
+    under Adam), not a difference in the computation."""
+    data64 = dataclasses.replace(digits, x=digits.x.double())
+    model = build_model(name, digits.input_shape, 10, seed=0).double()
+    datasets = shards(data64, SIZES)
+    expected = one_by_one(model, datasets, settings)
+    got = train_vectorized(model, datasets, settings, generators(len(datasets)))
+    for (want_state, want), (state, stats) in zip(expected, got, strict=True):
+        assert max_difference(state, want_state) < 1e-12
+        assert stats.loss == pytest.approx(want.loss, rel=1e-12)
+
+
+@pytest.mark.parametrize("augment", [{"crop": 8, "padding": 1, "flip": True}, {"padding": 2, "rotation_deg": 30}])
+def test_augmentation_of_all_nodes_at_once_is_each_nodes_own_bitwise(augment: dict[str, object]) -> None:
+    """augment_nodes on the concatenated batches gives each node exactly what its own train_batch gives,
+    and leaves each generator where train_batch leaves it."""
+    data = load_dataset("digits", seed=0, augment=augment, normalize={"mean": [0.3], "std": [0.4]}).train
+    parts = shards(data, (5, 16, 1))
+    steps = known_steps(data.train_transform)  # type: ignore[arg-type]
+    assert steps is not None and len(steps) >= 3
+    idx = [torch.arange(len(p)) for p in parts]
+    alone = torch.cat([p.train_batch(i, g)[0] for p, i, g in zip(parts, idx, generators(3), strict=True)])
+    gens = generators(3)
+    together = augment_nodes(torch.cat([p.x for p in parts]), [len(p) for p in parts], steps, gens)
+    assert torch.equal(alone, together)
+    after = generators(3)
+    for p, i, g in zip(parts, idx, after, strict=True):
+        p.train_batch(i, g)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(after, gens, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianNoise:
+    """A transform augment_nodes does not know: each node then transforms its own batch."""
+
+    std: float = 0.1
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is None:
+            return x
+        return x + self.std * torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+
+
+def test_vectorized_with_an_unknown_transform_transforms_node_by_node(digits: TensorDataset) -> None:
+    noisy = dataclasses.replace(digits, train_transform=GaussianNoise())
+    assert known_steps(GaussianNoise()) is None
+    model = build_model("mlp", digits.input_shape, 10, seed=0)
+    datasets = shards(noisy, (20, 7, 33))
+    for (want, _), (state, _) in zip(
+        one_by_one(model, datasets, SGD), train_vectorized(model, datasets, SGD, generators(3)), strict=True
+    ):
+        assert_as_local_sgd(state, want, SGD)
+
+
+def test_vectorized_node_out_of_batches_stops_moving_with_its_momentum(digits: TensorDataset) -> None:
+    """With momentum 0.9 and weight decay, a node whose one batch is used up keeps its weights from
+    then on (a further step would move it by lr x momentum x buffer), and an empty shard never moves."""
+    settings = TrainSettings(batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.1)
+    model = build_model("mlp", digits.input_shape, 10, seed=1)
+    start = copy.deepcopy(model.state_dict())
+    datasets = [*shards(digits, (5, 64)), digits.subset(torch.arange(0).numpy())]
+    got = train_vectorized(model, datasets, settings, generators(3))
+    assert [s.steps for _, s in got] == [1, 8, 0]
+    one_step = one_by_one(model, datasets[:1], settings)[0][0]
+    assert max_difference(got[0][0], one_step) < ATOL
+    two_steps = copy.deepcopy(model)
+    local_sgd(two_steps, datasets[0], TrainSettings(**{**settings.to_meta(), "local_epochs": 2}), generators(1)[0])
+    assert max_difference(got[0][0], two_steps.state_dict()) > 100 * ATOL, "the test cannot tell a moving node"
+    assert all(torch.equal(got[2][0][k], start[k]) for k in start)
+    assert got[2][1] == TrainStats(loss=0.0, steps=0, samples_seen=0)
+
+
+def test_vectorized_results_do_not_alias_the_model_or_each_other(digits: TensorDataset) -> None:
+    """The returned weights are fresh tensors: loading another model into the template leaves them."""
+    model = build_model("mlp", digits.input_shape, 10, seed=0)
+    got = train_vectorized(model, shards(digits, (20, 20)), SGD, generators(2))
+    before = copy.deepcopy(got[0][0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    got[1][0]["net.1.weight"].add_(1.0)
+    assert all(torch.equal(before[k], got[0][0][k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "reason"),
+    [("resnet18", {"norm": "bn"}, "BatchNorm"), ("mobilenetv2", {}, "BatchNorm")],
+)
+def test_vectorized_refuses_batchnorm(name: str, options: dict[str, object], reason: str) -> None:
+    """BatchNorm's batch statistics would include the padding: refused with the reason, never trained wrong."""
+    model = build_model(name, (3, 32, 32), 10, seed=0, **options)
+    assert reason in (unsupported(model) or "")
+    data = TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long), 10)
+    with pytest.raises(VectorizeError, match=reason):
+        train_vectorized(model, [data], SGD, generators(1))
+
+
+def test_vectorized_refuses_dropout_and_accepts_groupnorm() -> None:
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    assert "dropout" in (unsupported(net) or "")
+    assert unsupported(build_model("resnet18", (3, 32, 32), 10, seed=0, norm="gn")) is None
+
+
+def _members(method: str, datasets: Sequence[TensorDataset], state: dict[str, torch.Tensor]) -> list[GroupMember]:
+    spec = get_algorithm(method)
+    hp = build_hyperparams(spec, {})
+    payload = Payload(tensors={"model": state})
+    return [
+        GroupMember(
+            half=spec.node(hp, node_id=f"node-{i}"),
+            task=TaskInput(node_id=f"node-{i}", round=0, payload=payload, settings=SGD),
+            data=data,
+            generator=gen,
+        )
+        for i, (data, gen) in enumerate(zip(datasets, generators(len(datasets)), strict=True))
+    ]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedavgm", "noop"])
+def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorDataset, method: str) -> None:
+    """train_group gives each member what train gives it (FedAvg's node half, which FedAvgM reuses;
+    noop's), starting from the broadcast model whatever the workspace held before."""
+    state = build_model("cnn", digits.input_shape, 10, seed=5).state_dict()
+    datasets = shards(digits, (30, 12, 3))
+    members = _members(method, datasets, state)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6)
+    assert members[0].half.group_refusal(workspace) is None
+    grouped = members[0].half.train_group(members, workspace)
+    for member, payload in zip(_members(method, datasets, state), grouped, strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert set(payload.meta) == set(alone.meta) and payload.meta["steps"] == alone.meta["steps"]
+        assert payload.meta["loss"] == pytest.approx(alone.meta["loss"], rel=RTOL, abs=ATOL)
+        assert max_difference(payload.tensors["model"], alone.tensors["model"]) < ATOL
+        assert payload.tensors["model"]["classifier.3.bias"].data_ptr() != workspace.classifier[3].bias.data_ptr()
+
+
+@pytest.mark.parametrize("method", ["fedprox", "moon", "scaffold", "feddisco"])
+def test_methods_with_their_own_training_refuse_group_training(method: str) -> None:
+    """Methods with extra loss terms or extra update content, including FedDisco, which subclasses
+    FedAvg's node half and changes `train`, never inherit group training."""
+    spec = get_algorithm(method)
+    half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
+    assert "no group form" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
+    with pytest.raises((NotImplementedError, AlgorithmError), match="group"):
+        half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
+
+
+def test_fedavg_refuses_group_training_of_a_batchnorm_model() -> None:
+    spec = get_algorithm("fedavg")
+    half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
+    assert "BatchNorm" in (half.group_refusal(build_model("resnet32", (3, 32, 32), 10, seed=0)) or "")
+
+
+def test_group_of_different_tasks_is_an_error(digits: TensorDataset) -> None:
+    state = build_model("mlp", digits.input_shape, 10, seed=0).state_dict()
+    members = _members("fedavg", shards(digits, (8, 8)), state)
+    other = GroupMember(
+        half=members[1].half,
+        task=TaskInput(node_id="node-1", round=0, payload=members[1].task.payload, settings=ADAM),
+        data=members[1].data,
+        generator=members[1].generator,
+    )
+    with pytest.raises(ValueError, match="another task"):
+        members[0].half.train_group([members[0], other], build_model("mlp", digits.input_shape, 10, seed=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_vectorized_on_gpu_with_resident_data_equals_one_by_one(digits: TensorDataset) -> None:
+    """Data, augmentation and generators on the GPU, in float64 (float32 convolutions may use TF32 there):
+    every weight within 1e-10 of one-by-one training on the GPU."""
+    cuda = torch.device("cuda")
+    model = build_model("cnn", digits.input_shape, 10, seed=0).to(cuda, torch.float64)
+    datasets = [d.to(cuda) for d in shards(dataclasses.replace(digits, x=digits.x.double()), SIZES)]
+    expected = []
+    for i, data in enumerate(datasets):
+        copy_ = copy.deepcopy(model)
+        local_sgd(copy_, data, SGD, torch_generator(3, "node-train", f"node-{i}", 0, device=cuda))
+        expected.append(copy_.state_dict())
+    gens = [torch_generator(3, "node-train", f"node-{i}", 0, device=cuda) for i in range(len(datasets))]
+    got = train_vectorized(model, datasets, SGD, gens)
+    for want, (state, _) in zip(expected, got, strict=True):
+        assert max_difference(state, want) < 1e-10
