@@ -34,6 +34,7 @@ fedmq: event-driven federated learning over MQTT.
   fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
   fedmq report RUN_DIR               rebuild the tables and plots of a run from its saved metrics
   fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
+  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -100,6 +101,40 @@ def build_parser() -> argparse.ArgumentParser:
         " hyperparameters (method.hyperparams), their types, defaults and what each does.",
     )
     p.add_argument("name", nargs="?", help="one method, e.g. kdia")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark suite",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure fedmq side by side with the limits of this machine and with other libraries,"
+        " as ratios measured in one run, and print a table per suite (and the targets it meets).\n\n"
+        "suites:\n  codec      encode/decode of a ResNet-18-sized model vs memcpy, torch.save, safetensors\n"
+        "  transport  45 MB to 1 and to 10 nodes through the broker vs a raw TCP socket; small round trips\n"
+        "  rounds     round overhead with no training, 10/100/1000 nodes at C = 0.1 and 1.0\n"
+        "  flower     the same FedAvg federation in fedmq and in Flower (simulation and deployment)\n"
+        "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
+        "  train      many simulated nodes trained together (vmap) vs one at a time\n"
+        "  all        every suite above, in that order",
+    )
+    p.add_argument("suites", nargs="*", default=["all"], metavar="SUITE", help="suites to run (default: all)")
+    p.add_argument("--json", type=Path, help="write every figure, ratio and target to this JSON file")
+    p.add_argument("--markdown", type=Path, help="write the tables to this markdown file")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats: checks the suites run")
+    p.add_argument(
+        "--broker",
+        default="auto",
+        help="mosquitto, embedded, auto (mosquitto when installed; default) or an mqtt:// URL",
+    )
+    p.add_argument("--repeats", type=int, help="timed repetitions per figure (default: each suite's own)")
+    p.add_argument("--work-dir", type=Path, default=Path("runs/bench"), help="scratch space (default runs/bench)")
+    p.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a suite-specific setting, e.g. --opt nodes=10,100 (repeatable; see docs/bench.md)",
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -191,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         if args.command == "methods":
             return _methods(args)
+        if args.command == "bench":
+            return _bench(args)
         from experiments.runner import run_from_cli
 
         return _run_async(run_from_cli(args))
@@ -255,6 +292,37 @@ def _methods(args: argparse.Namespace) -> int:
         if option.doc:
             for line in textwrap.wrap(option.doc, 92):
                 print(f"      {line}")
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from experiments.bench import SUITES, run_suite
+    from experiments.bench.common import BenchOptions, write_results
+
+    names = list(SUITES) if "all" in args.suites else args.suites
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(SUITES)} or all")
+    if args.repeats is not None and args.repeats < 1:
+        raise ConfigError("--repeats must be at least 1")
+    extra: dict[str, str] = {}
+    for item in args.opt:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--opt {item!r}: expected KEY=VALUE")
+        extra[key.strip()] = value.strip()
+    options = BenchOptions(
+        quick=args.quick, broker=args.broker, work_dir=args.work_dir, repeats=args.repeats, extra=extra
+    )
+    reports = []
+    for name in names:
+        report = run_suite(name, options, log=lambda text: print(text, file=sys.stderr, flush=True))
+        print(report.markdown(), flush=True)
+        reports.append(report)
+        write_results(reports, args.json, args.markdown)  # after each suite: a long run keeps what it measured
+    missed = [(r.suite, t.text) for r in reports for t in r.targets if not t.met]
+    if missed:
+        print(f"{len(missed)} target(s) not met: " + "; ".join(f"{s}: {t}" for s, t in missed), flush=True)
     return EXIT_OK
 
 

@@ -1,0 +1,46 @@
+"""`fedmq bench`: the benchmark suite, each figure side by side with its limit or competitor.
+
+Each suite is a module with ``TITLE`` and ``run(options) -> Report``; they are imported only when
+asked for, so that one suite's optional dependency (Flower) never stops another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+
+from experiments.bench.common import BenchOptions, Report
+
+SUITES: dict[str, str] = {
+    "codec": "experiments.bench.codec",
+    "transport": "experiments.bench.transport",
+    "rounds": "experiments.bench.rounds",
+    "flower": "experiments.bench.flower",
+    "scale": "experiments.bench.scale",
+    "train": "experiments.bench.training",
+}
+"""Suite name -> module, in the order `all` runs them."""
+
+
+def titles() -> dict[str, str]:
+    """Each suite's one-line title (for --help), without running anything."""
+    out = {}
+    for name, module in SUITES.items():
+        try:
+            out[name] = importlib.import_module(module).TITLE
+        except ImportError as exc:  # a suite not written yet, or a missing optional dependency
+            out[name] = f"(unavailable: {exc})"
+    return out
+
+
+def run_suite(name: str, options: BenchOptions, log: Callable[[str], None] = print) -> Report:
+    if name not in SUITES:
+        raise KeyError(f"unknown benchmark {name!r}; choose from {', '.join(SUITES)} or all")
+    module = importlib.import_module(SUITES[name])
+    started = time.monotonic()
+    log(f"bench {name}: {module.TITLE} ...")
+    report: Report = module.run(options)
+    report.seconds = round(time.monotonic() - started, 1)
+    log(f"bench {name}: done in {report.seconds:.0f} s")
+    return report

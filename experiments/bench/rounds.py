@@ -1,0 +1,125 @@
+"""Round overhead: everything a round costs that is not training, with 10, 100 and 1000 node daemons.
+
+Real federations (`fedmq run`'s processes: a broker, the coordinator, two node-host processes with
+one MQTT connection per node) run the `noop` method on a tiny model: each selected node receives
+the task and the model and sends the model straight back, and the coordinator aggregates,
+checkpoints and publishes its status as in any run. The overhead of a round is the median time
+between the ends of consecutive rounds (the metrics' ``ended_s``), after a warm-up round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
+from experiments.bench.common import BenchOptions, Report
+from experiments.config import ExperimentConfig, parse_config
+
+TITLE = "round overhead without training: 10, 100 and 1000 nodes at C = 0.1 and C = 1.0"
+
+WARMUP_ROUNDS = 2
+
+
+def workload(nodes: int, fraction: float, rounds: int, *, kind: str, name: str = "bench-rounds") -> ExperimentConfig:
+    """The noop federation: synthetic data (a few samples a node), the MLP with one hidden layer of 16."""
+    return parse_config(
+        {
+            "name": f"{name}-{nodes}-{fraction:g}",
+            "seed": 0,
+            "nodes": nodes,
+            "fraction": fraction,
+            "rounds": rounds,
+            "eval_every": rounds,
+            "deadline_s": 120,
+            "data": {
+                "dataset": "synthetic",
+                "options": {"train_size": max(2000, 4 * nodes), "test_size": 200, "features": 16},
+            },
+            "partition": {"kind": "iid"},
+            "model": {"name": "mlp", "options": {"hidden": [16]}},
+            "method": {"name": "noop"},
+            "policy": {"wait_for_nodes_s": 600, "ack_timeout_s": 30},
+            # the embedded broker speaks 3.1.1 only: naming it spares a probe connection per node
+            "bus": {"protocol": "5" if kind == "mosquitto" else "3.1.1"},
+        }
+    )
+
+
+def settings(options: BenchOptions) -> tuple[list[int], list[float], int]:
+    if options.quick:
+        return [4], [0.5], 5
+    nodes = [int(x) for x in str(options.extra.get("nodes", "10,100,1000")).split(",")]
+    fractions = [float(x) for x in str(options.extra.get("fractions", "0.1,1.0")).split(",")]
+    return nodes, fractions, int(options.extra.get("rounds", 12))
+
+
+def round_times(run_dir: Path) -> list[float]:
+    """Seconds between the ends of consecutive aggregated rounds, after the warm-up rounds."""
+    ends = [
+        r["ended_s"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r.get("aggregated") and "ended_s" in r
+    ]
+    return [b - a for a, b in zip(ends[WARMUP_ROUNDS:], ends[WARMUP_ROUNDS + 1 :], strict=False)]
+
+
+def run_one(cfg: ExperimentConfig, url: str, out: Path, processes: int = 2) -> dict[str, Any]:
+    from experiments.runner import run_federation
+
+    started = time.monotonic()
+    code = asyncio.run(run_federation(cfg, out, broker=url, processes=processes, quiet=True))
+    wall = time.monotonic() - started
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    if code != 0 or summary.get("state") != "finished":
+        raise RuntimeError(f"the benchmark federation {cfg.name} failed (exit {code}); see {out / 'logs'}")
+    times = round_times(out)
+    selected = [len(r["selected"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    return {
+        "seconds_per_round": statistics.median(times),
+        "rounds_timed": len(times),
+        "selected_per_round": statistics.median(selected),
+        "wall_s": wall,
+        "rejected": summary.get("bus", {}).get("rejected", {}),
+    }
+
+
+def run(options: BenchOptions) -> Report:
+    raise_fd_limit()
+    kind = broker_kind(options)
+    nodes_list, fractions, rounds = settings(options)
+    report = Report(
+        "rounds",
+        TITLE,
+        context={
+            "method": "noop (nodes send the received model back)",
+            "model": "MLP 16-16-10 (442 parameters)",
+            "broker": kind,
+            "processes": "broker, coordinator, 2 node hosts",
+            "rounds": f"{rounds} ({WARMUP_ROUNDS} warm-up)",
+            "statistic": "median time between round ends",
+        },
+    )
+    results: dict[tuple[int, float], dict[str, Any]] = {}
+    with running_broker(options) as url:
+        for nodes in nodes_list:
+            for fraction in fractions:
+                cfg = workload(nodes, fraction, rounds, kind=kind)
+                out = options.work_dir / "rounds" / f"{nodes}-{fraction:g}-{time.strftime('%H%M%S')}"
+                result = results[nodes, fraction] = run_one(cfg, url, out)
+                seconds = result["seconds_per_round"]
+                report.add(
+                    f"{nodes} nodes, C = {fraction:g}", seconds * 1e3, "ms",
+                    note=f"{result['selected_per_round']:.0f} selected; {1 / seconds:.1f} rounds/s",
+                    section="time per round",
+                )  # fmt: skip
+    key = (100, 0.1)
+    if key in results:
+        ms = results[key]["seconds_per_round"] * 1e3
+        report.target("round overhead below 20 ms for 100 nodes at C = 0.1", f"{ms:.1f} ms", ms < 20)
+    report.context["figures"] = {f"{n}-{c:g}": r for (n, c), r in results.items()}
+    return report

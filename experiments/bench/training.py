@@ -1,0 +1,237 @@
+"""Training many simulated nodes of one process: one by one against one vectorised computation.
+
+What a node-host process does each round for its K selected nodes, timed both ways in this
+process, one after the other, on the same shards and generators: one by one, as the daemons do by
+default (load the broadcast model into the shared workspace model, `local_sgd`, next node), and as
+one vectorised computation (`fedcore.vectorized.train_vectorized`, what ``hosting.vectorize``
+does). Each case also reports the largest difference between the two results over every weight of
+every node (float32 rounding), and one case runs in float64, where the two must agree to 1e-12.
+
+The shards have unequal sizes, so the vectorised run pads short batches and stops nodes that run
+out of batches, as it does in a federation. The CPU runs use one torch thread, as a node-host
+process does (``hosting.threads_per_process``). On a CUDA device the same cases run again with the
+shards, the augmentation and the generators on the GPU (data resident: nothing crosses to the
+device between steps); that path is skipped, and said to be, where there is none.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from experiments.bench.common import BenchOptions, Report, Timing, measure
+from fedcore.data import TensorDataset, load_dataset, load_synthetic
+from fedcore.models import build_model, count_parameters
+from fedcore.seeding import torch_generator
+from fedcore.training import TrainSettings, local_sgd
+from fedcore.vectorized import train_vectorized
+
+TITLE = "K simulated nodes of one process: local_sgd one by one against one vectorised computation"
+
+SETTINGS = TrainSettings(local_epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4)
+"""The quickstart's training (batch 16, SGD with momentum 0.9), one local epoch, a little weight decay."""
+EXACT = 1e-12
+"""Largest weight difference allowed in float64, where rounding cannot hide a different computation."""
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    data: str
+    """A key of `DATA`."""
+    model: str
+    k: int
+
+
+def digits(augment: bool = False) -> TensorDataset:
+    """scikit-learn's digits (1 x 8 x 8, the quickstart's data); with `augment`, a random 1-pixel-padded
+    crop and flips, which each node draws from its own generator."""
+    choice = {"crop": 8, "padding": 1, "flip": True} if augment else "none"
+    return load_dataset("digits", seed=0, augment=choice).train
+
+
+def mnist_shaped() -> TensorDataset:
+    """Synthetic data of MNIST's shape (1 x 28 x 28, 10 classes): Gaussian clusters, clearly not MNIST."""
+    train = load_synthetic(seed=0, features=784, train_size=4000, test_size=10).train
+    return TensorDataset(train.x.view(-1, 1, 28, 28), train.y, train.num_classes)
+
+
+DATA: dict[str, Callable[[], TensorDataset]] = {
+    "digits": digits,
+    "digits, crop and flip": lambda: digits(augment=True),
+    "mnist-shaped": mnist_shaped,
+}
+
+
+def shards(data: TensorDataset, k: int, mean: int, seed: int = 0) -> list[TensorDataset]:
+    """K shards of unequal sizes (uniform in [mean/2, 3 mean/2]), each a random subset of `data`
+    (nodes overlap when K x mean exceeds it: a benchmark needs their sizes, not disjoint samples)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(mean // 2, mean + mean // 2 + 1, (k,), generator=gen).tolist()
+    return [data.subset(torch.randperm(len(data), generator=gen)[:n].numpy()) for n in sizes]
+
+
+def generators(k: int, device: torch.device) -> list[torch.Generator]:
+    return [torch_generator(0, "node-train", f"node-{i:03d}", 0, device=device) for i in range(k)]
+
+
+States = list[dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class OneByOne:
+    """What the daemons do: the broadcast model loaded into the one workspace model, local_sgd, next node."""
+
+    workspace: nn.Module
+    start: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> OneByOne:
+        return cls(copy.deepcopy(model), copy.deepcopy(model.state_dict()))
+
+    def __call__(self, datasets: Sequence[TensorDataset], device: torch.device, *, keep: bool = False) -> States:
+        """Train every node; with `keep`, a copy of each result (the daemon's encoding copies it instead)."""
+        out = []
+        for data, gen in zip(datasets, generators(len(datasets), device), strict=True):
+            self.workspace.load_state_dict(self.start)
+            local_sgd(self.workspace, data, SETTINGS, gen)
+            if keep:
+                out.append({k: v.detach().clone() for k, v in self.workspace.state_dict().items()})
+        return out
+
+
+def vectorised(model: nn.Module, datasets: Sequence[TensorDataset], device: torch.device) -> States:
+    return [state for state, _ in train_vectorized(model, datasets, SETTINGS, generators(len(datasets), device))]
+
+
+def max_difference(a: States, b: States) -> float:
+    return max(float((x[k] - y[k]).abs().max()) for x, y in zip(a, b, strict=True) for k in x)
+
+
+def synchronized(call: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """`call`, waiting for the GPU to finish, so that the timing covers the work and not its launch."""
+
+    def run() -> None:
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return run
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_case(
+    case: Case, data: TensorDataset, mean: int, device: torch.device, repeats: int
+) -> tuple[Timing, Timing, float, list[int]]:
+    """(one by one, vectorised, largest difference of any weight, shard sizes) for one case."""
+    model = build_model(case.model, data.input_shape, data.num_classes, seed=0).to(device)
+    datasets = [d.to(device) for d in shards(data, case.k, mean)]
+    one_by_one = OneByOne.of(model)
+    diff = max_difference(one_by_one(datasets, device, keep=True), vectorised(model, datasets, device))
+    # the two runs above were the warm-up
+    alone = measure(synchronized(lambda: one_by_one(datasets, device), device), repeats=repeats, warmup=0)
+    together = measure(synchronized(lambda: vectorised(model, datasets, device), device), repeats=repeats, warmup=0)
+    return alone, together, diff, [len(d) for d in datasets]
+
+
+def float64_difference(case: Case, data: TensorDataset, mean: int, device: torch.device) -> float:
+    """The largest weight difference of one case in float64: the two computations agree to its rounding,
+    so anything larger in float32 is float32 rounding amplified, not a different computation."""
+    model = build_model(case.model, data.input_shape, data.num_classes, seed=0).to(device, torch.float64)
+    data = dataclasses.replace(data, x=data.x.double()) if data.x.is_floating_point() else data
+    datasets = [d.to(device) for d in shards(data, case.k, mean)]
+    return max_difference(OneByOne.of(model)(datasets, device, keep=True), vectorised(model, datasets, device))
+
+
+def cases(quick: bool) -> tuple[int, list[Case], Case]:
+    """(mean shard size, timed cases, the float64 case)."""
+    if quick:
+        return 12, [Case("digits", "mlp", 3), Case("digits, crop and flip", "cnn", 3)], Case("digits", "cnn", 3)
+    timed = [Case("digits", m, k) for m in ("mlp", "cnn") for k in (10, 50)]
+    timed += [
+        Case("digits, crop and flip", "cnn", 50),
+        Case("mnist-shaped", "mlp", 10),
+        Case("mnist-shaped", "cnn", 10),
+    ]
+    return 64, timed, Case("digits, crop and flip", "cnn", 10)
+
+
+def run(options: BenchOptions) -> Report:
+    repeats = options.reps(full=3, quick=1)
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    mean, timed, exact = cases(options.quick)
+    report = Report(
+        "train",
+        TITLE,
+        context={
+            "settings": f"1 local epoch, batch {SETTINGS.batch_size}, SGD lr {SETTINGS.lr} momentum"
+            f" {SETTINGS.momentum} weight decay {SETTINGS.weight_decay}",
+            "shards": f"sizes uniform in [{mean // 2}, {mean + mean // 2}], mean {mean}",
+            "CPU torch threads": 1,
+            "repeats": repeats,
+            "statistic": "median",
+            "devices": [str(d) for d in devices],
+        },
+    )
+    loaded = {name: DATA[name]() for name in dict.fromkeys(c.data for c in (*timed, exact))}
+    with torch_threads(1):
+        for device in devices:
+            for case in timed:
+                _add_case(report, case, loaded[case.data], mean, device, repeats)
+            diff = float64_difference(exact, loaded[exact.data], mean, device)
+            report.context.setdefault("float64_difference", {})[str(device)] = diff
+            report.target(
+                f"in float64, vectorised weights equal one-by-one weights to {EXACT:g} ({exact.model} on"
+                f" {exact.data}, K = {exact.k}, {device})",
+                f"largest difference {diff:.1e}",
+                diff <= EXACT,
+            )
+    _notes(report, len(devices) > 1)
+    return report
+
+
+def _notes(report: Report, gpu: bool) -> None:
+    if not gpu:
+        report.notes.append(
+            "No CUDA device here: the GPU cases (data, augmentation, generators on the GPU) did not run."
+        )
+    report.notes += [
+        "one by one: per node, the broadcast model loaded into one workspace model, then local_sgd (the daemons'"
+        " default); vectorised: fedcore.vectorized.train_vectorized on the same shards and generators"
+        " (hosting.vectorize). Times are for one local epoch of all K nodes.",
+        "The weight differences are float32 rounding: in float64 the two agree to 1e-12 (the target). Rounding"
+        " usually stays below 1e-7, but a near tie in a max-pool or a ReLU can send one step's gradient to"
+        " another weight, which shows as one node's larger difference.",
+    ]
+
+
+def _add_case(report: Report, case: Case, data: TensorDataset, mean: int, device: torch.device, repeats: int) -> None:
+    alone, together, diff, sizes = measure_case(case, data, mean, device, repeats)
+    model = build_model(case.model, data.input_shape, data.num_classes, seed=0)
+    shape = "x".join(map(str, data.input_shape))
+    section = f"{case.model} ({count_parameters(model):,} parameters) on {case.data} ({shape}), {device}"
+    report.add(f"K = {case.k}: one by one", alone.median * 1e3, "ms", section=section, note=f"{sum(sizes)} samples")
+    report.add(
+        f"K = {case.k}: vectorised",
+        together.median * 1e3,
+        "ms",
+        ratio=alone.median / together.median,
+        ratio_means="faster than one by one",
+        note=f"largest weight difference {diff:.1e}",
+        section=section,
+    )
+    report.context.setdefault("max_abs_difference", {})[f"{case.model}/{case.data}/K={case.k}/{device}"] = diff

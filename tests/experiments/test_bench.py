@@ -1,0 +1,109 @@
+"""`fedmq bench`: each suite measures what it says and reports consistent ratios and targets (how fast
+anything is, is never asserted: the suites run in --quick mode, on real brokers and processes)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments.bench import SUITES, run_suite
+from experiments.bench.common import BenchOptions, Figure, Report, measure
+from experiments.cli import main
+
+
+def quick(tmp_path: Path, **extra: str) -> BenchOptions:
+    return BenchOptions(quick=True, work_dir=tmp_path, extra=extra)
+
+
+def figures(report: Report) -> dict[str, Figure]:
+    return {f"{f.section}: {f.label}": f for f in report.figures}
+
+
+def test_measure_times_each_call_after_the_warm_up() -> None:
+    calls: list[int] = []
+    timing = measure(lambda: calls.append(1), repeats=4, warmup=2)
+    assert len(calls) == 6 and len(timing.samples) == 4 and timing.best <= timing.median
+    with pytest.raises(ValueError):
+        measure(lambda: None, repeats=0)
+
+
+def test_report_markdown_shows_every_figure_ratio_and_target() -> None:
+    report = Report("x", "a title", context={"size": 3})
+    report.add("limit", 2.0, "ms", section="s")
+    report.add("ours", 4.0, "ms", ratio=0.5, ratio_means="the limit's throughput", section="s", note="n")
+    report.target("ours >= 0.4x", "0.50x", True)
+    report.target("ours < 1 ms", "4 ms", False)
+    text = report.markdown()
+    assert "### x: a title" in text and "size: 3" in text
+    assert "| ours (n) | 4.000 ms | 0.50x the limit's throughput |" in text
+    assert "| ours >= 0.4x | 0.50x | yes |" in text and "| ours < 1 ms | 4 ms | **no** |" in text
+    assert json.loads(json.dumps(report.to_json()))["figures"][1]["ratio"] == 0.5
+
+
+def test_codec_suite_compares_encode_with_memcpy_and_decode_with_the_other_formats(tmp_path: Path) -> None:
+    report = run_suite("codec", quick(tmp_path), log=lambda _: None)
+    rows = figures(report)
+    limit = rows["encode (model -> bytes): memcpy into an existing buffer (the limit)"]
+    ours = rows["encode (model -> bytes): **fedmq encode, reused buffer**"]
+    assert limit.ratio == 1.0 and ours.ratio == pytest.approx(limit.value / ours.value)
+    for name in ("torch.load", "safetensors load", "fedmq decode + checksum of every byte"):
+        row = rows[f"decode (bytes -> tensors): {name}"]
+        view = rows["decode (bytes -> tensors): **fedmq decode: views on the frame**"]
+        assert row.value > 0 and row.ratio == pytest.approx(row.value / view.value)
+    assert [t.text for t in report.targets] == [
+        "encode into a reused buffer >= 0.5x memcpy's throughput",
+        "decode (a view) of 45 MB under 1 ms",
+    ]
+
+
+def test_transport_suite_measures_the_bus_and_the_raw_socket_side_by_side(tmp_path: Path) -> None:
+    report = run_suite("transport", quick(tmp_path), log=lambda _: None)
+    rows = figures(report)
+    for nodes in ("1 node", "2 nodes"):
+        tcp = next(f for k, f in rows.items() if k.startswith(f"4 MB to {nodes}: raw TCP"))
+        bus = next(f for k, f in rows.items() if k.startswith(f"4 MB to {nodes}: **fedmq"))
+        assert tcp.value > 0 and bus.ratio == pytest.approx(tcp.value / bus.value)
+    assert any("round trip" in f.section for f in report.figures)
+    assert report.targets[0].text == "4 MB to one node >= 1 GB/s end to end"
+
+
+def test_rounds_suite_runs_real_federations_and_times_their_rounds(tmp_path: Path) -> None:
+    report = run_suite("rounds", quick(tmp_path), log=lambda _: None)
+    rows = [f for f in report.figures if f.section == "time per round"]
+    assert [f.label for f in rows] == ["4 nodes, C = 0.5"]
+    assert all(f.value > 0 and math.isfinite(f.value) for f in rows)
+    assert "2 selected" in rows[0].note
+    runs = sorted((tmp_path / "rounds").iterdir())
+    metrics = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 5 and all(m["aggregated"] and m["accepted"] == m["selected"] for m in metrics)
+    assert all(b["ended_s"] > a["ended_s"] for a, b in itertools.pairwise(metrics))
+
+
+def test_scale_suite_ramps_the_node_count_and_measures_memory(tmp_path: Path) -> None:
+    report = run_suite("scale", quick(tmp_path), log=lambda _: None)
+    rows = figures(report)
+    for nodes in (20, 40):
+        assert rows[f"{nodes} node daemons: until every node was live"].value > 0
+        assert rows[f"{nodes} node daemons: node hosts' memory (peak RSS, 2 processes)"].value > 50  # MiB
+    assert rows["per node: most node daemons that ran rounds here"].value == 40
+    assert "per node: memory per idle node daemon (slope)" in rows
+    assert report.targets[0].met is False  # 40 nodes are not the 1,000 of the target
+
+
+def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    args = ["--quick", "--work-dir", str(tmp_path), "--json", str(out), "--markdown", str(md)]
+    assert main(["bench", "codec", *args]) == 0
+    data = json.loads(out.read_text())
+    assert [s["suite"] for s in data["suites"]] == ["codec"] and data["machine"]["cores"] >= 1
+    assert md.read_text().startswith("### codec:")
+    assert "### codec:" in capsys.readouterr().out
+    assert main(["bench", "nope"]) == 2
+    assert main(["bench", "codec", "--opt", "novalue"]) == 2
+    assert list(SUITES) == ["codec", "transport", "rounds", "flower", "scale", "train"]
