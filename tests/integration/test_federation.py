@@ -5,6 +5,7 @@ Each test runs against the embedded broker and against mosquitto.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -12,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from broker import Topics, decode
 from broker.codec import encoded_size
 from broker.message import Kind, Message
+from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow
@@ -174,3 +177,33 @@ def test_validation_split_is_held_out_and_names_the_final_model(tmp_path: Path, 
     assert summary["models"]["global"]["val_accuracy"] == metrics[-1]["val_accuracy"]
     partition = json.loads((fed.out / "partition.json").read_text())
     assert 1047 < partition["train_samples"] < 1107 and sum(partition["sizes"].values()) == partition["train_samples"]
+
+
+async def test_nodes_topic_carries_state_changes_and_the_status_topic_every_round(
+    tmp_path: Path, broker_url: str
+) -> None:
+    """Nodes follow coordinator/state, which changes only when the state does (1,000 nodes each
+    received every round's status before); watchers still get a status message per round."""
+    cfg = base_config(nodes=2, rounds=5, eval_every=5)
+    fed = Federation(tmp_path, broker_url, cfg)
+    topics = Topics(fed.federation)
+    seen: dict[str, list[Message]] = {topics.coordinator_state: [], topics.coordinator_status: []}
+    async with raw_client(broker_url) as watcher:
+        await watcher.subscribe(topics.coordinator_state, qos=1)
+        await watcher.subscribe(topics.coordinator_status, qos=1)
+        fed.start_coordinator()
+        fed.start_nodes("node-000", "node-001")
+        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+        async with asyncio.timeout(120):
+            async for m in watcher.messages:
+                seen[m.topic.value].append(decode(bytes(m.payload)))  # type: ignore[arg-type]
+                if seen[topics.coordinator_state][-1:] and seen[topics.coordinator_state][-1].meta["state"] in (
+                    "finished",
+                    "failed",
+                ):
+                    break
+        assert await waiter == 0, fed.log("coordinator.log")
+    states = [m.meta["state"] for m in seen[topics.coordinator_state]]
+    assert states[-1] == "finished" and len(states) == len(set(states)), states
+    done = [m.meta["round_done"] for m in seen[topics.coordinator_status] if "round_done" in m.meta]
+    assert done == [0, 1, 2, 3, 4]
