@@ -256,12 +256,14 @@ def plot_curves(data: ReportData, run_dir: Path) -> list[tuple[str, str]]:
     for column in data.columns:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
         drawn = False
-        for row in data.rows:
+        for i, row in enumerate(data.rows):
             mean = data.mean_curve(row, column)
             if not mean:
                 continue
             xs = [r + 1 for r, _ in mean]
-            (line,) = ax.plot(xs, [100 * a for _, a in mean], label=row, linewidth=1.6)
+            # beyond the ten colours of the cycle, a new line style keeps every method distinct
+            style = ("-", "--", ":", "-.")[(i // 10) % 4]
+            (line,) = ax.plot(xs, [100 * a for _, a in mean], label=row, linewidth=1.6, linestyle=style)
             per = [dict(c.curve) for c in data.groups[(row, column)] if c.curve]
             if len(per) > 1:
                 lo = [100 * min(p[r] for p in per) for r, _ in mean]
@@ -277,7 +279,7 @@ def plot_curves(data: ReportData, run_dir: Path) -> list[tuple[str, str]]:
         ax.set_title(f"{data.name}: {column}" if column != "all" else data.name)
         ax.grid(alpha=0.3)
         if drawn:
-            ax.legend(loc="lower right", fontsize=8)
+            ax.legend(loc="lower right", fontsize=8, ncols=2 if len(data.rows) > 8 else 1)
         name = f"curves-{slug(column) or 'all'}.png"
         fig.tight_layout()
         fig.savefig(run_dir / name)
