@@ -230,7 +230,7 @@ def _add_case(report: Report, case: Case, data: TensorDataset, mean: int, device
         together.median * 1e3,
         "ms",
         ratio=alone.median / together.median,
-        ratio_means="faster than one by one",
+        ratio_means="one by one's speed",
         note=f"largest weight difference {diff:.1e}",
         section=section,
     )
