@@ -33,6 +33,7 @@ from typing import IO, Any
 
 from broker.errors import BusError
 from broker.mosquitto import free_port, wait_for_port
+from experiments.bench.procs import descendants, proc_stat
 
 FLWR_REQUIREMENT = "flwr[simulation]>=1.20,<2"
 """Kept equal to the ``bench`` extra in pyproject.toml (a test checks)."""
@@ -105,43 +106,16 @@ def _make_venv(venv: Path, log: Log) -> None:
         )
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process, from /proc; None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), int(fields[19])
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (Linux: read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
-            children.setdefault(stat[0], []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _alive(pid: int, started: int) -> bool:
     """Still that process, and not a zombie (whose parent has not collected it yet)."""
-    stat = _stat(pid)
-    if stat is None or stat[1] != started:
-        return False
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
+    stat = proc_stat(pid)
+    return stat is not None and stat.started == started and stat.state != "Z"
 
 
 def _signal(pid: int, started: int, sig: signal.Signals) -> None:
     """Signal `pid` only if it is still the process that started at `started` (never a reused pid)."""
-    stat = _stat(pid)
-    if stat is not None and stat[1] == started:
+    stat = proc_stat(pid)
+    if stat is not None and stat.started == started:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
@@ -165,7 +139,7 @@ class Processes:
 
     def stop(self, grace_s: float = 10.0) -> None:
         pids = [p for proc in self.procs.values() for p in (proc.pid, *descendants(proc.pid))]
-        started = {pid: stat[1] for pid in pids if (stat := _stat(pid)) is not None}
+        started = {pid: stat.started for pid in pids if (stat := proc_stat(pid)) is not None}
         for pid, start in started.items():
             _signal(pid, start, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -7,22 +7,34 @@ import os
 import threading
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 ROLES = ("node-hosts", "coordinator", "broker")
 
 
+class ProcStat(NamedTuple):
+    ppid: int
+    started: int
+    """Start time in clock ticks since boot: with the pid, names one process (pids are reused)."""
+    state: str
+    """R, S, D, Z (a zombie), ..."""
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """Fields of /proc/PID/stat; None once the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return ProcStat(int(fields[1]), int(fields[19]), fields[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...)."""
+    """Every live process below `pid` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = defaultdict(list)
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children[ppid].append(int(entry.name))
+        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) is not None:
+            children[stat.ppid].append(int(entry.name))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from experiments.bench import flower
 from experiments.bench.common import BenchOptions
-from experiments.bench.flower_runtime import APP_DIR, FLWR_REQUIREMENT, FlowerEnv, Processes, descendants
+from experiments.bench.flower_runtime import APP_DIR, FLWR_REQUIREMENT, FlowerEnv, Processes
 from experiments.bench.flower_workload import Workload, WorkloadSpec, experiment
+from experiments.bench.procs import descendants
 from experiments.build import load_split, make_model, shards, train_settings
 from experiments.config import load_config
 from fedcore.algorithms import base, build_hyperparams, get_algorithm
