@@ -22,8 +22,9 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
     cfg = base_config(
         nodes=3, rounds=5, deadline_s=8, eval_every=5,
         bus={"max_message_bytes": 262_144, "chunk_bytes": 65_536},
-        # node-000 and node-001 answer late enough that the forged updates for them arrive first
-        faults={"node-001": {"delay_s": 1.0}, "node-000": {"delay_s": 0.3}},
+        # in round 1 node-000 and node-001 answer late enough that the forged updates for them arrive
+        # first even on a loaded machine (0.3 s was once not enough for node-000 in CI)
+        faults={n: {"delay_s": 3.0, "delay_rounds": [1]} for n in ("node-000", "node-001")},
     )  # fmt: skip
     fed = Federation(tmp_path, broker_url, cfg)
     t = Topics(fed.federation)
@@ -66,7 +67,9 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
                     (t.update("node-001"), bytes(encode(dataclasses.replace(good, sender="node-002", message_id=b"s" * 16)))),
                     (t.update("node-001"), bytes(encode(dataclasses.replace(good, kind=Kind.ACK, message_id=b"k" * 16)))),
                     (t.update("node-001"), bytes(encode(dataclasses.replace(good, meta={"task": task}, message_id=b"n" * 16)))),
-                    # right round and task, wrong tensors: wrong-shape (node-000 is slow enough to be beaten)
+                    # a second answer, fresh message id, after node-001's round ended with the one above
+                    (t.update("node-001"), bytes(encode(dataclasses.replace(good, message_id=b"d" * 16)))),
+                    # right round and task, wrong tensors: wrong-shape (node-000 is delayed enough to be beaten)
                     (t.update("node-000"), bytes(encode(dataclasses.replace(good, sender="node-000")))),
                     (t.task("node-002"), b"not a task"),
                     (t.task("node-002"), bytes(encode(Message(kind=Kind.TASK, federation=fed.federation, round=1,
