@@ -39,6 +39,9 @@ class BusConfig:
     incoming_queue: int = 256
     dedup_window: int = 65_536
     tcp_nodelay: bool = True
+    tune_allocator: bool = True
+    """Let glibc keep freed chunk-sized buffers for reuse instead of faulting in fresh pages for each
+    chunk (twice the throughput of a large transfer; up to 64 MiB more held): `broker.allocator`."""
     persistent_session: bool = True
     """Keep subscriptions and queued QoS 1 messages on the broker across reconnects."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from broker import allocator
 from broker.config import MQTT_MAX_PACKET
 from broker.errors import BusError
 
@@ -68,7 +70,12 @@ def start_mosquitto(
         directory = Path(tempfile.mkdtemp(prefix="fedmq-mosquitto-"))
         config_file = directory / "mosquitto.conf"
         config_file.write_text(render_config(port=port, bind=bind))
-    proc = subprocess.Popen([binary, "-c", str(config_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [binary, "-c", str(config_file)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=allocator.child_env(dict(os.environ)),
+    )
     try:
         wait_for_port(bind if bind != "0.0.0.0" else "127.0.0.1", port, timeout_s, proc)
     except BusError:

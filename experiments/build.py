@@ -36,6 +36,7 @@ def bus_config(cfg: ExperimentConfig, url: str) -> BusConfig:
         max_message_bytes=b.max_message_bytes,
         keepalive_s=b.keepalive_s,
         transfer_timeout_s=b.transfer_timeout_s,
+        tune_allocator=b.tune_allocator,
     )
 
 

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from broker import allocator
 from broker.errors import BusError
 from broker.mosquitto import find_mosquitto, free_port, render_config, wait_for_port
 from experiments.bench.common import BenchOptions
@@ -56,7 +57,8 @@ def running_broker(options: BenchOptions, *, kind: str | None = None) -> Iterato
         command = [binary, "-c", str(conf)]
     else:
         command = [sys.executable, "-m", "experiments", "broker", "--embedded", "--port", str(port)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    env = allocator.child_env(dict(os.environ)) if kind == "mosquitto" else os.environ.copy()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         wait_for_port("127.0.0.1", port, 30.0, proc)
         yield f"mqtt://127.0.0.1:{port}"

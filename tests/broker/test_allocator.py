@@ -1,0 +1,49 @@
+"""The glibc tuning that keeps chunk buffers for reuse: what it sets, and that it only ever raises."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from broker import allocator
+
+
+def test_child_env_sets_both_thresholds_and_keeps_what_the_user_set() -> None:
+    env = allocator.child_env({"PATH": "/bin"}, chunk_bytes=2**20)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(4 * 2**20) and env["MALLOC_TRIM_THRESHOLD_"] == str(64 * 2**20)
+    assert env["PATH"] == "/bin"
+    mine = allocator.child_env({"MALLOC_TRIM_THRESHOLD_": "1"}, chunk_bytes=8 * 2**20)
+    assert mine["MALLOC_TRIM_THRESHOLD_"] == "1"
+    assert mine["MALLOC_MMAP_THRESHOLD_"] == str(16 * 2**20 + 2**16)  # two 8 MiB chunks fit under it
+    capped = allocator.child_env({}, chunk_bytes=60 * 2**20)
+    assert capped["MALLOC_MMAP_THRESHOLD_"] == str(allocator.MMAP_THRESHOLD_MAX)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_tune_applies_once_per_process_and_only_raises() -> None:
+    # a fresh interpreter: the settings are process-wide, and this test process may have set them already
+    code = (
+        "from broker import allocator as a\n"
+        "assert a.applied() is None\n"
+        "assert a.tune(2**20)\n"
+        "assert a.applied() == (4 * 2**20, 64 * 2**20), a.applied()\n"
+        "assert a.tune(8 * 2**20)\n"
+        "assert a.applied() == (16 * 2**20 + 2**16, 64 * 2**20), a.applied()\n"
+        "assert a.tune(2**20)\n"
+        "assert a.applied() == (16 * 2**20 + 2**16, 64 * 2**20), a.applied()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_bus_client_tunes_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    from broker import BusClient, BusConfig
+
+    calls: list[int] = []
+    monkeypatch.setattr(allocator, "tune", lambda chunk_bytes, keep_bytes=0: calls.append(chunk_bytes) or True)
+    BusClient(BusConfig(chunk_bytes=2**16), client_id="a", federation="f")
+    BusClient(BusConfig(chunk_bytes=2**16, tune_allocator=False), client_id="b", federation="f")
+    assert calls == [2**16]
