@@ -20,6 +20,11 @@ class RoundPolicy:
     deadline_s: float = 60.0
     ack_timeout_s: float = 5.0
     """How long to wait for task acknowledgements before the one model broadcast goes out."""
+    inline_model_bytes: int = 64 * 1024
+    """A model frame at most this large rides inside each selected node's task instead of one
+    broadcast: the node's subscribe, acknowledgement and the wait for all of them are skipped (one
+    broker round trip a round, and half the packets), at the price of K copies of the frame from
+    the coordinator. 0 always broadcasts."""
     min_updates: int = 1
     on_insufficient: Literal["retry", "skip"] = "retry"
     max_retries: int = 3
@@ -34,6 +39,8 @@ class RoundPolicy:
             raise ValueError("over_selection must be at least 1")
         if self.deadline_s <= 0 or self.ack_timeout_s <= 0 or self.wait_for_nodes_s <= 0:
             raise ValueError("deadline_s, ack_timeout_s and wait_for_nodes_s must be positive")
+        if self.inline_model_bytes < 0:
+            raise ValueError("inline_model_bytes must be non-negative (0: always broadcast)")
         if self.min_updates < 1 or self.min_nodes < 1 or self.max_retries < 0:
             raise ValueError("min_updates and min_nodes must be at least 1, max_retries non-negative")
         if self.on_insufficient not in ("retry", "skip"):

@@ -363,44 +363,64 @@ class Coordinator:
         self.current = state
         self.participation.selected(selection.selected, rnd)
         deadline = state.started + policy.deadline_s
-        await self._send_tasks(state, ctx.settings.to_meta())
-        try:
-            await asyncio.wait_for(state.acks_complete.wait(), policy.ack_timeout_s)
-        except TimeoutError:
-            missing = sorted(set(state.selected) - state.acked - state.offline)
-            logger.warning(
-                "round %d: no acknowledgement from %s in %g s", rnd, ", ".join(missing), policy.ack_timeout_s
-            )
-        state.model_published = True
-        bus = self._bus_or_fail()
-        try:
-            await bus.publish_frame(self.topics.model(rnd), self._model_frame, round=rnd, expiry_s=policy.deadline_s)
-        except BusError as exc:
-            logger.error("round %d: model broadcast failed: %s", rnd, exc)
+        inline = self._inline_model(model)
+        if inline is not None:
+            state.model_published = True  # inside every task: no acknowledgement to wait for
+            await self._send_tasks(state, ctx.settings.to_meta(), inline)
+        else:
+            await self._send_tasks(state, ctx.settings.to_meta())
+            await self._broadcast(state)
         try:
             await asyncio.wait_for(state.done.wait(), max(deadline - time.monotonic(), 0))
         except TimeoutError:
             logger.info("round %d: deadline of %g s reached", rnd, policy.deadline_s)
         return state, state.close(self.registry.is_live)
 
-    async def _send_tasks(self, state: RoundState, settings: dict[str, Any]) -> None:
+    def _inline_model(self, model: Message) -> Message | None:
+        """The round's model, when its frame is small enough to ride in each task."""
+        assert self._model_frame is not None
+        limit = min(self.config.policy.inline_model_bytes, self._bus_or_fail().config.chunk_bytes // 2)
+        return model if len(self._model_frame) <= limit else None
+
+    async def _broadcast(self, state: RoundState) -> None:
+        """Wait for the selected nodes' acknowledgements (they subscribed), then publish the model once."""
+        policy = self.config.policy
+        try:
+            await asyncio.wait_for(state.acks_complete.wait(), policy.ack_timeout_s)
+        except TimeoutError:
+            missing = sorted(set(state.selected) - state.acked - state.offline)
+            logger.warning(
+                "round %d: no acknowledgement from %s in %g s", state.round, ", ".join(missing), policy.ack_timeout_s
+            )
+        state.model_published = True
+        assert self._model_frame is not None
+        try:
+            await self._bus_or_fail().publish_frame(
+                self.topics.model(state.round), self._model_frame, round=state.round, expiry_s=policy.deadline_s
+            )
+        except BusError as exc:
+            logger.error("round %d: model broadcast failed: %s", state.round, exc)
+
+    async def _send_tasks(self, state: RoundState, settings: dict[str, Any], inline: Message | None = None) -> None:
+        """One task per selected node; with `inline`, each task also carries the model's tensors and payload."""
         bus = self._bus_or_fail()
         policy = self.config.policy
+        meta: dict[str, Any] = {
+            "task": state.task_id,
+            "attempt": state.attempt,
+            "model_topic": self.topics.model(state.round),
+            "deadline_s": policy.deadline_s,
+            "settings": settings,
+        }
+        if inline is not None:
+            meta |= {"inline": True, "payload": inline.meta["payload"]}
+        tensors = inline.tensors if inline is not None else {}
 
         async def send(node: str) -> None:
             task = Message(
-                kind=Kind.TASK,
-                federation=self.config.federation,
-                round=state.round,
-                sender=SENDER,
-                meta={
-                    "task": state.task_id,
-                    "attempt": state.attempt,
-                    "model_topic": self.topics.model(state.round),
-                    "deadline_s": policy.deadline_s,
-                    "settings": settings,
-                },
-            )
+                kind=Kind.TASK, federation=self.config.federation, round=state.round, sender=SENDER,
+                meta=meta, tensors=tensors,
+            )  # fmt: skip
             state.task_sent_at[node] = time.monotonic()
             try:
                 await bus.publish(self.topics.task(node), task, expiry_s=policy.deadline_s)

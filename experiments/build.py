@@ -40,6 +40,14 @@ def bus_config(cfg: ExperimentConfig, url: str) -> BusConfig:
     )
 
 
+def inline_model_bytes(cfg: ExperimentConfig) -> int:
+    """The policy's, or by default 64 KiB; 0 with vectorised hosting, whose groups are the nodes that
+    acknowledged a task before its model came (an inline model comes with the task)."""
+    if cfg.policy.inline_model_bytes is not None:
+        return cfg.policy.inline_model_bytes
+    return 0 if cfg.hosting.vectorize else 64 * 1024
+
+
 def federation_id(cfg: ExperimentConfig) -> str:
     return cfg.federation or cfg.name
 
@@ -139,6 +147,7 @@ def build_coordinator(
         over_selection=cfg.policy.over_selection,
         deadline_s=cfg.deadline_s,
         ack_timeout_s=cfg.policy.ack_timeout_s,
+        inline_model_bytes=inline_model_bytes(cfg),
         min_updates=cfg.policy.min_updates,
         on_insufficient=cfg.policy.on_insufficient,
         max_retries=cfg.policy.max_retries,

@@ -8,7 +8,7 @@ Every error names the field and says what is allowed; an unknown key is an error
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -31,6 +31,17 @@ from fedcore.errors import ConfigError
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    _added_later: ClassVar[tuple[str, ...]] = ()
+    """Fields added after runs were made: left out of a dump while at their defaults, so that the
+    config of a run made before they existed still equals today's (a finished grid cell is kept)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self._added_later:
+            if getattr(self, name) == type(self).model_fields[name].default:
+                data.pop(name, None)
+        return data
 
 
 class AugmentConfig(_Strict):
@@ -240,11 +251,18 @@ class TrainConfig(_Strict):
 class PolicyConfig(_Strict):
     over_selection: float = Field(1.0, ge=1, description="select ceil(f x K), close the round at K updates")
     ack_timeout_s: float = Field(5.0, gt=0)
+    inline_model_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="a model frame up to this size rides in each task instead of one broadcast (0: never);"
+        " default: 65536, or 0 with hosting.vectorize (its groups form at the acknowledgements)",
+    )
     min_updates: int = Field(1, ge=1)
     on_insufficient: Literal["retry", "skip"] = "retry"
     max_retries: int = Field(3, ge=0)
     min_nodes: int | None = Field(None, ge=1, description="live nodes before round 0; default: all of them")
     wait_for_nodes_s: float = Field(120.0, gt=0)
+    _added_later = ("inline_model_bytes",)
 
 
 class BusSettings(_Strict):
@@ -256,6 +274,7 @@ class BusSettings(_Strict):
     tune_allocator: bool = Field(
         True, description="let glibc keep freed chunk buffers for reuse (twice the large-transfer speed, <= 64 MiB)"
     )
+    _added_later = ("tune_allocator",)
 
 
 class FaultConfig(_Strict):
@@ -277,16 +296,7 @@ class HostingConfig(_Strict):
     vectorize_wait_s: float = Field(
         2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"
     )
-
-    @model_serializer(mode="wrap")
-    def _omit_default_vectorize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Leave the vectorize fields out of a dump while they are at their defaults, so that the config
-        of a run made before they existed still equals today's (a finished grid cell is kept)."""
-        data: dict[str, Any] = handler(self)
-        for name in ("vectorize", "vectorize_wait_s"):
-            if getattr(self, name) == type(self).model_fields[name].default:
-                data.pop(name, None)
-        return data
+    _added_later = ("vectorize", "vectorize_wait_s")
 
 
 class ExperimentConfig(_Strict):

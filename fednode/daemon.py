@@ -2,7 +2,8 @@
 
 Per round: a task arrives on the node's own topic; the node subscribes to the round's model topic,
 acknowledges, receives the one broadcast model, trains in a worker thread (one node of the process
-at a time), and publishes its update. Malformed or out-of-round messages are counted and logged.
+at a time), and publishes its update. A small model comes inside the task itself: no subscription
+and no acknowledgement then. Malformed or out-of-round messages are counted and logged.
 With ``hosting.vectorize`` the nodes of a process that received the same task are trained together
 (`fednode.groups`); each still publishes its own update.
 """
@@ -56,6 +57,8 @@ class Task:
     model_topic: str
     settings: TrainSettings
     received_at: float
+    inline: bool = False
+    """The task carries the model itself (small models): no subscription, no acknowledgement."""
 
 
 class NodeDaemon:
@@ -179,11 +182,21 @@ class NodeDaemon:
         task = self._parse_task(message)
         if self._task is not None:
             self._leave_group(self._task)
-            if self._task.model_topic != task.model_topic:
+            if not self._task.inline and self._task.model_topic != task.model_topic:
                 await self._unsubscribe_model(self._task)
         self._task = task
         if self._grouped(task) and self.workspace.groups is not None:
             self.workspace.groups.expect(_group_key(task), self.node_id)
+        if task.inline:
+            groups = self.workspace.groups
+            if groups is not None and self._grouped(task) and not groups.warned_inline:
+                groups.warned_inline = True
+                self.log.warning(
+                    "the model comes inside the task, so a group forms from the tasks that arrived before it:"
+                    " with hosting.vectorize set the coordinator's policy.inline_model_bytes to 0"
+                )
+            await self._on_model(message)
+            return
         bus = self._bus_or_fail()
         await bus.subscribe(task.model_topic)
         ack = Message(
@@ -208,11 +221,14 @@ class NodeDaemon:
         attempt = meta.get("attempt", 0)
         if not isinstance(attempt, int) or attempt < 0:
             raise TaskError("bad-task", f"attempt {attempt!r}")
+        inline = meta.get("inline", False)
+        if not isinstance(inline, bool) or (message.tensors and not inline):
+            raise TaskError("bad-task", "tensors in a task that does not say it carries the model")
         try:
             settings = TrainSettings.from_meta(meta.get("settings", {}))
         except ConfigError as exc:
             raise TaskError("bad-task", str(exc)) from exc
-        return Task(message.round, attempt, task_id, topic, settings, time.monotonic())
+        return Task(message.round, attempt, task_id, topic, settings, time.monotonic(), inline)
 
     async def _on_model(self, message: Message) -> None:
         task = self._task
@@ -220,8 +236,9 @@ class NodeDaemon:
             self.log.debug("model for round %d matches no pending task; ignored", message.round)
             return
         self._task = None
-        # clean-up only: the model arrived, so training need not wait for the broker's UNSUBACK
-        self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
+        if not task.inline:
+            # clean-up only: the model arrived, so training need not wait for the broker's UNSUBACK
+            self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
         if self.config.faults.fail_at_round == task.round:
             self.log.warning("fault injection: crashing mid-round %d", task.round)
             self.crashed = True

@@ -60,6 +60,8 @@ class GroupTrainer:
         self.wait_s = wait_s
         self.log = logger
         self.groups_trained = 0
+        self.warned_inline = False
+        """Whether a node said once that inline models (sent with the task) defeat the grouping."""
         self._groups: dict[GroupKey, _Group] = {}
         self._refusals: dict[type, str | None] = {}
         self._launchers: set[asyncio.Task[None]] = set()

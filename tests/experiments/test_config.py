@@ -38,6 +38,7 @@ def test_quickstart_config_loads_with_the_documented_settings() -> None:
         ({"faults": {"node-999": {"delay_s": 1}}}, "faults name nodes that do not exist"),
         ({"faults": {"x": {"delay_s": 1}}}, "is not a node id"),
         ({"policy": {"min_nodes": 9}}, "policy.min_nodes 9 exceeds nodes 4"),
+        ({"policy": {"inline_model_bytes": -1}}, "policy.inline_model_bytes: Input should be greater than or equal"),
     ],
 )
 def test_invalid_config_names_the_field(change: dict[str, object], message: str) -> None:
@@ -117,3 +118,18 @@ def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path: Path) -> No
     (tmp_path / "c.yaml").write_text("extends: nowhere.yaml\nname: c\n")
     with pytest.raises(ConfigError, match="cannot read the experiment file"):
         read_yaml(tmp_path / "c.yaml")
+
+
+def test_fields_added_later_stay_out_of_a_dump_at_their_defaults() -> None:
+    """So that a finished grid cell made before they existed still matches its config."""
+    from experiments.build import inline_model_bytes
+
+    cfg = parse_config(MINIMAL, source="exp.yaml")
+    dumped = cfg.model_dump()
+    assert "inline_model_bytes" not in dumped["policy"] and "tune_allocator" not in dumped["bus"]
+    assert "vectorize" not in dumped["hosting"]
+    assert inline_model_bytes(cfg) == 65536
+    vectorized = parse_config(MINIMAL | {"hosting": {"vectorize": True}, "bus": {"tune_allocator": False}}, source="x")
+    assert inline_model_bytes(vectorized) == 0 and vectorized.model_dump()["bus"]["tune_allocator"] is False
+    chosen = parse_config(MINIMAL | {"hosting": {"vectorize": True}, "policy": {"inline_model_bytes": 10}}, source="x")
+    assert inline_model_bytes(chosen) == 10 and chosen.model_dump()["policy"]["inline_model_bytes"] == 10

@@ -76,6 +76,13 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
                                                               sender="coordinator", meta={"task": b"x"})))),
                     (t.task("node-002"), bytes(encode(Message(kind=Kind.TASK, federation=fed.federation, round=1,
                                                               sender="mallory", meta={})))),
+                    # tensors in a task that does not say it carries the model; an inline model of the wrong shape
+                    (t.task("node-002"), bytes(encode(dataclasses.replace(
+                        msg, message_id=b"t" * 16, tensors={"model/w": np.zeros(3, np.float32)},
+                        meta={k: v for k, v in msg.meta.items() if k != "inline"})))),
+                    (t.task("node-002"), bytes(encode(dataclasses.replace(
+                        msg, message_id=b"i" * 16, meta={**msg.meta, "task": b"i" * 16, "inline": True, "payload": {}},
+                        tensors={"model/w": np.zeros(3, np.float32)})))),
                 ]  # fmt: skip
                 for topic_, data in attacks:
                     await evil.publish(topic_, data, qos=1)
@@ -92,5 +99,5 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
     assert all(line["aggregated"] for line in metrics)
     node_log = fed.log("node-000.log")
     node_rejects = set(re.findall(r"rejected message on \S+/node-002/task: ([a-z-]+)", node_log))
-    assert {"truncated", "bad-task", "wrong-sender"} <= node_rejects, node_rejects
+    assert {"truncated", "bad-task", "wrong-sender", "wrong-shape"} <= node_rejects, node_rejects
     assert "node-002" in metrics[-1]["accepted"]

@@ -207,3 +207,41 @@ async def test_nodes_topic_carries_state_changes_and_the_status_topic_every_roun
     assert states[-1] == "finished" and len(states) == len(set(states)), states
     done = [m.meta["round_done"] for m in seen[topics.coordinator_status] if "round_done" in m.meta]
     assert done == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("inline_model_bytes", [None, 0], ids=["inline", "broadcast"])
+async def test_small_models_ride_in_the_task_and_large_ones_are_broadcast_once(
+    tmp_path: Path, broker_url: str, inline_model_bytes: int | None
+) -> None:
+    """By default the MLP's ~19 KB model comes inside each task: no acknowledgement, nothing on the
+    round's model topic. With inline_model_bytes 0 every selected node acknowledges and the model is
+    published once per round on model/{round}."""
+    cfg = base_config(nodes=3, rounds=3, eval_every=3, policy={"inline_model_bytes": inline_model_bytes})
+    fed = Federation(tmp_path, broker_url, cfg)
+    topics = Topics(fed.federation)
+    seen: list[tuple[str, Message]] = []
+    async with raw_client(broker_url) as watcher:
+        await watcher.subscribe(f"{topics.prefix}/#", qos=1)
+        fed.start_coordinator()
+        fed.start_nodes("node-000", "node-001", "node-002")
+        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+        async with asyncio.timeout(120):
+            async for m in watcher.messages:
+                message = decode(bytes(m.payload))  # type: ignore[arg-type]
+                seen.append((m.topic.value, message))
+                if m.topic.value == topics.coordinator_state and message.meta["state"] in ("finished", "failed"):
+                    break
+        assert await waiter == 0, fed.log("coordinator.log")
+    tasks = [msg for topic, msg in seen if msg.kind == Kind.TASK]
+    acks = [msg for topic, msg in seen if msg.kind == Kind.ACK]
+    broadcasts = [topic for topic, msg in seen if msg.kind == Kind.MODEL]
+    assert len(tasks) == 9 and len([msg for _, msg in seen if msg.kind == Kind.UPDATE]) == 9
+    if inline_model_bytes is None:
+        assert all(t.meta["inline"] and any(n.startswith("model/") for n in t.tensors) for t in tasks), tasks[0].meta
+        assert acks == [] and broadcasts == []
+    else:
+        assert all("inline" not in t.meta and not t.tensors for t in tasks)
+        assert len(acks) == 9 and broadcasts == [topics.model(r) for r in range(3)]
+    summary = fed.summary()
+    assert summary["rounds_completed"] == 3 and summary["bus"]["rejected"] == {}
+    assert summary["final_accuracy"] > 0.5
