@@ -14,6 +14,7 @@ from broker import allocator
 def test_child_env_sets_both_thresholds_and_keeps_what_the_user_set() -> None:
     env = allocator.child_env({"PATH": "/bin"}, chunk_bytes=2**20)
     assert env["MALLOC_MMAP_THRESHOLD_"] == str(4 * 2**20) and env["MALLOC_TRIM_THRESHOLD_"] == str(64 * 2**20)
+    assert env["MALLOC_TOP_PAD_"] == str(64 * 2**20)
     assert env["PATH"] == "/bin"
     mine = allocator.child_env({"MALLOC_TRIM_THRESHOLD_": "1"}, chunk_bytes=8 * 2**20)
     assert mine["MALLOC_TRIM_THRESHOLD_"] == "1"

@@ -135,3 +135,38 @@ def test_reassembly_refuses_chunks_that_overlap_and_leave_a_gap() -> None:
         for chunk in [chunks[0], moved, *chunks[2:]]:
             r.add(chunk)
     assert info.value.reason == "bad-chunk" and len(r) == 0 and r.in_flight_bytes == 0
+
+
+def _reassemble(r: Reassembler, frame: bytes) -> memoryview:
+    out = [r.add(c) for c in chunks_of(frame)][-1]
+    assert out is not None
+    return out
+
+
+def test_a_completed_frames_buffer_is_reused_only_once_nothing_refers_to_it() -> None:
+    """A live view (here a decoded tensor) keeps its frame's buffer from being overwritten; once it
+    is gone, the next transfer of the same size lands in the same memory."""
+    r = Reassembler(max_bytes=10**7, timeout_s=10)
+    first, second, third = frame_of(seed=1), frame_of(seed=2), frame_of(seed=3)
+    weights = decode(_reassemble(r, first)).tensors["w"]  # the memoryview is dropped; the tensor stays
+    kept = weights.copy()
+    got = _reassemble(r, second)
+    assert bytes(got) == second and r.reused_buffers == 0
+    assert np.array_equal(weights, kept), "a frame still in use was overwritten"
+    del weights, got
+    spare = {a.ctypes.data for a in r._spare}
+    again = _reassemble(r, third)
+    assert bytes(again) == third and r.reused_buffers == 1
+    assert np.frombuffer(again, np.uint8).ctypes.data in spare
+    del again
+    smaller = frame_of(seed=4, n_floats=5_000)
+    assert bytes(_reassemble(r, smaller)) == smaller
+    assert r.reused_buffers == 1, "a buffer of another size was reused"
+
+
+def test_no_spare_buffers_allocates_every_time() -> None:
+    r = Reassembler(max_bytes=10**7, timeout_s=10, spare_buffers=0)
+    for seed in range(3):
+        frame = frame_of(seed=seed)
+        assert bytes(_reassemble(r, frame)) == frame
+    assert r.reused_buffers == 0 and r._spare == []
