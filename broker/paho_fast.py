@@ -83,6 +83,35 @@ def decode_publish(header: int, packet: bytes | bytearray, protocol: MQTTProtoco
         raise _packet.MalformedPacket(str(exc)) from exc
 
 
+SCATTER_BYTES = 64 * 1024
+"""PUBLISH payloads from this size on are sent from where they lie, after their header, not copied
+behind it into one packet."""
+
+
+class _Scatter:
+    """An outgoing packet in two parts, the header and the payload: what paho's queue needs of a
+    packet (its length, and its tail from a position after a partial write)."""
+
+    __slots__ = ("body", "head", "pos")
+
+    def __init__(self, head: bytes | bytearray, body: memoryview, pos: int = 0) -> None:
+        self.head, self.body, self.pos = head, body, pos
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.body) - self.pos
+
+    def __getitem__(self, item: slice) -> _Scatter:
+        if not isinstance(item, slice) or item.stop is not None or item.step is not None:
+            raise TypeError("a scattered packet only slices as packet[pos:]")
+        return _Scatter(self.head, self.body, self.pos + (item.start or 0))
+
+    def buffers(self) -> list[memoryview]:
+        head = memoryview(self.head)
+        if self.pos < len(head):
+            return [head[self.pos :], self.body]
+        return [self.body[self.pos - len(head) :]]
+
+
 class FastClient(mqtt.Client):
     """paho's client with a copy-free receive and send of large packets (no new state)."""
 
@@ -90,7 +119,47 @@ class FastClient(mqtt.Client):
         self, command: int, packet: bytes | bytearray, mid: int, qos: int, info: mqtt.MQTTMessageInfo | None = None
     ) -> MQTTErrorCode:
         # a memoryview: paho's `packet[pos:]` after a partial write is then a view, not a copy
-        return super()._packet_queue(command, memoryview(packet), mid, qos, info)  # type: ignore[arg-type]
+        queued = packet if isinstance(packet, _Scatter) else memoryview(packet)
+        return super()._packet_queue(command, queued, mid, qos, info)  # type: ignore[arg-type]
+
+    def _send_publish(
+        self,
+        mid: int,
+        topic: bytes,
+        payload: bytes | bytearray = b"",
+        qos: int = 0,
+        retain: bool = False,
+        dup: bool = False,
+        info: mqtt.MQTTMessageInfo | None = None,
+        properties: Properties | None = None,
+    ) -> MQTTErrorCode:
+        """paho's packet for a large payload, but the payload stays where it is: `_sock_send` sends
+        header and payload with one sendmsg (TLS, which has no sendmsg, joins them)."""
+        if len(payload) < SCATTER_BYTES or not isinstance(topic, bytes) or self._sock is None:
+            return super()._send_publish(mid, topic, payload, qos, retain, dup, info, properties)
+        packed_properties = b""
+        if self._protocol == mqtt.MQTTv5:
+            packed_properties = b"\x00" if properties is None else properties.pack()
+        head = bytearray([_PUBLISH | ((dup & 0x1) << 3) | (qos << 1) | retain])
+        remaining = 2 + len(topic) + (2 if qos > 0 else 0) + len(packed_properties) + len(payload)
+        self._pack_remaining_length(head, remaining)
+        self._pack_str16(head, topic)
+        if qos > 0:
+            head.extend(struct.pack("!H", mid))
+        head.extend(packed_properties)
+        self._easy_log(mqtt.MQTT_LOG_DEBUG, "Sending PUBLISH (d%d, q%d, r%d, m%d), '%s', ... (%d bytes)",
+                       dup, qos, retain, mid, topic, len(payload))  # fmt: skip
+        return self._packet_queue(_PUBLISH, _Scatter(head, memoryview(payload)), mid, qos, info)  # type: ignore[arg-type]
+
+    def _sock_send(self, buf: Any) -> int:
+        if not isinstance(buf, _Scatter):
+            return super()._sock_send(buf)
+        sock = self._sock
+        if sock is None:
+            raise ConnectionError("self._sock is None")
+        if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+            return super()._sock_send(b"".join(buf.buffers()))
+        return int(sock.sendmsg(buf.buffers()))
 
     def _packet_read(self) -> MQTTErrorCode:
         sock = self._sock

@@ -27,7 +27,7 @@ from typing import Any
 import aiomqtt
 import numpy as np
 
-from broker import BusClient, BusConfig
+from broker import BusClient, BusConfig, allocator
 from broker.client import quiet_pending_publishes
 from broker.codec import encode
 from broker.message import Kind, Message
@@ -102,7 +102,9 @@ async def _bus_receive(
 
 
 def _bare_receiver(port: int, topic: str, per_transfer: int, reports: Any, ready: Any) -> None:
-    """aiomqtt alone, no fedmq: counts messages and reports when each transfer's last one arrived."""
+    """aiomqtt alone, no fedmq: counts messages and reports when each transfer's last one arrived.
+    With fedmq's allocator settings (`broker.allocator`), so that the comparison is of the code."""
+    allocator.tune(2**20)
 
     async def main() -> None:
         options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
@@ -134,6 +136,7 @@ def bare_transfer(url: str, nbytes: int, repeats: int, chunk_bytes: int) -> list
 
 
 async def _bare_send(port: int, topic: str, sizes: list[int], repeats: int, reports: Any) -> list[float]:
+    allocator.tune(max(sizes))
     out = []
     payloads = [bytes(n) for n in sizes]
     options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]

@@ -119,3 +119,41 @@ async def test_one_large_unchunked_message_arrives_intact(broker_url: str, feder
             assert hashlib.sha256(got.message.tensors["w"].tobytes()).digest() == digest
             assert rx.stats.rejected == {}
             assert tx.stats.published == (1 if chunk_bytes > size else -(-size // chunk_bytes))
+
+
+def test_scatter_packet_slices_across_its_two_parts() -> None:
+    packet = paho_fast._Scatter(b"HEAD", memoryview(b"payload"))
+    assert len(packet) == 11 and b"".join(packet.buffers()) == b"HEADpayload"
+    assert b"".join(packet[2:].buffers()) == b"ADpayload" and len(packet[2:]) == 9
+    assert b"".join(packet[2:][3:].buffers()) == b"ayload" and len(packet[5:]) == 6
+    with pytest.raises(TypeError):
+        packet[1:3]
+
+
+@pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5])
+@pytest.mark.parametrize("qos", [0, 1])
+def test_a_large_publish_goes_out_as_the_same_bytes_paho_sends(protocol: int, qos: int) -> None:
+    """FastClient sends header and payload from where they lie (sendmsg); the bytes on the wire are
+    exactly paho's own packet, properties and message id included."""
+    import socket
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.MessageExpiryInterval = 30
+    payload = bytes(np.random.default_rng(2).integers(0, 256, paho_fast.SCATTER_BYTES + 123, dtype=np.uint8))
+    wires = []
+    for cls in (mqtt.Client, paho_fast.FastClient):
+        client = cls(mqtt.CallbackAPIVersion.VERSION2, protocol=protocol)
+        a, b = socket.socketpair()
+        with a, b:
+            a.setblocking(False)
+            b.settimeout(5)
+            client._sock = a
+            properties = props if protocol == mqtt.MQTTv5 else None
+            info = mqtt.MQTTMessageInfo(7)
+            assert client._send_publish(7, b"fedmq/f/model/1", payload, qos, False, False, info, properties) == 0
+            wire = bytearray()
+            while len(wire) < len(payload):
+                wire += b.recv(1 << 20)
+            client._sock = None
+        wires.append(bytes(wire))
+    assert wires[0] == wires[1]
