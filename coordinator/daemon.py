@@ -665,7 +665,7 @@ class Coordinator:
             },
         )
         if isinstance(receipt.meta["task"], bytes | None):
-            self._spawn(self._bus_or_fail().publish(self.topics.receipt(message.sender), receipt))
+            self._spawn(self._bus_or_fail().publish(self.topics.receipt(message.sender), receipt, qos=0))
 
     def _spawn(self, coro: Any) -> None:
         """Background publishes are kept and harvested, never fire-and-forget."""

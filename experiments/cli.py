@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import textwrap
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +259,23 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
         except asyncio.CancelledError:
             return EXIT_INTERRUPTED
 
-    return asyncio.run(runner())
+    with asyncio.Runner(loop_factory=event_loop_factory()) as run:
+        return run.run(runner())
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (a round of 10 of 100 nodes: ~10% less time, `fedmq bench rounds`),
+    unless FEDMQ_EVENT_LOOP=asyncio; None means asyncio's own loop."""
+    choice = os.environ.get("FEDMQ_EVENT_LOOP", "uvloop")
+    if choice not in ("uvloop", "asyncio"):
+        raise ConfigError(f"FEDMQ_EVENT_LOOP={choice!r}: use 'uvloop' or 'asyncio'")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
