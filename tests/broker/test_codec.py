@@ -215,3 +215,28 @@ def test_codec_random_corruption_only_raises_codec_error(data: st.DataObject) ->
     verify = data.draw(st.booleans())
     with contextlib.suppress(CodecError):
         decode(bytes(frame), verify=verify)
+
+
+def test_blockwise_hashing_gives_the_one_pass_checksum_for_every_layout() -> None:
+    """Large tensors are copied and hashed in blocks; the prefix must still hold XXH3 of the whole
+    frame, for contiguous, strided and big-endian tensors on either side of the block size, in a new
+    buffer and in a reused one that was larger before."""
+    from broker.codec import _HASH_BLOCK, PREFIX, checksum
+
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal(_HASH_BLOCK // 4 * 3 + 7).astype(np.float32)
+    tensors = {
+        "a/small": rng.standard_normal(10).astype(np.float32),
+        "a/big": big,
+        "a/exact": rng.standard_normal(_HASH_BLOCK // 8).astype(np.float64),
+        "a/strided": rng.standard_normal((700, 300)).astype(np.float32)[:, ::2],
+        "a/big_endian": rng.standard_normal(_HASH_BLOCK // 2).astype(">f4"),
+        "a/empty": np.zeros(0, np.float32),
+    }
+    message = Message(kind=Kind.MODEL, federation="f", round=1, sender="c", tensors=tensors)
+    reused = bytearray(b"\xff" * (3 * _HASH_BLOCK * 8))
+    for frame in (encode(message), encode(message, reused)):
+        assert PREFIX.unpack_from(frame, 0)[3] == checksum(frame)
+        back = decode(frame)
+        for name, arr in tensors.items():
+            assert np.array_equal(back.tensors[name], arr), name
