@@ -10,8 +10,8 @@ transport``: 0.55 GB/s to one node before, 1.08 GB/s after, the same run otherwi
 `tune` raises glibc's mmap threshold above the chunk size, lets up to `keep_bytes` of freed
 memory stay in the heap for reuse, and grows the heap by that much at a time (without the padding,
 a process that imported torch still faulted: 0.65 instead of 1.1 GB/s): a process holds up to
-`keep_bytes` more, in exchange. It is
-process-wide and idempotent; on a C library without ``mallopt`` (musl, macOS) it does nothing.
+`keep_bytes` more, in exchange. It is process-wide and idempotent; on a C library without
+``mallopt`` (musl, macOS) it does nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
+KEEP_BYTES = 64 * 2**20
+"""Freed heap kept for reuse, and the step the heap grows by: what a process may hold in addition."""
 MMAP_THRESHOLD_MAX = 32 * 2**20
 """glibc refuses larger mmap thresholds on 64-bit (HEAP_MAX_SIZE / 2)."""
 
@@ -49,7 +51,7 @@ def _threshold(chunk_bytes: int) -> int:
     return min(max(4 * 2**20, 2 * chunk_bytes + 2**16), MMAP_THRESHOLD_MAX)
 
 
-def tune(chunk_bytes: int, keep_bytes: int = 64 * 2**20) -> bool:
+def tune(chunk_bytes: int, keep_bytes: int = KEEP_BYTES) -> bool:
     """Serve buffers up to a few chunks from the heap and keep `keep_bytes` of freed heap; True if applied.
 
     Only ever raises the settings: a process with two clients of different chunk sizes keeps the larger.
@@ -85,7 +87,7 @@ def applied() -> tuple[int, int] | None:
     return _applied
 
 
-def child_env(base: dict[str, str], chunk_bytes: int = 2**20, keep_bytes: int = 64 * 2**20) -> dict[str, str]:
+def child_env(base: dict[str, str], chunk_bytes: int = 2**20, keep_bytes: int = KEEP_BYTES) -> dict[str, str]:
     """`base` with the same glibc settings as environment variables, for a C broker we start (mosquitto
     reads each chunk into a new buffer too); settings already in `base` are left as they are."""
     env = dict(base)

@@ -170,11 +170,10 @@ def encode(message: Message, out: bytearray | None = None) -> bytearray:
             for i in range(0, src.size, step):
                 dst[i : i + step] = src[i : i + step]
                 digest.update(view[start + i * arr.itemsize : start + min(i + step, src.size) * arr.itemsize])
-            hashed = prev_end
         else:
             np.copyto(dst.reshape(shape), arr, casting="no" if arr.dtype.isnative else "equiv")
             digest.update(view[hashed:prev_end])
-            hashed = prev_end
+        hashed = prev_end
     digest.update(view[hashed:])
     view.release()
     PREFIX.pack_into(buf, 0, MAGIC, FORMAT_VERSION, len(header), digest.intdigest())

@@ -8,6 +8,9 @@ from typing import Literal
 
 from fedcore.training import TrainSettings
 
+INLINE_MODEL_BYTES = 64 * 1024
+"""The default `RoundPolicy.inline_model_bytes`."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RoundPolicy:
@@ -20,7 +23,7 @@ class RoundPolicy:
     deadline_s: float = 60.0
     ack_timeout_s: float = 5.0
     """How long to wait for task acknowledgements before the one model broadcast goes out."""
-    inline_model_bytes: int = 64 * 1024
+    inline_model_bytes: int = INLINE_MODEL_BYTES
     """A model frame at most this large rides inside each selected node's task instead of one
     broadcast: the node's subscribe, acknowledgement and the wait for all of them are skipped (one
     broker round trip a round, and half the packets), at the price of K copies of the frame from

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
+from broker.codec import encoded_size
 from broker.errors import BusError
 from coordinator.checkpoints import CheckpointWriter
 from coordinator.config import CoordinatorConfig
@@ -348,7 +349,6 @@ class Coordinator:
             meta={"task": task_id, "payload": dict(payload.meta)},
             tensors=flatten_groups(payload.tensors),
         )
-        self._model_frame = await asyncio.to_thread(encode, model)
         state = RoundState(
             round=rnd,
             attempt=attempt,
@@ -363,11 +363,12 @@ class Coordinator:
         self.current = state
         self.participation.selected(selection.selected, rnd)
         deadline = state.started + policy.deadline_s
-        inline = self._inline_model(model)
-        if inline is not None:
+        if self._fits_in_task(model):
+            self._model_frame = None  # no broadcast, so nothing to re-send to a late acknowledgement
             state.model_published = True  # inside every task: no acknowledgement to wait for
-            await self._send_tasks(state, ctx.settings.to_meta(), inline)
+            await self._send_tasks(state, ctx.settings.to_meta(), inline=model)
         else:
+            self._model_frame = await asyncio.to_thread(encode, model)
             await self._send_tasks(state, ctx.settings.to_meta())
             await self._broadcast(state)
         try:
@@ -376,11 +377,10 @@ class Coordinator:
             logger.info("round %d: deadline of %g s reached", rnd, policy.deadline_s)
         return state, state.close(self.registry.is_live)
 
-    def _inline_model(self, model: Message) -> Message | None:
-        """The round's model, when its frame is small enough to ride in each task."""
-        assert self._model_frame is not None
+    def _fits_in_task(self, model: Message) -> bool:
+        """Whether the round's model is small enough to ride in each task (sized without encoding it)."""
         limit = min(self.config.policy.inline_model_bytes, self._bus_or_fail().config.chunk_bytes // 2)
-        return model if len(self._model_frame) <= limit else None
+        return encoded_size(model) <= limit
 
     async def _broadcast(self, state: RoundState) -> None:
         """Wait for the selected nodes' acknowledgements (they subscribed), then publish the model once."""

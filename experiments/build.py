@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from broker import BusConfig
-from coordinator.config import CoordinatorConfig, RoundPolicy
+from coordinator.config import INLINE_MODEL_BYTES, CoordinatorConfig, RoundPolicy
 from coordinator.daemon import Coordinator
 from experiments.config import ExperimentConfig
 from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
@@ -41,11 +41,11 @@ def bus_config(cfg: ExperimentConfig, url: str) -> BusConfig:
 
 
 def inline_model_bytes(cfg: ExperimentConfig) -> int:
-    """The policy's, or by default 64 KiB; 0 with vectorised hosting, whose groups are the nodes that
-    acknowledged a task before its model came (an inline model comes with the task)."""
+    """The policy's, or by default `INLINE_MODEL_BYTES`; 0 with vectorised hosting, whose groups are
+    the nodes that acknowledged a task before its model came (an inline model comes with the task)."""
     if cfg.policy.inline_model_bytes is not None:
         return cfg.policy.inline_model_bytes
-    return 0 if cfg.hosting.vectorize else 64 * 1024
+    return 0 if cfg.hosting.vectorize else INLINE_MODEL_BYTES
 
 
 def federation_id(cfg: ExperimentConfig) -> str:

@@ -185,11 +185,11 @@ class NodeDaemon:
             if not self._task.inline and self._task.model_topic != task.model_topic:
                 await self._unsubscribe_model(self._task)
         self._task = task
-        if self._grouped(task) and self.workspace.groups is not None:
-            self.workspace.groups.expect(_group_key(task), self.node_id)
+        groups = self.workspace.groups if self._grouped(task) else None
+        if groups is not None:
+            groups.expect(_group_key(task), self.node_id)
         if task.inline:
-            groups = self.workspace.groups
-            if groups is not None and self._grouped(task) and not groups.warned_inline:
+            if groups is not None and not groups.warned_inline:
                 groups.warned_inline = True
                 self.log.warning(
                     "the model comes inside the task, so a group forms from the tasks that arrived before it:"
