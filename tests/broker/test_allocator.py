@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,20 @@ def test_a_bus_client_tunes_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) 
     BusClient(BusConfig(chunk_bytes=2**16), client_id="a", federation="f")
     BusClient(BusConfig(chunk_bytes=2**16, tune_allocator=False), client_id="b", federation="f")
     assert calls == [2**16]
+
+
+def test_the_mosquitto_fedmq_starts_gets_the_settings_and_yours_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    from broker.mosquitto import find_mosquitto, free_port, start_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    proc = start_mosquitto(free_port())
+    try:
+        raw = Path(f"/proc/{proc.pid}/environ").read_text().split("\0")
+        environ = dict(item.split("=", 1) for item in raw if "=" in item)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert environ["MALLOC_MMAP_THRESHOLD_"] == str(4 * 2**20) and environ["MALLOC_TOP_PAD_"] == str(64 * 2**20)
+    assert environ["MALLOC_TRIM_THRESHOLD_"] == "12345"

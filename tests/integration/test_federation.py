@@ -211,15 +211,16 @@ async def test_nodes_topic_carries_state_changes_and_the_status_topic_every_roun
 
 @pytest.mark.parametrize("inline_model_bytes", [None, 0], ids=["inline", "broadcast"])
 async def test_small_models_ride_in_the_task_and_large_ones_are_broadcast_once(
-    tmp_path: Path, broker_url: str, inline_model_bytes: int | None
+    tmp_path: Path, broker_url: str, inline_model_bytes: int | None, request: pytest.FixtureRequest
 ) -> None:
     """By default the MLP's ~19 KB model comes inside each task: no acknowledgement, nothing on the
     round's model topic. With inline_model_bytes 0 every selected node acknowledges and the model is
-    published once per round on model/{round}."""
+    published once per round on model/{round}. Receipts go at QoS 0 either way."""
     cfg = base_config(nodes=3, rounds=3, eval_every=3, policy={"inline_model_bytes": inline_model_bytes})
     fed = Federation(tmp_path, broker_url, cfg)
     topics = Topics(fed.federation)
     seen: list[tuple[str, Message]] = []
+    receipt_qos: set[int] = set()
     async with raw_client(broker_url) as watcher:
         await watcher.subscribe(f"{topics.prefix}/#", qos=1)
         fed.start_coordinator()
@@ -229,6 +230,8 @@ async def test_small_models_ride_in_the_task_and_large_ones_are_broadcast_once(
             async for m in watcher.messages:
                 message = decode(bytes(m.payload))  # type: ignore[arg-type]
                 seen.append((m.topic.value, message))
+                if message.kind == Kind.RECEIPT:
+                    receipt_qos.add(m.qos)  # subscribed at QoS 1: delivered at the QoS it was published with
                 if m.topic.value == topics.coordinator_state and message.meta["state"] in ("finished", "failed"):
                     break
         assert await waiter == 0, fed.log("coordinator.log")
@@ -242,6 +245,8 @@ async def test_small_models_ride_in_the_task_and_large_ones_are_broadcast_once(
     else:
         assert all("inline" not in t.meta and not t.tensors for t in tasks)
         assert len(acks) == 9 and broadcasts == [topics.model(r) for r in range(3)]
+    if request.node.callspec.params["broker_url"] == "mosquitto":  # amqtt delivers at the subscription's QoS
+        assert receipt_qos == {0}, "receipts are advisory: published at QoS 0"
     summary = fed.summary()
     assert summary["rounds_completed"] == 3 and summary["bus"]["rejected"] == {}
     assert summary["final_accuracy"] > 0.5
