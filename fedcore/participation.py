@@ -3,6 +3,14 @@
 The coordinator writes it (selection, acceptance, late and lost updates); strategies read it. KDIA's
 teacher weights come from it (last accepted round, count, data size). Only an accepted update counts
 as participation: a node that was selected and delivered nothing keeps its previous record.
+
+"Round" is the round number in sync mode. In async mode it is the index of the model version an
+accepted update is folded into (0, 1, 2, ...): the engine records each folded update at that
+index, so ``last_round`` is the last version a node's update went into and the intervals count
+versions between a node's participations. KDIA's triFreqs teacher (interval, count, data size) is
+thus defined in both modes. One node may have two updates folded into the same version (it
+delivered, got a new task at that version and delivered again before the buffer was folded): both
+count as participations, and the repeat adds no interval (0 is not a gap between participations).
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ class NodeParticipation:
     node_id: str
     num_samples: int = 0
     last_round: int = -1
-    """Last round whose update was accepted; -1 before any."""
+    """Last round (async: model version index) whose update was accepted; -1 before any."""
     count: int = 0
-    """Accepted participations."""
+    """Accepted participations (async: two updates folded into one version count twice)."""
     rounds_selected: int = 0
     late: int = 0
     lost: int = 0
@@ -32,7 +40,8 @@ class NodeParticipation:
     """Rounds whose training the node reported as failed."""
     last_selected_round: int = -1
     intervals: list[int] = field(default_factory=list)
-    """Rounds between consecutive accepted participations, the most recent MAX_INTERVALS."""
+    """Rounds (async: versions) between consecutive accepted participations, the most recent
+    MAX_INTERVALS; a repeat in the same round adds none."""
     interval_sum: int = 0
     interval_count: int = 0
     last_rtt_s: float | None = None
@@ -87,10 +96,13 @@ class ParticipationRecord:
     def accepted(
         self, node_id: str, round: int, *, num_samples: int, rtt_s: float | None = None, train_s: float | None = None
     ) -> None:
+        """Record an accepted update of `node_id` in `round` (async: the version index it is folded
+        into). A second update in the node's last round counts once more without an interval; an
+        earlier round than its last is a ValueError."""
         node = self.ensure(node_id, num_samples=num_samples)
-        if round <= node.last_round:
+        if round < node.last_round:
             raise ValueError(f"node {node_id}: round {round} accepted after round {node.last_round}")
-        if node.last_round >= 0:
+        if node.last_round >= 0 and round > node.last_round:
             gap = round - node.last_round
             node.intervals.append(gap)
             del node.intervals[:-MAX_INTERVALS]

@@ -111,6 +111,27 @@ def get_algorithm(name: str) -> AlgorithmSpec:
         ) from None
 
 
+def async_refusal(name: str, aggregator: str = "mean") -> str | None:
+    """Why method `name` with averaging rule `aggregator` cannot run in async mode (a sentence for a
+    config error), or None when it can: the method's `CoordinatorHalf.sync_only`, then the rule (a
+    stale buffer folds through the weighted mean only; FedSA's rule needs one round's cohort).
+    Unknown names are ConfigErrors, as in `get_algorithm` and `build_aggregator`."""
+    reason = get_algorithm(name).coordinator.sync_only
+    if reason is not None:
+        return f"method {name!r} cannot aggregate asynchronously: {reason}"
+    if aggregator not in AGGREGATORS:
+        raise ConfigError(
+            f"unknown aggregator {aggregator!r}; available: {', '.join(sorted(AGGREGATORS))}",
+            field="method.aggregator.name",
+        )
+    if aggregator != "mean":
+        return (
+            f"aggregator {aggregator!r} cannot aggregate asynchronously: it computes statistics over one "
+            "round's client models, and an asynchronous buffer folds stale updates with the 'mean' aggregator only"
+        )
+    return None
+
+
 def build_hyperparams(spec: AlgorithmSpec, values: Mapping[str, Any] | None) -> Any:
     """The algorithm's frozen Hyperparams from a mapping; unknown keys and wrong types are errors."""
     return _options(spec.hyperparams, spec.name, values, "method.hyperparams")

@@ -1,9 +1,17 @@
 """The two halves of an algorithm and what passes between them.
 
 The coordinator half decides what the selected nodes receive (`configure_round`) and how their
-updates become the next global model (`aggregate`); the node half trains (`train`). Halves own no
-transport, no threads and no files: the daemons deliver messages, run heavy calls in a worker
-thread, and hand every random draw in as a generator.
+updates become the next global model (`aggregate`, through `next_model` for the model group); the
+node half trains (`train`). Halves own no transport, no threads and no files: the daemons deliver
+messages, run heavy calls in a worker thread, and hand every random draw in as a generator.
+
+Synchronous and asynchronous aggregation. In sync mode `aggregate` is called once per round with
+the round's updates and ``ctx.round`` is the round number. In async mode (FedAsync, FedBuff) the
+engine buffers accepted updates and calls `aggregate` once per buffer; ``ctx.round`` is then the
+index of the model version the buffer is folded into (0, 1, 2, ...), ``ctx.version`` that version,
+every update says which version it trained from (`NodeUpdate.base_version`) and how many versions
+old it is (`NodeUpdate.staleness`), and ``ctx.folding`` says how updates become the next model. A
+half that cannot aggregate such updates says why in `CoordinatorHalf.sync_only`.
 """
 
 from __future__ import annotations
@@ -12,14 +20,15 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from fedcore.aggregation import Aggregator, weighted_average
+from fedcore.aggregation import Aggregator, fedasync_step, fedbuff_step, weighted_average
 from fedcore.data import TensorDataset
 from fedcore.participation import ParticipationRecord
+from fedcore.staleness import CONSTANT, Staleness
 from fedcore.tensors import StateDict, TensorSpec, schema_of
 from fedcore.training import TrainSettings
 
@@ -56,15 +65,58 @@ class Payload:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
+FOLDING_RULES = ("mean", "fedasync", "fedbuff")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Folding:
+    """How one aggregation's updates become the next global model (`CoordinatorHalf.next_model`).
+
+    With w_v the current model, w_k update k's model, b_k the model it trained from (version
+    `NodeUpdate.base_version`), tau_k its `NodeUpdate.staleness`, p_k the method's own weight of
+    update k normalised to sum 1, s the `staleness` function and eta = `server_lr`:
+
+    - ``mean``: the method's averaging rule (``self.average``: the weighted mean, or FedSA's) over
+      the updates with weights p_k s(tau_k). With every staleness 0 it is the synchronous average,
+      bit for bit (s(0) = 1 exactly). `server_lr` is not used.
+    - ``fedasync``: w_{v+1} = w_v + eta sum_k p_k s(tau_k) (w_k - w_v) (Xie et al., FedAsync; with
+      one update w <- (1 - alpha_t) w + alpha_t w_k, alpha_t = eta s(tau)).
+    - ``fedbuff``: w_{v+1} = w_v + eta sum_k p_k s(tau_k) (w_k - b_k) (Nguyen et al., FedBuff,
+      Algorithm 1 when p_k = 1/K: the buffer's staleness-scaled deltas averaged, server step eta).
+    """
+
+    rule: Literal["mean", "fedasync", "fedbuff"] = "mean"
+    staleness: Staleness = CONSTANT
+    """s(tau), the weight of an update tau versions old (`fedcore.staleness`)."""
+    server_lr: float = 1.0
+    """eta, the server step of the fedasync and fedbuff rules (FedAsync's alpha, FedBuff's eta_g); positive."""
+    bases: Mapping[int, StateDict] = field(default_factory=dict)
+    """The 'model' group each base version's nodes trained from, by version; the fedbuff rule needs
+    it for every base version but the current one (``RoundContext.version``: the model itself)."""
+
+    def __post_init__(self) -> None:
+        if self.rule not in FOLDING_RULES:
+            raise ValueError(f"folding rule must be one of {FOLDING_RULES}, got {self.rule!r}")
+        if not isinstance(self.staleness, Staleness):
+            raise ValueError(f"staleness must be a fedcore.staleness.Staleness, got {self.staleness!r}")
+        if not (isinstance(self.server_lr, int | float) and math.isfinite(self.server_lr) and self.server_lr > 0):
+            raise ValueError(f"server_lr must be a positive number, got {self.server_lr!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RoundContext:
     round: int
+    """The round number (sync), or the index of the model version being folded into (async)."""
     selected: tuple[str, ...]
     participation: ParticipationRecord
     """Read it; only the coordinator writes it."""
     settings: TrainSettings
     generator: torch.Generator = field(default_factory=torch.Generator)
     """The coordinator half's random stream for this round (seeded by the run's seed and the round)."""
+    version: int = 0
+    """The global model's version this step starts from: what ``self.model`` holds."""
+    folding: Folding = field(default_factory=Folding)
+    """How `CoordinatorHalf.next_model` turns the updates into the next model."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,15 +129,21 @@ class NodeUpdate:
     payload: Payload
     train_seconds: float = 0.0
     rtt_seconds: float = 0.0
+    base_version: int = 0
+    """The model version the node trained from."""
+    staleness: int = 0
+    """Versions between `base_version` and the version it is folded into (filled by the engine); 0 in a sync round."""
 
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A selected node whose update will not be aggregated this round, and why."""
+    """A selected node whose update will not be aggregated this round, and why: ``stale`` is an
+    update refused as staler than the run's max_staleness, ``expired`` an async task not answered
+    within its deadline."""
 
     node_id: str
     round: int
-    reason: Literal["late", "lost", "rejected", "failed"]
+    reason: Literal["late", "lost", "rejected", "failed", "stale", "expired"]
     detail: str = ""
 
 
@@ -109,6 +167,12 @@ class TaskInput:
 class CoordinatorHalf(ABC):
     """Server side. Holds the global model; `hp` is the algorithm's frozen Hyperparams."""
 
+    sync_only: ClassVar[str | None] = (
+        "the method has not declared that it can aggregate asynchronous, staleness-weighted updates"
+    )
+    """Why this half cannot run in async mode (one sentence, shown to the user as a config error),
+    or None when its `aggregate` folds buffers of stale updates correctly (through `next_model`)."""
+
     def __init__(self, hp: Any, *, model: nn.Module, device: torch.device | None = None) -> None:
         self.hp = hp
         self.model = model
@@ -119,8 +183,9 @@ class CoordinatorHalf(ABC):
         experiment file swaps in another rule (FedSA's) for any method whose server averages models."""
 
     @abstractmethod
-    def configure_round(self, ctx: RoundContext) -> Payload:
-        """What every selected node receives this round (one broadcast, identical for all)."""
+    def configure_round(self, ctx: RoundContext) -> Payload | Mapping[str, Payload]:
+        """What the selected nodes receive this round: one Payload for all of them (one broadcast,
+        identical for all), or a mapping from each selected node id to its own Payload."""
 
     @abstractmethod
     def aggregate(
@@ -128,8 +193,45 @@ class CoordinatorHalf(ABC):
     ) -> Mapping[str, float]:
         """Fold the accepted updates into the global model; return scalar metrics for the round log.
 
-        `updates` arrive sorted by node id, so that the result does not depend on arrival order.
+        `updates` arrive sorted by node id, so that the result does not depend on arrival order (in
+        async mode one node may have several updates in one call; they keep their arrival order).
         """
+
+    def next_model(
+        self, ctx: RoundContext, updates: Sequence[NodeUpdate], weights: Sequence[float], *, group: str = "model"
+    ) -> StateDict:
+        """The next global model from the updates' `group` tensors and the method's own per-update
+        `weights` (unnormalised), by ``ctx.folding.rule`` (`Folding`): the mean through ``self.average``
+        with weights w_k s(tau_k), or the fedasync or fedbuff step from the current model. The
+        asynchronous rules fold the group "model" only (the current model is ``self.model``)."""
+        folding = ctx.folding
+        if len(updates) != len(weights):
+            raise ValueError(f"next_model needs one weight per update, got {len(weights)} for {len(updates)}")
+        states = [u.payload.tensors[group] for u in updates]
+        if folding.rule == "mean":
+            return self.average(states, staleness_weighted(ctx, updates, weights))
+        discounts = [folding.staleness(u.staleness) for u in updates]
+        if group != "model":
+            raise ValueError(f"the {folding.rule} rule folds the model group only, not {group!r}")
+        current = self.model.state_dict()
+        if folding.rule == "fedasync":
+            return fedasync_step(current, states, weights, discounts, server_lr=folding.server_lr)
+        return fedbuff_step(
+            current, states, [self._base(ctx, u) for u in updates], weights, discounts, server_lr=folding.server_lr
+        )
+
+    def _base(self, ctx: RoundContext, update: NodeUpdate) -> StateDict:
+        """The model `update` trained from: ``ctx.folding.bases``, or the current model for the current version."""
+        base = ctx.folding.bases.get(update.base_version)
+        if base is not None:
+            return base
+        if update.base_version == ctx.version:
+            return self.model.state_dict()
+        known = sorted(ctx.folding.bases)
+        raise ValueError(
+            f"the fedbuff rule needs the model of version {update.base_version} (the base of {update.node_id}'s "
+            f"update), but the folding holds only versions {known} and the current one is {ctx.version}"
+        )
 
     def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
         """The tensor groups an update must carry, with dtypes and shapes; anything else is rejected."""
@@ -156,6 +258,18 @@ class CoordinatorHalf(ABC):
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} keeps no extra state, got {sorted(state)[:5]}")
+
+
+def staleness_weighted(ctx: RoundContext, updates: Sequence[NodeUpdate], weights: Sequence[float]) -> list[float]:
+    """w_k s(tau_k): the method's weights discounted by each update's staleness (``ctx.folding.staleness``).
+
+    s(0) == 1.0 exactly, so in a round of fresh updates the weights are unchanged bit for bit. For
+    the averages `next_model` does not make (a sync-only method's, a late update carried into the
+    next round)."""
+    if len(updates) != len(weights):
+        raise ValueError(f"one weight per update is needed, got {len(weights)} for {len(updates)}")
+    s = ctx.folding.staleness
+    return [float(w) * s(u.staleness) for u, w in zip(updates, weights, strict=True)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -638,12 +638,26 @@ def uploads_from_record(
     record: ParticipationRecord, round: int, states: Sequence[tuple[str, Mapping[str, torch.Tensor]]]
 ) -> list[Upload]:
     """This round's uploads with each node's previous (t_k, n_k), recovered from the record, which
-    already holds this round's acceptance (its last interval is the gap to the previous one)."""
-    out = []
+    already holds this round's acceptances (its last interval is the gap to the previous one).
+
+    In async mode ``round`` is the model version index and one node may appear several times
+    (several updates folded into one version): it gets one upload, its last state in `states` (the
+    model the store keeps for it), in the position of its first appearance, and its previous
+    (t_k, n_k) are those before all of this round's acceptances. Every acceptance the record holds
+    for `round` is assumed to be among `states`, as the engine records exactly the folded updates.
+    """
+    repeats: dict[str, int] = {}
+    last: dict[str, Mapping[str, torch.Tensor]] = {}
     for node_id, state in states:
+        repeats[node_id] = repeats.get(node_id, 0) + 1
+        last[node_id] = state
+    out = []
+    for node_id, times in repeats.items():
         entry = record.get(node_id)
-        if entry is None or entry.last_round != round:
+        if entry is None or entry.last_round != round or entry.count < times:
             raise ValueError(f"node {node_id} has no accepted participation in round {round} in the record")
-        previous = round - entry.intervals[-1] if entry.count > 1 and entry.intervals else -1
-        out.append(Upload(node_id, state, previous, entry.count - 1))
+        previous_count = entry.count - times
+        # a repeat in `round` appended no interval, so the last one is still the gap to the node's previous round
+        previous = round - entry.intervals[-1] if previous_count > 0 and entry.intervals else -1
+        out.append(Upload(node_id, last[node_id], previous, previous_count))
     return out
