@@ -319,7 +319,8 @@ def aggregation_weights(scores: Sequence[float], num_samples: Sequence[int], wei
 
 
 class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's broadcast; the average is weighted by the nodes' adaptability scores (Eq. 11)."""
+    """FedAvg's broadcast; the average is weighted by the nodes' adaptability scores (Eq. 11). Async
+    mode: a score is a property of its own update, so a buffer folds with the same weights."""
 
     hp: Hyperparams
 
@@ -340,7 +341,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
             raise AlgorithmError("no update of this round carries a valid FedACD score", round=ctx.round)
         weights = aggregation_weights(used_scores, [u.num_samples for u in kept], self.hp.weighting)
         # w <- sum_m (V_m / sum_k V_k) w_m   (Eq. 11, or the chosen variant)
-        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in kept], weights))
+        self.model.load_state_dict(self.next_model(ctx, kept, weights))
         nan = float("nan")
         return {
             "train_loss": fedavg.mean_reported_loss(kept, weights),

@@ -27,7 +27,12 @@ class Hyperparams:
 
 
 class CoordinatorHalf(base.CoordinatorHalf):
+    """Async mode: the server keeps no state besides the model, so a buffer of stale updates folds
+    by ``ctx.folding`` (`next_model`) like a round's; every method that reuses this half inherits
+    that unless it says otherwise."""
+
     hp: Hyperparams
+    sync_only = None
 
     def configure_round(self, ctx: base.RoundContext) -> base.Payload:
         return base.Payload(tensors={"model": self.model.state_dict()})
@@ -37,8 +42,8 @@ class CoordinatorHalf(base.CoordinatorHalf):
     ) -> Mapping[str, float]:
         weighted = getattr(self.hp, "weighted", True)  # methods that reuse this server have no such option
         weights = [float(u.num_samples) if weighted else 1.0 for u in updates]
-        # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only
-        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in updates], weights))
+        # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only (async: ctx.folding)
+        self.model.load_state_dict(self.next_model(ctx, updates, weights))
         return {"train_loss": mean_reported_loss(updates, weights)}
 
 

@@ -56,7 +56,11 @@ class Hyperparams:
 
 
 class CoordinatorHalf(fedavg.CoordinatorHalf):
+    """Async mode: the target is `next_model`'s (a fedasync or fedbuff step instead of the average),
+    Delta = w - target, and the momentum runs once per aggregation (per model version)."""
+
     hp: Hyperparams
+    sync_only = None
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -68,7 +72,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
         weights = [float(u.num_samples) for u in updates]
-        average = self.average([u.payload.tensors["model"] for u in updates], weights)
+        average = self.next_model(ctx, updates, weights)  # the target: the average in a sync round
         beta, eta = self.hp.momentum, self.hp.server_lr
         scale = 1.0 - beta if self.hp.dampening else 1.0
         new: dict[str, torch.Tensor] = {}

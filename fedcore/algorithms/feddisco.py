@@ -85,6 +85,9 @@ def disco_weights(num_samples: Sequence[int], discrepancies: Sequence[float], a:
 
 
 class CoordinatorHalf(fedavg.CoordinatorHalf):
+    """Async mode: Eq. 8 (and the normalisation of d_k) runs over the buffer's updates in place of a
+    round's; the weights need nothing else from the cohort."""
+
     hp: Hyperparams
 
     def aggregate(
@@ -108,7 +111,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         if fallback:
             logger.warning("round %d: every FedDisco weight clipped to zero; using FedAvg's weights", ctx.round)
             weights = [float(n) for n in samples]
-        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in valid], weights))
+        self.model.load_state_dict(self.next_model(ctx, valid, weights))
         return {
             "train_loss": fedavg.mean_reported_loss(valid, [float(n) for n in samples]),
             "disco_clipped": float(sum(w == 0.0 for w in weights)),

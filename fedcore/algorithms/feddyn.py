@@ -121,6 +121,10 @@ def server_model(average: torch.Tensor, h: torch.Tensor, alpha: float) -> torch.
 
 class CoordinatorHalf(base.CoordinatorHalf):
     hp: Hyperparams
+    sync_only = (
+        "FedDyn updates its server state h from the drift of one round's models from the model they "
+        "all trained from, so it has no form for updates trained from different versions"
+    )
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -141,7 +145,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             raise AlgorithmError("no update to aggregate", round=ctx.round)
         weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in updates]
         models = [u.payload.tensors["model"] for u in updates]
-        average = self.average(models, weights)
+        average = self.average(models, base.staleness_weighted(ctx, updates, weights))
         m = federation_size(self.hp.num_nodes, ctx, len(updates), method="FedDyn")
         alpha = self.hp.alpha
         new: dict[str, torch.Tensor] = {}

@@ -86,7 +86,11 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 
 class CoordinatorHalf(base.CoordinatorHalf):
+    """Async mode: every aggregation's model (one per version) enters the buffer, so the teacher is
+    the mean of the last M model versions."""
+
     hp: Hyperparams
+    sync_only = None
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -109,7 +113,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
     ) -> Mapping[str, float]:
         weights = [float(u.num_samples) for u in updates]
         # w_{t+1} = sum_k (n_k / n) w^k_{t+1}, as FedAvg; then w_{t+1} joins the buffer of global models
-        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in updates], weights))
+        self.model.load_state_dict(self.next_model(ctx, updates, weights))
         self.buffer.append(cpu_copy(self.model.state_dict()))
         del self.buffer[: -self.hp.buffer_size]
         return {"train_loss": fedavg.mean_reported_loss(updates, weights)}

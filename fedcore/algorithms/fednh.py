@@ -228,6 +228,10 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
 
 class CoordinatorHalf(base.CoordinatorHalf):
     hp: Hyperparams
+    sync_only = (
+        "FedNH learns its scale s outside the model group and moves its prototypes by each round's "
+        "class means, and neither step has a form for updates trained from different versions"
+    )
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -280,7 +284,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         if self.hp.learn_scale:
             for state, u in zip(states, valid, strict=True):
                 state[SCALE_KEY] = u.payload.tensors["scale"]["value"]
-        average = dict(self.average(states, weights))
+        average = dict(self.average(states, base.staleness_weighted(ctx, valid, weights)))
         if self.hp.learn_scale:
             self.scale = average.pop(SCALE_KEY).detach().to("cpu", torch.float32).clone()
         self.model.load_state_dict(average)

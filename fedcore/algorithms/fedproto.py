@@ -175,6 +175,10 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
 
 class CoordinatorHalf(base.CoordinatorHalf):
     hp: Hyperparams
+    sync_only = (
+        "FedProto nodes train their own kept models, not the model they are sent, so an update is no "
+        "step from a version, and each round's prototypes replace the global ones by that cohort's mean"
+    )
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -220,7 +224,8 @@ class CoordinatorHalf(base.CoordinatorHalf):
             raise AlgorithmError("no update of this round carries valid FedProto prototypes", round=ctx.round)
         weights = [float(u.num_samples) for u in valid]
         # the models' average: for evaluation only (local_models) or the next global model
-        self.model.load_state_dict(self.average([u.payload.tensors["model"] for u in valid], weights))
+        models = [u.payload.tensors["model"] for u in valid]
+        self.model.load_state_dict(self.average(models, base.staleness_weighted(ctx, valid, weights)))
         # C_bar^(j) for the classes held this round; the others keep theirs
         stats = [u.payload.tensors["class_means"] for u in valid]
         new, held = aggregate_prototypes([s["means"] for s in stats], [s["counts"] for s in stats], self.hp.weighting)

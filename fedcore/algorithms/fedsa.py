@@ -491,6 +491,10 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
     """FedAvg's server with SA as its averaging step (FedSA = FedAvg + SA, paper section "SA")."""
 
     hp: Hyperparams
+    sync_only = (
+        "FedSA's skew-aware aggregator computes its dispersion statistics and clusters over one round's "
+        "client models, and asynchronous aggregation folds stale updates with the 'mean' aggregator only"
+    )
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)

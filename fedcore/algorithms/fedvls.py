@@ -183,6 +183,10 @@ def set_teacher_mode(teacher: nn.Module, bn: str) -> None:
 
 
 class CoordinatorHalf(fedavg.CoordinatorHalf):
+    """Async mode: "total" aggregation folds the buffer with the previous model as one more input of
+    weight 1 - sum_i n_i / |D| (a node with two updates in one buffer counts its n_i twice among the
+    inputs and once in |D|); "participants" is FedAvg's."""
+
     hp: Hyperparams
 
     def aggregate(
@@ -194,14 +198,22 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         sizes = {node.node_id: float(node.num_samples) for node in ctx.participation}
         sizes.update({u.node_id: float(u.num_samples) for u in updates})
         total = math.fsum(sizes.values())
-        rest = total - math.fsum(samples)
-        states = [u.payload.tensors["model"] for u in updates]
+        rest = total - math.fsum(sizes[node] for node in {u.node_id: None for u in updates})
+        inputs = list(updates)
         weights = list(samples)
         if rest > 0:
-            # w^{t+1} = w^t + sum_i (n_i / |D|)(w_i - w^t) = (1 - sum_i n_i / |D|) w^t + sum_i (n_i / |D|) w_i
-            states = [self.model.state_dict(), *states]
+            # w^{t+1} = w^t + sum_i (n_i / |D|)(w_i - w^t) = (1 - sum_i n_i / |D|) w^t + sum_i (n_i / |D|) w_i:
+            # w^t enters as one more input, fresh and trained from itself (a zero delta under the async rules)
+            current = base.NodeUpdate(
+                node_id="(global model)",
+                round=ctx.round,
+                num_samples=0,
+                payload=base.Payload(tensors={"model": self.model.state_dict()}),
+                base_version=ctx.version,
+            )
+            inputs = [current, *inputs]
             weights = [rest, *weights]
-        self.model.load_state_dict(self.average(states, weights))
+        self.model.load_state_dict(self.next_model(ctx, inputs, weights))
         return {
             "train_loss": fedavg.mean_reported_loss(updates, samples),
             "global_share": rest / total if total > 0 else 0.0,

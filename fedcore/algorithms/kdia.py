@@ -197,7 +197,13 @@ def batch_offsets(num_samples: int, batch_size: int) -> list[int]:
 
 
 class CoordinatorHalf(base.CoordinatorHalf):
+    """Async mode: ``ctx.round`` is the model version index, so t_k, the intervals and the warm-up
+    rounds count versions; the student folds every update by ``ctx.folding`` (`next_model`), the
+    teacher stores each node's last update of the version, and the generator trains against every
+    folded update's head."""
+
     hp: Hyperparams
+    sync_only = None
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -249,14 +255,16 @@ class CoordinatorHalf(base.CoordinatorHalf):
     ) -> Mapping[str, float]:
         sizes = [float(u.num_samples) for u in updates]
         states = [u.payload.tensors["model"] for u in updates]
-        # student, Eq. 1: theta_g = sum_{k in S_t} (N_k / sum_j N_j) theta_k^{t+1}
-        self.model.load_state_dict(self.average(states, sizes))
+        # student, Eq. 1: theta_g = sum_{k in S_t} (N_k / sum_j N_j) theta_k^{t+1} (async: by ctx.folding,
+        # every update folded, a node's two updates of one version both)
+        self.model.load_state_dict(self.next_model(ctx, updates, sizes))
 
         # teacher, Eq. 5-10: overwrite the participants' stored models, weigh every stored model
         started = time.perf_counter()
         if self.store is not None:
             self.store.begin_round(ctx.round - 1)  # every earlier round is checkpointed by now
         weights = weights_from_record(ctx.participation, ctx.round, self.hp.weighting, num_nodes=self.hp.num_nodes)
+        # one upload per node: its last update of this round (async: version) is the model stored for it
         uploads = uploads_from_record(
             ctx.participation, ctx.round, [(u.node_id, s) for u, s in zip(updates, states, strict=True)]
         )
@@ -271,7 +279,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             "teacher_error_share": float(step.error_share),
             "teacher_models_held": float(step.models_held),
             "teacher_effective_nodes": float(1.0 / np.sum(w**2)) if np.any(w > 0) else 0.0,
-            "teacher_participant_share": float(sum(w[index[u.node_id]] for u in updates)),
+            "teacher_participant_share": float(sum(w[index[up.node_id]] for up in uploads)),
             "teacher_seconds": teacher_seconds,
         }
         log_every = self.hp.teacher_log_every

@@ -183,6 +183,10 @@ def local_gradient(model: nn.Module, data: TensorDataset, batch_size: int) -> di
 
 class CoordinatorHalf(base.CoordinatorHalf):
     hp: Hyperparams
+    sync_only = (
+        "SCAFFOLD moves its control variate c by each round's control deltas and sends c with the model, so "
+        "an update trained from an older version carries a correction computed against a c the server no longer holds"
+    )
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -209,7 +213,8 @@ class CoordinatorHalf(base.CoordinatorHalf):
         if not updates:
             raise AlgorithmError("no update to aggregate", round=ctx.round)
         weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in updates]
-        average = self.average([u.payload.tensors["model"] for u in updates], weights)
+        models = [u.payload.tensors["model"] for u in updates]
+        average = self.average(models, base.staleness_weighted(ctx, updates, weights))
         new: dict[str, torch.Tensor] = {}
         for name, current in self.model.state_dict().items():
             if name not in self.control:
