@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from fedcore.staleness import Staleness
 from fedcore.training import TrainSettings
 
 INLINE_MODEL_BYTES = 64 * 1024
@@ -34,6 +35,9 @@ class RoundPolicy:
     min_nodes: int = 1
     """Live nodes needed before the first round starts."""
     wait_for_nodes_s: float = 120.0
+    late_updates: Literal["drop", "carry"] = "drop"
+    """An update that comes after its round closed: refused as late (drop), or validated and folded
+    into the next aggregation with its staleness weight (carry; `AsyncPolicy.staleness`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -48,6 +52,41 @@ class RoundPolicy:
             raise ValueError("min_updates and min_nodes must be at least 1, max_retries non-negative")
         if self.on_insufficient not in ("retry", "skip"):
             raise ValueError("on_insufficient must be 'retry' or 'skip'")
+        if self.late_updates not in ("drop", "carry"):
+            raise ValueError("late_updates must be 'drop' or 'carry'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AsyncPolicy:
+    """Buffered asynchronous aggregation (FedAsync with buffer 1, FedBuff above): `engine.buffered`."""
+
+    buffer: int = 10
+    """K: fold every K accepted updates into a new model version."""
+    concurrency: int = 20
+    """Nodes training at once; a slot freed by a delivery is refilled at once."""
+    max_staleness: int = 20
+    """Updates trained from a version more than this many versions old are refused (recorded)."""
+    staleness: Staleness = field(default_factory=Staleness)
+    """The staleness weight s(tau) (also used for late updates carried in sync mode)."""
+    server_lr: float = 1.0
+    """FedBuff's server step eta_g; FedAsync's mixing weight is server_lr * s(tau)."""
+    aggregations: int = 200
+    """Model versions to produce: the asynchronous counterpart of rounds."""
+    deadline_s: float = 60.0
+    """A task not answered within this is lost and its slot refilled."""
+
+    def __post_init__(self) -> None:
+        if self.buffer < 1 or self.concurrency < 1 or self.aggregations < 1:
+            raise ValueError("buffer, concurrency and aggregations must be at least 1")
+        if self.max_staleness < 0:
+            raise ValueError("max_staleness must be non-negative")
+        if not (self.server_lr > 0 and self.deadline_s > 0):
+            raise ValueError("server_lr and deadline_s must be positive")
+
+    @property
+    def rule(self) -> Literal["fedasync", "fedbuff"]:
+        """K = 1 mixes each update into the model (FedAsync); K > 1 adds the buffer's mean delta (FedBuff)."""
+        return "fedasync" if self.buffer == 1 else "fedbuff"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,9 +103,14 @@ class CoordinatorConfig:
     resume: bool = False
     eval_device: str = "cpu"
     """Where the test set is evaluated (a copy of the model goes there): "cuda" when the machine has one."""
+    engine: Literal["sync", "async"] = "sync"
+    """Synchronous rounds (`policy`) or buffered asynchronous aggregation (`asynchronous`)."""
+    asynchronous: AsyncPolicy = field(default_factory=AsyncPolicy)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError("rounds must be at least 1")
         if self.eval_every < 1:
             raise ValueError("eval_every must be at least 1")
+        if self.engine not in ("sync", "async"):
+            raise ValueError("engine must be 'sync' or 'async'")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -53,11 +52,10 @@ def parse_announcement(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class NodeRegistry:
-    """Live nodes, with an event-driven wait for enough of them (no polling)."""
+    """Which nodes exist, what they announced, and which are live (the engine is told of changes)."""
 
     def __init__(self) -> None:
         self._nodes: dict[str, NodeInfo] = {}
-        self._changed = asyncio.Condition()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -75,7 +73,7 @@ class NodeRegistry:
     def all(self) -> list[NodeInfo]:
         return [self._nodes[k] for k in sorted(self._nodes)]
 
-    async def apply_status(self, node_id: str, meta: Mapping[str, Any]) -> bool | None:
+    def apply_status(self, node_id: str, meta: Mapping[str, Any]) -> bool | None:
         """Record a status message; returns the new liveness if it changed, else None."""
         fields = parse_announcement(meta)
         node = self._nodes.get(node_id)
@@ -85,15 +83,9 @@ class NodeRegistry:
         for key, value in fields.items():
             setattr(node, key, value)
         node.changed_at = time.monotonic()
-        async with self._changed:
-            self._changed.notify_all()
         if was != node.online:
             logger.info(
                 "node %s is %s (%d live)", node_id, "online" if node.online else "offline", len(self.live_ids())
             )
             return node.online
         return None
-
-    async def wait_for_live(self, count: int) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: len(self.live_ids()) >= count)

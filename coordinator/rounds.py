@@ -1,15 +1,12 @@
 """The bookkeeping of one synchronous round attempt: who was asked, who answered, when it may close.
 
-Pure state plus two events; the daemon feeds it messages and awaits the events. A selected node
-counts as answered when its update was accepted or rejected, when it reported a failed training,
-or when it went offline: a node that
-leaves mid-round is not waited for.
+Pure state: the engine (`coordinator.engine.sync`) feeds it what happened and reads `done` and
+`acks_complete`. A selected node counts as answered when its update was accepted or rejected, when
+it reported a failed training, or when it went offline: a node that leaves mid-round is not waited for.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -26,9 +23,9 @@ class RoundOutcome:
     """Selected, went offline before delivering."""
     rejected: tuple[str, ...]
     carried: tuple[str, ...]
+    """Updates accepted in an earlier attempt of the same round, still counted."""
     failed: tuple[str, ...] = ()
     """Selected nodes that reported their training failed."""
-    """Updates accepted in an earlier attempt of the same round, still counted."""
 
 
 @dataclass(eq=False)
@@ -41,7 +38,10 @@ class RoundState:
     """Updates (carried ones included) that close the round early."""
     schema: Mapping[str, Mapping[str, TensorSpec]]
     carried: dict[str, NodeUpdate] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    """When the tasks went out, on the engine's clock: the deadline counts from here."""
+    version: int = 0
+    """The model version the tasks carry: updates must have trained from it."""
     task_sent_at: dict[str, float] = field(default_factory=dict)
     acked: set[str] = field(default_factory=set)
     accepted: dict[str, NodeUpdate] = field(default_factory=dict)
@@ -50,11 +50,6 @@ class RoundState:
     offline: set[str] = field(default_factory=set)
     model_published: bool = False
     closed: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    acks_complete: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self._check()
 
     @property
     def pending(self) -> set[str]:
@@ -70,33 +65,31 @@ class RoundState:
 
     def on_ack(self, node_id: str) -> None:
         self.acked.add(node_id)
-        self._check()
 
     def on_accepted(self, update: NodeUpdate) -> None:
         self.accepted[update.node_id] = update
-        self._check()
 
     def on_rejected(self, node_id: str, reason: str) -> None:
         self.rejected[node_id] = reason
-        self._check()
 
     def on_failed(self, node_id: str, reason: str) -> None:
         """The node says its training failed: nothing will come, so the round does not wait for it."""
         self.failed[node_id] = reason
-        self._check()
 
     def on_offline(self, node_id: str) -> None:
         if node_id in self.selected and not self.answered(node_id):
             self.offline.add(node_id)
-            self._check()
 
-    def _check(self) -> None:
+    @property
+    def acks_complete(self) -> bool:
+        """Every selected node acknowledged, answered or left: the broadcast need wait no longer."""
         answered = self.rejected.keys() | self.accepted.keys() | self.failed.keys()
-        waiting_acks = set(self.selected) - self.acked - self.offline - answered
-        if not waiting_acks:
-            self.acks_complete.set()
-        if len(self.updates) >= self.target or not self.pending:
-            self.done.set()
+        return not (set(self.selected) - self.acked - self.offline - answered)
+
+    @property
+    def done(self) -> bool:
+        """K updates are in (carried ones included), or nobody is left to answer."""
+        return len(self.updates) >= self.target or not self.pending
 
     def close(self, is_live: Callable[[str], bool]) -> RoundOutcome:
         self.closed = True

@@ -1,21 +1,42 @@
-"""Validating an update message against the round it claims and the schema the algorithm expects."""
+"""Validating an update message against the task it answers and the schema the algorithm expects."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from broker import Message
 from coordinator.errors import ProtocolError
-from coordinator.rounds import RoundState
 from fedcore.algorithms.base import NodeUpdate, Payload
 from fedcore.errors import AlgorithmError
-from fedcore.tensors import non_finite, schema_mismatch, split_groups
+from fedcore.tensors import TensorSpec, non_finite, schema_mismatch, split_groups
 
 MAX_SAMPLES = 10**12
 
 
-def parse_update(message: Message, state: RoundState, received_at: float) -> NodeUpdate:
-    """A NodeUpdate for `state`, or ProtocolError with the reason to count."""
+def check_base_version(message: Message, version: int, *, required: bool = False) -> None:
+    """The update's `base_version` must be the version of the task it answers: a node that says
+    otherwise is confused or forging (ProtocolError "wrong-version"). Older nodes send none."""
+    base = message.meta.get("base_version")
+    if base is None and not required:
+        return
+    if not isinstance(base, int) or isinstance(base, bool):
+        raise ProtocolError("wrong-version", f"base_version {base!r} is not an integer", node_id=message.sender)
+    if base != version:
+        raise ProtocolError(
+            "wrong-version", f"base_version {base} but the task carried version {version}", node_id=message.sender
+        )
+
+
+def parse_update(
+    message: Message,
+    schema: Mapping[str, Mapping[str, TensorSpec]],
+    *,
+    version: int,
+    sent_at: float,
+    received_at: float,
+) -> NodeUpdate:
+    """A NodeUpdate trained from model `version`, or ProtocolError with the reason to count."""
     node = message.sender
     meta = message.meta
     num_samples = meta.get("num_samples")
@@ -31,23 +52,21 @@ def parse_update(message: Message, state: RoundState, received_at: float) -> Nod
         groups = split_groups(message.tensors)
     except AlgorithmError as exc:
         raise ProtocolError("bad-update", str(exc), node_id=node) from exc
-    if groups.keys() != state.schema.keys():
-        raise ProtocolError(
-            "wrong-shape", f"tensor groups {sorted(groups)} != expected {sorted(state.schema)}", node_id=node
-        )
-    for group, expected in state.schema.items():
+    if groups.keys() != schema.keys():
+        raise ProtocolError("wrong-shape", f"tensor groups {sorted(groups)} != expected {sorted(schema)}", node_id=node)
+    for group, expected in schema.items():
         mismatch = schema_mismatch(groups[group], expected)
         if mismatch is not None:
             raise ProtocolError(mismatch[0], f"{group}: {mismatch[1]}", node_id=node)
         bad = non_finite(groups[group])
         if bad is not None:
             raise ProtocolError("non-finite", f"{group}/{bad} holds NaN or inf", node_id=node)
-    sent = state.task_sent_at.get(node, state.started)
     return NodeUpdate(
         node_id=node,
         round=message.round,
         num_samples=num_samples,
         payload=Payload(tensors=groups, meta=payload_meta),
         train_seconds=float(train_seconds),
-        rtt_seconds=max(received_at - sent, 0.0),
+        rtt_seconds=max(received_at - sent_at, 0.0),
+        base_version=version,
     )

@@ -59,6 +59,9 @@ class Task:
     received_at: float
     inline: bool = False
     """The task carries the model itself (small models): no subscription, no acknowledgement."""
+    version: int | None = None
+    """The model version the task was built from, echoed as the update's `base_version` (None from
+    a coordinator that sends none)."""
 
 
 class NodeDaemon:
@@ -224,11 +227,14 @@ class NodeDaemon:
         inline = meta.get("inline", False)
         if not isinstance(inline, bool) or (message.tensors and not inline):
             raise TaskError("bad-task", "tensors in a task that does not say it carries the model")
+        version = meta.get("version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+            raise TaskError("bad-task", f"version {version!r} is not a non-negative integer")
         try:
             settings = TrainSettings.from_meta(meta.get("settings", {}))
         except ConfigError as exc:
             raise TaskError("bad-task", str(exc)) from exc
-        return Task(message.round, attempt, task_id, topic, settings, time.monotonic(), inline)
+        return Task(message.round, attempt, task_id, topic, settings, time.monotonic(), inline, version)
 
     async def _on_model(self, message: Message) -> None:
         task = self._task
@@ -363,17 +369,20 @@ class NodeDaemon:
         )
 
     def _encode(self, task: Task, result: Payload, train_s: float) -> bytearray:
+        meta: dict[str, Any] = {
+            "task": task.task_id,
+            "num_samples": len(self.data),
+            "train_seconds": train_s,
+            "payload": dict(result.meta),
+        }
+        if task.version is not None:
+            meta["base_version"] = task.version
         update = Message(
             kind=Kind.UPDATE,
             federation=self.config.federation,
             round=task.round,
             sender=self.node_id,
-            meta={
-                "task": task.task_id,
-                "num_samples": len(self.data),
-                "train_seconds": train_s,
-                "payload": dict(result.meta),
-            },
+            meta=meta,
             tensors=flatten_groups(result.tensors),
         )
         return encode(update)

@@ -62,49 +62,49 @@ def _state(selected: tuple[str, ...], target: int | None = None) -> RoundState:
     )
 
 
-async def test_round_closes_when_every_live_selected_node_answered() -> None:
+def test_round_closes_when_every_live_selected_node_answered() -> None:
     state = _state(("a", "b", "c"))
     state.on_accepted(_update("a"))
     state.on_rejected("b", "wrong-shape")
-    assert not state.done.is_set()
+    assert not state.done
     state.on_offline("c")
-    assert state.done.is_set()
+    assert state.done
     outcome = state.close(lambda n: n != "c")
     assert (outcome.accepted, outcome.rejected, outcome.lost, outcome.late) == (("a",), ("b",), ("c",), ())
 
 
-async def test_round_over_selected_closes_at_target_and_the_rest_are_late() -> None:
+def test_round_over_selected_closes_at_target_and_the_rest_are_late() -> None:
     state = _state(("a", "b", "c", "d"), target=2)
     state.on_accepted(_update("c"))
-    assert not state.done.is_set()
+    assert not state.done
     state.on_accepted(_update("a"))
-    assert state.done.is_set()
+    assert state.done
     outcome = state.close(lambda n: True)
     assert outcome.late == ("b", "d") and outcome.lost == ()
 
 
-async def test_round_acks_complete_when_all_acked_or_gone() -> None:
+def test_round_acks_complete_when_all_acked_or_gone() -> None:
     state = _state(("a", "b"))
     state.on_ack("a")
-    assert not state.acks_complete.is_set()
+    assert not state.acks_complete
     state.on_offline("b")
-    assert state.acks_complete.is_set()
+    assert state.acks_complete
 
 
-async def test_round_carried_updates_count_towards_the_target() -> None:
+def test_round_carried_updates_count_towards_the_target() -> None:
     state = RoundState(
         round=0, attempt=1, task_id=b"t" * 16, selected=("c",), target=2, schema={}, carried={"a": _update("a")}
     )
     state.on_accepted(_update("c"))
-    assert state.done.is_set() and set(state.updates) == {"a", "c"}
+    assert state.done and set(state.updates) == {"a", "c"}
 
 
-async def test_registry_tracks_liveness_and_validates_announcements() -> None:
+def test_registry_tracks_liveness_and_validates_announcements() -> None:
     reg = NodeRegistry()
-    assert await reg.apply_status("n1", {"state": "online", "num_samples": 5, "device": "cpu"}) is True
-    assert await reg.apply_status("n1", {"state": "online"}) is None
+    assert reg.apply_status("n1", {"state": "online", "num_samples": 5, "device": "cpu"}) is True
+    assert reg.apply_status("n1", {"state": "online"}) is None
     assert reg.live_ids() == ["n1"] and reg.get("n1").num_samples == 5  # type: ignore[union-attr]
-    assert await reg.apply_status("n1", {"state": "offline"}) is False
+    assert reg.apply_status("n1", {"state": "offline"}) is False
     assert reg.live_ids() == []
     for bad in [{"state": "zombie"}, {"state": "online", "num_samples": -1}, {"state": "online", "num_samples": True},
                 {"state": "online", "label_histogram": [1, "x"]}, {"state": "online", "device": 3}]:  # fmt: skip

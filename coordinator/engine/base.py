@@ -1,0 +1,280 @@
+"""What every round policy shares: liveness, the participation record, waiting for nodes, the
+evaluation and checkpoint that follow an aggregation, status, and refusing bad updates.
+
+An engine is synchronous and pure: `handle(event, now)` returns commands and changes only the
+engine's own state; `next_deadline()` says when it wants a `Tick`. It reads no clock, does no I/O and
+calls no algorithm half (the commands ask for that), so its tests run in milliseconds on a FakeClock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from broker import Message
+from coordinator.config import CoordinatorConfig
+from coordinator.engine import commands as c
+from coordinator.engine import events as e
+from coordinator.errors import ProtocolError
+from fedcore.algorithms.base import Folding, RoundContext
+from fedcore.participation import ParticipationRecord
+from fedcore.seeding import torch_generator
+from fedcore.tensors import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+Schema = Mapping[str, Mapping[str, TensorSpec]]
+NO_RECEIPT = frozenset({"duplicate-update", "wrong-round", "not-selected", "wrong-sender"})
+"""Refusals not answered with a receipt: the sender has no task to hear about, or is not who it says."""
+
+
+def new_task_id() -> bytes:
+    return os.urandom(16)
+
+
+def snapshot(record: ParticipationRecord) -> ParticipationRecord:
+    """A copy of the record that the engine's later changes do not reach."""
+    return ParticipationRecord.from_json(record.to_json())
+
+
+class Engine(ABC):
+    """The shared part of `SyncRounds` and `BufferedAsync`."""
+
+    def __init__(self, config: CoordinatorConfig, schema: Schema, *, new_id: Callable[[], bytes] = new_task_id) -> None:
+        self.config = config
+        self.policy = config.policy
+        self.schema = schema
+        self.new_id = new_id
+        self.participation = ParticipationRecord()
+        self.live: set[str] = set()
+        self.state = "starting"
+        self.error = ""
+        self.version = 0
+        """The global model's version: the number of aggregations so far."""
+        self.accuracies: list[tuple[int, float]] = []
+        self.refused: Counter[str] = Counter()
+        """Updates refused, by reason (also counted by the bus client with every other bad message)."""
+        self.late_arrivals = 0
+        self.started_at: float | None = None
+        self.startup_s: float | None = None
+        """Seconds from start until enough nodes were live and the first round or task began."""
+        self._wait_until: float | None = None
+        self._wait_for = 0
+        self._step = 0
+
+    # -- the interface ---------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("finished", "failed", "stopped")
+
+    def handle(self, event: e.Event, now: float) -> list[c.Command]:
+        """React to one event at time `now`; the commands come in the order they must run."""
+        out: list[c.Command] = []
+        if self.finished:
+            if isinstance(event, e.UpdateArrived):
+                self._refuse(out, event.message, "finished", "the run is over", receipt="late")
+            return out
+        if isinstance(event, e.Start):
+            self._start(out, now)
+        elif isinstance(event, e.NodeSeen):
+            self._node_seen(out, event, now)
+        elif isinstance(event, e.Tick):
+            self._tick(out, now)
+        elif isinstance(event, e.UpdateArrived):
+            self._update(out, event, now)
+        elif isinstance(event, e.Stop):
+            self._stop(out, event, now)
+        else:
+            self._on(out, event, now)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When the engine next needs a `Tick` (None: only events move it on)."""
+        times = [t for t in (self._wait_until, *self._deadlines()) if t is not None]
+        return min(times) if times else None
+
+    # -- what a policy provides ------------------------------------------------------------------
+
+    @abstractmethod
+    def _begin(self, out: list[c.Command], now: float) -> None:
+        """Enough nodes are live for the first time: start working."""
+
+    @abstractmethod
+    def _on(self, out: list[c.Command], event: e.Event, now: float) -> None:
+        """Every event but Start, NodeSeen, Tick, UpdateArrived and Stop."""
+
+    @abstractmethod
+    def _on_update(self, out: list[c.Command], event: e.UpdateArrived, now: float) -> None: ...
+
+    @abstractmethod
+    def _on_liveness(self, out: list[c.Command], node: str, online: bool, now: float) -> None:
+        """A node came or went while the run was going."""
+
+    @abstractmethod
+    def _on_tick(self, out: list[c.Command], now: float) -> None: ...
+
+    @abstractmethod
+    def _deadlines(self) -> Sequence[float | None]: ...
+
+    @abstractmethod
+    def _stop(self, out: list[c.Command], event: e.Stop, now: float) -> None: ...
+
+    @abstractmethod
+    def status_fields(self) -> dict[str, Any]:
+        """What the status message says besides the state (round, rounds, version, ...)."""
+
+    @abstractmethod
+    def checkpoint_meta(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def restore(self, meta: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint's meta (the daemon restored the half's tensors)."""
+
+    # -- shared steps ----------------------------------------------------------------------------
+
+    def _start(self, out: list[c.Command], now: float) -> None:
+        self.started_at = now
+        self.state = "waiting"
+        out.append(self.status())
+        self._wait(out, self.policy.min_nodes, now)
+
+    def _wait(self, out: list[c.Command], count: int, now: float) -> None:
+        """Wait (up to wait_for_nodes_s) until `count` nodes are live, then `_resume_waiting`."""
+        self._wait_for = count
+        self._wait_until = now + self.policy.wait_for_nodes_s
+        self._check_wait(out, now)
+
+    def _check_wait(self, out: list[c.Command], now: float) -> None:
+        if self._wait_until is None or len(self.live) < self._wait_for:
+            return
+        self._wait_until = None
+        if self.state == "waiting":
+            self.state = "running"
+            self.startup_s = now - (self.started_at or now)
+            logger.info("%d nodes live; starting at version %d", len(self.live), self.version)
+            self._begin(out, now)
+        else:
+            self._resume_waiting(out, now)
+
+    @abstractmethod
+    def _resume_waiting(self, out: list[c.Command], now: float) -> None:
+        """A wait for nodes in the middle of the run is over (sync: the attempt goes ahead)."""
+
+    def _node_seen(self, out: list[c.Command], event: e.NodeSeen, now: float) -> None:
+        was = event.node in self.live
+        if event.online:
+            self.live.add(event.node)
+        else:
+            self.live.discard(event.node)
+        if was != event.online and self.state != "waiting":
+            self._on_liveness(out, event.node, event.online, now)
+        self._check_wait(out, now)
+
+    def _tick(self, out: list[c.Command], now: float) -> None:
+        if self._wait_until is not None and now >= self._wait_until:
+            self._wait_until = None
+            if self.state == "waiting":
+                self._fail(
+                    out,
+                    f"only {len(self.live)} of the {self._wait_for} nodes needed came online within"
+                    f" {self.policy.wait_for_nodes_s:g} s; start the nodes, or lower min_nodes",
+                )
+            else:
+                self._fail(out, f"no node came back online within {self.policy.wait_for_nodes_s:g} s")
+            return
+        self._on_tick(out, now)
+
+    def _update(self, out: list[c.Command], event: e.UpdateArrived, now: float) -> None:
+        try:
+            self._on_update(out, event, now)
+        except ProtocolError as exc:
+            self._refuse(out, event.message, exc.reason, exc.detail)
+
+    def _refuse(
+        self, out: list[c.Command], message: Message, reason: str, detail: str, *, receipt: str = "rejected"
+    ) -> None:
+        self.refused[reason] += 1
+        out.append(c.Refused(message.sender, reason, detail))
+        if reason not in NO_RECEIPT:
+            self._receipt(out, message, receipt, reason if receipt == "rejected" else detail)
+
+    @staticmethod
+    def _receipt(out: list[c.Command], message: Message, status: str, reason: str = "") -> None:
+        """Tell the sender what became of its update, unless its task id is not even a byte string."""
+        task = message.meta.get("task")
+        if isinstance(task, bytes | None):
+            out.append(c.Receipt(message.sender, message.round, task, message.message_id, status, reason))
+
+    def _fail(self, out: list[c.Command], error: str) -> None:
+        logger.error("%s", error)
+        self.state, self.error = "failed", error
+        out.append(c.Finish("failed", error))
+
+    def _finish(self, out: list[c.Command]) -> None:
+        self.state = "finished"
+        out.append(c.Finish("finished"))
+
+    def _next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def _context(
+        self,
+        rnd: int,
+        selected: tuple[str, ...],
+        step: str,
+        *,
+        folding: Folding | None = None,
+        copy: bool = False,
+        version: int | None = None,
+    ) -> RoundContext:
+        """What the half sees; `step` names its random stream (configure or aggregate). `copy` hands
+        it a snapshot of the participation record, for calls that run while the engine goes on."""
+        return RoundContext(
+            round=rnd,
+            selected=selected,
+            participation=snapshot(self.participation) if copy else self.participation,
+            settings=self.config.train.for_round(rnd),
+            generator=torch_generator(self.config.seed, "coordinator", step, rnd),
+            version=self.version if version is None else version,
+            folding=folding or Folding(),
+        )
+
+    def _eval_due(self, index: int, last: int) -> bool:
+        """Evaluate after step `index` (0-based) of `last + 1`: every eval_every, and the last."""
+        return index == last or (index + 1) % self.config.eval_every == 0
+
+    def status(self, **extra: Any) -> c.PublishStatus:
+        fields = self.status_fields() | {"live_nodes": len(self.live), **extra}
+        if self.accuracies:
+            fields["accuracy"] = self.accuracies[-1][1]
+            fields["best_accuracy"] = max(a for _, a in self.accuracies)
+        return c.PublishStatus(self.state, fields)
+
+    def _common_meta(self) -> dict[str, Any]:
+        return {
+            "model_version": self.version,
+            "accuracies": list(self.accuracies),
+            "participation": self.participation.to_json(),
+            "federation": self.config.federation,
+            "seed": self.config.seed,
+        }
+
+    def _restore_common(self, meta: Mapping[str, Any]) -> None:
+        self.version = int(meta["model_version"])
+        self.accuracies = [(int(r), float(a)) for r, a in meta["accuracies"]]
+        self.participation = ParticipationRecord.from_json(meta["participation"])
+
+    def summary_fields(self) -> dict[str, Any]:
+        """What the engine adds to summary.json."""
+        return {
+            "model_version": self.version,
+            "late_arrivals": self.late_arrivals,
+            "startup_seconds": None if self.startup_s is None else round(self.startup_s, 3),
+            "refused_updates": dict(sorted(self.refused.items())),
+        }

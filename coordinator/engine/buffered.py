@@ -1,0 +1,440 @@
+"""Buffered asynchronous aggregation: FedAsync (K = 1) and FedBuff (K > 1) as a state machine.
+
+`concurrency` nodes train at once, each on its own task carrying the model version it was built
+from. When a task ends (an update, a reported failure, a refusal, its node going offline, or its
+deadline) its slot is refilled at once by a seeded draw among the idle live nodes (the node that
+just delivered among them). Accepted updates wait in a buffer; every K of them are folded into a
+new model version by the half's `aggregate` with the staleness rule of `AsyncPolicy`
+(staleness = the version folded from - the version the update trained from). An update staler than
+max_staleness is refused and recorded, never folded.
+
+Heavy calls run one at a time in the daemon's lane, in the order asked: a task configured while an
+aggregation runs is labelled with the version that aggregation produces, which is the model it will
+read. Folding pauses while an evaluation runs (so that the evaluated and checkpointed model is the
+version named); training never pauses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coordinator.engine import commands as c
+from coordinator.engine import events as e
+from coordinator.engine.base import Engine
+from coordinator.errors import ProtocolError
+from coordinator.updates import check_base_version, parse_update
+from fedcore.algorithms.base import Failure, Folding, NodeUpdate
+from fedcore.seeding import stream
+
+logger = logging.getLogger(__name__)
+
+CLOSED_TASKS_KEPT = 65_536
+"""Ended tasks remembered, so that a second or a too-late update gets its true reason."""
+
+
+@dataclass(slots=True)
+class _Task:
+    spec: c.TaskSpec
+    sent_at: float
+    deadline: float
+
+
+class BufferedAsync(Engine):
+    """The asynchronous policy (`AsyncPolicy`), driven by events."""
+
+    def __init__(self, *args: Any, evaluates: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluates = evaluates
+        self.ap = self.config.asynchronous
+        self.tasks: dict[bytes, _Task] = {}
+        """Tasks in flight by id, in the order they were sent (so the first has the earliest deadline)."""
+        self.by_node: dict[str, bytes] = {}
+        self.buffer: list[NodeUpdate] = []
+        self.dispatches = 0
+        self.updates_folded = 0
+        self.totals: Counter[str] = Counter()
+        self._reserved: dict[int, tuple[c.TaskSpec, ...]] = {}
+        self._reserved_nodes: set[str] = set()
+        self._closed: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+        self._task_counts: dict[str, tuple[int, int]] = {}
+        self._since: Counter[str] = Counter()
+        self._failures: list[Failure] = []
+        self._folding: int | None = None
+        self._evaluating: int | None = None
+        self._final_fold = False
+        self._stopping = False
+        self._record: dict[str, Any] = {}
+        self._last_version_at = 0.0
+
+    # -- dispatching tasks --------------------------------------------------------------------------
+
+    def _begin(self, out: list[c.Command], now: float) -> None:
+        self._last_version_at = now
+        if self.version >= self.ap.aggregations:
+            self._finish(out)
+            return
+        self._dispatch(out, now)
+
+    def _resume_waiting(self, out: list[c.Command], now: float) -> None:
+        self._dispatch(out, now)
+
+    def _target_version(self) -> int:
+        """The model a task configured now will carry: one more while an aggregation is queued first."""
+        return self.version + (1 if self._folding is not None else 0)
+
+    def _dispatch(self, out: list[c.Command], now: float) -> None:
+        """Fill free slots with a seeded draw among the idle live nodes."""
+        if self.state != "running" or self._final_fold or self._stopping:
+            return
+        if not self.live and not self.tasks and not self._reserved and self._wait_until is None:
+            logger.warning("no live node; waiting up to %g s for one", self.policy.wait_for_nodes_s)
+            self._wait(out, 1, now)
+            return
+        free = self.ap.concurrency - len(self.tasks) - len(self._reserved_nodes)
+        idle = sorted(self.live - self.by_node.keys() - self._reserved_nodes)
+        n = min(free, len(idle))
+        if n <= 0:
+            return
+        rng = stream(self.config.seed, "async-sampler", self.dispatches)
+        self.dispatches += 1
+        chosen = sorted(idle[i] for i in rng.choice(len(idle), size=n, replace=False))
+        version = self._target_version()
+        tasks = tuple(
+            c.TaskSpec(node, self.new_id(), version, self._attempt(node, version), version) for node in chosen
+        )
+        ctx = self._context(version, tuple(chosen), "configure", version=version)
+        step = self._next_step()
+        self._reserved[step] = tasks
+        self._reserved_nodes.update(chosen)
+        out.append(c.Configure(step, ctx, tasks, ctx.settings.to_meta(), self.ap.deadline_s, inline_only=True))
+
+    def _attempt(self, node: str, version: int) -> int:
+        """How many tasks `node` had before at `version`: with the version it seeds the node's
+        training stream, so two tasks from one model never train alike."""
+        last_version, count = self._task_counts.get(node, (-1, -1))
+        attempt = count + 1 if last_version == version else 0
+        self._task_counts[node] = (version, attempt)
+        return attempt
+
+    def _configured(self, out: list[c.Command], event: e.Configured, now: float) -> None:
+        tasks = self._reserved.pop(event.step, None)
+        if tasks is None:
+            return
+        sent = []
+        for spec in tasks:
+            self._reserved_nodes.discard(spec.node)
+            if spec.node not in self.live or self._final_fold or self._stopping:
+                continue  # went offline while its task was prepared, or the run is ending: the slot is free again
+            self.tasks[spec.task] = _Task(spec, now, now + self.ap.deadline_s)
+            self.by_node[spec.node] = spec.task
+            sent.append(spec.node)
+            out.append(c.SendTask(event.step, spec.node))
+        if sent:
+            self.participation.selected(sent, tasks[0].version)
+        if len(sent) < len(tasks):
+            self._dispatch(out, now)
+
+    # -- updates --------------------------------------------------------------------------------------
+
+    def _on(self, out: list[c.Command], event: e.Event, now: float) -> None:
+        if isinstance(event, e.Configured):
+            self._configured(out, event, now)
+        elif isinstance(event, e.TaskUnsent):
+            task = self.tasks.get(event.task)
+            if task is not None:
+                self._end_task(task, "lost")
+                self._dispatch(out, now)
+        elif isinstance(event, e.Aggregated):
+            self._aggregated(out, event, now)
+        elif isinstance(event, e.Evaluated):
+            self._evaluated(out, event, now)
+        # acknowledgements are not used: every asynchronous task carries its model
+
+    def _on_update(self, out: list[c.Command], event: e.UpdateArrived, now: float) -> None:
+        message = event.message
+        node = message.sender
+        task_id = message.meta.get("task")
+        task = self.tasks.get(task_id) if isinstance(task_id, bytes) else None
+        if task is None:
+            self._unknown_task(out, event, task_id)
+            return
+        spec = task.spec
+        if spec.node != node:
+            raise ProtocolError("not-selected", f"the task {task_id.hex()} was not sent to {node}")  # type: ignore[union-attr]
+        if message.round != spec.version:
+            raise ProtocolError("wrong-version", f"update for version {message.round}, the task carried {spec.version}")
+        self._end_task(task, "answered")
+        try:
+            self._take(out, event, task, now)
+        finally:
+            self._maybe_fold(out, now)
+            self._dispatch(out, now)
+
+    def _take(self, out: list[c.Command], event: e.UpdateArrived, task: _Task, now: float) -> None:
+        message, spec = event.message, task.spec
+        node = spec.node
+        failure = message.meta.get("failed")
+        if failure is not None:
+            detail = str(failure)[:500]
+            logger.warning("node %s reports its training for version %d failed: %s", node, spec.version, detail)
+            self._failed(node, spec.version, "failed", detail)
+            return
+        if self._final_fold or self._stopping:
+            self._refuse(out, message, "finished", "the last model version is being made", receipt="late")
+            return
+        try:
+            check_base_version(message, spec.version, required=True)
+            update = parse_update(
+                message, self.schema, version=spec.version, sent_at=task.sent_at, received_at=event.received_at
+            )
+        except ProtocolError as exc:
+            self._failed(node, spec.version, "rejected", exc.detail)
+            self._refuse(out, message, exc.reason, exc.detail)
+            return
+        staleness = self._target_version() - spec.version
+        if staleness > self.ap.max_staleness:
+            detail = f"trained from version {spec.version}, {staleness} behind (max {self.ap.max_staleness})"
+            self._failed(node, spec.version, "stale", detail)
+            self._refuse(out, message, "stale", detail, receipt="stale")
+            return
+        self.buffer.append(update)
+        self._receipt(out, message, "received")
+
+    def _unknown_task(self, out: list[c.Command], event: e.UpdateArrived, task_id: object) -> None:
+        message = event.message
+        closed = self._closed.get(task_id) if isinstance(task_id, bytes) else None
+        if closed is None:
+            raise ProtocolError("wrong-round", f"update matches no task sent to {message.sender}")
+        node, why = closed
+        if node != message.sender:
+            raise ProtocolError("not-selected", f"that task was not sent to {message.sender}")
+        if why == "answered":
+            raise ProtocolError("duplicate-update", f"{node} already answered that task")
+        self.late_arrivals += 1
+        self._refuse(out, message, "expired", f"the task was {why} before the update came", receipt="late")
+
+    def _end_task(self, task: _Task, why: str) -> None:
+        spec = task.spec
+        self.tasks.pop(spec.task, None)
+        if self.by_node.get(spec.node) == spec.task:
+            del self.by_node[spec.node]
+        self._closed[spec.task] = (spec.node, why)
+        while len(self._closed) > CLOSED_TASKS_KEPT:
+            self._closed.popitem(last=False)
+        if why in ("expired", "lost"):
+            self._failed(spec.node, spec.version, why, "")
+
+    def _failed(self, node: str, version: int, reason: str, detail: str) -> None:
+        """A task that ends without an update to fold: recorded in the participation record and the metrics."""
+        record = {
+            "failed": self.participation.failed,
+            "rejected": self.participation.rejected,
+            "lost": self.participation.lost,
+            "expired": self.participation.late,
+            "stale": self.participation.late,
+        }[reason]
+        record(node)
+        self._since[reason] += 1
+        self.totals[reason] += 1
+        self._failures.append(Failure(node, version, reason, detail))  # type: ignore[arg-type]
+
+    # -- liveness and time ----------------------------------------------------------------------------
+
+    def _on_liveness(self, out: list[c.Command], node: str, online: bool, now: float) -> None:
+        if not online:
+            task_id = self.by_node.get(node)
+            if task_id is not None:
+                logger.info("node %s went offline holding a task of version %d", node, self.tasks[task_id].spec.version)
+                self._end_task(self.tasks[task_id], "lost")
+        self._dispatch(out, now)
+
+    def _deadlines(self) -> Sequence[float | None]:
+        first = next(iter(self.tasks.values()), None)
+        return (first.deadline,) if first is not None else ()
+
+    def _on_tick(self, out: list[c.Command], now: float) -> None:
+        expired = [t for t in self.tasks.values() if t.deadline <= now]
+        for task in expired:
+            logger.info(
+                "task of %s (version %d) expired after %g s", task.spec.node, task.spec.version, self.ap.deadline_s
+            )
+            self._end_task(task, "expired")
+        if expired:
+            self._dispatch(out, now)
+
+    # -- folding ---------------------------------------------------------------------------------------
+
+    def _maybe_fold(self, out: list[c.Command], now: float, *, flush: bool = False) -> None:
+        """Fold the oldest K buffered updates (all of them when flushing) into the next version."""
+        if self._folding is not None or self._evaluating is not None or not self.buffer:
+            return
+        if len(self.buffer) < self.ap.buffer and not flush:
+            return
+        k = len(self.buffer) if flush else self.ap.buffer
+        batch, self.buffer = self.buffer[:k], self.buffer[k:]
+        v = self.version
+        updates = [dataclasses.replace(u, staleness=v - u.base_version) for u in batch]
+        for u in updates:  # arrival order: a node folded twice in one version counts twice
+            self.participation.accepted(
+                u.node_id,
+                v,
+                num_samples=u.num_samples,
+                rtt_s=round(u.rtt_seconds, 6),
+                train_s=round(u.train_seconds, 6),
+            )
+        ordered = sorted(updates, key=lambda u: u.node_id)  # stable: a node's updates stay in arrival order
+        rule = self.ap.rule
+        folding = Folding(rule=rule, staleness=self.ap.staleness, server_lr=self.ap.server_lr)
+        nodes = tuple(sorted({u.node_id for u in updates}))
+        ctx = self._context(v, nodes, "aggregate", folding=folding, copy=True, version=v)
+        needed = [t.spec.version for t in self.tasks.values()]
+        needed += [s.version for specs in self._reserved.values() for s in specs]
+        needed += [u.base_version for u in self.buffer]
+        bases = tuple(sorted({u.base_version for u in updates})) if rule == "fedbuff" else ()
+        staleness = np.array([u.staleness for u in updates], dtype=np.float64)
+        self._record = {
+            "round": v,
+            "version": v + 1,
+            "folded": [u.node_id for u in ordered],
+            "staleness_mean": float(staleness.mean()),
+            "staleness_max": int(staleness.max()),
+            "flush": flush,
+        }
+        self.updates_folded += len(updates)
+        self._folding = self._next_step()
+        if v + 1 >= self.ap.aggregations:
+            self._final_fold = True
+        out.append(
+            c.Aggregate(self._folding, ctx, ordered, list(self._failures), bases, keep_from=min([v + 1, *needed]))
+        )
+        self._failures = []
+
+    def _aggregated(self, out: list[c.Command], event: e.Aggregated, now: float) -> None:
+        if event.step != self._folding:
+            return
+        self._folding = None
+        self.version += 1
+        self._record |= {"aggregated": True, **{k: float(v) for k, v in event.metrics.items()}}
+        last = self.version >= self.ap.aggregations
+        if self.evaluates and (self._eval_due(self.version - 1, self.ap.aggregations - 1) or last or self._stopping):
+            self._evaluating = event.step
+            out.append(c.Evaluate(event.step))
+            self._dispatch(out, now)
+            return
+        self._end_version(out, now, checkpoint=last or self._stopping)
+
+    def _evaluated(self, out: list[c.Command], event: e.Evaluated, now: float) -> None:
+        if event.step != self._evaluating:
+            return
+        self._evaluating = None
+        if "accuracy" in event.metrics:
+            self.accuracies.append((self.version - 1, float(event.metrics["accuracy"])))
+        self._record |= dict(event.metrics)
+        self._end_version(out, now, checkpoint=True)
+
+    def _end_version(self, out: list[c.Command], now: float, *, checkpoint: bool) -> None:
+        record = self._record | {
+            **{k: self._since[k] for k in ("stale", "expired", "lost", "rejected", "failed")},
+            "live": len(self.live),
+            "in_flight": len(self.tasks),
+            "buffered": len(self.buffer),
+            "round_seconds": round(now - self._last_version_at, 4),
+            "ended_s": round(now - (self.started_at or now), 4),
+            "model_version": self.version,
+        }
+        self._since.clear()
+        self._last_version_at = now
+        self._record = {}
+        out.append(c.Record(record))
+        done = self.version >= self.ap.aggregations
+        if "accuracy" in record:
+            logger.info("version %d: accuracy %.4f", self.version, record["accuracy"])
+        if checkpoint or done:
+            out.append(c.Checkpoint(self.version - 1, self.checkpoint_meta()))
+        progress_every = max(1, self.ap.aggregations // 100)
+        if checkpoint or done or self.version % progress_every == 0:
+            out.append(self.status(round_done=self.version - 1))
+        if done:
+            self._finish_run(out)
+        elif self._stopping:
+            self._stop_now(out)
+        else:
+            self._maybe_fold(out, now)
+            self._dispatch(out, now)
+
+    def _finish_run(self, out: list[c.Command]) -> None:
+        if self.tasks:
+            logger.info("%d tasks still in flight at the end: their updates will be refused as late", len(self.tasks))
+        self._finish(out)
+
+    # -- stopping --------------------------------------------------------------------------------------
+
+    def _stop(self, out: list[c.Command], event: e.Stop, now: float) -> None:
+        """Fold what was accepted (a partial buffer included), then stop: no accepted update is lost."""
+        self._stopping = True
+        if self._folding is None and self._evaluating is None:
+            if self.buffer:
+                self._maybe_fold(out, now, flush=True)
+            else:
+                self._stop_now(out)
+
+    def _stop_now(self, out: list[c.Command]) -> None:
+        if self.buffer:
+            self._maybe_fold(out, 0.0, flush=True)
+            return
+        self.state = "stopped"
+        out.append(c.Finish("stopped"))
+
+    def _fail(self, out: list[c.Command], error: str) -> None:
+        if self.buffer:
+            logger.error(
+                "%d accepted updates were not folded: %s", len(self.buffer), ", ".join(u.node_id for u in self.buffer)
+            )
+        super()._fail(out, error)
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def status_fields(self) -> dict[str, Any]:
+        return {
+            "round": self.version,
+            "rounds": self.ap.aggregations,
+            "model_version": self.version,
+            "engine": "async",
+            "in_flight": len(self.tasks),
+        }
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {
+            "engine": "async",
+            "round": self.version - 1,
+            "aggregations_completed": self.version,
+            "dispatches": self.dispatches,
+            "updates_folded": self.updates_folded,
+        } | self._common_meta()
+
+    def restore(self, meta: Mapping[str, Any]) -> None:
+        self._restore_common(meta)
+        self.dispatches = int(meta["dispatches"])
+        self.updates_folded = int(meta["updates_folded"])
+
+    def summary_fields(self) -> dict[str, Any]:
+        return super().summary_fields() | {
+            "rounds": self.ap.aggregations,
+            "rounds_completed": self.version,
+            "aggregations": self.ap.aggregations,
+            "aggregations_completed": self.version,
+            "updates_folded": self.updates_folded,
+            "updates_not_folded": dict(sorted(self.totals.items())),
+            "in_flight_at_end": len(self.tasks),
+            "buffered_at_end": len(self.buffer),
+            "buffer": self.ap.buffer,
+            "concurrency": self.ap.concurrency,
+            "rule": self.ap.rule,
+        }

@@ -1,0 +1,156 @@
+"""What the engine asks for, as frozen values: the engine's only output.
+
+The daemon executes them over MQTT (publishing, running the half's heavy calls in a worker thread
+and feeding their results back as events); an in-process driver executes the same ones directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedcore.algorithms.base import Failure, NodeUpdate, RoundContext
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """One task: who gets it, its id (updates must quote it), and the model version it carries."""
+
+    node: str
+    task: bytes
+    round: int
+    """The round (sync) or the model version the task was built from (async): the header's round."""
+    attempt: int
+    """Sync: the round's attempt; async: how many tasks the node had before at this version. With
+    the round it seeds the node's training stream, so that no two tasks of a node train alike."""
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Configure:
+    """Call the half's `configure_round(ctx)` and prepare the model for `tasks` (then `Configured`)."""
+
+    step: int
+    ctx: RoundContext
+    tasks: tuple[TaskSpec, ...]
+    settings: Mapping[str, Any]
+    """The training settings every task of this step carries (`TrainSettings.to_meta`)."""
+    expiry_s: float
+    """MQTT message expiry of the tasks and the model: a node that reconnects late does not train
+    on a stale task."""
+    inline_only: bool = False
+    """Every task carries its model (async mode: tasks go out one by one, so there is no broadcast)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendTask:
+    """Publish the task of `node` prepared for `step`."""
+
+    step: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """Publish `step`'s model once on the round's model topic (the broker fans it out)."""
+
+    step: int
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """Send `step`'s model to one node whose acknowledgement came after the broadcast."""
+
+    step: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Tell a node what became of its update (advisory: the metrics are the truth)."""
+
+    node: str
+    round: int
+    task: bytes | None
+    update_id: bytes
+    status: str
+    """received | late | stale | rejected"""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A message the engine refused: count it under `reason` and log why (it never goes further)."""
+
+    node: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """Call the half's `aggregate` (then `Aggregated`). With `bases`, fill `ctx.folding.bases` with
+    those versions' models; versions below `keep_from` are no longer needed by anything."""
+
+    step: int
+    ctx: RoundContext
+    updates: Sequence[NodeUpdate]
+    failures: Sequence[Failure]
+    bases: tuple[int, ...] = ()
+    keep_from: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    """Evaluate the half's models on the test (and validation) set (then `Evaluated`)."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One line of metrics.jsonl (a round attempt in sync mode, a model version in async mode)."""
+
+    record: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Snapshot the half's model and state now, with `meta`, and write them in the background."""
+
+    key: int
+    meta: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishStatus:
+    """The coordinator's retained status (every call) and state (when it changed)."""
+
+    state: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The run is over: `state` is finished, failed or stopped; `error` says why it failed."""
+
+    state: str
+    error: str = ""
+
+
+Command = (
+    Configure
+    | SendTask
+    | Broadcast
+    | Resend
+    | Receipt
+    | Refused
+    | Aggregate
+    | Evaluate
+    | Record
+    | Checkpoint
+    | PublishStatus
+    | Finish
+)

@@ -1,0 +1,109 @@
+"""What happens to the coordinator, as frozen values: the engine's only input.
+
+The daemon turns MQTT messages, timers and the results of heavy calls (configure, aggregate,
+evaluate, run in a worker thread) into these; an in-process driver makes the same ones without a
+broker. Each carries only what the engine needs to decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The run begins (after a resume, from the restored state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSeen:
+    """A node's liveness changed (its retained status, or its will when it died)."""
+
+    node: str
+    online: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """A selected node subscribed to the round's model topic and says so."""
+
+    node: str
+    round: int
+    task: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateArrived:
+    """An update (or a node's report that its training failed) passed the bus's checks: frame,
+    federation, sender matching its topic. Everything about rounds and tensors is checked here."""
+
+    message: Message
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TaskUnsent:
+    """Publishing a task failed: the node is treated as offline for that task."""
+
+    node: str
+    task: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """A timer the engine asked for (`next_deadline`) has come; the engine checks what is due."""
+
+
+@dataclass(frozen=True, slots=True)
+class Configured:
+    """The half's `configure_round` for a `Configure` command is done and its model prepared.
+
+    `inline`: the model rides in every task (no acknowledgement, no broadcast)."""
+
+    step: int
+    inline: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregated:
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop now (SIGTERM, cancellation): the engine folds what it has accepted, then finishes."""
+
+    reason: str = "stopped"
+
+
+Event = Start | NodeSeen | Acked | UpdateArrived | TaskUnsent | Tick | Configured | Aggregated | Evaluated | Stop
+
+__all__ = [
+    "Acked",
+    "Aggregated",
+    "Configured",
+    "Evaluated",
+    "Event",
+    "NodeSeen",
+    "Start",
+    "Stop",
+    "TaskUnsent",
+    "Tick",
+    "UpdateArrived",
+]
+
+
+def describe(event: Any) -> str:
+    """A short name for logs and event logs."""
+    return type(event).__name__

@@ -1,0 +1,234 @@
+"""The engine in one process with no broker: a discrete-event driver on a fake clock.
+
+The same engine the daemon drives (`SyncRounds`, `BufferedAsync`), with the same commands, executed
+directly: `configure_round`, then each selected node's half trains at once on a snapshot of what
+it was sent (as the wire would carry it) and its update "arrives" after the compute time the
+caller gives (0 by default) in virtual time; aggregation and evaluation come back as events at the
+same instant. Nothing sleeps, so a federation of hours runs in the time its training takes, and
+the same inputs always give the same event order and the same models.
+
+It replaces the hand-written round loops that tests and benchmarks used to keep beside the daemon,
+and it is what scenarios and replays run on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from broker import Kind, Message
+from coordinator.engine import commands as c
+from coordinator.engine import events as e
+from coordinator.engine.base import Engine
+from coordinator.engine.clock import FakeClock
+from coordinator.versions import ModelVersions
+from fedcore.algorithms.base import CoordinatorHalf, NodeHalf, Payload, TaskInput
+from fedcore.data import TensorDataset
+from fedcore.seeding import torch_generator
+from fedcore.tensors import flatten_groups
+from fedcore.training import TrainSettings
+
+logger = logging.getLogger(__name__)
+
+ComputeTime = Callable[[str, c.TaskSpec], float]
+"""Virtual seconds from a task being sent to its update arriving (node id, task)."""
+
+
+def _clone(payload: Payload) -> Payload:
+    """What a node receives: a copy, as encoding for the wire makes (the half's model changes later)."""
+    tensors = {g: {k: v.detach().clone() for k, v in s.items()} for g, s in payload.tensors.items()}
+    return Payload(tensors=tensors, meta=dict(payload.meta))
+
+
+@dataclass(slots=True)
+class LocalNode:
+    """A node of the federation: its half and its shard."""
+
+    half: NodeHalf
+    data: TensorDataset
+
+
+@dataclass(slots=True)
+class _Step:
+    tasks: dict[str, c.TaskSpec]
+    payloads: dict[str, Payload]
+    settings: TrainSettings
+
+
+@dataclass
+class LocalFederation:
+    """Drive `engine` with `half` and `nodes` in this process; `run` until the engine finishes."""
+
+    engine: Engine
+    half: CoordinatorHalf
+    nodes: Mapping[str, LocalNode]
+    workspace: nn.Module
+    """The model the nodes train in, one after another (as the nodes of one daemon process do)."""
+    seed: int = 0
+    evaluate: Callable[[], Mapping[str, float]] | None = None
+    compute_s: ComputeTime | None = None
+    scratch: Callable[..., nn.Module] | None = None
+    clock: FakeClock = field(default_factory=FakeClock)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """The metrics lines, as metrics.jsonl would hold them."""
+    round_records: dict[str, list[Mapping[str, Any]]] = field(default_factory=dict)
+    checkpoints: list[Mapping[str, Any]] = field(default_factory=list)
+    refused: Counter[str] = field(default_factory=Counter)
+    receipts: list[c.Receipt] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._queue: list[tuple[float, int, e.Event]] = []
+        self._order = itertools.count()
+        self._steps: dict[int, _Step] = {}
+        self._versions = ModelVersions()
+        self._started = False
+        self._online: set[str] = set()
+
+    # -- the outside world ---------------------------------------------------------------------------
+
+    def at(self, when: float, event: e.Event) -> None:
+        """Schedule `event` at virtual time `when` (availability changes, a Stop, ...)."""
+        heapq.heappush(self._queue, (max(when, self.clock.now()), next(self._order), event))
+
+    def online(self, *nodes: str, at: float | None = None) -> None:
+        for node in nodes:
+            self.at(self.clock.now() if at is None else at, e.NodeSeen(node, True))
+
+    def offline(self, *nodes: str, at: float | None = None) -> None:
+        for node in nodes:
+            self.at(self.clock.now() if at is None else at, e.NodeSeen(node, False))
+
+    # -- running -------------------------------------------------------------------------------------
+
+    def run(self, until: Callable[[], bool] | None = None, *, max_events: int = 10_000_000) -> list[dict[str, Any]]:
+        """Process events until the engine finishes (or `until()` holds); the metrics lines so far.
+        Nodes not scheduled otherwise are online from the start."""
+        if not self._started:
+            self._started = True
+            if not any(isinstance(ev, e.NodeSeen) for _, _, ev in self._queue):
+                self.online(*self.nodes)
+            self._drain_now()
+            self._feed(e.Start())
+        for _ in range(max_events):
+            if self.engine.finished or (until is not None and until()):
+                return self.records
+            self._step()
+        raise RuntimeError(f"the federation did not finish within {max_events} events")
+
+    def _drain_now(self) -> None:
+        """Events already due (the nodes' first statuses) go before the run starts, as retained messages do."""
+        while self._queue and self._queue[0][0] <= self.clock.now():
+            self._feed(heapq.heappop(self._queue)[2])
+
+    def _step(self) -> None:
+        deadline = self.engine.next_deadline()
+        if self._queue and (deadline is None or self._queue[0][0] <= deadline):
+            when, _, event = heapq.heappop(self._queue)
+        elif deadline is not None:
+            when, event = deadline, e.Tick()
+        else:
+            raise RuntimeError(f"the engine ({self.engine.state}) waits for an event that nothing will send")
+        self.clock.set(max(when, self.clock.now()))
+        self._feed(event)
+
+    def _feed(self, event: e.Event) -> None:
+        if isinstance(event, e.NodeSeen):
+            (self._online.add if event.online else self._online.discard)(event.node)
+        for command in self.engine.handle(event, self.clock.now()):
+            self._execute(command)
+
+    def _now(self, event: e.Event) -> None:
+        self.at(self.clock.now(), event)
+
+    # -- commands ------------------------------------------------------------------------------------
+
+    def _execute(self, command: c.Command) -> None:
+        if isinstance(command, c.Configure):
+            self._configure(command)
+        elif isinstance(command, c.SendTask):
+            self._train(command)
+        elif isinstance(command, c.Aggregate):
+            metrics = self.half.aggregate(self._versions.context(command), command.updates, command.failures)
+            for name, records in self.half.round_records().items():
+                self.round_records.setdefault(name, []).extend(records)
+            self._versions.prune(command.keep_from)
+            self._now(e.Aggregated(command.step, {**self.half.averaging_metrics(), **metrics}))
+        elif isinstance(command, c.Evaluate):
+            self._now(e.Evaluated(command.step, dict(self.evaluate()) if self.evaluate else {}))
+        elif isinstance(command, c.Record):
+            self.records.append(dict(command.record))
+        elif isinstance(command, c.Checkpoint):
+            self.checkpoints.append(command.meta)
+        elif isinstance(command, c.Refused):
+            self.refused[command.reason] += 1
+            logger.debug("refused from %s: %s: %s", command.node, command.reason, command.detail)
+        elif isinstance(command, c.Receipt):
+            self.receipts.append(command)
+        # Broadcast and Resend never come (every task carries its model); statuses and Finish need nothing
+
+    def _configure(self, command: c.Configure) -> None:
+        payload = self.half.configure_round(command.ctx)
+        if self.engine.config.engine == "async" and self.engine.config.asynchronous.rule == "fedbuff":
+            self._versions.keep(command.ctx.version, payload, self.half)
+        if isinstance(payload, Payload):
+            shared = _clone(payload)
+            payloads = {t.node: shared for t in command.tasks}
+        else:
+            payloads = {t.node: _clone(payload[t.node]) for t in command.tasks}
+        settings = TrainSettings.from_meta(command.settings)
+        self._steps[command.step] = _Step({t.node: t for t in command.tasks}, payloads, settings)
+        self._now(e.Configured(command.step, inline=True))
+
+    def _train(self, command: c.SendTask) -> None:
+        """The node trains now on what it was sent; its update arrives after its compute time."""
+        step = self._steps[command.step]
+        spec = step.tasks.pop(command.node)
+        payload = step.payloads.pop(command.node)
+        if not step.tasks:
+            del self._steps[command.step]
+        node = self.nodes[spec.node]
+        task = TaskInput(
+            node_id=spec.node,
+            round=spec.round,
+            payload=payload,
+            settings=step.settings,
+            **({"scratch": self.scratch} if self.scratch is not None else {}),
+        )
+        generator = torch_generator(self.seed, "node-train", spec.node, spec.round, spec.attempt)
+        compute = self.compute_s(spec.node, spec) if self.compute_s is not None else 0.0
+        try:
+            out = node.half.train(task, self.workspace, node.data, generator)
+        except Exception as exc:  # the node reports it, as the daemon's node does
+            logger.warning("%s's training for round %d failed: %r", spec.node, spec.round, exc)
+            meta: dict[str, Any] = {"task": spec.task, "failed": f"{type(exc).__name__}: {exc}"[:500]}
+            tensors = {}
+        else:
+            meta = {
+                "task": spec.task,
+                "num_samples": len(node.data),
+                "train_seconds": float(compute),
+                "payload": dict(out.meta),
+                "base_version": spec.version,
+            }
+            # the update aliases the workspace, which the next node trains in: copy it, as encoding does
+            tensors = {k: v.copy() for k, v in flatten_groups(out.tensors).items()}
+        message = Message(
+            kind=Kind.UPDATE, federation=self.engine.config.federation, round=spec.round, sender=spec.node,
+            meta=meta, tensors=tensors,
+        )  # fmt: skip
+        arrives = self.clock.now() + compute
+        self.at(arrives, e.UpdateArrived(message, arrives))
+
+    # -- what tests read -----------------------------------------------------------------------------
+
+    def model(self) -> dict[str, torch.Tensor]:
+        """A copy of the global model now."""
+        return {k: v.detach().clone() for k, v in self.half.model.state_dict().items()}

@@ -1,0 +1,477 @@
+"""Synchronous rounds as a state machine: sample, configure, send, collect until K updates, everyone
+answered or the deadline, aggregate (or retry, or skip), evaluate, checkpoint, next round.
+
+Each round attempt goes through four phases, each ended by an event:
+
+    configuring  --Configured-->  collecting  --(done | deadline)-->  aggregating  --Aggregated-->
+    evaluating   --Evaluated-->   the next attempt or round
+
+While collecting, a broadcast round first waits for the selected nodes' acknowledgements (or
+ack_timeout_s) and publishes the model once; an inline round (small models) has nothing to wait for.
+With ``policy.late_updates: carry`` an update that comes after its round closed is validated and
+folded into the next aggregation with its staleness weight instead of being refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from coordinator.engine import commands as c
+from coordinator.engine import events as e
+from coordinator.engine.base import Engine
+from coordinator.errors import ProtocolError
+from coordinator.rounds import RoundOutcome, RoundState
+from coordinator.sampler import sample
+from coordinator.updates import check_base_version, parse_update
+from fedcore.algorithms.base import Failure, Folding, NodeUpdate
+
+logger = logging.getLogger(__name__)
+
+PAST_ROUNDS_KEPT = 64
+"""Closed attempts whose late updates and acknowledgements are still recognised."""
+
+
+class SyncRounds(Engine):
+    """The synchronous round policy (`RoundPolicy`), driven by events."""
+
+    def __init__(self, *args: Any, evaluates: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluates = evaluates
+        self.round = 0
+        self.attempt = 0
+        self.rounds_completed = 0
+        self.current: RoundState | None = None
+        self.phase = "idle"
+        self._past: deque[RoundState] = deque(maxlen=PAST_ROUNDS_KEPT)
+        self._carried: dict[str, NodeUpdate] = {}
+        self._late: dict[str, NodeUpdate] = {}
+        """Late updates accepted for the next aggregation (``late_updates: carry``)."""
+        self._late_from: dict[str, tuple[int, int]] = {}
+        """The (round, attempt) each of them answered: a second one is a duplicate."""
+        self._selection: tuple[tuple[str, ...], int, bytes] | None = None
+        self._configure_step = 0
+        self._broadcast_step = 0
+        self._inline = False
+        self._ack_deadline: float | None = None
+        self._attempt_started = 0.0
+        self._record: dict[str, Any] = {}
+        self._outcome_step = 0
+
+    # -- starting an attempt -----------------------------------------------------------------------
+
+    def _begin(self, out: list[c.Command], now: float) -> None:
+        if self.round >= self.config.rounds:
+            self._finish(out)
+            return
+        self._start_attempt(out, now)
+
+    def _resume_waiting(self, out: list[c.Command], now: float) -> None:
+        self._start_attempt(out, now)
+
+    def _start_attempt(self, out: list[c.Command], now: float) -> None:
+        live = sorted(self.live)
+        if not live:
+            logger.warning(
+                "round %d: no live node; waiting up to %g s for one", self.round, self.policy.wait_for_nodes_s
+            )
+            self.phase = "waiting"
+            self._wait(out, 1, now)
+            return
+        self._attempt_started = now
+        selection = sample(
+            live,
+            fraction=self.policy.fraction,
+            over_selection=self.policy.over_selection,
+            seed=self.config.seed,
+            round=self.round,
+            attempt=self.attempt,
+            already=self._carried,
+        )
+        ctx = self._context(self.round, selection.selected, "configure")
+        task_id = self.new_id()
+        self._selection = (selection.selected, selection.target, task_id)
+        self._configure_step = self._next_step()
+        tasks = tuple(c.TaskSpec(n, task_id, self.round, self.attempt, self.version) for n in selection.selected)
+        self.phase = "configuring"
+        out.append(c.Configure(self._configure_step, ctx, tasks, ctx.settings.to_meta(), self.policy.deadline_s))
+
+    def _configured(self, out: list[c.Command], event: e.Configured, now: float) -> None:
+        if self.phase != "configuring" or event.step != self._configure_step or self._selection is None:
+            return
+        selected, target, task_id = self._selection
+        state = RoundState(
+            round=self.round,
+            attempt=self.attempt,
+            task_id=task_id,
+            selected=selected,
+            target=target,
+            schema=self.schema,
+            carried=dict(self._carried),
+            started=now,
+            version=self.version,
+        )
+        if self.current is not None:
+            self._past.append(self.current)
+        self.current = state
+        self.participation.selected(selected, self.round)
+        self.phase = "collecting"
+        self._inline = event.inline
+        for node in selected:
+            state.task_sent_at[node] = now
+            out.append(c.SendTask(event.step, node))
+        if event.inline:
+            state.model_published = True  # inside every task: no acknowledgement to wait for
+        else:
+            self._broadcast_step = event.step
+            self._ack_deadline = now + self.policy.ack_timeout_s
+            self._maybe_broadcast(out)
+        self._maybe_close(out, now)
+
+    def _maybe_broadcast(self, out: list[c.Command], *, timed_out: bool = False) -> None:
+        state = self.current
+        if state is None or state.model_published or not (state.acks_complete or timed_out):
+            return
+        if timed_out:
+            missing = sorted(set(state.selected) - state.acked - state.offline)
+            logger.warning(
+                "round %d: no acknowledgement from %s in %g s",
+                state.round,
+                ", ".join(missing),
+                self.policy.ack_timeout_s,
+            )
+        state.model_published = True
+        self._ack_deadline = None
+        out.append(c.Broadcast(self._broadcast_step, state.round))
+
+    # -- collecting ----------------------------------------------------------------------------------
+
+    def _on(self, out: list[c.Command], event: e.Event, now: float) -> None:
+        if isinstance(event, e.Configured):
+            self._configured(out, event, now)
+        elif isinstance(event, e.Acked):
+            self._acked(out, event, now)
+        elif isinstance(event, e.TaskUnsent):
+            self._offline(out, event.node, now)
+        elif isinstance(event, e.Aggregated):
+            self._aggregated(out, event, now)
+        elif isinstance(event, e.Evaluated):
+            self._evaluated(out, event, now)
+
+    def _state_for(self, node: str, round: int, task: object) -> RoundState | None:
+        """The attempt a message answers: its round and task id must match one sent to its sender."""
+        for state in ([self.current] if self.current else []) + list(reversed(self._past)):
+            if state.round == round and state.task_id == task:
+                if node not in state.selected:
+                    raise ProtocolError("not-selected", f"{node} was not selected for round {state.round}")
+                return state
+        return None
+
+    def _acked(self, out: list[c.Command], event: e.Acked, now: float) -> None:
+        try:
+            state = self._state_for(event.node, event.round, event.task)
+        except ProtocolError as exc:
+            self.refused[exc.reason] += 1
+            out.append(c.Refused(event.node, exc.reason, exc.detail))
+            return
+        if state is None or state.closed:
+            return  # an ack for a closed round needs nothing
+        state.on_ack(event.node)
+        if state.model_published and state is self.current and not self._inline:
+            logger.info("node %s acknowledged after the broadcast; re-sending the model to it", event.node)
+            out.append(c.Resend(self._broadcast_step, event.node))
+        self._maybe_broadcast(out)
+        self._maybe_close(out, now)
+
+    def _on_liveness(self, out: list[c.Command], node: str, online: bool, now: float) -> None:
+        if not online:
+            self._offline(out, node, now)
+
+    def _offline(self, out: list[c.Command], node: str, now: float) -> None:
+        state = self.current
+        if state is not None and not state.closed:
+            state.on_offline(node)
+            self._maybe_broadcast(out)
+            self._maybe_close(out, now)
+
+    def _on_update(self, out: list[c.Command], event: e.UpdateArrived, now: float) -> None:
+        message = event.message
+        node = message.sender
+        state = self._state_for(node, message.round, message.meta.get("task"))
+        if state is None:
+            raise ProtocolError("wrong-round", f"update for round {message.round} matches no task sent to {node}")
+        if state.answered(node) or node in state.carried or self._late_from.get(node) == (state.round, state.attempt):
+            raise ProtocolError("duplicate-update", f"{node} already answered round {state.round}")
+        if state.closed:
+            self._late_update(out, state, event)
+            return
+        failure = message.meta.get("failed")
+        if failure is not None:
+            detail = str(failure)[:500]
+            logger.warning("node %s reports its training for round %d failed: %s", node, state.round, detail)
+            state.on_failed(node, detail)
+        else:
+            try:
+                check_base_version(message, state.version)
+                update = parse_update(
+                    message,
+                    self.schema,
+                    version=state.version,
+                    sent_at=state.task_sent_at.get(node, state.started),
+                    received_at=event.received_at,
+                )
+            except ProtocolError as exc:
+                state.on_rejected(node, "invalid")
+                self._refuse(out, message, exc.reason, exc.detail)
+            else:
+                state.on_accepted(update)
+                logger.debug("update from %s accepted for round %d", node, state.round)
+                self._receipt(out, message, "received")
+        self._maybe_close(out, now)
+
+    def _late_update(self, out: list[c.Command], state: RoundState, event: e.UpdateArrived) -> None:
+        """After its round closed: refused as late, or (late_updates: carry) kept for the next aggregation."""
+        message = event.message
+        node = message.sender
+        carry = self.policy.late_updates == "carry" and self._aggregation_ahead()
+        if not carry or "failed" in message.meta:
+            self.late_arrivals += 1
+            logger.warning(
+                "late update from %s for round %d (now round %d): not aggregated", node, state.round, self.round
+            )
+            self._receipt(out, message, "late", "the round closed before it arrived")
+            return
+        staleness = self._fold_version() - state.version
+        limit = self.config.asynchronous.max_staleness
+        if staleness > limit:
+            self.late_arrivals += 1
+            self._refuse(
+                out, message, "stale", f"trained from version {state.version}, {staleness} behind (max {limit})"
+            )
+            return
+        check_base_version(message, state.version)
+        update = parse_update(
+            message,
+            self.schema,
+            version=state.version,
+            sent_at=state.task_sent_at.get(node, state.started),
+            received_at=event.received_at,
+        )
+        if node in self._late:
+            logger.info("%s's late update of round %d replaces its older late one", node, state.round)
+        self._late[node] = update
+        self._late_from[node] = (state.round, state.attempt)
+        logger.info("late update from %s for round %d carried into the next aggregation", node, state.round)
+        self._receipt(out, message, "received", "late: carried into the next aggregation")
+
+    def _aggregation_ahead(self) -> bool:
+        """Whether an aggregation is still to come that a carried update could join."""
+        if self.phase in ("configuring", "collecting", "waiting"):
+            return True
+        return self.round + 1 < self.config.rounds
+
+    def _fold_version(self) -> int:
+        """The version the next aggregation folds from (one more while an aggregation is running)."""
+        return self.version + (1 if self.phase == "aggregating" else 0)
+
+    # -- closing ---------------------------------------------------------------------------------------
+
+    def _deadlines(self) -> Sequence[float | None]:
+        state = self.current
+        if self.phase != "collecting" or state is None:
+            return ()
+        if not state.model_published:
+            return (self._ack_deadline,)
+        return (state.started + self.policy.deadline_s,)
+
+    def _on_tick(self, out: list[c.Command], now: float) -> None:
+        if self.phase != "collecting":
+            return
+        if self._ack_deadline is not None and now >= self._ack_deadline:
+            self._maybe_broadcast(out, timed_out=True)
+        self._maybe_close(out, now)
+
+    def _maybe_close(self, out: list[c.Command], now: float) -> None:
+        state = self.current
+        if self.phase != "collecting" or state is None or not state.model_published:
+            return
+        past_deadline = now >= state.started + self.policy.deadline_s
+        if not (state.done or past_deadline):
+            return
+        if past_deadline and not state.done:
+            logger.info("round %d: deadline of %g s reached", state.round, self.policy.deadline_s)
+        self._close(out, state, state.close(self.live.__contains__), now)
+
+    def _close(self, out: list[c.Command], state: RoundState, outcome: RoundOutcome, now: float) -> None:
+        policy = self.policy
+        updates = state.updates
+        late, superseded = self._late_for(updates)
+        enough = len(updates) + len(late) >= policy.min_updates
+        last_try = policy.on_insufficient == "skip" or self.attempt == policy.max_retries
+        record: dict[str, Any] = {
+            "round": state.round,
+            "attempt": state.attempt,
+            "selected": list(state.selected),
+            "accepted": list(outcome.accepted),
+            "carried": list(outcome.carried),
+            "late": list(outcome.late),
+            "lost": list(outcome.lost),
+            "rejected": list(outcome.rejected),
+            "failed": list(outcome.failed),
+            "live": len(self.live),
+        }
+        if late or superseded:
+            record |= {"late_folded": sorted(late), "superseded": superseded}
+        self._record = record
+        if enough:
+            self._record_participation(state, outcome, late)
+            folded = {**updates, **late}
+            folding = Folding(staleness=self.config.asynchronous.staleness) if late else None
+            ctx = self._context(state.round, state.selected, "aggregate", folding=folding)
+            ordered = [folded[k] for k in sorted(folded)]
+            self._late, self._late_from = {}, {}
+            self.phase = "aggregating"
+            self._outcome_step = self._next_step()
+            out.append(c.Aggregate(self._outcome_step, ctx, ordered, self._failures(state.round, outcome)))
+            return
+        self._record_participation(state, outcome, {}, aggregated=False)
+        record["aggregated"] = False
+        if last_try and (updates or late):
+            kept = sorted({*updates, *(f"{n} (late)" for n in late)})
+            logger.warning(
+                "round %d: %d update(s) below min_updates=%d discarded: %s",
+                state.round,
+                len(kept),
+                policy.min_updates,
+                ", ".join(kept),
+            )
+            record["discarded"] = kept
+            self._late, self._late_from = {}, {}
+        elif updates:
+            self._carried = dict(updates)  # the global model is unchanged, so these stay valid
+        self._end_attempt(out, now, aggregated=False, last_try=last_try)
+
+    def _late_for(self, updates: Mapping[str, NodeUpdate]) -> tuple[dict[str, NodeUpdate], list[str]]:
+        """The carried late updates this aggregation folds, with their staleness; a node whose fresh
+        update is in the round supersedes its late one (named, never dropped silently)."""
+        superseded = sorted(n for n in self._late if n in updates)
+        for node in superseded:
+            logger.info("round %d: %s's fresh update supersedes its late one", self.round, node)
+        late = {
+            n: dataclasses.replace(u, staleness=self.version - u.base_version)
+            for n, u in self._late.items()
+            if n not in updates
+        }
+        return late, superseded
+
+    def _record_participation(
+        self, state: RoundState, outcome: RoundOutcome, late: Mapping[str, NodeUpdate], *, aggregated: bool = True
+    ) -> None:
+        """Only updates that are aggregated count as participation (KDIA's t_k and n_k)."""
+        if aggregated:
+            for update in sorted([*state.updates.values(), *late.values()], key=lambda u: u.node_id):
+                self.participation.accepted(
+                    update.node_id,
+                    state.round,
+                    num_samples=update.num_samples,
+                    rtt_s=round(update.rtt_seconds, 6),
+                    train_s=round(update.train_seconds, 6),
+                )
+        for node in outcome.late:
+            self.participation.late(node)
+        for node in outcome.lost:
+            self.participation.lost(node)
+        for node in outcome.rejected:
+            self.participation.rejected(node)
+        for node in outcome.failed:
+            self.participation.failed(node)
+
+    @staticmethod
+    def _failures(rnd: int, outcome: RoundOutcome) -> list[Failure]:
+        return (
+            [Failure(n, rnd, "late") for n in outcome.late]
+            + [Failure(n, rnd, "lost") for n in outcome.lost]
+            + [Failure(n, rnd, "rejected") for n in outcome.rejected]
+            + [Failure(n, rnd, "failed") for n in outcome.failed]
+        )
+
+    # -- after the aggregation -------------------------------------------------------------------------
+
+    def _aggregated(self, out: list[c.Command], event: e.Aggregated, now: float) -> None:
+        if self.phase != "aggregating" or event.step != self._outcome_step:
+            return
+        self.version += 1
+        self.rounds_completed += 1
+        self._record |= {"aggregated": True, **{k: float(v) for k, v in event.metrics.items()}}
+        if self.evaluates and self._eval_due(self.round, self.config.rounds - 1):
+            self.phase = "evaluating"
+            out.append(c.Evaluate(self._outcome_step))
+            return
+        self._end_attempt(out, now, aggregated=True, last_try=True)
+
+    def _evaluated(self, out: list[c.Command], event: e.Evaluated, now: float) -> None:
+        if self.phase != "evaluating" or event.step != self._outcome_step:
+            return
+        if "accuracy" in event.metrics:
+            self.accuracies.append((self.round, float(event.metrics["accuracy"])))
+        self._record |= dict(event.metrics)
+        self._end_attempt(out, now, aggregated=True, last_try=True)
+
+    def _end_attempt(self, out: list[c.Command], now: float, *, aggregated: bool, last_try: bool) -> None:
+        record = self._record
+        record |= {
+            "round_seconds": round(now - self._attempt_started, 4),
+            "ended_s": round(now - (self.started_at or now), 4),  # since the coordinator started: rounds per second
+            "model_version": self.version,
+        }
+        out.append(c.Record(record))
+        state = self.current
+        outcome_late = record["late"]
+        logger.info(
+            "round %d attempt %d: %d accepted, %d late, %d lost%s%s",
+            self.round,
+            self.attempt,
+            len(state.updates) if state is not None else 0,
+            len(outcome_late),
+            len(record["lost"]),
+            "" if aggregated else " (insufficient)",
+            f", accuracy {record['accuracy']:.4f}" if "accuracy" in record else "",
+        )
+        self._record = {}
+        if not (aggregated or last_try):
+            self.attempt += 1
+            self._start_attempt(out, now)
+            return
+        out.append(c.Checkpoint(self.round, self.checkpoint_meta()))
+        out.append(self.status(round_done=self.round))
+        self.round += 1
+        self.attempt = 0
+        self._carried = {}
+        self.phase = "idle"
+        if self.round >= self.config.rounds:
+            self._finish(out)
+        else:
+            self._start_attempt(out, now)
+
+    # -- the rest ---------------------------------------------------------------------------------------
+
+    def _stop(self, out: list[c.Command], event: e.Stop, now: float) -> None:
+        self.state = "stopped"
+        out.append(c.Finish("stopped", event.reason))
+
+    def status_fields(self) -> dict[str, Any]:
+        return {"round": self.round, "rounds": self.config.rounds, "model_version": self.version}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"engine": "sync", "round": self.round, "rounds_completed": self.rounds_completed} | self._common_meta()
+
+    def restore(self, meta: Mapping[str, Any]) -> None:
+        self._restore_common(meta)
+        self.round = int(meta["round"]) + 1
+        self.rounds_completed = int(meta["rounds_completed"])
+
+    def summary_fields(self) -> dict[str, Any]:
+        return super().summary_fields() | {"rounds": self.config.rounds, "rounds_completed": self.rounds_completed}

@@ -1,0 +1,97 @@
+"""What a run reports: evaluation of the half's models, summary.json, participation.json and nodes.json.
+
+The engine decides when to evaluate and what each metrics line says; this module computes the
+figures (in a worker thread) and writes the files at the end of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from coordinator.registry import NodeRegistry
+from coordinator.run_dir import RunDir
+from fedcore.algorithms.base import CoordinatorHalf
+from fedcore.data import TensorDataset
+from fedcore.participation import ParticipationRecord
+from fedcore.training import evaluate
+
+
+class Evaluator:
+    """Test accuracy and loss of every model the half offers (the first unsuffixed), and their
+    validation accuracy when a validation split exists; the final model is chosen on the latter."""
+
+    def __init__(
+        self, half: CoordinatorHalf, test: TensorDataset | None, val: TensorDataset | None, device: str = "cpu"
+    ) -> None:
+        self.half = half
+        self.test = test
+        self.val = val
+        self.device = torch.device(device)
+        self.last_models: dict[str, dict[str, float]] = {}
+
+    def __call__(self) -> dict[str, float]:
+        """Runs in a worker thread, while nothing changes the half's models."""
+        assert self.test is not None
+        out: dict[str, float] = {}
+        models: dict[str, dict[str, float]] = {}
+        for i, (name, model) in enumerate(self.half.evaluation_models().items()):
+            accuracy, loss = evaluate(model, self.test, device=self.device)
+            suffix = "" if i == 0 else f"_{name}"
+            out[f"accuracy{suffix}"] = accuracy
+            out[f"loss{suffix}"] = loss
+            models[name] = {"test_accuracy": accuracy}
+            if self.val is not None:
+                models[name]["val_accuracy"] = out[f"val_accuracy{suffix}"] = evaluate(
+                    model, self.val, device=self.device
+                )[0]
+        self.last_models = models
+        return out
+
+    def final_model(self) -> dict[str, Any]:
+        """The model a user should deploy: the best on the validation split at the last evaluation
+        (never chosen on the test set); the first model when there is no validation split."""
+        if not self.last_models:
+            return {}
+        names = list(self.last_models)
+        chosen = names[0]
+        if self.val is not None:
+            chosen = max(names, key=lambda n: (self.last_models[n]["val_accuracy"], -names.index(n)))
+        return {
+            "final_model": chosen,
+            "final_model_accuracy": self.last_models[chosen]["test_accuracy"],
+            "models": self.last_models,
+        }
+
+
+def participation_totals(record: ParticipationRecord) -> dict[str, int]:
+    return {
+        "accepted": sum(n.count for n in record),
+        "late": sum(n.late for n in record),
+        "lost": sum(n.lost for n in record),
+        "rejected": sum(n.rejected for n in record),
+        "failed": sum(n.failed for n in record),
+    }
+
+
+def write_run_files(
+    run_dir: RunDir, summary: Mapping[str, Any], record: ParticipationRecord, registry: NodeRegistry
+) -> None:
+    """summary.json, participation.json and nodes.json, each atomically."""
+    run_dir.write_json("summary.json", dict(summary))
+    run_dir.write_json("participation.json", record.to_json())
+    run_dir.write_json(
+        "nodes.json",
+        [
+            {
+                "node_id": n.node_id,
+                "online": n.online,
+                "device": n.device,
+                "num_samples": n.num_samples,
+                "label_histogram": n.label_histogram,
+            }
+            for n in registry.all()
+        ],
+    )

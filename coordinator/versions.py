@@ -1,0 +1,47 @@
+"""The models that asynchronous tasks were built from, kept while an update may still be folded
+against one of them (FedBuff adds each update's delta from the model its node received)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from coordinator.engine.commands import Aggregate
+from coordinator.errors import CoordinatorError
+from fedcore.algorithms.base import CoordinatorHalf, Payload, RoundContext
+from fedcore.tensors import StateDict, cpu_copy
+
+
+class ModelVersions:
+    """Version -> a copy of the 'model' group its tasks carried. Filled when a version's first task
+    is configured, read by the `Aggregate` that folds its updates, pruned by `Aggregate.keep_from`."""
+
+    def __init__(self) -> None:
+        self._models: dict[int, StateDict] = {}
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def keep(self, version: int, payload: Payload | Mapping[str, Payload], half: CoordinatorHalf) -> None:
+        """Call right after `configure_round` for `version` (the half's model is that version then)."""
+        if version in self._models:
+            return
+        first = payload if isinstance(payload, Payload) else next(iter(payload.values()), None)
+        group = first.tensors.get("model") if first is not None else None
+        self._models[version] = cpu_copy(group if group is not None else half.model.state_dict())
+
+    def context(self, command: Aggregate) -> RoundContext:
+        """The command's context with the base models its updates trained from."""
+        if not command.bases:
+            return command.ctx
+        missing = [v for v in command.bases if v not in self._models]
+        if missing:
+            raise CoordinatorError(f"the models of versions {missing} were not kept")
+        bases = {v: self._models[v] for v in command.bases}
+        return replace(command.ctx, folding=replace(command.ctx.folding, bases=bases))
+
+    def prune(self, keep_from: int | None) -> None:
+        if keep_from is None:
+            return
+        for version in [v for v in self._models if v < keep_from]:
+            del self._models[version]

@@ -1,0 +1,217 @@
+"""BufferedAsync on a fake clock: slots, versions, staleness, the buffer, refusals, deadlines, the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.engine import commands as c
+from coordinator.engine import events as e
+from coordinator.engine.buffered import BufferedAsync
+from tests.coordinator.engine_helpers import Driver, config, failure, of, one, update
+
+NODES = ("a", "b", "c", "d", "e")
+
+
+def _driver(evaluates: bool = False, **policy: object) -> Driver:
+    options = {"buffer": 2, "concurrency": 3, "max_staleness": 5, "aggregations": 10, "deadline_s": 20.0} | policy
+    d = Driver(config(engine="async", **options), evaluates=evaluates)
+    assert isinstance(d.engine, BufferedAsync)
+    return d
+
+
+def _configure(d: Driver, out: list[c.Command] | None = None) -> list[c.TaskSpec]:
+    """Configure every pending Configure in `out` (default: the log's last) and return its tasks."""
+    tasks = []
+    for configure in of(c.Configure, out if out is not None else d.log[-1:]):
+        d.feed(e.Configured(configure.step, inline=True))
+        tasks += configure.tasks
+    return tasks
+
+
+def _busy(d: Driver) -> set[str]:
+    assert isinstance(d.engine, BufferedAsync)
+    return set(d.engine.by_node)
+
+
+def test_async_start_fills_the_slots_with_a_seeded_draw_of_inline_tasks() -> None:
+    """concurrency 3 of 5 live nodes: one Configure of 3 tasks at version 0, each its own id, every
+    model inside its task; the same arrivals give the same draw."""
+    d = _driver()
+    configure = one(c.Configure, d.start(*NODES))
+    assert len(configure.tasks) == 3 and configure.inline_only
+    assert {t.version for t in configure.tasks} == {0} and len({t.task for t in configure.tasks}) == 3
+    again = one(c.Configure, _driver().start(*NODES))
+    assert [t.node for t in again.tasks] == [t.node for t in configure.tasks]
+    out = d.feed(e.Configured(configure.step, inline=True))
+    assert [s.node for s in of(c.SendTask, out)] == [t.node for t in configure.tasks]
+
+
+def test_async_delivery_refills_the_slot_at_once_and_no_node_holds_two_tasks() -> None:
+    d = _driver()
+    tasks = _configure(d, d.start(*NODES))
+    out = d.feed(update(tasks[0]), at=1.0)
+    assert one(c.Receipt, out).status == "received"
+    refill = one(c.Configure, out)
+    assert len(refill.tasks) == 1 and refill.tasks[0].node not in {t.node for t in tasks[1:]}
+    d.feed(e.Configured(refill.step, inline=True))
+    assert len(_busy(d)) == 3
+
+
+def test_async_every_k_updates_fold_into_a_new_version_with_staleness() -> None:
+    """K = 2: the second update triggers one Aggregate (FedBuff rule, bases given) of both, each with
+    staleness 0; the version moves on when Aggregated comes back; tasks configured meanwhile carry it."""
+    d = _driver()
+    tasks = _configure(d, d.start(*NODES))
+    assert not of(c.Aggregate, d.feed(update(tasks[0])))
+    out = d.feed(update(tasks[1]))
+    aggregate = one(c.Aggregate, out)
+    assert aggregate.ctx.folding.rule == "fedbuff" and aggregate.bases == (0,)
+    assert [u.staleness for u in aggregate.updates] == [0, 0] and aggregate.ctx.round == 0
+    assert {t.version for t in one(c.Configure, out).tasks} == {1}, "a task configured during the fold must carry v+1"
+    out = d.feed(e.Aggregated(aggregate.step, {"train_loss": 0.3}))
+    record = one(c.Record, out).record
+    assert (record["round"], record["version"], record["model_version"]) == (0, 1, 1)
+    assert record["staleness_mean"] == 0 and record["train_loss"] == 0.3
+    assert d.engine.version == 1 and d.engine.participation.get(tasks[0].node).last_round == 0  # type: ignore[union-attr]
+
+
+def test_async_buffer_of_one_is_fedasync_and_staleness_counts_versions_behind() -> None:
+    """K = 1: each update is its own version (FedAsync's rule); the slow node's update, trained from
+    version 0, is folded at version 2 with staleness 2, after the fast node delivered twice."""
+    d = _driver(buffer=1, concurrency=2)
+    slow, fast = _configure(d, d.start("a", "b"))
+    for version in (0, 1):
+        out = d.feed(update(fast))
+        aggregate = one(c.Aggregate, out)
+        assert aggregate.ctx.folding.rule == "fedasync" and aggregate.bases == () and aggregate.ctx.version == version
+        (fast,) = _configure(d, out)
+        assert fast.version == version + 1
+        d.feed(e.Aggregated(aggregate.step, {}))
+    aggregate = one(c.Aggregate, d.feed(update(slow)))
+    assert aggregate.updates[0].staleness == 2 and aggregate.updates[0].base_version == 0
+
+
+def test_async_update_staler_than_max_staleness_is_refused_and_recorded() -> None:
+    d = _driver(buffer=1, concurrency=2, max_staleness=0)
+    slow, fast = _configure(d, d.start("a", "b"))
+    aggregate = one(c.Aggregate, d.feed(update(fast)))
+    d.feed(e.Aggregated(aggregate.step, {}))
+    out = d.feed(update(slow))
+    assert one(c.Refused, out).reason == "stale" and one(c.Receipt, out).status == "stale"
+    assert not of(c.Aggregate, out) and d.engine.participation.get(slow.node).late == 1  # type: ignore[union-attr]
+    assert one(c.Configure, out).tasks[0].version == 1, "the slot was not refilled"
+
+
+def test_async_task_past_its_deadline_expires_its_slot_is_refilled_and_its_update_refused() -> None:
+    d = _driver(concurrency=2)
+    first, _ = _configure(d, d.start("a", "b", "c"))
+    assert d.engine.next_deadline() == pytest.approx(20.0)
+    out = d.tick(20.0)
+    assert len(one(c.Configure, out).tasks) == 2, "both expired slots must be refilled"
+    late = d.feed(update(first), at=21.0)
+    assert one(c.Refused, late).reason == "expired" and one(c.Receipt, late).status == "late"
+    assert d.engine.participation.get(first.node).late == 1  # type: ignore[union-attr]
+
+
+def test_async_node_going_offline_loses_its_task_and_is_replaced() -> None:
+    d = _driver(concurrency=2)
+    tasks = _configure(d, d.start("a", "b", "c"))
+    gone = tasks[0].node
+    out = d.feed(e.NodeSeen(gone, False))
+    replacement = one(c.Configure, out).tasks[0]
+    assert replacement.node != gone and d.engine.participation.get(gone).lost == 1  # type: ignore[union-attr]
+
+
+def test_async_forged_duplicate_and_unknown_updates_are_refused_with_reasons() -> None:
+    """Another node's task, a header version that is not the task's, a missing base_version, a second
+    update for one task, a task never sent: each refused, counted, and nothing is folded."""
+    d = _driver(buffer=5)
+    a, b, cc = _configure(d, d.start("a", "b", "c"))
+    forged = update(a)
+    object.__setattr__(forged.message, "sender", b.node)
+    assert one(c.Refused, d.feed(forged)).reason == "not-selected"
+    wrong = update(b)
+    object.__setattr__(wrong.message, "round", 7)
+    assert one(c.Refused, d.feed(wrong)).reason == "wrong-version"
+    assert one(c.Refused, d.feed(update(cc, base_version=None))).reason == "wrong-version"
+    d.feed(update(a))
+    assert one(c.Refused, d.feed(update(a))).reason == "duplicate-update"
+    unknown = update(a)
+    unknown.message.meta["task"] = b"z" * 16  # type: ignore[index]
+    assert one(c.Refused, d.feed(unknown)).reason == "wrong-round"
+    assert isinstance(d.engine, BufferedAsync) and len(d.engine.buffer) == 1 and not of(c.Aggregate, d.log)
+
+
+def test_async_reported_failure_frees_the_slot_and_is_passed_as_a_failure() -> None:
+    d = _driver()
+    a, b, cc = _configure(d, d.start("a", "b", "c"))
+    assert of(c.Configure, d.feed(failure(a)))
+    d.feed(update(b))
+    aggregate = one(c.Aggregate, d.feed(update(cc)))
+    assert [(f.node_id, f.reason) for f in aggregate.failures] == [(a.node, "failed")]
+
+
+def test_async_evaluation_pauses_folding_and_checkpoints_the_version_it_names() -> None:
+    """eval_every 1: after Aggregated comes Evaluate; updates keep arriving and are buffered but not
+    folded until Evaluated, which brings the Record, the Checkpoint and the next fold."""
+    d = _driver(evaluates=True, buffer=1, concurrency=3)
+    a, b, _ = _configure(d, d.start("a", "b", "c"))
+    aggregate = one(c.Aggregate, d.feed(update(a)))
+    evaluate = one(c.Evaluate, d.feed(e.Aggregated(aggregate.step, {})))
+    assert not of(c.Aggregate, d.feed(update(b))), "folded while evaluating"
+    out = d.feed(e.Evaluated(evaluate.step, {"accuracy": 0.6}))
+    assert one(c.Record, out).record["accuracy"] == 0.6 and one(c.Checkpoint, out).key == 0
+    nxt = one(c.Aggregate, out)
+    assert nxt.ctx.version == 1 and nxt.updates[0].node_id == b.node and nxt.updates[0].staleness == 1
+
+
+def test_async_run_ends_at_the_last_version_and_refuses_what_comes_after() -> None:
+    """aggregations 1: the fold that makes version 1 is the last; an update arriving during it is
+    refused as finished (not accepted, so none is dropped); then Finish."""
+    d = _driver(aggregations=1)
+    a, b, cc = _configure(d, d.start("a", "b", "c"))
+    d.feed(update(a))
+    aggregate = one(c.Aggregate, d.feed(update(b)))
+    assert one(c.Refused, d.feed(update(cc))).reason == "finished"
+    out = d.feed(e.Aggregated(aggregate.step, {}))
+    assert one(c.Finish, out).state == "finished" and one(c.Checkpoint, out).meta["engine"] == "async"
+    assert d.engine.summary_fields()["buffered_at_end"] == 0
+
+
+def test_async_stop_folds_the_partial_buffer_first() -> None:
+    """Stopping with one accepted update buffered (K = 2): it is folded (flush) before Finish."""
+    d = _driver()
+    a, *_ = _configure(d, d.start("a", "b", "c"))
+    d.feed(update(a))
+    aggregate = one(c.Aggregate, d.feed(e.Stop()))
+    assert [u.node_id for u in aggregate.updates] == [a.node]
+    out = d.feed(e.Aggregated(aggregate.step, {}))
+    assert one(c.Record, out).record["flush"] and one(c.Finish, out).state == "stopped"
+
+
+def test_async_a_node_twice_in_one_buffer_is_folded_twice_and_counted_twice() -> None:
+    """K = 3 with two nodes: a delivers, is re-tasked at the same version and delivers again before
+    the buffer fills: both its updates are folded, its second task trained from another seed."""
+    d = _driver(buffer=3, concurrency=2)
+    first = _configure(d, d.start("a", "b"))
+    a = next(t for t in first if t.node == "a")
+    out = d.feed(update(a))
+    again = _configure(d, out)
+    assert again[0].node == "a" and again[0].attempt == 1 and again[0].version == 0
+    d.feed(update(again[0]))
+    aggregate = one(c.Aggregate, d.feed(update(next(t for t in first if t.node == "b"))))
+    assert [u.node_id for u in aggregate.updates] == ["a", "a", "b"]
+    assert d.engine.participation.get("a").count == 2  # type: ignore[union-attr]
+
+
+def test_async_resume_restores_version_record_and_draws() -> None:
+    d = _driver(evaluates=True, buffer=1)
+    a, *_ = _configure(d, d.start(*NODES))
+    aggregate = one(c.Aggregate, d.feed(update(a)))
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.5}))
+    meta = one(c.Checkpoint, d.log).meta
+    resumed = _driver(evaluates=True, buffer=1)
+    resumed.engine.restore(meta)
+    configure = one(c.Configure, resumed.start(*NODES))
+    assert {t.version for t in configure.tasks} == {1} and resumed.engine.accuracies == [(0, 0.5)]

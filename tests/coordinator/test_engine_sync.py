@@ -1,0 +1,260 @@
+"""SyncRounds on a fake clock: every round policy decision without a broker, in milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.engine import commands as c
+from coordinator.engine import events as e
+from coordinator.engine.sync import SyncRounds
+from tests.coordinator.engine_helpers import Driver, config, failure, of, one, update
+
+NODES = ("a", "b", "c")
+
+
+def _round(d: Driver, *, inline: bool = True) -> c.Configure:
+    """The pending Configure of the engine, configured (as the daemon would report)."""
+    configure = of(c.Configure, d.log)[-1]
+    d.feed(e.Configured(configure.step, inline=inline))
+    return configure
+
+
+def test_sync_round_closes_when_everyone_answered_then_aggregates_evaluates_and_moves_on() -> None:
+    """All three updates in: one Aggregate (updates by node id), then Evaluate, Record, Checkpoint, status, round 1."""
+    d = Driver(config(policy={"min_nodes": 3}))
+    assert of(c.Configure, d.start(*NODES[:2])) == [], "round 0 began before min_nodes were live"
+    configure = one(c.Configure, d.feed(e.NodeSeen("c", True)))
+    assert [t.node for t in configure.tasks] == list(NODES) and {t.version for t in configure.tasks} == {0}
+    out = d.feed(e.Configured(configure.step, inline=True))
+    assert [s.node for s in of(c.SendTask, out)] == list(NODES) and not of(c.Broadcast, out)
+    tasks = {t.node: t for t in configure.tasks}
+    d.feed(update(tasks["c"]), at=1.0)
+    d.feed(update(tasks["a"]), at=1.5)
+    out = d.feed(update(tasks["b"]), at=2.0)
+    aggregate = one(c.Aggregate, out)
+    assert [u.node_id for u in aggregate.updates] == list(NODES) and aggregate.failures == []
+    assert all(u.base_version == 0 and u.staleness == 0 for u in aggregate.updates)
+    assert len(of(c.Receipt, d.log)) == 3 and {r.status for r in of(c.Receipt, d.log)} == {"received"}
+    evaluate = one(c.Evaluate, d.feed(e.Aggregated(aggregate.step, {"train_loss": 0.5}), at=2.1))
+    out = d.feed(e.Evaluated(evaluate.step, {"accuracy": 0.75, "loss": 1.0}), at=2.2)
+    record = one(c.Record, out).record
+    assert record["accepted"] == list(NODES) and record["accuracy"] == 0.75 and record["model_version"] == 1
+    assert record["round_seconds"] == pytest.approx(2.2) and record["train_loss"] == 0.5
+    assert one(c.Checkpoint, out).key == 0 and one(c.PublishStatus, out).fields["round_done"] == 0
+    assert one(c.Configure, out).ctx.round == 1 and one(c.Configure, out).tasks[0].version == 1
+    assert d.engine.participation.get("a").last_round == 0  # type: ignore[union-attr]
+
+
+def test_sync_round_closes_at_the_deadline_and_the_silent_node_is_late() -> None:
+    """No update from c: the engine asks for a tick at started + deadline_s and closes then, c late."""
+    d = Driver(config())
+    d.start(*NODES)
+    configure = _round(d)
+    tasks = {t.node: t for t in configure.tasks}
+    d.feed(update(tasks["a"]), at=1)
+    d.feed(update(tasks["b"]), at=2)
+    assert d.engine.next_deadline() == pytest.approx(10.0)
+    assert not of(c.Aggregate, d.tick(9.99))
+    aggregate = one(c.Aggregate, d.tick(10.0))
+    assert [u.node_id for u in aggregate.updates] == ["a", "b"]
+    assert [(f.node_id, f.reason) for f in aggregate.failures] == [("c", "late")]
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.1}))
+    assert one(c.Record, d.log).record["late"] == ["c"]
+    assert d.engine.participation.get("c").late == 1  # type: ignore[union-attr]
+
+
+def test_sync_over_selection_closes_at_k_updates() -> None:
+    """C = 0.5 of 4 live nodes is K = 2; over_selection 1.5 asks 3 and closes at the second update."""
+    d = Driver(config(policy={"fraction": 0.5, "over_selection": 1.5}))
+    d.start("a", "b", "c", "d")
+    configure = _round(d)
+    assert len(configure.tasks) == 3
+    first, second, third = configure.tasks
+    assert not of(c.Aggregate, d.feed(update(third)))
+    aggregate = one(c.Aggregate, d.feed(update(first)))
+    assert sorted(u.node_id for u in aggregate.updates) == sorted([first.node, third.node])
+    assert [f.node_id for f in aggregate.failures] == [second.node]
+
+
+def test_sync_node_going_offline_mid_round_is_lost_and_not_waited_for() -> None:
+    """b's will fires: the round closes as soon as a and c answered, with b lost, long before the deadline."""
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    d.feed(update(tasks["a"]), at=0.5)
+    d.feed(e.NodeSeen("b", False), at=0.6)
+    aggregate = one(c.Aggregate, d.feed(update(tasks["c"]), at=0.7))
+    assert [(f.node_id, f.reason) for f in aggregate.failures] == [("b", "lost")]
+    d.feed(e.Aggregated(aggregate.step, {}))
+    out = d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.2}))
+    assert [t.node for t in one(c.Configure, out).tasks] == ["a", "c"], "round 1 sampled an offline node"
+
+
+def test_sync_reported_failure_counts_as_an_answer() -> None:
+    """A node that says its training failed is recorded failed; the round does not wait for it."""
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    d.feed(update(tasks["a"]))
+    d.feed(failure(tasks["b"]))
+    aggregate = one(c.Aggregate, d.feed(update(tasks["c"])))
+    assert [(f.node_id, f.reason) for f in aggregate.failures] == [("b", "failed")]
+
+
+def test_sync_insufficient_updates_retry_carries_the_accepted_then_skip_discards() -> None:
+    """min_updates 3 with c lost: attempt 0 falls short, attempt 1 carries a and b and asks nobody
+    new; at max_retries the round gives up and names the discarded updates."""
+    d = Driver(config(policy={"min_updates": 3, "max_retries": 1}))
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    d.feed(update(tasks["a"]))
+    d.feed(update(tasks["b"]))
+    out = d.feed(e.NodeSeen("c", False))
+    assert not of(c.Aggregate, out)
+    record = one(c.Record, out).record
+    assert (record["attempt"], record["aggregated"], record["lost"]) == (0, False, ["c"])
+    retry = one(c.Configure, out)
+    assert retry.ctx.round == 0 and retry.tasks == (), "the retry asked nodes whose updates were carried"
+    out = d.feed(e.Configured(retry.step, inline=True))
+    record = one(c.Record, out).record
+    assert record["carried"] == ["a", "b"] and record["discarded"] == ["a", "b"] and not record["aggregated"]
+    assert one(c.Configure, out).ctx.round == 1
+    assert d.engine.participation.get("a").count == 0  # type: ignore[union-attr]
+
+
+def test_sync_late_and_duplicate_updates_are_refused_with_reasons() -> None:
+    """After the deadline, c's update gets a late receipt; a second update from a is a duplicate; an
+    update quoting another task matches no round; none reaches an aggregation."""
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    d.feed(update(tasks["a"]))
+    out = d.feed(update(tasks["a"]))
+    assert one(c.Refused, out).reason == "duplicate-update" and not of(c.Receipt, out)
+    d.feed(update(tasks["b"]))
+    aggregate = one(c.Aggregate, d.tick(10.0))
+    out = d.feed(update(tasks["c"]), at=10.5)
+    assert one(c.Receipt, out).status == "late" and d.engine.late_arrivals == 1
+    forged = update(tasks["c"])
+    forged.message.meta["task"] = b"x" * 16  # type: ignore[index]
+    assert one(c.Refused, d.feed(forged)).reason == "wrong-round"
+    assert len(aggregate.updates) == 2
+
+
+def test_sync_update_claiming_another_base_version_is_refused_as_wrong_version() -> None:
+    """A node (or a forger) saying it trained from version 7 when the task carried 0: refused, receipt sent."""
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    out = d.feed(update(tasks["a"], base_version=7))
+    assert one(c.Refused, out).reason == "wrong-version"
+    assert one(c.Receipt, out).status == "rejected" and one(c.Receipt, out).reason == "wrong-version"
+
+
+def test_sync_broadcast_waits_for_acks_or_the_ack_timeout_and_resends_to_a_late_ack() -> None:
+    """A large model: published once when every node acknowledged, or at ack_timeout_s without b;
+    b's late acknowledgement gets the model on its own topic."""
+    d = Driver(config())
+    d.start(*NODES)
+    configure = _round(d, inline=False)
+    tasks = {t.node: t for t in configure.tasks}
+    d.feed(e.Acked("a", 0, tasks["a"].task))
+    d.feed(e.Acked("c", 0, tasks["c"].task))
+    assert not of(c.Broadcast, d.log) and d.engine.next_deadline() == pytest.approx(1.0)
+    assert one(c.Broadcast, d.tick(1.0)).round == 0
+    assert d.engine.next_deadline() == pytest.approx(10.0)
+    assert one(c.Resend, d.feed(e.Acked("b", 0, tasks["b"].task), at=1.2)).node == "b"
+
+
+def test_sync_broadcast_goes_out_as_soon_as_all_acknowledged() -> None:
+    d = Driver(config())
+    d.start("a", "b")
+    tasks = {t.node: t for t in _round(d, inline=False).tasks}
+    d.feed(e.Acked("a", 0, tasks["a"].task))
+    assert one(c.Broadcast, d.feed(e.Acked("b", 0, tasks["b"].task), at=0.1)).round == 0
+
+
+def test_sync_late_update_is_carried_with_its_staleness_when_asked() -> None:
+    """late_updates: carry: c's update of round 0 arrives during round 1, is accepted, and is folded
+    into round 1's aggregation with staleness 1 under the configured weight; b's fresh update of
+    round 1 supersedes b's late one."""
+    d = Driver(config(policy={"late_updates": "carry"}, staleness={"fn": "polynomial", "a": 0.5}))
+    d.start(*NODES)
+    round0 = {t.node: t for t in _round(d).tasks}
+    d.feed(update(round0["a"]))
+    aggregate = one(c.Aggregate, d.tick(10.0))
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.3}))
+    round1 = {t.node: t for t in _round(d).tasks}
+    assert one(c.Receipt, d.feed(update(round0["c"], value=3.0))).status == "received"
+    d.feed(update(round0["b"], value=5.0))
+    d.feed(update(round1["a"]))
+    d.feed(update(round1["b"]))
+    out = d.feed(failure(round1["c"]))
+    aggregate = one(c.Aggregate, out)
+    assert [(u.node_id, u.staleness, u.base_version) for u in aggregate.updates] == [
+        ("a", 0, 1),
+        ("b", 0, 1),
+        ("c", 1, 0),
+    ]
+    assert aggregate.ctx.folding.staleness(1) == pytest.approx(2**-0.5)
+    d.feed(e.Aggregated(aggregate.step, {}))
+    record = one(c.Record, d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.4}))).record
+    assert record["late_folded"] == ["c"] and record["superseded"] == ["b"]
+    assert d.engine.participation.get("c").last_round == 1  # type: ignore[union-attr]
+
+
+def test_sync_late_update_too_stale_to_carry_is_refused() -> None:
+    d = Driver(config(policy={"late_updates": "carry"}, max_staleness=0))
+    d.start("a", "b")
+    round0 = {t.node: t for t in _round(d).tasks}
+    d.feed(update(round0["a"]))
+    aggregate = one(c.Aggregate, d.tick(10.0))
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.3}))
+    out = d.feed(update(round0["b"]))
+    assert one(c.Refused, out).reason == "stale"
+
+
+def test_sync_waiting_for_nodes_fails_after_wait_for_nodes_s() -> None:
+    d = Driver(config(policy={"min_nodes": 2}))
+    d.start("a")
+    assert d.engine.next_deadline() == pytest.approx(30.0)
+    finish = one(c.Finish, d.tick(30.0))
+    assert finish.state == "failed" and "only 1 of the 2 nodes" in finish.error and d.engine.finished
+
+
+def test_sync_run_finishes_after_the_last_round_and_refuses_what_comes_after() -> None:
+    d = Driver(config(rounds=1), evaluates=False)
+    d.start("a")
+    spec = _round(d).tasks[0]
+    aggregate = one(c.Aggregate, d.feed(update(spec)))
+    out = d.feed(e.Aggregated(aggregate.step, {}))
+    assert not of(c.Evaluate, out) and one(c.Finish, out).state == "finished"
+    assert one(c.Refused, d.feed(update(spec))).reason == "finished"
+
+
+def test_sync_resume_continues_after_the_checkpointed_round() -> None:
+    """The checkpoint meta of round 1 restores round, version and record into a new engine."""
+    d = Driver(config(rounds=4))
+    d.start("a")
+    for _ in range(2):
+        spec = _round(d).tasks[0]
+        aggregate = one(c.Aggregate, d.feed(update(spec)))
+        d.feed(e.Aggregated(aggregate.step, {}))
+        d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.5}))
+    meta = of(c.Checkpoint, d.log)[-1].meta
+    assert (meta["round"], meta["model_version"], meta["engine"]) == (1, 2, "sync")
+    resumed = Driver(config(rounds=4))
+    assert isinstance(resumed.engine, SyncRounds)
+    resumed.engine.restore(meta)
+    configure = one(c.Configure, resumed.start("a"))
+    assert configure.ctx.round == 2 and configure.tasks[0].version == 2
+    assert resumed.engine.participation.get("a").count == 2  # type: ignore[union-attr]
+
+
+def test_sync_stop_finishes_stopped() -> None:
+    d = Driver(config())
+    d.start("a")
+    assert one(c.Finish, d.feed(e.Stop())).state == "stopped" and d.engine.state == "stopped"
