@@ -12,15 +12,17 @@ import numpy as np
 import torch
 
 from broker import BusConfig
-from coordinator.config import INLINE_MODEL_BYTES, CoordinatorConfig, RoundPolicy
+from coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
 from coordinator.daemon import Coordinator
 from experiments.config import ExperimentConfig
 from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
+from fedcore.algorithms.base import CoordinatorHalf
 from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset
 from fedcore.errors import ConfigError
 from fedcore.models import build_model
 from fedcore.partition import label_histograms, partition
 from fedcore.seeding import torch_seed
+from fedcore.staleness import Staleness
 from fedcore.training import TrainSettings, best_device
 from fednode.config import Faults, NodeConfig
 from fednode.daemon import NodeDaemon
@@ -131,17 +133,21 @@ def make_model(cfg: ExperimentConfig, data: TensorDataset) -> torch.nn.Module:
     )
 
 
-def build_coordinator(
-    cfg: ExperimentConfig, url: str, out_dir: Path, *, federation: str | None = None, resume: bool = False
-) -> Coordinator:
+def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
+    """The method's coordinator half on the global model, with the experiment's averaging rule."""
     spec = get_algorithm(cfg.method.name)
     hp = build_hyperparams(spec, cfg.method.hyperparams)
-    split = load_split(cfg)
     half = spec.coordinator(hp, model=make_model(cfg, split.test), device=best_device())
     if cfg.method.aggregator.name != "mean":
         half.average = build_aggregator(
             cfg.method.aggregator.name, cfg.method.aggregator.options, model=half.model, device=half.device
         )
+    return half
+
+
+def coordinator_config(
+    cfg: ExperimentConfig, out_dir: Path, *, federation: str | None = None, resume: bool = False
+) -> CoordinatorConfig:
     policy = RoundPolicy(
         fraction=cfg.fraction,
         over_selection=cfg.policy.over_selection,
@@ -153,10 +159,11 @@ def build_coordinator(
         max_retries=cfg.policy.max_retries,
         min_nodes=cfg.policy.min_nodes or cfg.nodes,
         wait_for_nodes_s=cfg.policy.wait_for_nodes_s,
+        late_updates=cfg.policy.late_updates,
     )
-    config = CoordinatorConfig(
+    return CoordinatorConfig(
         federation=federation or federation_id(cfg),
-        rounds=cfg.rounds,
+        rounds=cfg.steps,
         seed=cfg.seed,
         out_dir=out_dir,
         policy=policy,
@@ -165,7 +172,17 @@ def build_coordinator(
         method=cfg.method.name,
         resume=resume,
         eval_device=str(best_device()),
+        engine=cfg.engine.kind,
+        asynchronous=async_policy(cfg),
     )
+
+
+def build_coordinator(
+    cfg: ExperimentConfig, url: str, out_dir: Path, *, federation: str | None = None, resume: bool = False
+) -> Coordinator:
+    split = load_split(cfg)
+    half = coordinator_half(cfg, split)
+    config = coordinator_config(cfg, out_dir, federation=federation, resume=resume)
     extra = {
         "experiment": cfg.name,
         "dataset": cfg.data.dataset,
@@ -174,6 +191,19 @@ def build_coordinator(
         "seed": cfg.seed,
     }
     return Coordinator(config, bus_config(cfg, url), half, split.test, val_data=split.val, extra_summary=extra)
+
+
+def async_policy(cfg: ExperimentConfig) -> AsyncPolicy:
+    eng = cfg.engine
+    return AsyncPolicy(
+        buffer=eng.buffer,
+        concurrency=eng.concurrency,
+        max_staleness=eng.max_staleness,
+        staleness=Staleness(fn=eng.staleness.fn, a=eng.staleness.a, b=eng.staleness.b),
+        server_lr=eng.server_lr,
+        aggregations=eng.aggregations,
+        deadline_s=eng.deadline_s,
+    )
 
 
 def build_nodes(

@@ -395,7 +395,7 @@ async def _coordinator(args: argparse.Namespace) -> int:
     if summary.final_accuracy is not None:
         print(
             f"final accuracy {summary.final_accuracy:.4f} (best {summary.best_accuracy:.4f}) after"
-            f" {summary.rounds_completed} rounds in {summary.wall_seconds:.1f} s"
+            f" {summary.rounds_completed} {cfg.step_name}s in {summary.wall_seconds:.1f} s"
         )
     return EXIT_OK if summary.state == "finished" else EXIT_FAILED
 

@@ -262,7 +262,12 @@ class PolicyConfig(_Strict):
     max_retries: int = Field(3, ge=0)
     min_nodes: int | None = Field(None, ge=1, description="live nodes before round 0; default: all of them")
     wait_for_nodes_s: float = Field(120.0, gt=0)
-    _added_later = ("inline_model_bytes",)
+    late_updates: Literal["drop", "carry"] = Field(
+        "drop",
+        description="an update after its round closed: refused (drop), or folded into the next aggregation with"
+        " its staleness weight (carry; engine.staleness and engine.max_staleness)",
+    )
+    _added_later = ("inline_model_bytes", "late_updates")
 
 
 class BusSettings(_Strict):
@@ -299,14 +304,40 @@ class HostingConfig(_Strict):
     _added_later = ("vectorize", "vectorize_wait_s")
 
 
+class StalenessConfig(_Strict):
+    """s(tau), the weight of an update tau model versions old (`fedcore.staleness`)."""
+
+    fn: Literal["constant", "polynomial", "hinge", "sqrt"] = Field(
+        "polynomial", description="constant 1 | polynomial (1+tau)^-a | hinge (a, b) | sqrt 1/sqrt(1+tau)"
+    )
+    a: float = Field(0.5, gt=0, description="polynomial's exponent; hinge's slope")
+    b: float = Field(4.0, ge=0, description="hinge: versions of staleness before the weight starts to fall")
+
+
+class EngineConfig(_Strict):
+    """How the coordinator turns updates into models: synchronous rounds, or buffered asynchronous
+    aggregation (FedAsync with buffer 1, FedBuff above)."""
+
+    kind: Literal["sync", "async"] = Field("sync", description="sync rounds (default) | async")
+    buffer: int = Field(10, ge=1, description="K: aggregate every K accepted updates (1 = FedAsync, > 1 = FedBuff)")
+    concurrency: int = Field(20, ge=1, description="nodes training at once; a freed slot is refilled at once")
+    max_staleness: int = Field(20, ge=0, description="updates staler than this many versions are refused")
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    server_lr: float = Field(
+        1.0, gt=0, description="FedBuff's server step; FedAsync's mixing weight is server_lr * s(staleness)"
+    )
+    aggregations: int = Field(200, ge=1, description="model versions to produce (the async counterpart of rounds)")
+    deadline_s: float = Field(60.0, gt=0, description="a task not answered within this is lost and its slot refilled")
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(..., min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     federation: str | None = Field(None, description="topic namespace; `fedmq run` makes a unique one")
     seed: int = 0
     nodes: int = Field(..., ge=1, le=100_000)
     fraction: float = Field(0.1, gt=0, le=1, description="C: the share of live nodes sampled per round")
-    rounds: int = Field(..., ge=1)
-    eval_every: int = Field(1, ge=1)
+    rounds: int | None = Field(None, ge=1, description="synchronous rounds (required unless engine.kind is async)")
+    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds (or model versions)")
     deadline_s: float = Field(60.0, gt=0, description="a round closes at its deadline with what arrived")
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=DirichletPartition)
@@ -317,6 +348,8 @@ class ExperimentConfig(_Strict):
     bus: BusSettings = Field(default_factory=BusSettings)
     faults: dict[str, FaultConfig] = Field(default_factory=dict, description="per node id, for experiments")
     hosting: HostingConfig = Field(default_factory=HostingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    _added_later = ("engine",)
 
     @field_validator("faults")
     @classmethod
@@ -336,7 +369,26 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"policy.min_nodes {self.policy.min_nodes} exceeds nodes {self.nodes}")
         if self.bus.chunk_bytes > self.bus.max_message_bytes - 8192:
             raise ValueError("bus.chunk_bytes must be at least 8 KiB below bus.max_message_bytes")
+        if self.engine.kind == "sync" and self.rounds is None:
+            raise ValueError(
+                "rounds: required for synchronous rounds (or set engine.kind: async and engine.aggregations)"
+            )
+        if self.engine.kind == "async":
+            from fedcore.algorithms import async_refusal
+
+            reason = async_refusal(self.method.name, self.method.aggregator.name)
+            if reason is not None:
+                raise ValueError(f"engine.kind async: {self.method.name} cannot run asynchronously: {reason}")
         return self
+
+    @property
+    def steps(self) -> int:
+        """What the run counts to: rounds (sync) or model versions (async)."""
+        return self.engine.aggregations if self.engine.kind == "async" else int(self.rounds or 0)
+
+    @property
+    def step_name(self) -> str:
+        return "version" if self.engine.kind == "async" else "round"
 
     def node_ids(self) -> list[str]:
         width = max(3, len(str(self.nodes - 1)))

@@ -238,7 +238,7 @@ async def run_federation(
         if not quiet:
             console.print(
                 f"[bold]fedmq run[/] {cfg.name}: {cfg.nodes} nodes in {min(processes, cfg.nodes)} processes,"
-                f" C={cfg.fraction}, {cfg.rounds} rounds, {cfg.method.name} on {cfg.data.dataset}; {where}"
+                f" {_pace(cfg)}, {cfg.method.name} on {cfg.data.dataset}; {where}"
             )
             console.print(f"run directory: {out}")
         common = ["--config", str(config_path), "--federation", federation, *verbosity]
@@ -317,7 +317,7 @@ async def _monitor(cfg: ExperimentConfig, url: str, federation: str, console: Co
     async with client as bus:
         await bus.subscribe(topics.coordinator_status)
         with progress:
-            task = progress.add_task("rounds", total=cfg.rounds, status="waiting for nodes")
+            task = progress.add_task(f"{cfg.step_name}s", total=cfg.steps, status="waiting for nodes")
             first: tuple[float, int] | None = None  # (when, rounds done) at the first round's end
             async for envelope in bus.messages():
                 if envelope.message.kind != Kind.COORDINATOR_STATUS:
@@ -332,8 +332,17 @@ async def _monitor(cfg: ExperimentConfig, url: str, federation: str, console: Co
                     first = first or (now, done)
                     eta = ""
                     if done > first[1]:
-                        eta = f"  {(now - first[0]) / (done - first[1]) * (cfg.rounds - done):.0f} s left"
-                    console.print(f"round {done}/{cfg.rounds} {status}{eta}")
+                        eta = f"  {(now - first[0]) / (done - first[1]) * (cfg.steps - done):.0f} s left"
+                    console.print(f"{cfg.step_name} {done}/{cfg.steps} {status}{eta}")
+
+
+def _pace(cfg: ExperimentConfig) -> str:
+    """How the run proceeds, in a few words for its first line."""
+    if cfg.engine.kind == "async":
+        e = cfg.engine
+        rule = "FedAsync" if e.buffer == 1 else f"FedBuff K={e.buffer}"
+        return f"async {rule}, {e.concurrency} training at once, {e.aggregations} versions"
+    return f"C={cfg.fraction}, {cfg.rounds} rounds"
 
 
 def _report(out: Path, console: Console, returncode: int | None, wall: float, quiet: bool) -> int:
@@ -345,15 +354,21 @@ def _report(out: Path, console: Console, returncode: int | None, wall: float, qu
     final, best = summary.get("final_accuracy"), summary.get("best_accuracy")
     if summary.get("state") != "finished" or returncode != 0:
         console.print(
-            f"[red]run {summary.get('state')} after {summary.get('rounds_completed')} rounds; see {out / 'logs'}[/]"
+            f"[red]run {summary.get('state')} after {summary.get('rounds_completed')} {_steps(summary)};"
+            f" see {out / 'logs'}[/]"
         )
         return EXIT_FAILED
     totals = summary.get("participation_totals", {})
     rejected = summary.get("bus", {}).get("rejected", {})
     console.print(
-        f"[bold green]final accuracy {final:.4f}[/] (best {best:.4f}) after {summary['rounds_completed']} rounds,"
+        f"[bold green]final accuracy {final:.4f}[/] (best {best:.4f}) after {summary['rounds_completed']}"
+        f" {_steps(summary)},"
         f" {wall:.1f} s wall; updates accepted {totals.get('accepted')}, late {totals.get('late')},"
         f" lost {totals.get('lost')}" + (f"; rejected messages {rejected}" if rejected else "")
     )
     console.print(f"results: {out}/summary.json, metrics.jsonl, participation.json")
     return EXIT_OK
+
+
+def _steps(summary: dict[str, Any]) -> str:
+    return "model versions" if summary.get("engine") == "async" else "rounds"

@@ -1,0 +1,64 @@
+"""An experiment file run in this process on the engine's in-process driver: no broker, virtual time.
+
+The same data, shards, models, halves, settings and seeds as `fedmq run` builds for the daemons
+(`experiments.build`), so a run whose outcome does not depend on timing (everyone answers before
+every deadline) gives the daemons' figures round for round. Per-node compute times are virtual
+seconds: the experiment's fault delays by default, or any `ComputeTime` given (the async
+benchmark's heterogeneous speeds).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from coordinator.engine import make_engine
+from coordinator.engine.commands import TaskSpec
+from coordinator.engine.local import ComputeTime, LocalFederation, LocalNode
+from coordinator.reporting import Evaluator
+from experiments.build import coordinator_config, coordinator_half, load_split, make_model, shards
+from experiments.config import ExperimentConfig
+from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedcore.training import best_device
+from fednode.workspace import Workspace
+
+
+def fault_delays(cfg: ExperimentConfig) -> ComputeTime:
+    """The experiment's `faults` delays as virtual compute times (0 for everyone else)."""
+
+    def compute(node: str, task: TaskSpec) -> float:
+        fault = cfg.faults.get(node)
+        if fault is None or not fault.delay_s:
+            return 0.0
+        return fault.delay_s if fault.delay_rounds is None or task.round in fault.delay_rounds else 0.0
+
+    return compute
+
+
+def build_local(
+    cfg: ExperimentConfig, *, compute_s: ComputeTime | None = None, device: torch.device | None = None
+) -> LocalFederation:
+    """The experiment as a `LocalFederation`; `run()` it. Crash and error faults are not simulated."""
+    spec = get_algorithm(cfg.method.name)
+    hp = build_hyperparams(spec, cfg.method.hyperparams)
+    split = load_split(cfg)
+    parts = shards(cfg, split)
+    device = device or best_device()
+    half = coordinator_half(cfg, split)
+    config = coordinator_config(cfg, Path("."))
+    workspace = Workspace(make_model(cfg, split.train), device)
+    nodes = {
+        node: LocalNode(spec.node(hp, node_id=node), split.train.subset(parts[node]).to(device))
+        for node in cfg.node_ids()
+    }
+    return LocalFederation(
+        engine=make_engine(config, half.update_schema(), evaluates=True),
+        half=half,
+        nodes=nodes,
+        workspace=workspace.model,
+        seed=cfg.seed,
+        evaluate=Evaluator(half, split.test, split.val, config.eval_device),
+        compute_s=compute_s or fault_delays(cfg),
+        scratch=workspace.scratch,
+    )
