@@ -109,8 +109,8 @@ def test_next_model_fedasync_one_update_is_xie_mixing() -> None:
 
 
 def test_next_model_fedbuff_matches_hand_computed_buffer_step() -> None:
-    """Deltas from their bases 3 - 2, 0 - 1 (the current version: the model), 5 - 4:
-    w = 1 + 0.5 (0.2 x 1/2 x 1 - 0.6 x 1 + 0.2 x 1/3 x 1) = 47/60."""
+    """Deltas from each update's base (the current version's is the model itself), by hand; p_k = 1/K too."""
+    # deltas 3 - 2, 0 - 1, 5 - 4: w = 1 + 0.5 (0.2 x 1/2 x 1 - 0.6 x 1 + 0.2 x 1/3 x 1) = 47/60
     coordinator = _coordinator()
     folding = Folding(rule="fedbuff", staleness=POLY1, server_lr=0.5, bases=BASES)
     out = coordinator.next_model(_ctx(3, folding), _three_updates(), [10.0, 30.0, 10.0])
@@ -220,9 +220,10 @@ def test_interface_defaults_are_those_of_a_sync_round() -> None:
 
 
 def test_fedavgm_async_momentum_follows_next_model_target() -> None:
-    """beta 0.9, no dampening, eta 1, from w = 0. Version 1 (fedasync, server_lr 0.5): target
-    0.5 (0.5 x 2 + 0.5 x 1/2 x 4) = 1, v = -1, w = 1. Version 2 (fedbuff, bases {1: 0}): target
-    1 + 0.5 (0.5 x 1/2 x 3 + 0.5 x 1) = 1.625, v = 0.9 (-1) - 0.625 = -1.525, w = 2.525."""
+    """Momentum on Delta = w - next_model's target, over a fedasync then a fedbuff version, by hand."""
+    # beta 0.9, no dampening, eta 1, from w = 0. Version 1 (fedasync, server_lr 0.5): target
+    # 0.5 (0.5 x 2 + 0.5 x 1/2 x 4) = 1, v = -1, w = 1. Version 2 (fedbuff, bases {1: 0}): target
+    # 1 + 0.5 (0.5 x 1/2 x 3 + 0.5 x 1) = 1.625, v = 0.9 (-1) - 0.625 = -1.525, w = 2.525
     coordinator = _coordinator("fedavgm", 0.0, momentum=0.9, dampening=False, server_lr=1.0)
     first = [_stale(update("a", scalar_state(2.0), 10), 1, 0), _stale(update("b", scalar_state(4.0), 10), 0, 1)]
     coordinator.aggregate(_ctx(1, Folding(rule="fedasync", staleness=POLY1, server_lr=0.5)), first, [])
@@ -351,9 +352,7 @@ def _drive_kdia(teacher_mode: str) -> _Async:
 
 @pytest.mark.parametrize("teacher_mode", ["exact", "windowed", "incremental", "streaming"])
 def test_kdia_async_aggregations_give_finite_models_and_normalised_teacher_weights(teacher_mode: str) -> None:
-    """Three buffered versions with a repeated node and stale updates: finite metrics, student and
-    teacher; teacher weights finite, summing to 1; node-000's stored model is its last update of v0
-    until it is replaced at v2."""
+    """Repeated nodes and stale updates: finite metrics and models, teacher weights summing to 1, record in versions."""
     run = _drive_kdia(teacher_mode)
     coordinator = run.fed.coordinator
     for metrics in run.metrics:
@@ -382,8 +381,7 @@ def test_kdia_async_store_keeps_a_repeated_node_last_update() -> None:
 
 
 def test_kdia_async_incremental_teacher_matches_the_exact_one() -> None:
-    """The incremental teacher subtracts each replaced model with its previous (t_k, n_k): with a
-    repeated node and stale updates it still equals the exact teacher to rounding."""
+    """With repeated nodes, the incremental teacher (old mass from the previous (t_k, n_k)) equals the exact one."""
     exact, incremental = _drive_kdia("exact"), _drive_kdia("incremental")
     assert same_state(exact.fed.coordinator.model.state_dict(), incremental.fed.coordinator.model.state_dict())
     a, b = exact.fed.coordinator.teacher_model.state_dict(), incremental.fed.coordinator.teacher_model.state_dict()
@@ -419,8 +417,7 @@ CONTRACT_HYPERPARAMS: dict[str, dict[str, object]] = {"kdia": dict(SMALL_GEN)}
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_method_is_sync_only_with_a_reason_or_folds_stale_updates(name: str) -> None:
-    """sync_only is a sentence, or two buffered versions with a stale update (fedbuff, bases given)
-    give finite metrics and a finite global model that moved."""
+    """sync_only is a sentence, or two fedbuff versions with a stale update give finite metrics and model."""
     reason = ALGORITHMS[name].coordinator.sync_only
     if reason is not None:
         assert isinstance(reason, str) and len(reason.split()) >= 8 and not reason.endswith(".")
