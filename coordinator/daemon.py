@@ -162,6 +162,8 @@ class Coordinator:
                     raise CoordinatorError("the message receiver stopped")
             except asyncio.CancelledError:
                 self._state = "stopped"
+                driver.cancel()
+                await asyncio.gather(driver, return_exceptions=True)
                 await self._stop_engine()
                 raise
             except (CoordinatorError, BusError) as exc:
@@ -432,9 +434,11 @@ class Coordinator:
         self._spawn(self._bus_or_fail().publish(self.topics.receipt(command.node), receipt, qos=0))
 
     def _refused(self, command: c.Refused) -> None:
-        bus = self._bus_or_fail()
-        bus.stats.rejected[command.reason] += 1
-        logger.warning("refused update from %s: %s: %s", command.node, command.reason, command.detail)
+        if command.protocol:
+            self._bus_or_fail().stats.rejected[command.reason] += 1
+            logger.warning("refused update from %s: %s: %s", command.node, command.reason, command.detail)
+        else:
+            logger.info("update from %s not folded: %s: %s", command.node, command.reason, command.detail)
 
     def _status_message(self, state: str, fields: Mapping[str, Any]) -> Message:
         meta = {"state": state, "run_id": self.run_id, **(fields or self._status_fields())}

@@ -373,12 +373,13 @@ class ExperimentConfig(_Strict):
             raise ValueError(
                 "rounds: required for synchronous rounds (or set engine.kind: async and engine.aggregations)"
             )
-        if self.engine.kind == "async":
+        if self.engine.kind == "async" or self.policy.late_updates == "carry":
             from fedcore.algorithms import async_refusal
 
             reason = async_refusal(self.method.name, self.method.aggregator.name)
+            what = "engine.kind async" if self.engine.kind == "async" else "policy.late_updates carry"
             if reason is not None:
-                raise ValueError(f"engine.kind async: {self.method.name} cannot run asynchronously: {reason}")
+                raise ValueError(f"{what}: {self.method.name} cannot fold stale updates: {reason}")
         return self
 
     @property

@@ -77,7 +77,7 @@ class Engine(ABC):
         out: list[c.Command] = []
         if self.finished:
             if isinstance(event, e.UpdateArrived):
-                self._refuse(out, event.message, "finished", "the run is over", receipt="late")
+                self._decline(out, event.message, "finished", "the run is over", "late")
             return out
         if isinstance(event, e.Start):
             self._start(out, now)
@@ -198,10 +198,19 @@ class Engine(ABC):
     def _refuse(
         self, out: list[c.Command], message: Message, reason: str, detail: str, *, receipt: str = "rejected"
     ) -> None:
+        """A message that breaks the protocol (malformed, forged, duplicated, out of round): counted
+        with the bus's rejections, answered with a receipt unless the sender has no task to hear of."""
         self.refused[reason] += 1
         out.append(c.Refused(message.sender, reason, detail))
         if reason not in NO_RECEIPT:
             self._receipt(out, message, receipt, reason if receipt == "rejected" else detail)
+
+    def _decline(self, out: list[c.Command], message: Message, reason: str, detail: str, status: str) -> None:
+        """A valid update that policy does not fold (too late, too stale, the run is over): counted
+        with the engine's outcomes, not the bus's rejections, and the node is told why."""
+        self.refused[reason] += 1
+        out.append(c.Refused(message.sender, reason, detail, protocol=False))
+        self._receipt(out, message, status, detail)
 
     @staticmethod
     def _receipt(out: list[c.Command], message: Message, status: str, reason: str = "") -> None:

@@ -187,7 +187,7 @@ class BufferedAsync(Engine):
             self._failed(node, spec.version, "failed", detail)
             return
         if self._final_fold or self._stopping:
-            self._refuse(out, message, "finished", "the last model version is being made", receipt="late")
+            self._decline(out, message, "finished", "the last model version is being made", "late")
             return
         try:
             check_base_version(message, spec.version, required=True)
@@ -202,7 +202,7 @@ class BufferedAsync(Engine):
         if staleness > self.ap.max_staleness:
             detail = f"trained from version {spec.version}, {staleness} behind (max {self.ap.max_staleness})"
             self._failed(node, spec.version, "stale", detail)
-            self._refuse(out, message, "stale", detail, receipt="stale")
+            self._decline(out, message, "stale", detail, "stale")
             return
         self.buffer.append(update)
         self._receipt(out, message, "received")
@@ -218,7 +218,7 @@ class BufferedAsync(Engine):
         if why == "answered":
             raise ProtocolError("duplicate-update", f"{node} already answered that task")
         self.late_arrivals += 1
-        self._refuse(out, message, "expired", f"the task was {why} before the update came", receipt="late")
+        self._decline(out, message, "expired", f"the task was {why} before the update came", "late")
 
     def _end_task(self, task: _Task, why: str) -> None:
         spec = task.spec

@@ -82,11 +82,14 @@ class Receipt:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A message the engine refused: count it under `reason` and log why (it never goes further)."""
+    """An update the engine refused: log why (it never goes further) and, when it broke the protocol
+    (malformed, forged, duplicated, out of round), count it with the bus's rejections; a valid update
+    that policy does not fold (late, stale, expired, after the end) is counted by the engine only."""
 
     node: str
     reason: str
     detail: str
+    protocol: bool = True
 
 
 @dataclass(frozen=True, slots=True)

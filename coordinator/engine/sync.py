@@ -248,8 +248,12 @@ class SyncRounds(Engine):
         limit = self.config.asynchronous.max_staleness
         if staleness > limit:
             self.late_arrivals += 1
-            self._refuse(
-                out, message, "stale", f"trained from version {state.version}, {staleness} behind (max {limit})"
+            self._decline(
+                out,
+                message,
+                "stale",
+                f"trained from version {state.version}, {staleness} behind (max {limit})",
+                "stale",
             )
             return
         check_base_version(message, state.version)

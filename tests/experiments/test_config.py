@@ -38,6 +38,16 @@ def test_quickstart_config_loads_with_the_documented_settings() -> None:
         ({"faults": {"node-999": {"delay_s": 1}}}, "faults name nodes that do not exist"),
         ({"faults": {"x": {"delay_s": 1}}}, "is not a node id"),
         ({"policy": {"min_nodes": 9}}, "policy.min_nodes 9 exceeds nodes 4"),
+        ({"rounds": None}, "rounds: required for synchronous rounds"),
+        ({"engine": {"kind": "async", "buffer": 0}}, "engine.buffer: Input should be greater than or equal to 1"),
+        ({"engine": {"kind": "later"}}, "engine.kind: Input should be 'sync' or 'async'"),
+        ({"engine": {"staleness": {"fn": "linear"}}}, "engine.staleness.fn: Input should be 'constant', 'polynomial'"),
+        ({"engine": {"kind": "async"}, "method": {"name": "scaffold"}}, "scaffold cannot fold stale updates: "),
+        ({"policy": {"late_updates": "carry"}, "method": {"name": "feddyn"}}, "policy.late_updates carry: feddyn"),
+        (
+            {"engine": {"kind": "async"}, "method": {"aggregator": {"name": "fedsa"}}},
+            "engine.kind async: fedavg cannot fold stale updates",
+        ),
         ({"policy": {"inline_model_bytes": -1}}, "policy.inline_model_bytes: Input should be greater than or equal"),
     ],
 )
@@ -133,3 +143,12 @@ def test_fields_added_later_stay_out_of_a_dump_at_their_defaults() -> None:
     assert inline_model_bytes(vectorized) == 0 and vectorized.model_dump()["bus"]["tune_allocator"] is False
     chosen = parse_config(MINIMAL | {"hosting": {"vectorize": True}, "policy": {"inline_model_bytes": 10}}, source="x")
     assert inline_model_bytes(chosen) == 10 and chosen.model_dump()["policy"]["inline_model_bytes"] == 10
+
+
+def test_async_experiment_needs_no_rounds_and_counts_model_versions() -> None:
+    """An async file without rounds loads; what the run counts to is engine.aggregations."""
+    cfg = parse_config(MINIMAL | {"rounds": None, "engine": {"kind": "async", "aggregations": 7}})
+    assert (cfg.steps, cfg.step_name) == (7, "version")
+    assert (parse_config(MINIMAL).steps, parse_config(MINIMAL).step_name) == (2, "round")
+    shipped = load_config(ROOT / "experiments" / "quickstart-async.yaml")
+    assert shipped.engine.kind == "async" and shipped.rounds is None and shipped.engine.buffer == 5
