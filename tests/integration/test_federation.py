@@ -74,6 +74,29 @@ def test_straggler_past_the_deadline_is_recorded_late(tmp_path: Path, broker_url
     assert summary["late_arrivals"] == 1 and summary["rounds_completed"] == 4
 
 
+def test_straggler_past_the_deadline_is_carried_into_the_next_round_when_asked(tmp_path: Path, broker_url: str) -> None:
+    """policy.late_updates: carry: node-002's round-1 update, 3 s late, arrives during round 2 (which
+    node-000 slows down and in which node-002's own training fails), is accepted, and is folded into
+    round 2's aggregation one version stale: node-002's participation in round 2."""
+    cfg = base_config(
+        nodes=3, rounds=4, deadline_s=2.5, policy={"ack_timeout_s": 3, "late_updates": "carry"},
+        engine={"staleness": {"fn": "polynomial", "a": 0.5}},
+        faults={"node-002": {"delay_s": 3, "delay_rounds": [1], "error_at_round": 2},
+                "node-000": {"delay_s": 2, "delay_rounds": [2]}},
+    )  # fmt: skip
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert fed.wait() == 0, fed.log("coordinator.log")
+    metrics, record, summary = fed.metrics(), fed.participation(), fed.summary()
+    assert metrics[1]["late"] == ["node-002"] and metrics[1]["accepted"] == ["node-000", "node-001"]
+    assert metrics[2]["failed"] == ["node-002"] and metrics[2]["late_folded"] == ["node-002"], metrics[2]
+    assert "carried into the next aggregation" in fed.log("coordinator.log")
+    assert summary["late_arrivals"] == 0 and summary["bus"]["rejected"] == {}
+    assert record["node-002"]["late"] == 1 and record["node-002"]["count"] == 3
+    assert record["node-002"]["last_round"] == 3 and record["node-002"]["intervals"] == [2, 1]
+
+
 def test_node_crashing_mid_round_is_lost_and_the_next_rounds_go_on(tmp_path: Path, broker_url: str) -> None:
     """node-001 drops its connection on receiving round 1's model: its will marks it offline, the
     round does not wait for the deadline, and later rounds sample only live nodes."""
