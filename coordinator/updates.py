@@ -16,15 +16,15 @@ MAX_SAMPLES = 10**12
 
 def check_base_version(message: Message, version: int, *, required: bool = False) -> None:
     """The update's `base_version` must be the version of the task it answers: a node that says
-    otherwise is confused or forging (ProtocolError "wrong-version"). Older nodes send none."""
+    otherwise is confused or forging (ProtocolError "wrong-base-version"). Older nodes send none."""
     base = message.meta.get("base_version")
     if base is None and not required:
         return
     if not isinstance(base, int) or isinstance(base, bool):
-        raise ProtocolError("wrong-version", f"base_version {base!r} is not an integer", node_id=message.sender)
+        raise ProtocolError("wrong-base-version", f"base_version {base!r} is not an integer", node_id=message.sender)
     if base != version:
         raise ProtocolError(
-            "wrong-version", f"base_version {base} but the task carried version {version}", node_id=message.sender
+            "wrong-base-version", f"base_version {base} but the task carried version {version}", node_id=message.sender
         )
 
 

@@ -169,7 +169,9 @@ class BufferedAsync(Engine):
         if spec.node != node:
             raise ProtocolError("not-selected", f"the task {task_id.hex()} was not sent to {node}")  # type: ignore[union-attr]
         if message.round != spec.version:
-            raise ProtocolError("wrong-version", f"update for version {message.round}, the task carried {spec.version}")
+            raise ProtocolError(
+                "wrong-base-version", f"update for version {message.round}, the task carried {spec.version}"
+            )
         self._end_task(task, "answered")
         try:
             self._take(out, event, task, now)

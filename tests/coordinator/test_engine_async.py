@@ -132,8 +132,8 @@ def test_async_forged_duplicate_and_unknown_updates_are_refused_with_reasons() -
     assert one(c.Refused, d.feed(forged)).reason == "not-selected"
     wrong = update(b)
     object.__setattr__(wrong.message, "round", 7)
-    assert one(c.Refused, d.feed(wrong)).reason == "wrong-version"
-    assert one(c.Refused, d.feed(update(cc, base_version=None))).reason == "wrong-version"
+    assert one(c.Refused, d.feed(wrong)).reason == "wrong-base-version"
+    assert one(c.Refused, d.feed(update(cc, base_version=None))).reason == "wrong-base-version"
     d.feed(update(a))
     assert one(c.Refused, d.feed(update(a))).reason == "duplicate-update"
     unknown = update(a)

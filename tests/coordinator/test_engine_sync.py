@@ -148,8 +148,8 @@ def test_sync_update_claiming_another_base_version_is_refused_as_wrong_version()
     d.start(*NODES)
     tasks = {t.node: t for t in _round(d).tasks}
     out = d.feed(update(tasks["a"], base_version=7))
-    assert one(c.Refused, out).reason == "wrong-version"
-    assert one(c.Receipt, out).status == "rejected" and one(c.Receipt, out).reason == "wrong-version"
+    assert one(c.Refused, out).reason == "wrong-base-version"
+    assert one(c.Receipt, out).status == "rejected" and one(c.Receipt, out).reason == "wrong-base-version"
 
 
 def test_sync_broadcast_waits_for_acks_or_the_ack_timeout_and_resends_to_a_late_ack() -> None:

@@ -145,10 +145,10 @@ async def test_async_daemons_refuse_forged_duplicated_and_unknown_updates(tmp_pa
     assert await waiter == 0, fed.log("coordinator.log")
     summary = fed.summary()
     rejected = summary["bus"]["rejected"]
-    for reason in ("wrong-version", "wrong-round", "duplicate-update"):
+    for reason in ("wrong-base-version", "wrong-round", "duplicate-update"):
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
     assert summary["aggregations_completed"] == 10 and summary["updates_folded"] == 20
-    assert summary["refused_updates"].get("wrong-version", 0) >= 1
+    assert summary["refused_updates"].get("wrong-base-version", 0) >= 1
 
 
 @pytest.mark.parametrize(
