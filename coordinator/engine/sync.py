@@ -215,14 +215,7 @@ class SyncRounds(Engine):
             state.on_failed(node, detail)
         else:
             try:
-                check_base_version(message, state.version)
-                update = parse_update(
-                    message,
-                    self.schema,
-                    version=state.version,
-                    sent_at=state.task_sent_at.get(node, state.started),
-                    received_at=event.received_at,
-                )
+                update = self._parse(state, event)
             except ProtocolError as exc:
                 state.on_rejected(node, "invalid")
                 self._refuse(out, message, exc.reason, exc.detail)
@@ -256,20 +249,25 @@ class SyncRounds(Engine):
                 "stale",
             )
             return
-        check_base_version(message, state.version)
-        update = parse_update(
-            message,
-            self.schema,
-            version=state.version,
-            sent_at=state.task_sent_at.get(node, state.started),
-            received_at=event.received_at,
-        )
+        update = self._parse(state, event)
         if node in self._late:
             logger.info("%s's late update of round %d replaces its older late one", node, state.round)
         self._late[node] = update
         self._late_from[node] = (state.round, state.attempt)
         logger.info("late update from %s for round %d carried into the next aggregation", node, state.round)
         self._receipt(out, message, "received", "late: carried into the next aggregation")
+
+    def _parse(self, state: RoundState, event: e.UpdateArrived) -> NodeUpdate:
+        """The update, checked against the attempt it answers; ProtocolError says why not."""
+        message = event.message
+        check_base_version(message, state.version)
+        return parse_update(
+            message,
+            self.schema,
+            version=state.version,
+            sent_at=state.task_sent_at.get(message.sender, state.started),
+            received_at=event.received_at,
+        )
 
     def _aggregation_ahead(self) -> bool:
         """Whether an aggregation is still to come that a carried update could join."""
