@@ -90,8 +90,10 @@ class BufferedAsync(Engine):
         return self.version + (1 if self._folding is not None else 0)
 
     def _dispatch(self, out: list[c.Command], now: float) -> None:
-        """Fill free slots with a seeded draw among the idle live nodes."""
-        if self.state != "running" or self._final_fold or self._stopping:
+        """Fill free slots with a seeded draw among the idle live nodes. One Configure at a time: the
+        slots freed while it is prepared are filled together when it is done (under load, tasks are
+        configured in batches, one worker-thread call for many)."""
+        if self.state != "running" or self._final_fold or self._stopping or self._reserved:
             return
         if not self.live and not self.tasks and not self._reserved and self._wait_until is None:
             logger.warning("no live node; waiting up to %g s for one", self.policy.wait_for_nodes_s)
@@ -138,8 +140,7 @@ class BufferedAsync(Engine):
             out.append(c.SendTask(event.step, spec.node))
         if sent:
             self.participation.selected(sent, tasks[0].version)
-        if len(sent) < len(tasks):
-            self._dispatch(out, now)
+        self._dispatch(out, now)
 
     # -- updates --------------------------------------------------------------------------------------
 

@@ -47,13 +47,18 @@ def test_async_start_fills_the_slots_with_a_seeded_draw_of_inline_tasks() -> Non
 
 
 def test_async_delivery_refills_the_slot_at_once_and_no_node_holds_two_tasks() -> None:
+    """A delivery frees its slot and a new task goes to an idle node; slots freed while that task is
+    prepared are filled together once it is (one Configure in flight)."""
     d = _driver()
     tasks = _configure(d, d.start(*NODES))
     out = d.feed(update(tasks[0]), at=1.0)
     assert one(c.Receipt, out).status == "received"
     refill = one(c.Configure, out)
     assert len(refill.tasks) == 1 and refill.tasks[0].node not in {t.node for t in tasks[1:]}
-    d.feed(e.Configured(refill.step, inline=True))
+    assert not of(c.Configure, d.feed(update(tasks[1]))), "a second Configure while one is prepared"
+    out = d.feed(e.Configured(refill.step, inline=True))
+    assert len(one(c.Configure, out).tasks) == 1, "the slot freed meanwhile was not filled"
+    _configure(d, out)
     assert len(_busy(d)) == 3
 
 
@@ -62,7 +67,9 @@ def test_async_every_k_updates_fold_into_a_new_version_with_staleness() -> None:
     staleness 0; the version moves on when Aggregated comes back; tasks configured meanwhile carry it."""
     d = _driver()
     tasks = _configure(d, d.start(*NODES))
-    assert not of(c.Aggregate, d.feed(update(tasks[0])))
+    out = d.feed(update(tasks[0]))
+    assert not of(c.Aggregate, out)
+    _configure(d, out)
     out = d.feed(update(tasks[1]))
     aggregate = one(c.Aggregate, out)
     assert aggregate.ctx.folding.rule == "fedbuff" and aggregate.bases == (0,)
@@ -94,8 +101,9 @@ def test_async_buffer_of_one_is_fedasync_and_staleness_counts_versions_behind() 
 def test_async_update_staler_than_max_staleness_is_refused_and_recorded() -> None:
     d = _driver(buffer=1, concurrency=2, max_staleness=0)
     slow, fast = _configure(d, d.start("a", "b"))
-    aggregate = one(c.Aggregate, d.feed(update(fast)))
-    d.feed(e.Aggregated(aggregate.step, {}))
+    out = d.feed(update(fast))
+    _configure(d, out)
+    d.feed(e.Aggregated(one(c.Aggregate, out).step, {}))
     out = d.feed(update(slow))
     assert one(c.Refused, out).reason == "stale" and one(c.Receipt, out).status == "stale"
     assert not of(c.Aggregate, out) and d.engine.participation.get(slow.node).late == 1  # type: ignore[union-attr]
