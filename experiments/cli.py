@@ -298,11 +298,15 @@ def _methods(args: argparse.Namespace) -> int:
     if args.name is None:
         width = max(map(len, ALGORITHMS))
         for name, spec in ALGORITHMS.items():
-            print(f"{name:<{width}}  {summary(spec)}")
-        print("\nfedmq methods NAME: its hyperparameters (method.hyperparams in an experiment file)")
+            mode = "sync" if spec.coordinator.sync_only else "sync/async"
+            print(f"{name:<{width}}  {mode:<10}  {summary(spec)}")
+        print("\nfedmq methods NAME: its hyperparameters (method.hyperparams in an experiment file), and why a")
+        print("fedmq method marked sync cannot run with engine.kind async")
         return EXIT_OK
     spec = get_algorithm(args.name)
     print(f"{spec.name}: {summary(spec)}\n")
+    reason = spec.coordinator.sync_only
+    print(f"  asynchronous (engine.kind async): {'no: ' + reason if reason else 'yes'}\n")
     for option in options(spec):
         print(f"  {option.name}: {option.type} = {option.default!r}")
         if option.doc:

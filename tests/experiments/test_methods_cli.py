@@ -29,3 +29,12 @@ def test_unknown_method_is_a_config_error(capsys: pytest.CaptureFixture[str]) ->
     assert main(["methods", "fedsgd"]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'fedsgd'; available: " in err and all(name in err for name in ALGORITHMS)
+
+
+def test_methods_say_which_run_asynchronously(capsys: pytest.CaptureFixture[str]) -> None:
+    """The list marks each method sync or sync/async from its half; a sync-only one says why."""
+    assert main(["methods"]) == 0
+    modes = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines() if line[:1].isalpha()}
+    assert modes["fedavg"] == "sync/async" and modes["kdia"] == "sync/async" and modes["scaffold"] == "sync"
+    assert main(["methods", "feddyn"]) == 0
+    assert "asynchronous (engine.kind async): no: " in capsys.readouterr().out
