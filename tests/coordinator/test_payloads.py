@@ -1,0 +1,84 @@
+"""`configure_round` may give one payload per node: each node's task carries its own (daemon and
+in-process driver), and a shared payload for a large model is still broadcast once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from broker import BusConfig, decode
+from coordinator.daemon import Coordinator
+from coordinator.engine import commands as c
+from coordinator.engine import make_engine
+from coordinator.engine.base import Engine
+from coordinator.engine.local import LocalFederation, LocalNode
+from fedcore.algorithms import base
+from fedcore.data import TensorDataset
+from fedcore.participation import ParticipationRecord
+from fedcore.training import TrainSettings
+from tests.coordinator.engine_helpers import config
+
+
+class PerNode(base.CoordinatorHalf):
+    """Sends node k the model filled with k (and records what comes back)."""
+
+    sync_only = None
+
+    def configure_round(self, ctx: base.RoundContext) -> Mapping[str, base.Payload]:
+        return {
+            node: base.Payload(tensors={"model": {"w": torch.full((2,), float(i))}}, meta={"k": i})
+            for i, node in enumerate(ctx.selected)
+        }
+
+    def aggregate(
+        self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
+    ) -> Mapping[str, float]:
+        self.seen = {u.node_id: float(u.payload.tensors["model"]["w"][0]) for u in updates}
+        return {}
+
+
+class Echo(base.NodeHalf):
+    def train(
+        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
+    ) -> base.Payload:
+        return base.Payload(tensors={"model": {"w": task.payload.tensors["model"]["w"] + 1}})
+
+
+def _model() -> nn.Module:
+    model = nn.Module()
+    model.register_buffer("w", torch.zeros(2))
+    return model
+
+
+def _ctx(selected: tuple[str, ...]) -> base.RoundContext:
+    return base.RoundContext(round=0, selected=selected, participation=ParticipationRecord(), settings=TrainSettings())
+
+
+def test_daemon_prepares_one_inline_task_per_node_with_its_own_payload(tmp_path: Path) -> None:
+    """Per-node payloads ride inline in each node's task whatever their size; no broadcast frame."""
+    cfg = dataclasses.replace(config(), out_dir=tmp_path)
+    coordinator = Coordinator(cfg, BusConfig.from_url("mqtt://127.0.0.1:1"), PerNode(None, model=_model()))
+    tasks = tuple(c.TaskSpec(n, bytes([i]) * 16, 0, 0, 0) for i, n in enumerate(("a", "b")))
+    event = coordinator._configure(c.Configure(1, _ctx(("a", "b")), tasks, TrainSettings().to_meta(), 10.0))
+    assert event.inline
+    prepared = coordinator._prepared[1]
+    assert prepared.model is None
+    for i, node in enumerate(("a", "b")):
+        message = decode(prepared.frames[node])
+        assert message.meta["inline"] and message.meta["payload"] == {"k": i} and message.meta["version"] == 0
+        assert np.array_equal(message.tensors["model/w"], np.full(2, float(i), np.float32))
+
+
+def test_local_driver_gives_each_node_its_own_payload() -> None:
+    """Through the engine in process: node a trained from 0s and b from 1s, so they return 1 and 2."""
+    half = PerNode(None, model=_model())
+    engine: Engine = make_engine(config(rounds=1), half.update_schema(), evaluates=False)
+    data = TensorDataset(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), 2)
+    fed = LocalFederation(engine, half, {n: LocalNode(Echo(None, node_id=n), data) for n in ("a", "b")}, _model())
+    fed.run()
+    assert half.seen == {"a": 1.0, "b": 2.0} and engine.state == "finished"
