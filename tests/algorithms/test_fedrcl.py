@@ -270,7 +270,7 @@ def test_local_lr_decay_trains_epoch_e_at_lr_times_decay_to_the_e() -> None:
     fed = Federation(SPEC, {**NEUTRAL, "local_lr_decay": 0.5})
     got = fed.train("node-001", Payload(tensors={"model": {k: v.clone() for k, v in start.items()}}))
     manual = tiny_model(0)
-    gen = torch_generator(0, "node-train", "node-001", 0)
+    gen = torch_generator(0, "node-train", "node-001", 0, 0)  # Federation.train's (the driver's): round 0, attempt 0
     for epoch in range(SETTINGS.local_epochs):
         settings = TrainSettings(**{**SETTINGS.to_meta(), "local_epochs": 1, "lr": SETTINGS.lr * 0.5**epoch})
         local_sgd(manual, data, settings, gen)

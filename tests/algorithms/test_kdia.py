@@ -195,13 +195,18 @@ def test_teacher_is_the_trifreqs_average_of_every_stored_model_from_the_record()
 
 
 def test_a_selected_node_that_delivers_nothing_keeps_its_old_model_and_record() -> None:
+    """node-000, selected again in round 1, goes offline before its update arrives: the engine records
+    it lost, and KDIA keeps its round-0 model and its (last_round, count)."""
     fed = _kdia()
     fed.run(1, selected=("node-000", "node-001"))
     kept = {k: v.clone() for k, v in fed.coordinator.store.get("node-000").items()}  # type: ignore[union-attr]
-    fed.participation.selected(("node-000",), 1)
-    fed.participation.lost("node-000")  # selected in round 1, delivered nothing
-    fed.round = 1
-    fed.run(1, selected=("node-002",))
+    assert fed.local is not None
+    now = fed.local.clock.now()
+    fed.local.compute_s = lambda node, task: 1.0 if node == "node-000" else 0.0
+    fed.local.offline("node-000", at=now + 0.5)  # after node-002's update, before its own
+    fed.run(1, selected=("node-000", "node-002"))
+    record = fed.participation.get("node-000")
+    assert record is not None and (record.rounds_selected, record.lost, record.last_round) == (2, 1, 0)
     assert same_state(fed.coordinator.store.get("node-000"), kept)  # type: ignore[arg-type]
     entry = {r["node_id"]: r for r in fed.coordinator.round_records()["teacher_weights"]}
     assert entry["node-000"]["last_round"] == 0 and entry["node-000"]["count"] == 1
