@@ -3,9 +3,10 @@
 The workload is a fedmq experiment config (written as YAML and read by both sides). Flower's ClientApp
 and ServerApp (`experiments/bench/flower_app/`) call `Workload`, which trains a node with fedmq's own
 node half of the method (the same data shard, model, settings for the round and per-node generator
-``torch_generator(seed, "node-train", node_id, round, attempt)`` as `fednode.daemon`), averages with
-`fedcore.aggregation.weighted_average` in node-id order weighted by shard size (as the coordinator's
-FedAvg does), and evaluates the global model on the test set as the coordinator does. So both
+``torch_generator(seed, "node-train", node_id, round, attempt)`` as `fednode.daemon`), aggregates
+with the method's own coordinator half (`experiments.build.coordinator_half`, as `fedmq run` builds
+it) on the updates in node-id order (as the coordinator's engine hands them over), and evaluates the
+global model on the test set as the coordinator does. So both
 frameworks compute the same FedAvg, and their accuracy after each round should agree: the check that
 the comparison is fair. Nothing here imports Flower, so it is tested without it.
 """
@@ -21,11 +22,11 @@ from typing import Any
 
 import torch
 
-from experiments.build import load_split, make_model, shards, train_settings
+from experiments.build import coordinator_half, load_split, make_model, shards, train_settings
 from experiments.config import ExperimentConfig, load_config
-from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base, build_hyperparams, get_algorithm
 from fedcore.data import Split
+from fedcore.participation import ParticipationRecord
 from fedcore.seeding import torch_generator
 from fedcore.training import evaluate
 
@@ -143,6 +144,11 @@ class Workload:
     def eval_model(self) -> torch.nn.Module:
         return make_model(self.cfg, self.split.test)
 
+    @cached_property
+    def coordinator(self) -> base.CoordinatorHalf:
+        """The method's coordinator half, as `fedmq run` builds it (its model is the last aggregate)."""
+        return coordinator_half(self.cfg, self.split)
+
     def node_id(self, partition: int) -> str:
         """Flower's partition id (0 .. nodes-1) -> fedmq's node id."""
         if not 0 <= partition < len(self.node_ids):
@@ -172,12 +178,30 @@ class Workload:
         copied = {k: v.detach().clone() for k, v in payload.tensors["model"].items()}
         return NodeResult(node_id, copied, len(data), loss)
 
-    def aggregate(self, results: Sequence[NodeResult]) -> StateDict:
-        """FedAvg's server step as fedmq's coordinator takes it: weighted by shard size, in node-id order."""
+    def aggregate(self, results: Sequence[NodeResult], round: int = 0) -> StateDict:
+        """The method's server step for `round` (0-based) as fedmq's coordinator takes it: its half's
+        `aggregate` on the updates sorted by node id (FedAvg: weighted by shard size)."""
         if not results:
             raise ValueError("no node results to aggregate")
         ordered = sorted(results, key=lambda r: r.node_id)
-        return weighted_average([r.state for r in ordered], [float(r.num_samples) for r in ordered])
+        updates = [
+            base.NodeUpdate(
+                node_id=r.node_id,
+                round=round,
+                num_samples=r.num_samples,
+                payload=base.Payload(tensors={"model": r.state}, meta={"loss": r.loss}),
+            )
+            for r in ordered
+        ]
+        ctx = base.RoundContext(
+            round=round,
+            selected=tuple(r.node_id for r in ordered),
+            participation=ParticipationRecord(),
+            settings=train_settings(self.cfg).for_round(round),
+            generator=torch_generator(self.cfg.seed, "coordinator", "aggregate", round),
+        )
+        self.coordinator.aggregate(ctx, updates, [])
+        return {k: v.detach().clone() for k, v in self.coordinator.model.state_dict().items()}
 
     def evaluate(self, state: StateDict) -> tuple[float, float]:
         """(test accuracy, test loss) of the global model, as the coordinator evaluates it."""

@@ -26,12 +26,10 @@ from experiments.bench.common import BenchOptions
 from experiments.bench.flower_runtime import APP_DIR, FLWR_REQUIREMENT, FlowerEnv, Processes
 from experiments.bench.flower_workload import Workload, WorkloadSpec, experiment
 from experiments.bench.procs import descendants
-from experiments.build import load_split, make_model, shards, train_settings
+from experiments.build import load_split, make_model, shards
 from experiments.config import load_config
-from fedcore.algorithms import base, build_hyperparams, get_algorithm
+from experiments.local import build_local
 from fedcore.errors import ConfigError
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = WorkloadSpec(dataset="digits", nodes=3, rounds=2, hidden=(16,))
@@ -51,37 +49,16 @@ needs_flower = pytest.mark.skipif(
 )
 
 
-def fedmq_fedavg_round(yaml_path: Path, rnd: int, state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """One FedAvg round as fedmq's daemons take it, from its halves: each node trains from the global
-    model with its generator for (round, attempt 0); the coordinator averages in node-id order."""
-    cfg = load_config(yaml_path)
-    spec = get_algorithm("fedavg")
-    hp = build_hyperparams(spec, {})
-    split = load_split(cfg)
-    parts = shards(cfg, split)
-    coordinator = spec.coordinator(hp, model=make_model(cfg, split.test))
-    if state is not None:
-        coordinator.model.load_state_dict(state)
-    settings = train_settings(cfg).for_round(rnd)
-    sent = {k: v.clone() for k, v in coordinator.model.state_dict().items()}
-    workspace = make_model(cfg, split.train)
-    updates = []
-    for node_id in cfg.node_ids():
-        data = split.train.subset(parts[node_id])
-        task = base.TaskInput(
-            node_id=node_id, round=rnd, payload=base.Payload(tensors={"model": sent}), settings=settings
-        )
-        generator = torch_generator(cfg.seed, "node-train", node_id, rnd, 0)
-        out = spec.node(hp, node_id=node_id).train(task, workspace, data, generator)
-        tensors = {"model": {k: v.clone() for k, v in out.tensors["model"].items()}}
-        updates.append(
-            base.NodeUpdate(node_id=node_id, round=rnd, num_samples=len(data), payload=base.Payload(tensors=tensors))
-        )
-    ctx = base.RoundContext(
-        round=rnd, selected=tuple(cfg.node_ids()), participation=ParticipationRecord(), settings=settings
-    )
-    coordinator.aggregate(ctx, updates, [])
-    return {k: v.clone() for k, v in coordinator.model.state_dict().items()}
+def fedmq_models(yaml_path: Path, rounds: int) -> list[dict[str, torch.Tensor]]:
+    """The global model after each of the first `rounds` rounds of the workload's experiment run by
+    fedmq's coordinator engine in process (`experiments.local.build_local`: the data, shards, model,
+    halves, settings and seeds `fedmq run` gives the daemons), on the CPU as the Workload trains."""
+    fed = build_local(load_config(yaml_path), device=torch.device("cpu"))
+    models = []
+    for done in range(1, rounds + 1):
+        fed.run(until=lambda done=done: fed.engine.version >= done)  # after the aggregation, before the next round
+        models.append(fed.model())
+    return models
 
 
 @pytest.fixture
@@ -101,11 +78,10 @@ def test_workload_two_rounds_equal_fedmq_fedavg_halves(tiny_yaml: Path) -> None:
     """Workload's train/aggregate (what the Flower apps call) equals fedmq's FedAvg halves, bit for bit."""
     work = Workload.from_file(tiny_yaml)
     state = work.initial_state()
-    expected = None
+    expected = fedmq_models(tiny_yaml, 2)
     for rnd in range(2):
-        state = work.aggregate([work.train(n, state, rnd) for n in reversed(work.node_ids)])  # any reply order
-        expected = fedmq_fedavg_round(tiny_yaml, rnd, expected)
-        assert_same_state(state, expected)
+        state = work.aggregate([work.train(n, state, rnd) for n in reversed(work.node_ids)], rnd)  # any reply order
+        assert_same_state(state, expected[rnd])
     assert work.evaluate(state)[0] > 0.2  # it learned something (10 classes: chance is 0.1)
 
 
@@ -259,7 +235,7 @@ def test_flower_apps_compute_fedmqs_fedavg_round(tiny_yaml: Path, tmp_path: Path
     """The ClientApp's train and the ServerApp's aggregation, called as Flower calls them, give fedmq's round."""
     out = tmp_path / "flower-round.safetensors"
     run_in_flower(FLOWER_ROUND, str(tiny_yaml), str(out))
-    assert_same_state(load_file(str(out)), fedmq_fedavg_round(tiny_yaml, 0, None))
+    assert_same_state(load_file(str(out)), fedmq_models(tiny_yaml, 1)[0])
 
 
 @needs_flower
