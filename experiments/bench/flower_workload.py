@@ -6,9 +6,9 @@ node half of the method (the same data shard, model, settings for the round and 
 ``torch_generator(seed, "node-train", node_id, round, attempt)`` as `fednode.daemon`), aggregates
 with the method's own coordinator half (`experiments.build.coordinator_half`, as `fedmq run` builds
 it) on the updates in node-id order (as the coordinator's engine hands them over), and evaluates the
-global model on the test set as the coordinator does. So both
-frameworks compute the same FedAvg, and their accuracy after each round should agree: the check that
-the comparison is fair. Nothing here imports Flower, so it is tested without it.
+global model on the test set as the coordinator does. So both frameworks compute the same FedAvg,
+and their accuracy after each round should agree: the check that the comparison is fair. Nothing
+here imports Flower, so it is tested without it.
 """
 
 from __future__ import annotations
