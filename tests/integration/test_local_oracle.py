@@ -1,0 +1,61 @@
+"""The in-process driver against the daemons: the quickstart experiment run by `build_local` (the
+coordinator's engine, no broker, virtual time) and by `fedmq run` over the embedded broker gives the
+same federation, round for round."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import experiments.build
+from experiments.config import load_config
+from experiments.local import build_local
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+ROUNDS = 8
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """As the daemons train: one torch thread (hosting.threads_per_process), so sums run in one order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_quickstart_in_process_equals_the_daemons_round_for_round(
+    tmp_path: Path, embedded_broker: str, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight quickstart rounds: the same 5 nodes selected, the same train_loss and accuracy, bit for bit
+    (both on the CPU: the daemons' nodes see no GPU, and the in-process evaluation runs on the CPU)."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--set", f"rounds={ROUNDS}"]
+    command += ["--broker", embedded_broker, "--out", str(out), "--processes", "2", "--quiet"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    daemons = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))  # the evaluation's device
+    fed = build_local(load_config(QUICKSTART, [f"rounds={ROUNDS}"]), device=torch.device("cpu"))
+    local = fed.run()
+
+    assert fed.engine.state == "finished"
+    assert [r["round"] for r in daemons] == [r["round"] for r in local] == list(range(ROUNDS))
+    for ours, theirs in zip(local, daemons, strict=True):
+        assert ours["selected"] == theirs["selected"] and len(ours["selected"]) == 5
+        assert ours["accepted"] == theirs["accepted"] == ours["selected"]  # everyone answered in time, both ways
+        assert ours["train_loss"] == theirs["train_loss"], ours["round"]
+        assert ours["accuracy"] == theirs["accuracy"], ours["round"]
+    assert len({tuple(r["selected"]) for r in local}) > 1  # the cohorts change: the sampler is compared, not one set
