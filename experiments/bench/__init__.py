@@ -19,6 +19,7 @@ SUITES: dict[str, str] = {
     "flower": "experiments.bench.flower",
     "scale": "experiments.bench.scale",
     "train": "experiments.bench.training",
+    "async": "experiments.bench.asynchrony",
 }
 """Suite name -> module, in the order `all` runs them."""
 
