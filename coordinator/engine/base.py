@@ -36,11 +36,6 @@ def new_task_id() -> bytes:
     return os.urandom(16)
 
 
-def snapshot(record: ParticipationRecord) -> ParticipationRecord:
-    """A copy of the record that the engine's later changes do not reach."""
-    return ParticipationRecord.from_json(record.to_json())
-
-
 class Engine(ABC):
     """The shared part of `SyncRounds` and `BufferedAsync`."""
 
@@ -155,7 +150,7 @@ class Engine(ABC):
         self._wait_until = None
         if self.state == "waiting":
             self.state = "running"
-            self.startup_s = now - (self.started_at or now)
+            self.startup_s = self._since_start(now)
             logger.info("%d nodes live; starting at version %d", len(self.live), self.version)
             self._begin(out, now)
         else:
@@ -228,6 +223,10 @@ class Engine(ABC):
         self.state = "finished"
         out.append(c.Finish("finished"))
 
+    def _since_start(self, now: float) -> float:
+        """Seconds since `Start` (a clock may well start at 0)."""
+        return 0.0 if self.started_at is None else now - self.started_at
+
     def _next_step(self) -> int:
         self._step += 1
         return self._step
@@ -239,15 +238,14 @@ class Engine(ABC):
         step: str,
         *,
         folding: Folding | None = None,
-        copy: bool = False,
         version: int | None = None,
     ) -> RoundContext:
-        """What the half sees; `step` names its random stream (configure or aggregate). `copy` hands
-        it a snapshot of the participation record, for calls that run while the engine goes on."""
+        """What the half sees; `step` names its random stream (configure or aggregate). The record is
+        the engine's own: an engine does not change it while an aggregation (which reads it) runs."""
         return RoundContext(
             round=rnd,
             selected=selected,
-            participation=snapshot(self.participation) if copy else self.participation,
+            participation=self.participation,
             settings=self.config.train.for_round(rnd),
             generator=torch_generator(self.config.seed, "coordinator", step, rnd),
             version=self.version if version is None else version,

@@ -3,10 +3,13 @@
 `concurrency` nodes train at once, each on its own task carrying the model version it was built
 from. When a task ends (an update, a reported failure, a refusal, its node going offline, or its
 deadline) its slot is refilled at once by a seeded draw among the idle live nodes (the node that
-just delivered among them). Accepted updates wait in a buffer; every K of them are folded into a
-new model version by the half's `aggregate` with the staleness rule of `AsyncPolicy`
-(staleness = the version folded from - the version the update trained from). An update staler than
-max_staleness is refused and recorded, never folded.
+just delivered among them), unless K accepted updates already wait to be folded (backpressure:
+the buffer never outgrows what folding keeps up with). Accepted updates wait in a buffer; every K
+of them are folded into a new model version by the half's `aggregate` with the staleness rule of
+`AsyncPolicy` (staleness = the version folded from - the version the update trained from). An
+update whose place in the buffer would fold it staler than max_staleness is refused on arrival and
+recorded, never folded. The last version folds everything accepted (more than K if folding lagged);
+updates arriving after it started are answered late and counted, not accepted.
 
 Heavy calls run one at a time in the daemon's lane, in the order asked: a task configured while an
 aggregation runs is labelled with the version that aggregation produces, which is the model it will
@@ -17,9 +20,10 @@ version named); training never pauses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +71,7 @@ class BufferedAsync(Engine):
         self._since: Counter[str] = Counter()
         self._failures: list[Failure] = []
         self._folding: int | None = None
+        self._deferred: list[Callable[[], None]] = []
         self._evaluating: int | None = None
         self._final_fold = False
         self._stopping = False
@@ -95,6 +100,8 @@ class BufferedAsync(Engine):
         configured in batches, one worker-thread call for many)."""
         if self.state != "running" or self._final_fold or self._stopping or self._reserved:
             return
+        if len(self.buffer) >= self.ap.buffer:
+            return  # backpressure: a full batch waits to be folded, so no new work until it is
         if not self.live and not self.tasks and not self._reserved and self._wait_until is None:
             logger.warning("no live node; waiting up to %g s for one", self.policy.wait_for_nodes_s)
             self._wait(out, 1, now)
@@ -139,7 +146,7 @@ class BufferedAsync(Engine):
             sent.append(spec.node)
             out.append(c.SendTask(event.step, spec.node))
         if sent:
-            self.participation.selected(sent, tasks[0].version)
+            self._note(self.participation.selected, sent, tasks[0].version)
         self._dispatch(out, now)
 
     # -- updates --------------------------------------------------------------------------------------
@@ -190,6 +197,7 @@ class BufferedAsync(Engine):
             self._failed(node, spec.version, "failed", detail)
             return
         if self._final_fold or self._stopping:
+            self.totals["finished"] += 1
             self._decline(out, message, "finished", "the last model version is being made", "late")
             return
         try:
@@ -201,7 +209,8 @@ class BufferedAsync(Engine):
             self._failed(node, spec.version, "rejected", exc.detail)
             self._refuse(out, message, exc.reason, exc.detail)
             return
-        staleness = self._target_version() - spec.version
+        # the buffer is folded in order, K at a time: the version this update will be folded from
+        staleness = self._target_version() + len(self.buffer) // self.ap.buffer - spec.version
         if staleness > self.ap.max_staleness:
             detail = f"trained from version {spec.version}, {staleness} behind (max {self.ap.max_staleness})"
             self._failed(node, spec.version, "stale", detail)
@@ -223,6 +232,14 @@ class BufferedAsync(Engine):
         self.late_arrivals += 1
         self._decline(out, message, "expired", f"the task was {why} before the update came", "late")
 
+    def _note(self, change: Callable[..., None], *args: Any) -> None:
+        """Change the participation record now, or, while an aggregation runs (it reads the record in
+        the worker thread), right after it: the record is never copied and never changes under it."""
+        if self._folding is None:
+            change(*args)
+        else:
+            self._deferred.append(functools.partial(change, *args))
+
     def _end_task(self, task: _Task, why: str) -> None:
         spec = task.spec
         self.tasks.pop(spec.task, None)
@@ -243,7 +260,7 @@ class BufferedAsync(Engine):
             "expired": self.participation.late,
             "stale": self.participation.late,
         }[reason]
-        record(node)
+        self._note(record, node)
         self._since[reason] += 1
         self.totals[reason] += 1
         self._failures.append(Failure(node, version, reason, detail))  # type: ignore[arg-type]
@@ -280,7 +297,8 @@ class BufferedAsync(Engine):
             return
         if len(self.buffer) < self.ap.buffer and not flush:
             return
-        k = len(self.buffer) if flush else self.ap.buffer
+        last = self.version + 1 >= self.ap.aggregations
+        k = len(self.buffer) if flush or last else self.ap.buffer  # the last version folds all that was accepted
         batch, self.buffer = self.buffer[:k], self.buffer[k:]
         v = self.version
         updates = [dataclasses.replace(u, staleness=v - u.base_version) for u in batch]
@@ -296,7 +314,7 @@ class BufferedAsync(Engine):
         rule = self.ap.rule
         folding = Folding(rule=rule, staleness=self.ap.staleness, server_lr=self.ap.server_lr)
         nodes = tuple(sorted({u.node_id for u in updates}))
-        ctx = self._context(v, nodes, "aggregate", folding=folding, copy=True, version=v)
+        ctx = self._context(v, nodes, "aggregate", folding=folding, version=v)
         needed = [t.spec.version for t in self.tasks.values()]
         needed += [s.version for specs in self._reserved.values() for s in specs]
         needed += [u.base_version for u in self.buffer]
@@ -312,7 +330,7 @@ class BufferedAsync(Engine):
         }
         self.updates_folded += len(updates)
         self._folding = self._next_step()
-        if v + 1 >= self.ap.aggregations:
+        if last:
             self._final_fold = True
         out.append(
             c.Aggregate(self._folding, ctx, ordered, list(self._failures), bases, keep_from=min([v + 1, *needed]))
@@ -323,6 +341,9 @@ class BufferedAsync(Engine):
         if event.step != self._folding:
             return
         self._folding = None
+        for change in self._deferred:
+            change()
+        self._deferred = []
         self.version += 1
         self._record |= {"aggregated": True, **{k: float(v) for k, v in event.metrics.items()}}
         last = self.version >= self.ap.aggregations
@@ -349,7 +370,7 @@ class BufferedAsync(Engine):
             "in_flight": len(self.tasks),
             "buffered": len(self.buffer),
             "round_seconds": round(now - self._last_version_at, 4),
-            "ended_s": round(now - (self.started_at or now), 4),
+            "ended_s": round(self._since_start(now), 4),
             "model_version": self.version,
         }
         self._since.clear()

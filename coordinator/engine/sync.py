@@ -426,7 +426,7 @@ class SyncRounds(Engine):
         record = self._record
         record |= {
             "round_seconds": round(now - self._attempt_started, 4),
-            "ended_s": round(now - (self.started_at or now), 4),  # since the coordinator started: rounds per second
+            "ended_s": round(self._since_start(now), 4),  # since the coordinator started: rounds per second
             "model_version": self.version,
         }
         out.append(c.Record(record))

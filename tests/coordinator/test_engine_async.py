@@ -223,3 +223,75 @@ def test_async_resume_restores_version_record_and_draws() -> None:
     resumed.engine.restore(meta)
     configure = one(c.Configure, resumed.start(*NODES))
     assert {t.version for t in configure.tasks} == {1} and resumed.engine.accuracies == [(0, 0.5)]
+
+
+def test_async_backpressure_holds_new_tasks_while_a_full_batch_waits() -> None:
+    """K = 1: while the first fold runs, a second update fills the buffer: its slot is not refilled
+    until that batch is folded, so the buffer never grows past what folding keeps up with."""
+    d = _driver(buffer=1, concurrency=3)
+    a, b, _ = _configure(d, d.start("a", "b", "c", "d"))
+    out = d.feed(update(a))
+    first = one(c.Aggregate, out)
+    _configure(d, out)
+    out = d.feed(update(b))
+    assert not of(c.Configure, out) and not of(c.Aggregate, out), "refilled while a full batch waited"
+    out = d.feed(e.Aggregated(first.step, {}))
+    assert one(c.Aggregate, out).updates[0].node_id == b.node and of(c.Configure, out)
+
+
+def test_async_staleness_counts_the_versions_its_place_in_the_buffer_implies() -> None:
+    """max_staleness 1, K = 1: an update that would be folded two versions on (one fold running, one
+    batch ahead of it) is refused on arrival, so nothing is folded staler than the bound."""
+    d = _driver(buffer=1, concurrency=3, max_staleness=1)
+    a, b, cc = _configure(d, d.start("a", "b", "c"))
+    one(c.Aggregate, d.feed(update(a)))
+    assert not of(c.Refused, d.feed(update(b))), "one version ahead is within the bound"
+    out = d.feed(update(cc))
+    assert one(c.Refused, out).reason == "stale" and "2 behind" in one(c.Refused, out).detail
+
+
+def test_async_last_version_folds_everything_accepted() -> None:
+    """Folding pauses during an evaluation, so two updates wait when the last version is made: it
+    folds both (a partial batch of more than K), and the run ends with an empty buffer."""
+    d = _driver(evaluates=True, buffer=1, concurrency=3, aggregations=2, max_staleness=5)
+    a, b, cc = _configure(d, d.start("a", "b", "c"))
+    aggregate = one(c.Aggregate, d.feed(update(a)))
+    evaluate = one(c.Evaluate, d.feed(e.Aggregated(aggregate.step, {})))
+    d.feed(update(b))
+    d.feed(update(cc))
+    last = one(c.Aggregate, d.feed(e.Evaluated(evaluate.step, {"accuracy": 0.5})))
+    assert sorted(u.node_id for u in last.updates) == ["b", "c"]
+    out = d.feed(e.Aggregated(last.step, {}))
+    out += d.feed(e.Evaluated(last.step, {"accuracy": 0.6}))
+    assert one(c.Finish, out).state == "finished" and d.engine.summary_fields()["buffered_at_end"] == 0
+
+
+def test_async_participation_changes_wait_for_the_running_aggregation() -> None:
+    """The record the aggregation reads in its thread does not change under it: a selection made while
+    it runs is written once it is done."""
+    d = _driver(buffer=1, concurrency=2)
+    a, _ = _configure(d, d.start("a", "b", "c"))
+    out = d.feed(update(a))
+    aggregate = one(c.Aggregate, out)
+    assert aggregate.ctx.participation is d.engine.participation, "the record was copied"
+    configure = one(c.Configure, out)
+    node = configure.tasks[0].node
+
+    def selections() -> int:
+        record = d.engine.participation.get(node)
+        return 0 if record is None else record.rounds_selected
+
+    prior = selections()
+    d.feed(e.Configured(configure.step, inline=True))
+    assert selections() == prior, "the record changed while the aggregation read it"
+    d.feed(e.Aggregated(aggregate.step, {}))
+    assert selections() == prior + 1
+
+
+def test_async_records_time_from_a_clock_that_starts_at_zero() -> None:
+    """ended_s counts from Start even when the clock's Start is at 0.0."""
+    d = _driver(buffer=1)
+    a, *_ = _configure(d, d.start("a", "b", "c"))
+    aggregate = one(c.Aggregate, d.feed(update(a), at=2.5))
+    record = one(c.Record, d.feed(e.Aggregated(aggregate.step, {}), at=3.0)).record
+    assert record["ended_s"] == 3.0 and record["round_seconds"] == 3.0
