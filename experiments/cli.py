@@ -34,7 +34,7 @@ fedmq: event-driven federated learning over MQTT.
   fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
   fedmq report RUN_DIR               rebuild the tables and plots of a run from its saved metrics
   fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
-  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train
+  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train, async
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  flower     the same FedAvg federation in fedmq and in Flower (simulation and deployment)\n"
         "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
         "  train      many simulated nodes trained together (vmap) vs one at a time\n"
+        "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
         "  all        every suite above, in that order",
     )
     p.add_argument("suites", nargs="*", default=["all"], metavar="SUITE", help="suites to run (default: all)")
