@@ -61,9 +61,10 @@ def test_async_run_is_deterministic() -> None:
 
 
 def test_async_fast_nodes_deliver_more_and_the_clock_ends_where_the_speeds_put_it() -> None:
-    """Each node restarts the moment it delivers, so node n delivers at c_n, 2 c_n, ...: the run ends at
-    the 17th smallest of those times (t = 10: 1..10, 2..10 by 2, 5 and 10 give 10 + 5 + 2 = 17), and by
-    then each node has delivered floor(10 / c_n) updates: 10, 5 and 2."""
+    """Fast nodes deliver more (10, 5, 2 updates) and the virtual clock ends at t = 10, as the speeds imply."""
+    # Each node restarts the moment it delivers, so node n delivers at c_n, 2 c_n, ...: the run ends at the
+    # 17th smallest of those times (t = 10: 1..10, 2..10 by 2, 5 and 10 give 10 + 5 + 2 = 17), and by then
+    # each node has delivered floor(10 / c_n) updates.
     fed = fedasync()
     records = fed.run()
     arrivals = sorted(k * c for c in SPEEDS.values() for k in range(1, AGGREGATIONS + 1))
@@ -76,8 +77,8 @@ def test_async_fast_nodes_deliver_more_and_the_clock_ends_where_the_speeds_put_i
 
 
 def test_async_slow_nodes_updates_are_stale() -> None:
-    """node-002's update of version 0 arrives at t = 5 after six folds (t = 1, 2, 2, 3, 4, 4): staleness 6;
-    every update of the slowest node is stale, and more so on average than the fastest node's."""
+    """Every update of the slowest node is stale (its first by 6 versions), more so than the fastest node's."""
+    # node-002's update of version 0 arrives at t = 5 after six folds (t = 1, 2, 2, 3, 4, 4): staleness 6
     records = fedasync().run()
     staleness: dict[str, list[int]] = {n: [] for n in NODES}
     for r in records:
@@ -88,8 +89,8 @@ def test_async_slow_nodes_updates_are_stale() -> None:
 
 
 def test_sync_update_slower_than_the_deadline_is_late() -> None:
-    """deadline 10 s, node-002 takes 15 s: each round closes at its deadline with node-002 late and the
-    other two aggregated; its update, arriving after the close, is answered with a late receipt."""
+    """Deadline 10 s, node-002 takes 15 s: each round closes at the deadline with node-002 recorded late."""
+    # the other two are aggregated; its update, arriving after the close, is answered with a late receipt
     fed = federation(config(rounds=2), {"node-000": 1.0, "node-001": 2.0, "node-002": 15.0})
     records = fed.run()
     assert fed.engine.state == "finished"
@@ -104,8 +105,7 @@ def test_sync_update_slower_than_the_deadline_is_late() -> None:
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_node_taken_offline_mid_task_is_lost(kind: str) -> None:
-    """node-002 (4 s a task) goes offline at t = 2 holding its first task: the task is recorded lost,
-    it is never given another, and the others go on to the end."""
+    """node-002 (4 s a task) goes offline at t = 2 holding its first task: recorded lost, never sent another."""
     cfg = config(rounds=3) if kind == "sync" else config(engine="async", buffer=2, concurrency=3, aggregations=4)
     fed = federation(cfg, {"node-000": 1.0, "node-001": 1.0, "node-002": 4.0})
     fed.online(*NODES)  # said explicitly: with any availability change scheduled, the driver brings no node online
