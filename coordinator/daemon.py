@@ -4,8 +4,8 @@ Messages become events (`coordinator.engine.events`), the engine decides, and it
 publishes and the algorithm half's heavy calls. Two loops run in one TaskGroup: the receiver, which
 validates and routes every incoming message (and never dies of one), and the driver, which feeds
 events to the engine one at a time and executes what it asks. The half's calls (configure,
-aggregate, evaluate, checkpoint snapshots) run one after another in a worker thread (`Lane`) and
-come back as events, so the engine never waits and never sees a half-updated model.
+aggregate, evaluate, checkpoint snapshots) run one after another on one worker thread (`Lane`)
+and come back as events, so the engine never waits and never sees a half-updated model.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from coordinator.engine import events as e
 from coordinator.engine import make_engine
 from coordinator.engine.clock import Clock, MonotonicClock
 from coordinator.errors import CoordinatorError, ProtocolError
+from coordinator.lane import Lane
 from coordinator.persistence import Persistence
 from coordinator.registry import NodeRegistry
 from coordinator.reporting import Evaluator, participation_totals, write_run_files
@@ -48,32 +49,6 @@ class Summary:
     best_accuracy: float | None
     wall_seconds: float
     state: str
-
-
-class Lane:
-    """The half's heavy calls, one at a time in a worker thread, in the order they were asked for."""
-
-    def __init__(self) -> None:
-        self._tail: asyncio.Task[Any] | None = None
-        self.tasks: set[asyncio.Task[Any]] = set()
-
-    def submit(self, call: Callable[[], Any], done: Callable[[asyncio.Task[Any]], None]) -> None:
-        previous = self._tail
-
-        async def run() -> Any:
-            if previous is not None and not previous.done():
-                await asyncio.wait({previous})
-            return await asyncio.to_thread(call)
-
-        task = asyncio.create_task(run(), name="coordinator-lane")
-        self._tail = task
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        task.add_done_callback(done)
-
-    async def drain(self) -> None:
-        while self.tasks:
-            await asyncio.wait(set(self.tasks))
 
 
 @dataclass(slots=True)
@@ -174,6 +149,7 @@ class Coordinator:
                     task.cancel()
                 await asyncio.gather(receiver, driver, return_exceptions=True)
                 await self._lane.drain()
+                self._lane.close()
                 await self.persistence.flush()  # the last checkpoint is on disk before exit
                 summary = self._write_summary()
                 await asyncio.shield(self._final_status(statuses))
@@ -275,12 +251,9 @@ class Coordinator:
     def _heavy(self, call: Callable[[], e.Event], what: str) -> None:
         """Run `call` in the lane; its event (or the failure) comes back through the queue."""
 
-        def done(task: asyncio.Task[Any]) -> None:
-            if task.cancelled():
-                return
-            exc = task.exception()
+        def done(result: Any, exc: BaseException | None) -> None:
             if exc is None:
-                self._events.put_nowait(task.result())
+                self._events.put_nowait(result)
             else:
                 logger.error("%s failed: %r", what, exc, exc_info=exc)
                 self._events.put_nowait(_Failed(f"the algorithm's {what} failed: {exc!r}"))
@@ -359,11 +332,11 @@ class Coordinator:
     def _checkpoint(self, command: c.Checkpoint) -> None:
         """The snapshot is taken in the lane (between the half's calls); the writer puts it on disk."""
 
-        def done(task: asyncio.Task[Any]) -> None:
-            if not task.cancelled() and task.exception() is None:
-                self.persistence.submit(command.key, task.result(), command.meta)
-            elif not task.cancelled():
-                logger.error("checkpoint snapshot failed: %r", task.exception())
+        def done(tensors: Any, exc: BaseException | None) -> None:
+            if exc is None:
+                self.persistence.submit(command.key, tensors, command.meta)
+            else:
+                logger.error("checkpoint snapshot failed: %r", exc)
 
         self._lane.submit(self.persistence.snapshot, done)
 

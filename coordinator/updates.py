@@ -5,13 +5,30 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import numpy as np
+
 from broker import Message
 from coordinator.errors import ProtocolError
 from fedcore.algorithms.base import NodeUpdate, Payload
 from fedcore.errors import AlgorithmError
-from fedcore.tensors import TensorSpec, non_finite, schema_mismatch, split_groups
+from fedcore.tensors import StateDict, TensorSpec, non_finite, schema_mismatch, split_groups
 
 MAX_SAMPLES = 10**12
+
+
+def first_non_finite(arrays: Mapping[str, np.ndarray], groups: Mapping[str, StateDict]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf (it would poison the average), or
+    None. numpy checks the received arrays directly (a few microseconds each, torch costs more per
+    small tensor); bfloat16, which numpy lacks, is checked by torch."""
+    for name, array in arrays.items():
+        if array.dtype.kind == "f":
+            if not np.isfinite(array).all():
+                return name
+        elif array.dtype.metadata and array.dtype.metadata.get("fedmq_dtype") == "bfloat16":
+            group, _, key = name.partition("/")
+            if non_finite({key: groups[group][key]}) is not None:
+                return name
+    return None
 
 
 def check_base_version(message: Message, version: int, *, required: bool = False) -> None:
@@ -58,9 +75,9 @@ def parse_update(
         mismatch = schema_mismatch(groups[group], expected)
         if mismatch is not None:
             raise ProtocolError(mismatch[0], f"{group}: {mismatch[1]}", node_id=node)
-        bad = non_finite(groups[group])
-        if bad is not None:
-            raise ProtocolError("non-finite", f"{group}/{bad} holds NaN or inf", node_id=node)
+    bad = first_non_finite(message.tensors, groups)
+    if bad is not None:
+        raise ProtocolError("non-finite", f"{bad} holds NaN or inf", node_id=node)
     return NodeUpdate(
         node_id=node,
         round=message.round,
