@@ -8,9 +8,9 @@ it reported a failed training, or when it went offline: a node that leaves mid-r
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from fedcore.algorithms.base import NodeUpdate
+from fedcore.algorithms.base import NodeUpdate, Payload
 from fedcore.tensors import TensorSpec
 
 
@@ -59,6 +59,12 @@ class RoundState:
     def updates(self) -> dict[str, NodeUpdate]:
         """Every update this round will aggregate: carried over and accepted now."""
         return self.carried | self.accepted
+
+    def forget_tensors(self) -> None:
+        """Once the attempt is over, keep who answered but not their tensors: a closed attempt is
+        remembered only to recognise late and duplicate updates (the engine keeps 64 of them)."""
+        self.accepted = {n: replace(u, payload=Payload()) for n, u in self.accepted.items()}
+        self.carried = {n: replace(u, payload=Payload()) for n, u in self.carried.items()}
 
     def answered(self, node_id: str) -> bool:
         return node_id in self.accepted or node_id in self.rejected or node_id in self.failed

@@ -55,7 +55,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     by the coordinator's engine (`SyncRounds` on the in-process driver: it samples each round's
     cohort, keeps the participation record and calls `aggregate`, as the daemon does)."""
     from coordinator.config import CoordinatorConfig, RoundPolicy
-    from coordinator.engine import SyncRounds, sync
+    from coordinator.engine import SyncRounds
     from coordinator.engine.local import LocalFederation, LocalNode
     from fedcore.algorithms import build_hyperparams, get_algorithm
     from fedcore.algorithms.base import NodeHalf, Payload, TaskInput
@@ -94,16 +94,10 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     template = {k: v.clone() for k, v in model.state_dict().items()}
     node = SyntheticNode(template)
     nodes = {f"node-{i:05d}": LocalNode(node, _sized(int(n))) for i, n in enumerate(sizes)}
-    # The engine remembers closed rounds (their accepted updates with them) to recognise late updates
-    # and acknowledgements; none can come here, and those tensors are not the teacher's to count.
-    sync.PAST_ROUNDS_KEPT = 0
     policy = RoundPolicy(fraction=args.fraction, min_nodes=args.nodes)
     config = CoordinatorConfig(federation="bench-teacher", rounds=args.rounds, policy=policy, train=TrainSettings())
     engine = SyncRounds(config, half.update_schema(), evaluates=False)
     fed = LocalFederation(engine=engine, half=half, nodes=nodes, workspace=torch.nn.Identity())
-    # what the driver keeps for tests and is not needed here: every checkpoint's meta (each with the
-    # whole participation record: O(rounds x nodes)) and every receipt
-    fed.checkpoints, fed.receipts = _Nowhere(), _Nowhere()
     seconds = []
     aggregate = half.aggregate
 
@@ -148,13 +142,6 @@ def _sized(n: int) -> Any:
     from fedcore.data import TensorDataset
 
     return TensorDataset(torch.zeros(1, 0).expand(n, 0), torch.zeros(1, dtype=torch.long).expand(n), 10)
-
-
-class _Nowhere(list):  # type: ignore[type-arg]
-    """A list that keeps nothing appended to it."""
-
-    def append(self, item: object) -> None:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

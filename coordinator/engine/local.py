@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,8 @@ from fedcore.tensors import flatten_groups
 from fedcore.training import TrainSettings
 
 logger = logging.getLogger(__name__)
+
+RECEIPTS_KEPT = 10_000
 
 ComputeTime = Callable[[str, c.TaskSpec], float]
 """Virtual seconds from a task being sent to its update arriving (node id, task)."""
@@ -80,9 +82,11 @@ class LocalFederation:
     records: list[dict[str, Any]] = field(default_factory=list)
     """The metrics lines, as metrics.jsonl would hold them."""
     round_records: dict[str, list[Mapping[str, Any]]] = field(default_factory=dict)
-    checkpoints: list[Mapping[str, Any]] = field(default_factory=list)
+    checkpoint: Mapping[str, Any] | None = None
+    """The last checkpoint's meta (the engine's state to resume from)."""
     refused: Counter[str] = field(default_factory=Counter)
-    receipts: list[c.Receipt] = field(default_factory=list)
+    receipts: deque[c.Receipt] = field(default_factory=lambda: deque(maxlen=RECEIPTS_KEPT))
+    """The latest receipts (what the nodes were told)."""
 
     def __post_init__(self) -> None:
         self._queue: list[tuple[float, int, e.Event]] = []
@@ -110,11 +114,11 @@ class LocalFederation:
 
     def run(self, until: Callable[[], bool] | None = None, *, max_events: int = 10_000_000) -> list[dict[str, Any]]:
         """Process events until the engine finishes (or `until()` holds); the metrics lines so far.
-        Nodes not scheduled otherwise are online from the start."""
+        A node with no scheduled `online` is online from the start."""
         if not self._started:
             self._started = True
-            if not any(isinstance(ev, e.NodeSeen) for _, _, ev in self._queue):
-                self.online(*self.nodes)
+            scheduled = {ev.node for _, _, ev in self._queue if isinstance(ev, e.NodeSeen) and ev.online}
+            self.online(*(node for node in self.nodes if node not in scheduled))
             self._drain_now()
             self._feed(e.Start())
         for _ in range(max_events):
@@ -166,7 +170,7 @@ class LocalFederation:
         elif isinstance(command, c.Record):
             self.records.append(dict(command.record))
         elif isinstance(command, c.Checkpoint):
-            self.checkpoints.append(command.meta)
+            self.checkpoint = command.meta
         elif isinstance(command, c.Refused):
             self.refused[command.reason] += 1
             logger.debug("refused from %s: %s: %s", command.node, command.reason, command.detail)

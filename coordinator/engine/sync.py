@@ -115,6 +115,7 @@ class SyncRounds(Engine):
             version=self.version,
         )
         if self.current is not None:
+            self.current.forget_tensors()
             self._past.append(self.current)
         self.current = state
         self.participation.selected(selected, self.round)

@@ -258,3 +258,19 @@ def test_sync_stop_finishes_stopped() -> None:
     d = Driver(config())
     d.start("a")
     assert one(c.Finish, d.feed(e.Stop())).state == "stopped" and d.engine.state == "stopped"
+
+
+def test_sync_closed_rounds_keep_who_answered_but_not_their_tensors() -> None:
+    """The engine remembers 64 closed attempts for late and duplicate updates, without the models."""
+    d = Driver(config(rounds=3))
+    d.start("a")
+    spec = _round(d).tasks[0]
+    aggregate = one(c.Aggregate, d.feed(update(spec)))
+    assert aggregate.updates[0].payload.tensors, "the aggregation got no tensors"
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.5}))
+    _round(d)
+    assert isinstance(d.engine, SyncRounds)
+    past = d.engine._past[-1]
+    assert past.accepted["a"].payload.tensors == {} and past.answered("a")
+    assert one(c.Refused, d.feed(update(spec))).reason == "duplicate-update"

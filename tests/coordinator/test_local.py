@@ -108,8 +108,7 @@ def test_node_taken_offline_mid_task_is_lost(kind: str) -> None:
     """node-002 (4 s a task) goes offline at t = 2 holding its first task: recorded lost, never sent another."""
     cfg = config(rounds=3) if kind == "sync" else config(engine="async", buffer=2, concurrency=3, aggregations=4)
     fed = federation(cfg, {"node-000": 1.0, "node-001": 1.0, "node-002": 4.0})
-    fed.online(*NODES)  # said explicitly: with any availability change scheduled, the driver brings no node online
-    fed.offline("node-002", at=2.0)
+    fed.offline("node-002", at=2.0)  # the others, and node-002 until then, are online from the start
     records = fed.run()
     assert fed.engine.state == "finished"
     node = fed.engine.participation.get("node-002")
