@@ -119,6 +119,9 @@ class BusClient:
         self._client: aiomqtt.Client | None = None
         self._generation = 0
         self._lost = asyncio.Event()
+        self._lost_future: asyncio.Future[None] | None = None
+        """Resolved when the current connection is lost: calls in flight race it (one per connection,
+        not a waiter task per call)."""
         self._state = asyncio.Condition()
         self._queue: asyncio.Queue[Envelope] | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -320,6 +323,7 @@ class BusClient:
         async with self._state:
             self._client = client
             self._lost = asyncio.Event()
+            self._lost_future = asyncio.get_running_loop().create_future()
             self._generation += 1
             self._state.notify_all()
         if self._on_connect is not None:
@@ -338,6 +342,8 @@ class BusClient:
 
     async def _on_disconnected(self) -> None:
         self._lost.set()
+        if self._lost_future is not None and not self._lost_future.done():
+            self._lost_future.set_result(None)
         async with self._state:
             self._client = None
             self._state.notify_all()
@@ -373,6 +379,23 @@ class BusClient:
         return await self.publish_frame(
             topic, encode(message), round=message.round, qos=qos, retain=retain, expiry_s=expiry_s
         )
+
+    def publish_advisory(self, topic: str, message: Message) -> bool:
+        """Hand a QoS 0 message to the connection now and wait for nothing: for advisory messages that
+        QoS 0 may lose anyway (receipts). No task, no retry: without a live connection, or for a
+        message that would need chunks, nothing is sent and False says so."""
+        client = self._client
+        if client is None or self._closing or self._lost.is_set():
+            return False
+        frame = encode(message)
+        if len(frame) > self.config.chunk_bytes:
+            return False
+        info = client._client.publish(topic, frame, 0, False, None)  # paho's own: queued, written when writable
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            return False
+        self.stats.published += 1
+        self.stats.bytes_out += len(frame)
+        return True
 
     async def publish_frame(
         self,
@@ -438,18 +461,23 @@ class BusClient:
         generation = 0
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                client, generation = await asyncio.wait_for(self._wait_generation(generation), max(remaining, 0))
-            except TimeoutError:
-                raise BusError(f"{what} timed out waiting for the broker ({self._last_error})", topic=topic) from None
-            lost = self._lost
+            live = self._client
+            if live is not None and self._generation > generation and self._fatal is None and not self._closing:
+                client, generation = live, self._generation  # connected: no wait, no lock
+            else:
+                try:
+                    client, generation = await asyncio.wait_for(self._wait_generation(generation), max(remaining, 0))
+                except TimeoutError:
+                    raise BusError(
+                        f"{what} timed out waiting for the broker ({self._last_error})", topic=topic
+                    ) from None
+            lost = self._lost_future
+            assert lost is not None
             attempt = asyncio.ensure_future(call(client, max(deadline - time.monotonic(), 0.001)))
-            watcher = asyncio.ensure_future(lost.wait())
             try:
                 # a call in flight when the connection drops would wait for an ack that can never come
-                await asyncio.wait({attempt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({attempt, lost}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                watcher.cancel()
                 if not attempt.done():
                     attempt.cancel()
                     with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):

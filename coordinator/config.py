@@ -35,6 +35,9 @@ class RoundPolicy:
     min_nodes: int = 1
     """Live nodes needed before the first round starts."""
     wait_for_nodes_s: float = 120.0
+    receipts: Literal["all", "refusals"] = "all"
+    """Tell a node what became of every update (all), or only of those not folded (refusals): a
+    receipt is advisory, and at a thousand updates a second it is a third of the messages."""
     late_updates: Literal["drop", "carry"] = "drop"
     """An update that comes after its round closed: refused as late (drop), or validated and folded
     into the next aggregation with its staleness weight (carry; `AsyncPolicy.staleness`)."""
@@ -52,6 +55,8 @@ class RoundPolicy:
             raise ValueError("min_updates and min_nodes must be at least 1, max_retries non-negative")
         if self.on_insufficient not in ("retry", "skip"):
             raise ValueError("on_insufficient must be 'retry' or 'skip'")
+        if self.receipts not in ("all", "refusals"):
+            raise ValueError("receipts must be 'all' or 'refusals'")
         if self.late_updates not in ("drop", "carry"):
             raise ValueError("late_updates must be 'drop' or 'carry'")
 

@@ -404,7 +404,7 @@ class Coordinator:
                 "update_id": command.update_id,
             },
         )
-        self._spawn(self._bus_or_fail().publish(self.topics.receipt(command.node), receipt, qos=0))
+        self._bus_or_fail().publish_advisory(self.topics.receipt(command.node), receipt)
 
     def _refused(self, command: c.Refused) -> None:
         if command.protocol:

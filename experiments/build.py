@@ -160,6 +160,7 @@ def coordinator_config(
         min_nodes=cfg.policy.min_nodes or cfg.nodes,
         wait_for_nodes_s=cfg.policy.wait_for_nodes_s,
         late_updates=cfg.policy.late_updates,
+        receipts=cfg.policy.receipts,
     )
     return CoordinatorConfig(
         federation=federation or federation_id(cfg),

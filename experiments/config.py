@@ -267,7 +267,10 @@ class PolicyConfig(_Strict):
         description="an update after its round closed: refused (drop), or folded into the next aggregation with"
         " its staleness weight (carry; engine.staleness and engine.max_staleness)",
     )
-    _added_later = ("inline_model_bytes", "late_updates")
+    receipts: Literal["all", "refusals"] = Field(
+        "all", description="receipts for every update, or only for those not folded (fewer messages per update)"
+    )
+    _added_later = ("inline_model_bytes", "late_updates", "receipts")
 
 
 class BusSettings(_Strict):

@@ -207,10 +207,12 @@ class Engine(ABC):
         out.append(c.Refused(message.sender, reason, detail, protocol=False))
         self._receipt(out, message, status, detail)
 
-    @staticmethod
-    def _receipt(out: list[c.Command], message: Message, status: str, reason: str = "") -> None:
-        """Tell the sender what became of its update, unless its task id is not even a byte string."""
+    def _receipt(self, out: list[c.Command], message: Message, status: str, reason: str = "") -> None:
+        """Tell the sender what became of its update, unless its task id is not even a byte string
+        (or the update was taken and `policy.receipts` asks for refusals only)."""
         task = message.meta.get("task")
+        if status == "received" and self.policy.receipts == "refusals":
+            return
         if isinstance(task, bytes | None):
             out.append(c.Receipt(message.sender, message.round, task, message.message_id, status, reason))
 

@@ -105,7 +105,11 @@ async def test_async_daemons_refuse_forged_duplicated_and_unknown_updates(tmp_pa
     """A hostile client reads node-001's task and answers it with a wrong version in the header, then a
     task id nobody was sent, then replays node-002's accepted update under a fresh message id: each is
     refused with its reason, and the run still makes every version from genuine updates only."""
-    cfg = async_config(nodes=3, engine={"aggregations": 10}, faults={"node-001": {"delay_s": 2.0}})
+    cfg = async_config(
+        nodes=3,
+        engine={"aggregations": 10},
+        faults={"node-000": {"delay_s": 0.3}, "node-001": {"delay_s": 2.0}, "node-002": {"delay_s": 0.3}},
+    )  # fmt: skip: the run lasts about 3 s, so the replay comes while it goes on
     fed = Federation(tmp_path, broker_url, cfg)
     t = Topics(fed.federation)
     fed.start_coordinator()
