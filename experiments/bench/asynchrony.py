@@ -476,16 +476,18 @@ def ingest(report: Report, options: BenchOptions, s: Settings, url: str, kind: s
     sync_rate = selected / per_round
     results["sync"] = {"seconds_per_round": per_round, "selected": selected, "updates_per_s": sync_rate}
     section = f"ingest: {n} noop nodes, MLP of 442 parameters"
-    for k in (10, 1):
+    for k, receipts in ((10, "all"), (10, "refusals"), (1, "all")):
+        key = f"k{k}" + ("" if receipts == "all" else "-refusals")
         versions = max(10, s.ingest_updates // k // (3 if k == 1 else 1))
-        base = noop_workload(n, 1.0, 1, kind=kind, name=f"bench-async-ingest-k{k}").model_dump(mode="json")
+        base = noop_workload(n, 1.0, 1, kind=kind, name=f"bench-async-ingest-{key}").model_dump(mode="json")
         base |= {"rounds": None, "eval_every": versions}
+        base["policy"] = {**base["policy"], "receipts": receipts}
         base["engine"] = {
             "kind": "async", "buffer": k, "concurrency": n, "max_staleness": 1_000_000,
             "aggregations": versions, "deadline_s": 120,
         }  # fmt: skip
         cfg = parse_config(base)
-        out = options.work_dir / "async" / f"ingest-k{k}-{n}-{time.strftime('%H%M%S')}"
+        out = options.work_dir / "async" / f"ingest-{key}-{n}-{time.strftime('%H%M%S')}"
         run = run_real(cfg, url, out, f"K = {k}", processes=s.processes)
         warm = len(run.lines) // 10
         span = run.lines[-1]["ended_s"] - run.lines[warm]["ended_s"]
@@ -498,11 +500,12 @@ def ingest(report: Report, options: BenchOptions, s: Settings, url: str, kind: s
         if backlog:
             note += f"; {backlog} accepted updates still buffered at the end"
         label = "FedBuff" if k > 1 else "FedAsync"
+        label += "" if receipts == "all" else ", receipts for refusals only"
         report.add(
             f"async coordinator, {label} K = {k}, concurrency {n}", rate, "updates/s", ratio=rate / sync_rate,
             ratio_means="the sync rounds' updates/s", note=note, section=section,
         )  # fmt: skip
-        results[f"k{k}"] = {
+        results[key] = {
             "updates_per_s": rate,
             "folded": folded,
             "span_s": span,
@@ -518,10 +521,11 @@ def ingest(report: Report, options: BenchOptions, s: Settings, url: str, kind: s
         ratio_means="", note=f"{per_round * 1e3:.1f} ms a round (median of {len(times)})",
         section=section,
     )  # fmt: skip
-    best = max(results["k10"]["updates_per_s"], results["k1"]["updates_per_s"])
+    best = max(r["updates_per_s"] for k, r in results.items() if k != "sync")
     report.target(
         "async coordinator folds >= 1,000 updates/s (noop, tiny model)",
-        f"{results['k10']['updates_per_s']:,.0f}/s (K = 10), {results['k1']['updates_per_s']:,.0f}/s (K = 1)",
+        f"{results['k10']['updates_per_s']:,.0f}/s (K = 10), {results['k10-refusals']['updates_per_s']:,.0f}/s"
+        f" (K = 10, receipts for refusals only), {results['k1']['updates_per_s']:,.0f}/s (K = 1)",
         best >= 1000,
     )
     return results
@@ -640,13 +644,11 @@ def notes(figures: Mapping[str, Any]) -> list[str]:
             )
     ingest_fig = figures.get("ingest")
     if ingest_fig:
-        for k in ("k10", "k1"):
-            r = ingest_fig[k]
-            if r["buffered_at_end"]:
+        for key, r in ingest_fig.items():
+            if key != "sync" and r["buffered_at_end"]:
                 out.append(
-                    f"Ingest {k.upper().replace('K', 'K = ')}: updates arrived faster than versions were made; "
-                    f"{r['buffered_at_end']} accepted updates were still buffered when the last version was made "
-                    f"(never folded), and updates were folded up to {r['max_staleness_seen']} versions stale."
+                    f"Ingest {key}: {r['buffered_at_end']} accepted updates were still buffered at the end"
+                    " (the engine folds everything accepted into the last version: this would be a bug)."
                 )
     return out
 

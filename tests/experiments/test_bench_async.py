@@ -81,7 +81,15 @@ def test_async_suite_measures_every_section_and_reports_ratios(tmp_path: Path) -
 
     # the federations ran on the bus with the fault delays as their speeds, and asynchronously where asked
     runs = {p.name.rsplit("-", 1)[0]: p for p in (tmp_path / "async").iterdir()}
-    assert {"sync", "fedasync", "fedbuff5", "ingest-sync-6", "ingest-k10-6", "ingest-k1-6"} <= set(runs)
+    assert {
+        "sync",
+        "fedasync",
+        "fedbuff5",
+        "ingest-sync-6",
+        "ingest-k10-6",
+        "ingest-k10-refusals-6",
+        "ingest-k1-6",
+    } <= set(runs)
     config = (runs["fedbuff5"] / "config.yaml").read_text()
     assert "kind: async" in config and "buffer: 5" in config and "delay_s:" in config
     lines = [json.loads(line) for line in (runs["fedasync"] / "metrics.jsonl").read_text().splitlines()]
@@ -89,11 +97,15 @@ def test_async_suite_measures_every_section_and_reports_ratios(tmp_path: Path) -
 
     ingest = figures["ingest"]
     section = rows(report, "ingest: 6 noop nodes, MLP of 442 parameters")
-    assert len(section) == 3
+    assert len(section) == 4
     sync_row = next(f for label, f in section.items() if label.startswith("sync noop rounds"))
     assert sync_row.value == pytest.approx(ingest["sync"]["updates_per_s"]) and sync_row.ratio == 1.0
-    for k in ("k10", "k1"):
-        row = next(f for label, f in section.items() if f"K = {k[1:]}," in label)
+    for k in ("k10", "k10-refusals", "k1"):
+        refusals = k.endswith("refusals")
+        row = next(
+            f for label, f in section.items()
+            if f"K = {k[1:].split('-')[0]}," in label and ("refusals only" in label) == refusals
+        )  # fmt: skip
         assert row.value > 0 and math.isfinite(row.value) and row.value == ingest[k]["updates_per_s"]
         assert row.ratio == pytest.approx(row.value / sync_row.value)
         assert ingest[k]["folded"] > 0 and ingest[k]["span_s"] > 0
