@@ -33,7 +33,7 @@ from fedcore.algorithms.fedsa import (
     skew_aware_average,
 )
 from fedcore.errors import ConfigError
-from tests.algorithms.common import Federation, context, same_state
+from tests.algorithms.common import Federation, context, same_state, update
 
 SPEC = fedsa.SPEC
 
@@ -354,7 +354,16 @@ def test_fedsa_neutral_setting_equals_fedavg_exactly() -> None:
     assert same_state(Federation("fedavg").run(2), Federation(SPEC, {"cv_t": 1.0, "weighted": True}).run(2))
     plain = Federation("fedavg", {"weighted": False}).run(2)
     assert same_state(plain, Federation(SPEC, {"cv_t": 1.0}).run(2))
-    assert not same_state(plain, Federation(SPEC).run(2))
+    # with two clusters the default SA is not the mean: three clients that agree and two that agree. (Three
+    # clients always form one cluster: the last free client joins the first pair's, fedsa.greedy_cluster;
+    # and equal groups deviate equally from the mean, so squared deviations cannot tell them apart.)
+    a = {"w": torch.tensor([[0.0, 1.0, 2.0, 3.0]]), "b": torch.tensor([1.0])}
+    b = {"w": a["w"] + torch.tensor([[0.0, 3.0, 0.0, 3.0]]), "b": a["b"]}
+    states = [a, dict(a), dict(a), b, dict(b)]
+    sa = fedsa.aggregator(Hyperparams())
+    out = sa(states, [1.0] * 5)
+    assert sa.metrics["sa_clusters_mean"] == 2.0
+    assert not same_state(out, weighted_average(states, [1.0] * 5))
 
 
 def test_fedsa_is_deterministic_and_reports_its_statistics() -> None:
@@ -377,21 +386,29 @@ def test_fedsa_is_deterministic_and_reports_its_statistics() -> None:
 
 
 def test_fedsa_as_fedprox_average_differs_from_the_mean_only_where_dispersed() -> None:
-    """FedProx's coordinator with SA as `average`: the mean exactly at low-dispersion positions, not at all high ones."""
+    """FedProx's coordinator with SA as `average`: the mean exactly at low-dispersion positions, not at all high ones.
+
+    Three nodes send one trained model and two others that model with every other entry moved by 0.5,
+    so the groups cluster apart wherever they disagree (three clients always form one cluster, whose
+    mean is the plain mean: fedsa.greedy_cluster)."""
     fed = Federation("fedprox", {"mu": 0.01})
     hp = Hyperparams()
     fed.coordinator.average = fedsa.aggregator(hp)
     ctx = context(0, fed.node_ids)
-    updates = [fed.train(n, fed.coordinator.configure_round(ctx)) for n in fed.node_ids]
-    states = [u.payload.tensors["model"] for u in updates]
+    trained = fed.train(fed.node_ids[0], fed.coordinator.configure_round(ctx))
+    base = trained.payload.tensors["model"]
+    moved = {k: v + 0.5 * (torch.arange(v.numel()) % 2).reshape(v.shape) for k, v in base.items()}
+    states = [base, dict(base), dict(base), moved, dict(moved)]
+    ids = [f"node-{i:03d}" for i in range(5)]
+    updates = [update(n, state, trained.num_samples, loss=0.1) for n, state in zip(ids, states, strict=True)]
     metrics = fed.coordinator.aggregate(ctx, updates, [])
     assert math.isfinite(metrics["train_loss"])
-    out, mean = fed.coordinator.model.state_dict(), weighted_average(states, [1.0] * 3)
+    out, mean = fed.coordinator.model.state_dict(), weighted_average(states, [1.0] * 5)
     differs = 0
     for name, value in out.items():
         rows = torch.stack([s[name].reshape(-1) for s in states])
-        mu = fedsa.client_mean(rows, [1 / 3] * 3)
-        var = fedsa.client_variance(rows, mu, [1 / 3] * 3)
+        mu = fedsa.client_mean(rows, [1 / 5] * 5)
+        var = fedsa.client_variance(rows, mu, [1 / 5] * 5)
         high = high_dispersion(coefficient_of_variation(var, mu, hp.eps), hp.cv_t)
         changed = value.reshape(-1) != mean[name].reshape(-1)
         assert not (changed & ~high).any(), name
