@@ -35,6 +35,7 @@ from coordinator.run_dir import RunDir
 from coordinator.versions import ModelVersions
 from fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedcore.data import TensorDataset
+from fedcore.participation import ParticipationRecord
 from fedcore.tensors import flatten_groups
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Coordinator:
         self._state = "starting"
 
     @property
-    def participation(self) -> Any:
+    def participation(self) -> ParticipationRecord:
         return self.engine.participation
 
     # -- lifecycle -------------------------------------------------------------------------

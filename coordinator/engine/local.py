@@ -114,11 +114,13 @@ class LocalFederation:
 
     def run(self, until: Callable[[], bool] | None = None, *, max_events: int = 10_000_000) -> list[dict[str, Any]]:
         """Process events until the engine finishes (or `until()` holds); the metrics lines so far.
-        A node with no scheduled `online` is online from the start."""
+        A node whose liveness nothing scheduled for the start is online from the start (and may go
+        offline later as scheduled)."""
         if not self._started:
             self._started = True
-            scheduled = {ev.node for _, _, ev in self._queue if isinstance(ev, e.NodeSeen) and ev.online}
-            self.online(*(node for node in self.nodes if node not in scheduled))
+            now = self.clock.now()
+            decided = {ev.node for when, _, ev in self._queue if isinstance(ev, e.NodeSeen) and when <= now}
+            self.online(*(node for node in self.nodes if node not in decided))
             self._drain_now()
             self._feed(e.Start())
         for _ in range(max_events):
