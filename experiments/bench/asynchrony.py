@@ -305,7 +305,6 @@ def run_virtual(cfg: ExperimentConfig, label: str) -> Outcome:
     """The same experiment on the engine's in-process driver, the fault delays as compute times."""
     import torch
 
-    from coordinator.engine.clock import FakeClock
     from experiments.local import build_local, fault_delays
 
     threads = torch.get_num_threads()
@@ -316,9 +315,6 @@ def run_virtual(cfg: ExperimentConfig, label: str) -> Outcome:
     try:
         started = time.monotonic()
         federation = build_local(cfg, compute_s=fault_delays(cfg), device=torch.device("cpu"))
-        # a clock that starts above 0: the engines take a start time of 0.0 for "not started"
-        # (`started_at or now`), which would stamp every line's ended_s 0
-        federation.clock = FakeClock(1.0)
         lines = federation.run()
         summary = dict(federation.engine.summary_fields())
         summary["engine"] = cfg.engine.kind
