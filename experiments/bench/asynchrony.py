@@ -560,10 +560,11 @@ def kdia(
 
 
 def speed_target(report: Report, figures: Mapping[str, Any]) -> None:
-    ratios = {k: v["ratio"] for k, v in figures["runs"].items() if k != SYNC.label}
+    """Against the over-selected synchronous run (the stronger baseline); plain FedAvg is in the notes."""
+    ratios = {k: v["ratio"] for k, v in figures["runs"].items() if k not in (SYNC.label, SYNC_PLAIN.label)}
     measured = "; ".join(f"{k.split(' ')[0]} {_ratio(r)}" for k, r in ratios.items())
     met = any(r is not None and r >= 2 for r in ratios.values())
-    report.target("async reaches sync's final accuracy >= 2x sooner (bus)", measured, met)
+    report.target("async reaches sync's final accuracy >= 2x sooner (bus, sync with over-selection)", measured, met)
 
 
 def run(options: BenchOptions) -> Report:

@@ -110,7 +110,7 @@ def test_async_suite_measures_every_section_and_reports_ratios(tmp_path: Path) -
         assert row.ratio == pytest.approx(row.value / sync_row.value)
         assert ingest[k]["folded"] > 0 and ingest[k]["span_s"] > 0
     assert [t.text for t in report.targets] == [
-        "async reaches sync's final accuracy >= 2x sooner (bus)",
+        "async reaches sync's final accuracy >= 2x sooner (bus, sync with over-selection)",
         "async coordinator folds >= 1,000 updates/s (noop, tiny model)",
     ]
     text = report.markdown()
