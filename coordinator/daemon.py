@@ -27,12 +27,12 @@ from coordinator.engine import events as e
 from coordinator.engine import make_engine
 from coordinator.engine.clock import Clock, MonotonicClock
 from coordinator.errors import CoordinatorError, ProtocolError
+from coordinator.halfcalls import HalfCalls
 from coordinator.lane import Lane
 from coordinator.persistence import Persistence
 from coordinator.registry import NodeRegistry
 from coordinator.reporting import Evaluator, participation_totals, write_run_files
 from coordinator.run_dir import RunDir
-from coordinator.versions import ModelVersions
 from fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedcore.data import TensorDataset
 from fedcore.participation import ParticipationRecord
@@ -59,6 +59,7 @@ class _Prepared:
     frames: dict[str, bytearray]
     round: int
     tasks: dict[str, bytes]
+    inline: bool
     model: bytearray | None = None
 
 
@@ -93,8 +94,10 @@ class Coordinator:
         self.persistence = Persistence(self.run_dir, half)
         self._lane = Lane()
         self._events: asyncio.Queue[e.Event | _Failed] = asyncio.Queue()
+        self._calls = HalfCalls(half, config)
         self._prepared: dict[int, _Prepared] = {}
-        self._versions = ModelVersions()
+        """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
+        latest broadcast step, whose model a late acknowledgement may still need)."""
         self._statuses: asyncio.Queue[Message] = asyncio.Queue()
         self._published_state: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -160,10 +163,10 @@ class Coordinator:
         """Let the engine fold what it has accepted (async buffer) before the run stops."""
         try:
             async with asyncio.timeout(30):
-                await self._feed(e.Stop())
+                self._feed(e.Stop())
                 while not self.engine.finished:
-                    await self._feed(await self._next_event())
-        except (TimeoutError, _Failed, CoordinatorError) as exc:
+                    self._feed(await self._next_event())
+        except (TimeoutError, CoordinatorError) as exc:
             logger.warning("stopping without folding the buffered updates: %r", exc)
 
     # -- receiving -------------------------------------------------------------------------
@@ -203,9 +206,9 @@ class Coordinator:
     # -- driving the engine ----------------------------------------------------------------
 
     async def _drive(self) -> None:
-        await self._feed(e.Start())
+        self._feed(e.Start())
         while not self.engine.finished:
-            await self._feed(await self._next_event())
+            self._feed(await self._next_event())
 
     async def _next_event(self) -> e.Event:
         """The next event, or a Tick when the engine's next deadline comes first."""
@@ -219,13 +222,15 @@ class Coordinator:
             raise CoordinatorError(str(item))
         return item
 
-    async def _feed(self, event: e.Event) -> None:
+    def _feed(self, event: e.Event) -> None:
+        """The engine's commands for `event`, executed in order: none waits (publishes and the half's
+        calls run in the background and report back as events)."""
         for command in self.engine.handle(event, self.clock.now()):
-            await self._execute(command)
+            self._execute(command)
 
-    async def _execute(self, command: c.Command) -> None:
+    def _execute(self, command: c.Command) -> None:
         if isinstance(command, c.Configure):
-            self._heavy(lambda: self._configure(command), "configure")
+            self._heavy(lambda: self._configure(command), "configure", self._prepare)
         elif isinstance(command, c.SendTask):
             self._send_task(command)
         elif isinstance(command, c.Broadcast):
@@ -249,12 +254,13 @@ class Coordinator:
         elif isinstance(command, c.Finish):
             self._state = command.state
 
-    def _heavy(self, call: Callable[[], e.Event], what: str) -> None:
-        """Run `call` in the lane; its event (or the failure) comes back through the queue."""
+    def _heavy(self, call: Callable[[], Any], what: str, then: Callable[[Any], e.Event] | None = None) -> None:
+        """Run `call` in the lane; its event (`then` makes it from the result, on the event loop), or
+        the failure, comes back through the queue."""
 
         def done(result: Any, exc: BaseException | None) -> None:
             if exc is None:
-                self._events.put_nowait(result)
+                self._events.put_nowait(then(result) if then is not None else result)
             else:
                 logger.error("%s failed: %r", what, exc, exc_info=exc)
                 self._events.put_nowait(_Failed(f"the algorithm's {what} failed: {exc!r}"))
@@ -263,29 +269,41 @@ class Coordinator:
 
     # -- the half's calls (in the lane's thread) -------------------------------------------
 
-    def _configure(self, command: c.Configure) -> e.Configured:
-        payload = self.half.configure_round(command.ctx)
-        if self.config.engine == "async" and self.config.asynchronous.rule == "fedbuff":
-            self._versions.keep(command.ctx.version, payload, self.half)
+    def _configure(self, command: c.Configure) -> tuple[int, _Prepared]:
+        """The half's payload for the step's tasks, encoded (in the lane: the model is read whole)."""
+        payload = self._calls.configure(command)
         if not command.tasks:
-            self._prepared[command.step] = _Prepared({}, command.ctx.round, {})
-            return e.Configured(command.step, inline=True)
+            return command.step, _Prepared({}, command.ctx.round, {}, inline=True)
         if isinstance(payload, Payload):
             payloads: Mapping[str, Payload] = dict.fromkeys((t.node for t in command.tasks), payload)
-            model = self._model_message(command, payload)
-            inline = command.inline_only or self._fits_in_task(model)
+            model = None if command.inline_only else self._model_message(command, payload)
+            inline = model is None or self._fits_in_task(model)
         else:  # one payload per node: each rides in its own task
             payloads, model, inline = payload, None, True
         frames = {
             t.node: encode(self._task_message(command, t, payloads[t.node] if inline else None)) for t in command.tasks
         }
-        prepared = _Prepared(frames, command.ctx.round, {t.node: t.task for t in command.tasks})
+        prepared = _Prepared(frames, command.ctx.round, {t.node: t.task for t in command.tasks}, inline)
         if not inline:
             assert model is not None
             prepared.model = encode(model)
-        self._prepared = {k: v for k, v in self._prepared.items() if k >= command.step - 1}  # older steps are done
-        self._prepared[command.step] = prepared
-        return e.Configured(command.step, inline=inline)
+        return command.step, prepared
+
+    def _prepare(self, made: tuple[int, _Prepared]) -> e.Configured:
+        """On the event loop: keep the step's frames for its SendTasks, and only the newest broadcast."""
+        step, prepared = made
+        if prepared.model is not None:
+            for old in [k for k, p in self._prepared.items() if p.model is not None]:
+                self._prepared[old].model = None
+                self._forget_if_sent(old)
+        if prepared.frames or prepared.model is not None:
+            self._prepared[step] = prepared
+        return e.Configured(step, inline=prepared.inline)
+
+    def _forget_if_sent(self, step: int) -> None:
+        prepared = self._prepared.get(step)
+        if prepared is not None and not prepared.frames and prepared.model is None:
+            del self._prepared[step]
 
     def _model_message(self, command: c.Configure, payload: Payload) -> Message:
         first = command.tasks[0]
@@ -323,12 +341,10 @@ class Coordinator:
         return encoded_size(model) <= limit
 
     def _aggregate(self, command: c.Aggregate) -> e.Aggregated:
-        metrics = self.half.aggregate(self._versions.context(command), command.updates, command.failures)
-        metrics = {**self.half.averaging_metrics(), **metrics}
-        for name, records in self.half.round_records().items():
-            self.run_dir.append_records(name, records)
-        self._versions.prune(command.keep_from)
-        return e.Aggregated(command.step, metrics)
+        aggregated, records = self._calls.aggregate(command)
+        for name, lines in records.items():
+            self.run_dir.append_records(name, lines)
+        return aggregated
 
     def _checkpoint(self, command: c.Checkpoint) -> None:
         """The snapshot is taken in the lane (between the half's calls); the writer puts it on disk."""
@@ -350,6 +366,7 @@ class Coordinator:
             logger.error("no prepared task for %s in step %d", command.node, command.step)
             return
         task_id = prepared.tasks.get(command.node, b"")
+        self._forget_if_sent(command.step)
 
         async def send() -> None:
             try:

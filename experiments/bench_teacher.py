@@ -11,8 +11,8 @@ first round, the bytes of tensors the teacher holds, the time per round, and eac
 teacher's largest elementwise distance from the exact one after the last round (with the bound the
 mode reports). The generator is off (lambda_gen = 0): it does not depend on N. Nothing goes over
 the bus: this measures the teacher, not the transport. The RSS growth includes the engine's own
-per-round bookkeeping at N nodes (the participation record, its JSON for each checkpoint: about
-8 MiB at 10,000 nodes), but not the closed rounds' updates it would keep for late arrivals.
+per-round bookkeeping at N nodes: the participation record, and its JSON for each round's
+checkpoint (about 6 MiB at 9,500 nodes seen, measured alone).
 """
 
 from __future__ import annotations

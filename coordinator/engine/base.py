@@ -1,5 +1,5 @@
 """What every round policy shares: liveness, the participation record, waiting for nodes, the
-evaluation and checkpoint that follow an aggregation, status, and refusing bad updates.
+half's context, status, checkpoint meta, and refusing or declining updates.
 
 An engine is synchronous and pure: `handle(event, now)` returns commands and changes only the
 engine's own state; `next_deadline()` says when it wants a `Tick`. It reads no clock, does no I/O and
@@ -52,7 +52,8 @@ class Engine(ABC):
         """The global model's version: the number of aggregations so far."""
         self.accuracies: list[tuple[int, float]] = []
         self.refused: Counter[str] = Counter()
-        """Updates refused, by reason (also counted by the bus client with every other bad message)."""
+        """Updates not taken, by reason: protocol refusals (also counted with the bus's rejections of
+        bad messages) and valid updates that policy declined (late, stale, expired, finished)."""
         self.late_arrivals = 0
         self.started_at: float | None = None
         self.startup_s: float | None = None

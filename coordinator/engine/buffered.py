@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -280,7 +281,8 @@ class BufferedAsync(Engine):
         return (first.deadline,) if first is not None else ()
 
     def _on_tick(self, out: list[c.Command], now: float) -> None:
-        expired = [t for t in self.tasks.values() if t.deadline <= now]
+        # tasks are kept in the order they were sent, all with the same deadline_s: the expired come first
+        expired = list(itertools.takewhile(lambda t: t.deadline <= now, self.tasks.values()))
         for task in expired:
             logger.info(
                 "task of %s (version %d) expired after %g s", task.spec.node, task.spec.version, self.ap.deadline_s

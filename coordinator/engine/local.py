@@ -29,7 +29,7 @@ from coordinator.engine import commands as c
 from coordinator.engine import events as e
 from coordinator.engine.base import Engine
 from coordinator.engine.clock import FakeClock
-from coordinator.versions import ModelVersions
+from coordinator.halfcalls import HalfCalls
 from fedcore.algorithms.base import CoordinatorHalf, NodeHalf, Payload, TaskInput
 from fedcore.data import TensorDataset
 from fedcore.seeding import torch_generator
@@ -92,7 +92,7 @@ class LocalFederation:
         self._queue: list[tuple[float, int, e.Event]] = []
         self._order = itertools.count()
         self._steps: dict[int, _Step] = {}
-        self._versions = ModelVersions()
+        self._half_calls = HalfCalls(self.half, self.engine.config)
         self._started = False
         self._online: set[str] = set()
 
@@ -151,6 +151,11 @@ class LocalFederation:
         for command in self.engine.handle(event, self.clock.now()):
             self._execute(command)
 
+    @property
+    def _calls(self) -> HalfCalls:
+        self._half_calls.half = self.half  # a caller may swap in another half between runs (a restored one)
+        return self._half_calls
+
     def _now(self, event: e.Event) -> None:
         self.at(self.clock.now(), event)
 
@@ -162,11 +167,10 @@ class LocalFederation:
         elif isinstance(command, c.SendTask):
             self._train(command)
         elif isinstance(command, c.Aggregate):
-            metrics = self.half.aggregate(self._versions.context(command), command.updates, command.failures)
-            for name, records in self.half.round_records().items():
-                self.round_records.setdefault(name, []).extend(records)
-            self._versions.prune(command.keep_from)
-            self._now(e.Aggregated(command.step, {**self.half.averaging_metrics(), **metrics}))
+            aggregated, records = self._calls.aggregate(command)
+            for name, lines in records.items():
+                self.round_records.setdefault(name, []).extend(lines)
+            self._now(aggregated)
         elif isinstance(command, c.Evaluate):
             self._now(e.Evaluated(command.step, dict(self.evaluate()) if self.evaluate else {}))
         elif isinstance(command, c.Record):
@@ -181,9 +185,7 @@ class LocalFederation:
         # Broadcast and Resend never come (every task carries its model); statuses and Finish need nothing
 
     def _configure(self, command: c.Configure) -> None:
-        payload = self.half.configure_round(command.ctx)
-        if self.engine.config.engine == "async" and self.engine.config.asynchronous.rule == "fedbuff":
-            self._versions.keep(command.ctx.version, payload, self.half)
+        payload = self._calls.configure(command)
         if isinstance(payload, Payload):
             shared = _clone(payload)
             payloads = {t.node: shared for t in command.tasks}

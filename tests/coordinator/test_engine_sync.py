@@ -274,3 +274,12 @@ def test_sync_closed_rounds_keep_who_answered_but_not_their_tensors() -> None:
     past = d.engine._past[-1]
     assert past.accepted["a"].payload.tensors == {} and past.answered("a")
     assert one(c.Refused, d.feed(update(spec))).reason == "duplicate-update"
+
+
+def test_sync_receipts_for_refusals_only_skip_the_accepted() -> None:
+    """policy.receipts: refusals: an accepted update gets no receipt, a refused one still does."""
+    d = Driver(config(policy={"receipts": "refusals"}))
+    d.start("a", "b")
+    tasks = {t.node: t for t in _round(d).tasks}
+    assert not of(c.Receipt, d.feed(update(tasks["a"])))
+    assert one(c.Receipt, d.feed(update(tasks["b"], base_version=5))).status == "rejected"

@@ -64,10 +64,8 @@ def test_daemon_prepares_one_inline_task_per_node_with_its_own_payload(tmp_path:
     cfg = dataclasses.replace(config(), out_dir=tmp_path)
     coordinator = Coordinator(cfg, BusConfig.from_url("mqtt://127.0.0.1:1"), PerNode(None, model=_model()))
     tasks = tuple(c.TaskSpec(n, bytes([i]) * 16, 0, 0, 0) for i, n in enumerate(("a", "b")))
-    event = coordinator._configure(c.Configure(1, _ctx(("a", "b")), tasks, TrainSettings().to_meta(), 10.0))
-    assert event.inline
-    prepared = coordinator._prepared[1]
-    assert prepared.model is None
+    step, prepared = coordinator._configure(c.Configure(1, _ctx(("a", "b")), tasks, TrainSettings().to_meta(), 10.0))
+    assert step == 1 and prepared.inline and prepared.model is None
     for i, node in enumerate(("a", "b")):
         message = decode(prepared.frames[node])
         assert message.meta["inline"] and message.meta["payload"] == {"k": i} and message.meta["version"] == 0
