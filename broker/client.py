@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import ssl
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +31,7 @@ from broker import allocator, paho_fast
 from broker.chunking import Reassembler, split
 from broker.codec import decode, encode
 from broker.config import PUBLISH_OVERHEAD, BusConfig
-from broker.errors import BusError, CodecError, MessageTooLarge
+from broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
 from broker.message import Kind, Message, new_message_id
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,36 @@ logger = logging.getLogger(__name__)
 _SESSION_EXPIRY_S = 3600
 # paho's MQTT_ERR_NO_CONN and MQTT_ERR_CONN_LOST: the call may succeed on the next connection
 _CONNECTION_LOST_CODES = (4, 7)
+
+
+_TLS_FAILURES = ("CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER", "Hostname mismatch", "TLSV1_ALERT")
+"""Marks of a TLS handshake that failed: retrying cannot help, so the first connection fails fast."""
+_AUTH_REFUSED = {4, 5, 134, 135}
+"""CONNACK codes for a bad user name or password and not authorised (MQTT 3.1.1, then v5)."""
+
+
+def tls_context(config: BusConfig) -> ssl.SSLContext | None:
+    """The TLS context of an ``mqtts://`` connection: the broker's certificate must chain to
+    `config.ca_file` (or the system's CAs) and name the host connected to; TLS 1.2 at least."""
+    if not config.tls:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file)
+        if config.cert_file is not None:
+            context.load_cert_chain(config.cert_file, config.key_file)
+    except FileNotFoundError as exc:
+        raise CredentialsError(f"TLS file not found: {exc.filename}") from None
+    except (ssl.SSLError, OSError) as exc:
+        files = ", ".join(f for f in (config.ca_file, config.cert_file, config.key_file) if f)
+        raise CredentialsError(f"cannot load the TLS files ({files}): {exc}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def _refused_subscriptions(topics: list[str], granted: object) -> list[str]:
+    """The topics a SUBACK refused (code 0x80 or above: not authorised, bad filter...)."""
+    codes = list(granted) if isinstance(granted, list | tuple) else []
+    return [t for t, code in zip(topics, codes, strict=False) if int(getattr(code, "value", code)) >= 0x80]
 
 
 def quiet_pending_publishes(record: logging.LogRecord) -> bool:
@@ -132,6 +163,7 @@ class BusClient:
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._publish_slots = asyncio.Semaphore(config.max_concurrent_publishes)
         self._expiry_timer: asyncio.TimerHandle | None = None
+        self._tls = tls_context(config)
         self._reassembler = Reassembler(
             max_bytes=config.max_reassembly_bytes,
             max_transfer_bytes=config.max_transfer_bytes,
@@ -206,25 +238,27 @@ class BusClient:
         """In 'auto' mode, learn once whether the broker speaks MQTT v5.
 
         The probe is a bare v5 CONNECT (no properties, no will) under a throwaway id: some v3-only
-        brokers (amqtt) misparse a v5 CONNECT that carries properties and hang instead of refusing it.
+        brokers (amqtt) misparse a v5 CONNECT that carries properties or credentials and hang instead
+        of refusing it. A v5 broker that wants credentials answers "not authorised" in v5: that is v5 too.
         """
         if self.config.protocol != "auto":
             return
         probe = aiomqtt.Client(
             self.config.host,
             self.config.port,
-            username=self.config.username,
-            password=self.config.password,
             identifier=f"{self.client_id}-probe",
             protocol=aiomqtt.ProtocolVersion.V5,
             timeout=min(2.0, self.config.connect_timeout_s),
+            tls_context=self._tls,
             logger=self._log.getChild("probe"),
         )
         try:
             async with probe:
                 self._protocol = aiomqtt.ProtocolVersion.V5
-        except MqttConnectError:
-            self._protocol = aiomqtt.ProtocolVersion.V311
+        except MqttConnectError as exc:
+            # refused for the credentials, it spoke v5: the real connection then fails with the reason
+            v5 = int(getattr(exc.rc, "value", exc.rc) or 0) in (134, 135)
+            self._protocol = aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311
         except aiomqtt.MqttError as exc:
             if "timed out" not in str(exc).lower():
                 raise
@@ -253,6 +287,10 @@ class BusClient:
                     probed = True
                 except aiomqtt.MqttError as exc:
                     self._last_error = str(exc)
+                    hopeless = self._tls_failure(exc)
+                    if hopeless is not None:
+                        await self._fail(hopeless)
+                        return
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.config.reconnect_max_s)
                     continue
@@ -267,12 +305,18 @@ class BusClient:
             except MqttConnectError as exc:
                 self._last_error = f"connection refused: {exc}"
                 if not ever_connected:
-                    self._fatal = BusError(f"broker {self.config.url} refused the connection: {exc}")
-                    async with self._state:
-                        self._state.notify_all()
+                    hint = ""
+                    if int(getattr(exc.rc, "value", exc.rc) or 0) in _AUTH_REFUSED:
+                        who = f"user {self.config.username!r}" if self.config.username else "no user name"
+                        hint = f" ({who}): check the credentials (--credentials, or the password file)"
+                    await self._fail(BusError(f"broker {self.config.url} refused the connection: {exc}{hint}"))
                     return
             except aiomqtt.MqttError as exc:
                 self._last_error = str(exc)
+                hopeless = None if ever_connected else self._tls_failure(exc)
+                if hopeless is not None:
+                    await self._fail(hopeless)
+                    return
             finally:
                 await self._on_disconnected()
             if self._closing:
@@ -284,6 +328,28 @@ class BusClient:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.config.reconnect_max_s)
+
+    def _tls_failure(self, exc: aiomqtt.MqttError) -> BusError | None:
+        """A TLS handshake that no retry can mend (an untrusted certificate, another host name, a
+        plain-MQTT port), as an error saying what to check; None for anything else."""
+        text = str(exc)
+        if self._tls is None:
+            if "reset by peer" in text:
+                self._last_error = f"{text}; if the broker expects TLS, use mqtts://"
+            return None
+        if not any(mark in text for mark in _TLS_FAILURES):
+            return None
+        ca = self.config.ca_file or "the system's CAs"
+        return BusError(
+            f"TLS with {self.config.url} failed: {text}. The broker's certificate must be signed by {ca} and"
+            f" name {self.config.host!r}; is the broker listening with TLS on that port?"
+        )
+
+    async def _fail(self, error: BusError) -> None:
+        """End the client with `error`, surfaced to every waiter (a first connection that cannot succeed)."""
+        self._fatal = error
+        async with self._state:
+            self._state.notify_all()
 
     def _make_client(self) -> aiomqtt.Client:
         v5 = self._protocol == aiomqtt.ProtocolVersion.V5
@@ -312,6 +378,7 @@ class BusClient:
             max_inflight_messages=self.config.max_inflight_messages,
             properties=connect_props,
             socket_options=options,
+            tls_context=self._tls,
             logger=self._mqtt_log,
         )
         paho_fast.speed_up(client)
@@ -319,7 +386,9 @@ class BusClient:
 
     async def _on_connected(self, client: aiomqtt.Client) -> None:
         for topic, qos in self._subscriptions.items():
-            await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
+            granted = await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
+            if _refused_subscriptions([topic], granted):
+                self._log.error("the broker refused %s's subscription to %s on reconnecting", self.client_id, topic)
         async with self._state:
             self._client = client
             self._lost = asyncio.Event()
@@ -363,9 +432,25 @@ class BusClient:
     # -- outgoing --------------------------------------------------------------------------
 
     async def subscribe(self, *topics: str, qos: int = 1) -> None:
+        """Subscribe (restored on every reconnection); BusError names the topics the broker refused
+        (an ACL that does not let this identity read them), which would otherwise never deliver."""
+        granted: list[object] = []
+
+        async def call(client: aiomqtt.Client, limit_s: float) -> None:
+            granted[:] = [await client.subscribe([(x, qos) for x in topics], timeout=limit_s)]
+
         for topic in topics:
             self._subscriptions[topic] = qos
-        await self._with_connection("subscribe", lambda c, t: c.subscribe([(x, qos) for x in topics], timeout=t))
+        await self._with_connection("subscribe", call)
+        refused = _refused_subscriptions(list(topics), granted[0] if granted else None)
+        if refused:
+            for topic in refused:
+                self._subscriptions.pop(topic, None)
+            who = f"user {self.config.username!r}" if self.config.username else "an anonymous client"
+            raise BusError(
+                f"the broker refused {who} the subscription to {', '.join(refused)}: not authorised by its ACL"
+                " (is this identity's node id its user name?)"
+            )
 
     async def unsubscribe(self, *topics: str) -> None:
         for topic in topics:

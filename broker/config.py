@@ -44,6 +44,13 @@ class BusConfig:
     chunk (twice the throughput of a large transfer; up to 64 MiB more held): `broker.allocator`."""
     persistent_session: bool = True
     """Keep subscriptions and queued QoS 1 messages on the broker across reconnects."""
+    tls: bool = False
+    """TLS to the broker (``mqtts://``), the broker's certificate and host name checked."""
+    ca_file: str | None = None
+    """The CA that signed the broker's certificate; None trusts the system's CAs."""
+    cert_file: str | None = None
+    """A client certificate, for brokers that require one (``require_certificate true``)."""
+    key_file: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -75,24 +82,31 @@ class BusConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not self.tls and (self.ca_file or self.cert_file or self.key_file):
+            raise ValueError("a CA file or client certificate is given but the broker URL is mqtt://; use mqtts://")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        """Without credentials: safe to log."""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> BusConfig:
-        """``mqtt://[user[:password]@]host[:port]``; other settings come from `overrides`."""
+        """``mqtt[s]://[user[:password]@]host[:port]`` (ports 1883 and 8883 by default); other settings
+        come from `overrides`. A password in the URL shows in `ps`: `broker.credentials` reads it from a file."""
         parts = urlsplit(url if "://" in url else f"mqtt://{url}")
-        if parts.scheme != "mqtt":
-            raise ValueError(f"broker URL {url!r}: only mqtt:// is supported (TLS is configured on the broker)")
+        if parts.scheme not in ("mqtt", "mqtts"):
+            raise ValueError(f"broker URL {url!r}: use mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS")
         if not parts.hostname:
-            raise ValueError(f"broker URL {url!r} has no host; expected mqtt://HOST:PORT")
+            raise ValueError(f"broker URL {url!r} has no host; expected {parts.scheme}://HOST:PORT")
+        tls = parts.scheme == "mqtts"
         try:
-            port = parts.port or 1883
+            port = parts.port or (8883 if tls else 1883)
         except ValueError as exc:
             raise ValueError(f"broker URL {url!r} has an invalid port") from exc
-        base: dict[str, Any] = {"host": parts.hostname, "port": port}
+        base: dict[str, Any] = {"host": parts.hostname, "port": port, "tls": tls}
         if parts.username:
             base["username"] = unquote(parts.username)
         if parts.password:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+
+from broker.errors import CredentialsError
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +44,47 @@ def amqtt_config(host: str, port: int) -> dict[str, Any]:
     }
 
 
+def secure_amqtt_config(path: Path) -> dict[str, Any]:
+    """amqtt's config from `fedmq provision`'s ``amqtt/amqtt.json``: a TLS listener, users from the
+    password file (no anonymous access), and per-user topic rules for publishing and subscribing.
+
+    What amqtt does not enforce that mosquitto does: it checks subscriptions, not each message
+    delivered; it keeps no persistent sessions across its own restart."""
+    try:
+        spec = json.loads(path.read_text())
+        listener = {
+            "type": "tcp",
+            "bind": spec["bind"],
+            "ssl": True,
+            "certfile": spec["certfile"],
+            "keyfile": spec["keyfile"],
+        }
+        plugins = {
+            "amqtt.plugins.authentication.FileAuthPlugin": {"password_file": spec["password_file"]},
+            "amqtt.plugins.topic_checking.TopicAccessControlListPlugin": {
+                "publish_acl": spec["publish_acl"],
+                "acl": spec["subscribe_acl"],
+            },
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CredentialsError(f"{path} is not a fedmq provision amqtt config ({exc!r}); run fedmq provision") from None
+    return {"listeners": {"default": listener}, "plugins": plugins}
+
+
 @contextlib.asynccontextmanager
-async def embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> AsyncIterator[None]:
-    """Run an amqtt broker on host:port for the duration of the block."""
+async def embedded_broker(
+    host: str = "127.0.0.1", port: int = 1883, *, secure: Path | None = None
+) -> AsyncIterator[None]:
+    """Run an amqtt broker on host:port for the duration of the block; with `secure` (a provisioned
+    amqtt.json), on the address it names, TLS and authenticated only."""
     from amqtt.broker import Broker  # imported here: the bus itself does not need amqtt
 
     for name in ("amqtt", "transitions"):
         logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
-    broker = Broker(amqtt_config(host, port))
+    broker = Broker(secure_amqtt_config(secure) if secure is not None else amqtt_config(host, port))
     broker._subscriptions = _SnapshotDict(broker._subscriptions)  # see _SnapshotDict
     await broker.start()
-    logger.info("embedded broker (amqtt) listening on mqtt://%s:%d", host, port)
+    logger.info("embedded broker (amqtt) listening on %s://%s:%d", "mqtts" if secure else "mqtt", host, port)
     try:
         yield
     finally:
@@ -58,7 +92,9 @@ async def embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> AsyncIte
             await broker.shutdown()
 
 
-async def serve_embedded(host: str, port: int, stop: asyncio.Event | None = None) -> None:
+async def serve_embedded(
+    host: str, port: int, stop: asyncio.Event | None = None, *, secure: Path | None = None
+) -> None:
     """Run until `stop` is set or the task is cancelled."""
-    async with embedded_broker(host, port):
+    async with embedded_broker(host, port, secure=secure):
         await (stop or asyncio.Event()).wait()

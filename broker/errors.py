@@ -31,3 +31,8 @@ class CodecError(ValueError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+class CredentialsError(ValueError):
+    """A credentials file, password file or TLS file is missing, unreadable or malformed: the user's
+    mistake, reported with what to fix (exit code 2), not a broker failure."""

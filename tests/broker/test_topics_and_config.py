@@ -41,7 +41,7 @@ def test_bus_config_from_url_reads_credentials_and_port() -> None:
 @pytest.mark.parametrize(
     ("url", "overrides", "match"),
     [
-        ("http://x", {}, "only mqtt://"),
+        ("http://x", {}, "use mqtt://HOST:PORT, or mqtts://"),
         ("mqtt://:1883", {}, "no host"),
         ("mqtt://h:99999", {}, "port"),
         ("mqtt://h", {"chunk_bytes": 100}, "chunk_bytes"),
