@@ -22,6 +22,9 @@ from typing import Any
 
 from broker.errors import CredentialsError
 
+COORDINATOR = "coordinator"
+MONITOR = "monitor"
+"""The identities besides the nodes (whose identity is their node id): what their credentials file is called."""
 ENV_USERNAME = "FEDMQ_BROKER_USERNAME"
 ENV_PASSWORD = "FEDMQ_BROKER_PASSWORD"
 ENV_PASSWORD_FILE = "FEDMQ_BROKER_PASSWORD_FILE"

@@ -27,7 +27,6 @@ def tuning(max_message_bytes: int = MQTT_MAX_PACKET) -> list[str]:
     return [
         "set_tcp_nodelay true",
         f"max_packet_size {max_message_bytes}",
-        "message_size_limit 0",
         "max_inflight_messages 0",
         "max_queued_messages 100000",
         "max_queued_bytes 0",
