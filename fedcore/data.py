@@ -8,6 +8,8 @@ their transforms, on the batch's device.
 `load_dataset(name, ...)` knows: digits and synthetic (made in memory), mnist, fashion-mnist,
 cifar10, cifar100, cinic10 and tiny-imagenet (read from a data root by `fedcore.datasets`, decoded
 once into a cache folder), each with its standard augmentation and normalisation constants.
+`dataset_schema(name, ...)` says what its examples look like without loading it, and
+`load_local(path, name, ...)` reads one node's own data in its place (`fedcore.datasets.local`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fedcore.datasets.cache import Arrays
 from fedcore.datasets.cifar import load_cifar
 from fedcore.datasets.download import TORCHVISION, fetch
 from fedcore.datasets.folders import load_cinic10, load_tiny_imagenet
+from fedcore.datasets.local import Schema, read_local
 from fedcore.datasets.mnist import load_idx_dataset
 from fedcore.errors import ConfigError, DataError
 from fedcore.seeding import stream
@@ -178,10 +181,15 @@ def load_cifar10(*, root: Path | None, cache_dir: Path | None) -> Split:
     return _split(load_cifar("cifar10", root, cache_dir), 10)
 
 
-def load_cifar100(*, root: Path | None, cache_dir: Path | None, labels: str = "fine") -> Split:
-    """CIFAR-100: 50,000 / 10,000 images 3 x 32 x 32 uint8; `labels` fine (100 classes) or coarse (20)."""
+def _cifar100_classes(labels: str) -> int:
     if labels not in ("fine", "coarse"):
         raise ConfigError(f"labels must be fine or coarse, got {labels!r}", field="data.options.labels")
+    return 100 if labels == "fine" else 20
+
+
+def load_cifar100(*, root: Path | None, cache_dir: Path | None, labels: str = "fine") -> Split:
+    """CIFAR-100: 50,000 / 10,000 images 3 x 32 x 32 uint8; `labels` fine (100 classes) or coarse (20)."""
+    _cifar100_classes(labels)
     arrays = load_cifar("cifar100", root, cache_dir)
     return _split(arrays, 100, y="y") if labels == "fine" else _split(arrays, 20, y="coarse_y")
 
@@ -202,6 +210,8 @@ class DatasetSpec:
     """A dataset by name: its loader and its standard preprocessing."""
 
     load: Callable[..., Split]
+    schema: Callable[..., Schema]
+    """What `load` would return, from its arguments (defaults applied) without loading anything."""
     files: bool = True
     """read from the data root (the loader takes root and cache_dir), or made in memory (it takes seed)"""
     mean: tuple[float, ...] | None = None
@@ -213,22 +223,48 @@ class DatasetSpec:
 
 _CIFAR_AUGMENT = Augment(crop=32, padding=4, flip=True)
 
+
+def _images(channels: int, side: int, classes: int) -> Callable[..., Schema]:
+    return lambda **_: Schema((channels, side, side), classes, pixels=True)
+
+
+def _synthetic_schema(*, num_classes: int, features: int, **_: object) -> Schema:
+    return Schema((features,), num_classes, pixels=False)
+
+
+def _cifar100_schema(*, labels: str, **_: object) -> Schema:
+    return Schema((3, 32, 32), _cifar100_classes(labels), pixels=True)
+
+
 DATASETS: dict[str, DatasetSpec] = {
-    "digits": DatasetSpec(load=load_digits, files=False),
-    "synthetic": DatasetSpec(load=load_synthetic, files=False),
-    "mnist": DatasetSpec(load=load_mnist, mean=(0.1307,), std=(0.3081,)),
-    "fashion-mnist": DatasetSpec(load=load_fashion_mnist, mean=(0.2860,), std=(0.3530,)),
+    "digits": DatasetSpec(load=load_digits, schema=lambda **_: Schema((1, 8, 8), 10, pixels=False), files=False),
+    "synthetic": DatasetSpec(load=load_synthetic, schema=_synthetic_schema, files=False),
+    "mnist": DatasetSpec(load=load_mnist, schema=_images(1, 28, 10), mean=(0.1307,), std=(0.3081,)),
+    "fashion-mnist": DatasetSpec(load=load_fashion_mnist, schema=_images(1, 28, 10), mean=(0.2860,), std=(0.3530,)),
     "cifar10": DatasetSpec(
-        load=load_cifar10, mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), augment=_CIFAR_AUGMENT
+        load=load_cifar10,
+        schema=_images(3, 32, 10),
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+        augment=_CIFAR_AUGMENT,
     ),
     "cifar100": DatasetSpec(
-        load=load_cifar100, mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762), augment=_CIFAR_AUGMENT
+        load=load_cifar100,
+        schema=_cifar100_schema,
+        mean=(0.5071, 0.4865, 0.4409),
+        std=(0.2673, 0.2564, 0.2762),
+        augment=_CIFAR_AUGMENT,
     ),
     "cinic10": DatasetSpec(
-        load=load_cinic, mean=(0.4789, 0.4723, 0.4305), std=(0.2421, 0.2383, 0.2587), augment=_CIFAR_AUGMENT
+        load=load_cinic,
+        schema=_images(3, 32, 10),
+        mean=(0.4789, 0.4723, 0.4305),
+        std=(0.2421, 0.2383, 0.2587),
+        augment=_CIFAR_AUGMENT,
     ),
     "tiny-imagenet": DatasetSpec(
         load=load_tiny,
+        schema=_images(3, 64, 200),
         mean=(0.4802, 0.4481, 0.3975),
         std=(0.2770, 0.2691, 0.2821),
         augment=Augment(crop=64, padding=4, flip=True),
@@ -289,26 +325,87 @@ def resolve_normalize(
     return mean, std
 
 
+def _pipelines(
+    data: TensorDataset, augment: Augment | None, normalize: tuple[Sequence[float], ...] | None
+) -> tuple[BatchTransform, BatchTransform] | None:
+    """(train, eval) transforms for data like `data`; None for float features with neither."""
+    if augment is None and normalize is None and data.x.is_floating_point():
+        return None
+    return pipelines(augment, normalize, data.input_shape)  # type: ignore[arg-type]
+
+
+def _channels(data: TensorDataset) -> int:
+    return data.input_shape[0] if data.x.dim() == 4 else 1
+
+
 def with_transforms(split: Split, augment: Augment | None, normalize: tuple[Sequence[float], ...] | None) -> Split:
     """The split with its train and eval transforms; float features with neither are left as they are."""
-    if augment is None and normalize is None and split.train.x.is_floating_point():
+    made = _pipelines(split.train, augment, normalize)
+    if made is None:
         return split
-    train_t, eval_t = pipelines(augment, normalize, split.train.input_shape)  # type: ignore[arg-type]
+    train_t, eval_t = made
     return Split(
         replace(split.train, train_transform=train_t, eval_transform=eval_t),
         replace(split.test, train_transform=train_t, eval_transform=eval_t),
     )
 
 
-def _call(name: str, loader: Callable[..., Split], fixed: dict[str, object], options: dict[str, object]) -> Split:
+def _bind(
+    name: str, loader: Callable[..., Split], fixed: dict[str, object], options: dict[str, object]
+) -> inspect.BoundArguments:
     try:
-        inspect.signature(loader).bind(**fixed, **options)
+        return inspect.signature(loader).bind(**fixed, **options)
     except TypeError as exc:
         allowed = [p for p in inspect.signature(loader).parameters if p not in fixed]
         raise ConfigError(
             f"bad options for dataset {name!r} ({exc}); allowed: {', '.join(allowed) or 'none'}", field="data.options"
         ) from None
+
+
+def _call(name: str, loader: Callable[..., Split], fixed: dict[str, object], options: dict[str, object]) -> Split:
+    _bind(name, loader, fixed, options)
     return loader(**fixed, **options)
+
+
+def _spec(name: str) -> DatasetSpec:
+    try:
+        return DATASETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}", field="data.dataset"
+        ) from None
+
+
+def dataset_schema(name: str, **options: object) -> Schema:
+    """The input shape, classes and kind of dataset `name`'s examples under loader `options`, without
+    reading any file (what a node on its own data builds its model from)."""
+    spec = _spec(name)
+    fixed: dict[str, object] = {"root": None, "cache_dir": None} if spec.files else {"seed": 0}
+    bound = _bind(name, spec.load, fixed, dict(options))
+    bound.apply_defaults()
+    return spec.schema(**bound.arguments)
+
+
+def load_local(
+    path: str | Path,
+    name: str,
+    *,
+    augment: AugmentChoice = "default",
+    normalize: NormalizeChoice = "dataset",
+    **options: object,
+) -> TensorDataset:
+    """One node's own examples (an .npz of x and y, or a folder of class folders: `fedcore.datasets.local`)
+    in place of its shard of dataset `name`, checked against `name`'s schema, with the transforms
+    `load_dataset` would give it. Reads only `path`. A malformed file raises `DataError`."""
+    spec = _spec(name)
+    schema = dataset_schema(name, **options)
+    aug = resolve_augment(augment, spec)
+    x, y = read_local(Path(path).expanduser(), schema, name)
+    data = TensorDataset(torch.from_numpy(x), torch.from_numpy(y), schema.num_classes)
+    made = _pipelines(data, aug, resolve_normalize(normalize, spec, _channels(data)))
+    if made is None:
+        return data
+    return replace(data, train_transform=made[0], eval_transform=made[1])
 
 
 def load_dataset(
@@ -330,12 +427,7 @@ def load_dataset(
     (see `resolve_augment` and `resolve_normalize`); `options` go to the loader. A missing or
     malformed dataset raises `DataError`; a bad setting `ConfigError`.
     """
-    try:
-        spec = DATASETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}", field="data.dataset"
-        ) from None
+    spec = _spec(name)
     aug = resolve_augment(augment, spec)
     if download and name not in TORCHVISION:
         raise ConfigError(f"{name!r} cannot be downloaded; only {', '.join(TORCHVISION)}", field="data.download")
@@ -353,5 +445,4 @@ def load_dataset(
                 raise
             fetch(name, paths["root"])
             split = _call(name, spec.load, paths, dict(options))
-    channels = split.train.input_shape[0] if split.train.x.dim() == 4 else 1
-    return with_transforms(split, aug, resolve_normalize(normalize, spec, channels))
+    return with_transforms(split, aug, resolve_normalize(normalize, spec, _channels(split.train)))

@@ -36,7 +36,8 @@ TINY_FOLDERS = ("tiny-imagenet-200", "tiny-imagenet/tiny-imagenet-200")
 TINY_CLASSES = 200
 
 
-def _images_in(folder: Path) -> list[Path]:
+def image_files(folder: Path) -> list[Path]:
+    """The image files directly in `folder` (by suffix, any case), sorted by name."""
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
@@ -48,7 +49,7 @@ def _image_folder(split: Path, classes: list[str]) -> tuple[list[Path], np.ndarr
     paths: list[Path] = []
     labels: list[int] = []
     for label, name in enumerate(classes):
-        files = _images_in(split / name)
+        files = image_files(split / name)
         paths += files
         labels += [label] * len(files)
     if not paths:
@@ -114,7 +115,7 @@ def _image_folder_nested(split: Path, classes: list[str]) -> tuple[list[Path], n
         folder = split / wnid / "images"
         if not folder.is_dir():
             raise DataError(f"{folder} is missing (one folder per wnid in wnids.txt)")
-        files = _images_in(folder)
+        files = image_files(folder)
         paths += files
         labels += [label] * len(files)
     return paths, np.asarray(labels, dtype=np.int64)
