@@ -18,7 +18,7 @@ from experiments.config import ExperimentConfig
 from experiments.scenario import expand as expand_scenario
 from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
 from fedcore.algorithms.base import CoordinatorHalf
-from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset
+from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local
 from fedcore.errors import ConfigError
 from fedcore.models import build_model
 from fedcore.partition import label_histograms, partition
@@ -69,25 +69,35 @@ def cache_dir(cfg: ExperimentConfig) -> Path | None:
     return Path(cfg.data.cache_dir or os.environ.get("FEDMQ_CACHE_DIR") or "~/.cache/fedmq").expanduser()
 
 
-def load_split(cfg: ExperimentConfig) -> Split:
-    """The experiment's dataset with its augmentation and normalisation, from the resolved data root and cache."""
+def _preprocessing(cfg: ExperimentConfig) -> dict[str, object]:
+    """The data's augmentation and normalisation choices and loader options, as `load_dataset` takes them."""
     d = cfg.data
     reserved = sorted({"seed", "root", "cache_dir", "download", "augment", "normalize"} & set(d.options))
     if reserved:
         raise ConfigError(f"{reserved} are fields of data, not loader options", field="data.options")
     augment = d.augment if isinstance(d.augment, str) else d.augment.model_dump()
     normalize = d.normalize if isinstance(d.normalize, str) else d.normalize.model_dump()
+    return {"augment": augment, "normalize": normalize, **d.options}
+
+
+def load_split(cfg: ExperimentConfig) -> Split:
+    """The experiment's dataset with its augmentation and normalisation, from the resolved data root and cache."""
+    d = cfg.data
     split = load_dataset(
         d.dataset,
         seed=cfg.seed,
         root=data_root(cfg),
         cache_dir=cache_dir(cfg),
         download=d.download,
-        augment=augment,
-        normalize=normalize,
-        **d.options,
+        **_preprocessing(cfg),  # type: ignore[arg-type]
     )
     return hold_out_validation(split, d.validation_fraction, seed=cfg.seed) if d.validation_fraction else split
+
+
+def load_node_data(cfg: ExperimentConfig, path: Path) -> TensorDataset:
+    """A node's own data (`fedmq node --data PATH`) in place of its shard: checked against the experiment's
+    dataset (input shape, classes), with the same transforms; neither the dataset nor its partition is loaded."""
+    return load_local(path, cfg.data.dataset, **_preprocessing(cfg))  # type: ignore[arg-type]
 
 
 def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
@@ -95,6 +105,15 @@ def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
     labels = split.train.y.numpy()
     parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=cfg.seed, **cfg.partition.options())
     return dict(zip(cfg.node_ids(), parts, strict=True))
+
+
+def save_shard(cfg: ExperimentConfig, node_id: str, path: Path) -> int:
+    """Write `node_id`'s shard of the experiment's partition as a node data file (``x`` and ``y`` as the
+    dataset keeps them, what `fedmq node --data` reads); returns its number of examples."""
+    split = load_split(cfg)
+    idx = torch.as_tensor(shards(cfg, split)[node_id], dtype=torch.long)
+    np.savez(path, x=split.train.x[idx].numpy(), y=split.train.y[idx].numpy())
+    return len(idx)
 
 
 def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
@@ -226,18 +245,28 @@ def build_nodes(
     exit_when_done: bool = False,
     announce_label_histogram: bool = True,
     device: torch.device | None = None,
+    data_path: Path | None = None,
 ) -> list[NodeDaemon]:
-    """Daemons for `node_ids`, sharing one dataset load and one training workspace (one process)."""
+    """Daemons for `node_ids`, sharing one dataset load and one training workspace (one process).
+
+    With `data_path` (one node only) the node trains on that file or folder (`load_node_data`)
+    instead of its shard of the experiment's partition, and the dataset is never loaded."""
     unknown = sorted(set(node_ids) - set(cfg.node_ids()))
     if unknown:
         raise ValueError(f"node ids {unknown} are not in this experiment (node-000 .. {cfg.node_ids()[-1]})")
+    if data_path is not None and len(node_ids) != 1:
+        raise ConfigError(
+            f"--data gives one node its own data, but {len(node_ids)} nodes were asked for: one --node-id"
+        )
     spec = get_algorithm(cfg.method.name)
     hp = build_hyperparams(spec, cfg.method.hyperparams)
-    split = load_split(cfg)
-    parts = shards(cfg, split)
+    own = load_node_data(cfg, data_path) if data_path is not None else None
+    if own is None:
+        split = load_split(cfg)
+        parts = shards(cfg, split)
     device = device or best_device()
     group_wait_s = cfg.hosting.vectorize_wait_s if cfg.hosting.vectorize else None
-    workspace = Workspace(make_model(cfg, split.train), device, group_wait_s=group_wait_s)
+    workspace = Workspace(make_model(cfg, own if own is not None else split.train), device, group_wait_s=group_wait_s)
     bus = bus_config(cfg, url)
     scripts = node_scripts(cfg)
     daemons = []
@@ -262,6 +291,6 @@ def build_nodes(
             faults=faults,
             script=scripts.get(node_id, NodeScript()),
         )
-        data = split.train.subset(parts[node_id]).to(device)
+        data = (own if own is not None else split.train.subset(parts[node_id])).to(device)
         daemons.append(NodeDaemon(node_config, bus, spec.node(hp, node_id=node_id), data, workspace))
     return daemons

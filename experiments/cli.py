@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         "node",
         help="run node daemon(s)",
         description="One node daemon per --node-id, all in this process (one MQTT connection each, one"
-        " shared dataset load, training one at a time). In an experiment a node takes its shard of the partition.",
+        " shared dataset load, training one at a time). In an experiment a node takes its shard of the partition;"
+        " with --data, a deployed node trains on its own data instead and the dataset is never loaded.",
     )
     p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT")
     p.add_argument(
@@ -251,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-when-done", action="store_true", help="exit when the coordinator finishes the run")
     p.add_argument("--threads", type=_positive_int, help="torch threads")
     p.add_argument("--device", type=_device, help="torch device (default: cuda when present, else cpu)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        metavar="PATH",
+        help="this node's own data: an .npz of x and y, or a folder PATH/<class index>/*.png (one --node-id;"
+        " docs/local-data.md)",
+    )
     _add_common(p)
     return parser
 
@@ -558,6 +566,7 @@ async def _node(args: argparse.Namespace) -> int:
         federation=args.federation,
         exit_when_done=args.exit_when_done,
         device=torch.device(args.device) if args.device else None,
+        data_path=args.data,
     )
     await serve_nodes(daemons)
     return EXIT_OK
