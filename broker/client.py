@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import aiomqtt
 import paho.mqtt.client as mqtt
@@ -30,7 +30,7 @@ from paho.mqtt.properties import Properties
 from broker import allocator, paho_fast
 from broker.chunking import Reassembler, split
 from broker.codec import decode, encode
-from broker.config import PUBLISH_OVERHEAD, BusConfig
+from broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
 from broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
 from broker.message import Kind, Message, new_message_id
 
@@ -164,6 +164,12 @@ class BusClient:
         self._publish_slots = asyncio.Semaphore(config.max_concurrent_publishes)
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._tls = tls_context(config)
+        self.max_message_bytes = config.max_message_bytes
+        """The largest message this client publishes: the config's, or less where the broker announces a
+        smaller Maximum Packet Size (MQTT v5 CONNACK)."""
+        self.chunk_bytes = config.chunk_bytes
+        """Frames above this go out as chunks: the config's, or less to fit the broker's maximum."""
+        self._connack: dict[str, Any] = {}
         self._reassembler = Reassembler(
             max_bytes=config.max_reassembly_bytes,
             max_transfer_bytes=config.max_transfer_bytes,
@@ -382,9 +388,37 @@ class BusClient:
             logger=self._mqtt_log,
         )
         paho_fast.speed_up(client)
+        self._record_connack(client)
         return client
 
+    def _record_connack(self, client: aiomqtt.Client) -> None:
+        """Keep the CONNACK's properties, which aiomqtt drops: the broker's Maximum Packet Size."""
+        paho = client._client
+        forward = paho.on_connect
+        self._connack = {}
+
+        def on_connect(c: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any = None) -> None:
+            limit = getattr(properties, "MaximumPacketSize", None)
+            if isinstance(limit, int) and limit > 0:
+                self._connack["max_packet"] = limit
+            if forward is not None:
+                forward(c, userdata, flags, reason, properties)
+
+        paho.on_connect = on_connect
+
+    def _fit_to_broker(self) -> None:
+        """Chunk below the broker's announced maximum packet, which it would otherwise answer by
+        dropping the connection (mosquitto's `max_packet_size`)."""
+        limit = min(self.config.max_message_bytes, self._connack.get("max_packet", MQTT_MAX_PACKET))
+        chunk = min(self.config.chunk_bytes, limit - PUBLISH_OVERHEAD - 4096)
+        if chunk < 4096:
+            raise BusError(f"the broker's maximum packet of {limit} bytes is too small for fedmq (>= 10 KiB)")
+        if (limit, chunk) != (self.max_message_bytes, self.chunk_bytes):
+            self._log.info("the broker's maximum packet is %d bytes: chunks of at most %d bytes", limit, chunk)
+        self.max_message_bytes, self.chunk_bytes = limit, chunk
+
     async def _on_connected(self, client: aiomqtt.Client) -> None:
+        self._fit_to_broker()
         for topic, qos in self._subscriptions.items():
             granted = await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
             if _refused_subscriptions([topic], granted):
@@ -473,7 +507,7 @@ class BusClient:
         if client is None or self._closing or self._lost.is_set():
             return False
         frame = encode(message)
-        if len(frame) > self.config.chunk_bytes:
+        if len(frame) > self.chunk_bytes:
             return False
         info = client._client.publish(topic, frame, 0, False, None)  # paho's own: queued, written when writable
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
@@ -493,14 +527,14 @@ class BusClient:
         expiry_s: float | None = None,
     ) -> int:
         """Publish an encoded frame (so one encoding can be sent several times)."""
-        if len(frame) <= self.config.chunk_bytes:
+        if len(frame) <= self.chunk_bytes:
             await self._publish_raw(topic, frame, qos=qos, retain=retain, expiry_s=expiry_s)
             return len(frame)
         if retain:
-            raise ValueError(f"a retained message must fit in one chunk ({self.config.chunk_bytes} bytes)")
+            raise ValueError(f"a retained message must fit in one chunk ({self.chunk_bytes} bytes)")
         chunks = split(
             frame,
-            chunk_bytes=self.config.chunk_bytes,
+            chunk_bytes=self.chunk_bytes,
             federation=self.federation,
             sender=self.client_id,
             round=round,
@@ -513,9 +547,9 @@ class BusClient:
     async def _publish_raw(
         self, topic: str, payload: bytes | bytearray, *, qos: int, retain: bool, expiry_s: float | None
     ) -> None:
-        if len(payload) + len(topic) + PUBLISH_OVERHEAD > self.config.max_message_bytes:
+        if len(payload) + len(topic) + PUBLISH_OVERHEAD > self.max_message_bytes:
             raise MessageTooLarge(
-                f"{len(payload)} bytes exceed the broker limit of {self.config.max_message_bytes}", topic=topic
+                f"{len(payload)} bytes exceed the broker limit of {self.max_message_bytes}", topic=topic
             )
         async with self._publish_slots:
             await self._with_connection(

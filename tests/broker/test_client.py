@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import subprocess
 
 import numpy as np
 import pytest
@@ -197,6 +198,68 @@ async def test_client_reconnects_and_resubscribes_after_broker_restart(federatio
             got = await next_message(a, timeout=20)
             assert got.message.sender == "n1"
             assert a.stats.reconnects >= 1 and b.stats.reconnects >= 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _mosquitto_with(extra: str) -> tuple[subprocess.Popen[bytes], int]:
+    from broker.mosquitto import find_mosquitto, render_config
+
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    import tempfile
+    from pathlib import Path
+
+    port = free_port()
+    conf = Path(tempfile.mkdtemp(prefix="fedmq-test-")) / "mosquitto.conf"
+    conf.write_text(render_config(port=port) + extra)
+    return start_mosquitto(port, config_file=conf), port
+
+
+async def test_client_chunks_below_the_maximum_packet_the_broker_announces(federation: str) -> None:
+    """mosquitto with max_packet_size 64 KiB announces it in its CONNACK (MQTT v5): a client configured
+    for 1 MiB chunks sends a 400 KB frame in chunks that fit, instead of being disconnected."""
+    proc, port = _mosquitto_with("max_packet_size 65536\n")
+    t = Topics(federation)
+    cfg = BusConfig(port=port)
+    try:
+        async with (
+            BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a,
+            BusClient(cfg, client_id=f"{federation}-b", federation=federation) as b,
+        ):
+            assert b.protocol == "5" and b.max_message_bytes == 65536 and b.chunk_bytes < 65536 - 1024
+            await a.subscribe(t.all_updates)
+            sent = update(federation, w=np.arange(100_000, dtype=np.float32))
+            assert await b.publish(t.update("n1"), sent) > 4 * 65536
+            got = await next_message(a, timeout=10)
+            assert np.array_equal(got.message.tensors["w"], sent.tensors["w"])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_a_client_back_from_offline_gets_its_session_but_not_the_expired_messages(federation: str) -> None:
+    """MQTT v5 session expiry and message expiry: what was published to a node while it was away
+    arrives when it reconnects under its id, except what expired meanwhile (a task whose deadline passed)."""
+    proc, port = _mosquitto_with("")
+    t = Topics(federation)
+    cfg = BusConfig(port=port)
+    try:
+        node = BusClient(cfg, client_id=f"{federation}-node", federation=federation)
+        async with node:
+            await node.subscribe(t.task("n1"))
+        async with BusClient(cfg, client_id=f"{federation}-coordinator", federation=federation) as coordinator:
+            stale = Message(kind=Kind.TASK, federation=federation, round=1, sender="coordinator", meta={"n": 1})
+            fresh = Message(kind=Kind.TASK, federation=federation, round=2, sender="coordinator", meta={"n": 2})
+            await coordinator.publish(t.task("n1"), stale, expiry_s=1)
+            await coordinator.publish(t.task("n1"), fresh, expiry_s=60)
+        await asyncio.sleep(2.2)
+        async with node:  # the same client id: the broker kept the session and queued the tasks
+            got = await next_message(node, timeout=5)
+            assert got.message.round == 2
+            with pytest.raises(TimeoutError):
+                await next_message(node, timeout=1)
     finally:
         proc.terminate()
         proc.wait(10)
