@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedcore import robust
 from fedcore.aggregation import Aggregator, weighted_average
 from fedcore.algorithms import (
     fedacd,
@@ -72,11 +73,24 @@ AGGREGATORS: Mapping[str, tuple[type | None, AggregatorFactory]] = types.Mapping
     {
         "mean": (None, lambda hp, model, device: weighted_average),
         "fedsa": (fedsa.Hyperparams, lambda hp, model, device: fedsa.aggregator(hp, model=model, device=device)),
+        "clip": (robust.ClipOptions, lambda hp, model, device: robust.NormClip(hp, model=model)),
+        "median": (None, lambda hp, model, device: robust.coordinate_median),
+        "trimmed_mean": (robust.TrimmedMeanOptions, lambda hp, model, device: robust.trimmed_mean_aggregator(hp)),
     }
 )
 """Rules an experiment file may put in place of a method's model averaging (``method.aggregator``):
 name -> (its options' Hyperparams class, or None for no options; a factory from (options, the
-global model, the coordinator's device))."""
+global model, the coordinator's device)). `fedcore.robust` documents clip, median and trimmed_mean."""
+
+_ONLY = "an asynchronous buffer folds stale updates with the 'mean' aggregator only"
+_SYNC_ONLY = {
+    "fedsa": f"it computes statistics over one round's client models, and {_ONLY}",
+    "clip": "it clips each update's delta from the current model, while asynchronous folding steps from the "
+    f"model each update started from; {_ONLY}",
+    "median": f"it is an unweighted order statistic of one round's client models, blind to staleness; {_ONLY}",
+    "trimmed_mean": f"it is an unweighted order statistic of one round's client models, blind to staleness; {_ONLY}",
+}
+"""Why each rule but the mean cannot fold stale updates (`async_refusal`)."""
 
 
 def build_aggregator(
@@ -114,7 +128,8 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 def async_refusal(name: str, aggregator: str = "mean") -> str | None:
     """Why method `name` with averaging rule `aggregator` cannot run in async mode (a sentence for a
     config error), or None when it can: the method's `CoordinatorHalf.sync_only`, then the rule (a
-    stale buffer folds through the weighted mean only; FedSA's rule needs one round's cohort).
+    stale buffer folds through the weighted mean only; FedSA's rule and the robust ones need one
+    round's cohort).
     Unknown names are ConfigErrors, as in `get_algorithm` and `build_aggregator`."""
     reason = get_algorithm(name).coordinator.sync_only
     if reason is not None:
@@ -125,10 +140,8 @@ def async_refusal(name: str, aggregator: str = "mean") -> str | None:
             field="method.aggregator.name",
         )
     if aggregator != "mean":
-        return (
-            f"aggregator {aggregator!r} cannot aggregate asynchronously: it computes statistics over one "
-            "round's client models, and an asynchronous buffer folds stale updates with the 'mean' aggregator only"
-        )
+        reason = _SYNC_ONLY.get(aggregator, f"it is not the mean, and {_ONLY}")
+        return f"aggregator {aggregator!r} cannot aggregate asynchronously: {reason}"
     return None
 
 

@@ -461,4 +461,4 @@ def test_async_refusal_names_the_method_or_the_aggregator() -> None:
     with pytest.raises(ConfigError):
         async_refusal("fedasync")
     with pytest.raises(ConfigError):
-        async_refusal("fedavg", "median")
+        async_refusal("fedavg", "krum")
