@@ -47,3 +47,11 @@ class NodeConfig:
     script: NodeScript = field(default_factory=NodeScript)
     """What the run's scenario scripts for this node (availability, modelled compute and link, drops);
     the default changes nothing. Played by `fednode.scripted`."""
+    clock_skew_s: float = 5.0
+    """How far this machine's clock may run ahead of the coordinator's. A task counts as expired (and
+    is not acted on) only once it is older, by its ``sent_at``, than its ``deadline_s`` plus this; a
+    clock further ahead would make fresh tasks look expired, one behind lets stale ones through."""
+
+    def __post_init__(self) -> None:
+        if not self.clock_skew_s >= 0:
+            raise ValueError(f"clock_skew_s must be a non-negative number of seconds, got {self.clock_skew_s!r}")

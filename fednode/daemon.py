@@ -225,6 +225,7 @@ class NodeDaemon:
 
     async def _on_task(self, message: Message, size: int = 0) -> None:
         task = self._parse_task(message, size)
+        self._check_deadline(message)
         if not self.player.admit(task.round):
             return  # scripted: offline, or a dropped task (no ack, no group, no update)
         if self._task is not None:
@@ -279,6 +280,26 @@ class NodeDaemon:
         except ConfigError as exc:
             raise TaskError("bad-task", str(exc)) from exc
         return Task(message.round, attempt, task_id, topic, settings, time.monotonic(), inline, version, size)
+
+    def _check_deadline(self, message: Message) -> None:
+        """Refuse (as ``expired-task``: logged and counted, not acted on) a task that arrives after the
+        coordinator gave up on it: more than its ``deadline_s`` after its ``sent_at``, plus
+        `NodeConfig.clock_skew_s` for the two machines' clocks. Such a task was queued in the node's
+        session while it was away (on an MQTT v5 broker the message expiry normally drops it first);
+        a task without ``deadline_s`` never expires."""
+        deadline = message.meta.get("deadline_s")
+        if deadline is None:
+            return
+        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not deadline > 0:
+            raise TaskError("bad-task", f"deadline_s {deadline!r} is not a positive number of seconds")
+        age = time.time() - message.sent_at
+        if age > deadline + self.config.clock_skew_s:
+            raise TaskError(
+                "expired-task",
+                f"round {message.round}'s task arrived {age:.1f} s after it was sent, past its deadline of"
+                f" {deadline:g} s (+ {self.config.clock_skew_s:g} s allowed for clock skew): not trained on"
+                " (if fresh tasks expire, this machine's clock is ahead: synchronise it)",
+            )
 
     async def _on_model(self, message: Message, size: int = 0) -> None:
         task = self._task

@@ -1,0 +1,143 @@
+"""A node that was offline comes back to its broker session (MQTT v5 session expiry, or a 3.1.1
+persistent session), receives the tasks queued for it while it was away, trains on the one still
+within its deadline and answers it, and refuses the one that expired.
+
+On mosquitto only: the embedded broker (amqtt) does not deliver the messages queued for a persistent
+session that was offline, so a node there gets no stale tasks (nor any fresh ones sent while it was away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from broker import BusClient, BusConfig, Kind, Message, Topics, decode
+from fedcore.algorithms.fedavg import Hyperparams, NodeHalf
+from fedcore.data import TensorDataset
+from fedcore.models import build_model
+from fedcore.tensors import flatten_groups
+from fedcore.training import TrainSettings
+from fednode.config import NodeConfig
+from fednode.daemon import NodeDaemon
+from fednode.workspace import Workspace
+from tests.helpers import next_message
+
+pytestmark = pytest.mark.slow
+
+
+def _node(url: str, federation: str, protocol: str = "5") -> NodeDaemon:
+    """A fresh daemon for node-000, as a restarted node process would build it (same client id)."""
+    data = TensorDataset(torch.randn(16, 3, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 2, 2)
+    return NodeDaemon(
+        NodeConfig(node_id="node-000", federation=federation),
+        BusConfig.from_url(url, protocol=protocol),
+        NodeHalf(Hyperparams(), node_id="node-000"),
+        data,
+        Workspace(build_model("mlp", (3,), 2, seed=0), torch.device("cpu")),
+    )
+
+
+def _task(federation: str, round: int, *, sent_at: float, deadline_s: float) -> Message:
+    """An inline task (the model inside), as the coordinator sends a small model."""
+    meta: dict[str, Any] = {
+        "task": os.urandom(16), "attempt": 0, "version": round, "model_topic": Topics(federation).model(round),
+        "deadline_s": deadline_s, "settings": TrainSettings(local_epochs=1, batch_size=8).to_meta(),
+        "inline": True, "payload": {},
+    }  # fmt: skip
+    tensors = flatten_groups({"model": build_model("mlp", (3,), 2, seed=1).state_dict()})
+    return Message(kind=Kind.TASK, federation=federation, round=round, sender="coordinator",
+                   meta=meta, tensors=tensors, sent_at=sent_at)  # fmt: skip
+
+
+async def _until(bus: BusClient, wanted: Any, timeout: float = 20.0) -> Message:
+    """The next message `wanted` accepts; others are skipped."""
+    async with asyncio.timeout(timeout):
+        while True:
+            message = (await next_message(bus, timeout)).message
+            if wanted(message):
+                return message
+
+
+async def _serve_until_online(node: NodeDaemon, coordinator: BusClient) -> asyncio.Task[None]:
+    serving = asyncio.create_task(node.serve())
+    await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
+    return serving
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+async def test_node_back_from_offline_answers_the_fresh_queued_task_and_refuses_the_expired_one(
+    mosquitto_broker: str, protocol: str
+) -> None:
+    """While node-000 is away, a task that expired 90 s ago (sent 2 min ago, 30 s deadline; published
+    without a broker expiry, as on a 3.1.1 broker) and a fresh one queue in its session. Restarted, it
+    gets both, refuses the expired one (counted as expired-task; no ack, no update) and trains on and
+    answers the fresh one."""
+    federation = f"t{os.urandom(4).hex()}"
+    topics = Topics(federation)
+    config = BusConfig.from_url(mosquitto_broker, protocol=protocol)
+    async with BusClient(config, client_id=f"{federation}-coordinator", federation=federation) as coordinator:
+        await coordinator.subscribe(topics.node_status("node-000"), topics.update("node-000"), topics.ack("node-000"))
+        first = _node(mosquitto_broker, federation, protocol)
+        serving = await _serve_until_online(first, coordinator)
+        first._stop.set()  # a clean stop: DISCONNECT, the session stays on the broker
+        await asyncio.wait_for(serving, 10)
+        await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "offline")
+
+        expired = _task(federation, 3, sent_at=time.time() - 120, deadline_s=30)
+        fresh = _task(federation, 4, sent_at=time.time(), deadline_s=60)
+        for task in (expired, fresh):
+            await coordinator.publish(topics.task("node-000"), task)
+
+        second = _node(mosquitto_broker, federation, protocol)
+        serving = asyncio.create_task(second.serve())
+        update = await _until(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK))
+        assert update.kind == Kind.UPDATE and update.round == 4 and update.meta["task"] == fresh.meta["task"]
+        assert "failed" not in update.meta and update.meta["num_samples"] == 16
+        assert second._bus is not None and second._bus.stats.rejected == {"expired-task": 1}
+        assert second.rounds_trained == 1
+        second._stop.set()
+        await asyncio.wait_for(serving, 10)
+
+
+async def test_mosquitto_drops_a_task_whose_message_expiry_passed_while_the_node_was_away(
+    mosquitto_broker: str,
+) -> None:
+    """MQTT v5: the coordinator's message expiry (its deadline_s) lets the broker drop a queued task
+    that expired while the node was offline, before the node sees it; the fresh one is answered."""
+    federation = f"t{os.urandom(4).hex()}"
+    topics = Topics(federation)
+    config = BusConfig.from_url(mosquitto_broker)
+    async with BusClient(config, client_id=f"{federation}-coordinator", federation=federation) as coordinator:
+        await coordinator.subscribe(topics.node_status("node-000"), topics.update("node-000"), topics.ack("node-000"))
+        first = _node(mosquitto_broker, federation)
+        serving = await _serve_until_online(first, coordinator)
+        first._stop.set()
+        await asyncio.wait_for(serving, 10)
+
+        short = _task(federation, 3, sent_at=time.time(), deadline_s=1)
+        await coordinator.publish(topics.task("node-000"), short, expiry_s=1)
+        await asyncio.sleep(2.2)  # the broker's expiry runs out while the node is away
+        fresh = _task(federation, 4, sent_at=time.time(), deadline_s=60)
+        await coordinator.publish(topics.task("node-000"), fresh, expiry_s=60)
+
+        second = _node(mosquitto_broker, federation)
+        serving = asyncio.create_task(second.serve())
+        update = await _until(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK))
+        assert update.kind == Kind.UPDATE and update.meta["task"] == fresh.meta["task"]
+        assert second._bus is not None and second._bus.stats.rejected == {}  # never delivered
+        assert second._bus.stats.received >= 1 and second.rounds_trained == 1
+        second._stop.set()
+        await asyncio.wait_for(serving, 10)
+
+
+def test_task_messages_decode_with_their_sent_at() -> None:
+    """The node measures a task's age from the sent_at it carries, which survives the codec."""
+    from broker import encode
+
+    message = _task("f", 1, sent_at=1234.5, deadline_s=30)
+    assert decode(bytes(encode(message))).sent_at == 1234.5
