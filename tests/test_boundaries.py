@@ -17,7 +17,7 @@ STDLIB = set(sys.stdlib_module_names)
 FORBIDDEN_EVERYWHERE = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "torchvision"}
 
 ALLOWED: dict[str, set[str]] = {
-    "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt", "xxhash"},
+    "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt", "xxhash", "cryptography", "argon2"},
     "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors"},
     "coordinator": {"coordinator", "broker", "fedcore", "torch", "numpy", "safetensors"},
     "fednode": {"fednode", "broker", "fedcore", "torch", "numpy"},
@@ -26,6 +26,8 @@ ALLOWED: dict[str, set[str]] = {
 NARROW = {
     "amqtt": {"broker/embedded.py"},
     "xxhash": {"broker/codec.py"},  # the frame checksum
+    "cryptography": {"broker/provision.py"},  # the federation's CA and the broker's certificate
+    "argon2": {"broker/provision.py"},  # amqtt's password hashes (amqtt depends on it)
     "sklearn": {"fedcore/data.py"},
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS
