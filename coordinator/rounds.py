@@ -1,8 +1,12 @@
 """The bookkeeping of one synchronous round attempt: who was asked, who answered, when it may close.
 
 Pure state: the engine (`coordinator.engine.sync`) feeds it what happened and reads `done` and
-`acks_complete`. A selected node counts as answered when its update was accepted or rejected, when
-it reported a failed training, or when it went offline: a node that leaves mid-round is not waited for.
+`acks_complete`. A selected node counts as answered when its update was accepted or when it
+reported a failed training; a node that went offline is not waited for either. A refused message
+does not answer for a node: until the broker authenticates senders anyone can publish on a node's
+topic, so the node's valid update is still taken until the round closes. A node that sent only
+refused messages is waited for until the deadline (an honest node whose update diverged included)
+and recorded as rejected at the close.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class RoundOutcome:
     lost: tuple[str, ...]
     """Selected, went offline before delivering."""
     rejected: tuple[str, ...]
+    """Selected nodes from which only refused messages came (whether they went offline or not)."""
     carried: tuple[str, ...]
     """Updates accepted in an earlier attempt of the same round, still counted."""
     failed: tuple[str, ...] = ()
@@ -46,6 +51,7 @@ class RoundState:
     acked: set[str] = field(default_factory=set)
     accepted: dict[str, NodeUpdate] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    """The reason of each node's latest refused message; not an answer (see the module doc)."""
     failed: dict[str, str] = field(default_factory=dict)
     offline: set[str] = field(default_factory=set)
     model_published: bool = False
@@ -53,7 +59,7 @@ class RoundState:
 
     @property
     def pending(self) -> set[str]:
-        return set(self.selected) - self.accepted.keys() - self.rejected.keys() - self.failed.keys() - self.offline
+        return set(self.selected) - self.accepted.keys() - self.failed.keys() - self.offline
 
     @property
     def updates(self) -> dict[str, NodeUpdate]:
@@ -67,7 +73,7 @@ class RoundState:
         self.carried = {n: replace(u, payload=Payload()) for n, u in self.carried.items()}
 
     def answered(self, node_id: str) -> bool:
-        return node_id in self.accepted or node_id in self.rejected or node_id in self.failed
+        return node_id in self.accepted or node_id in self.failed
 
     def on_ack(self, node_id: str) -> None:
         self.acked.add(node_id)
@@ -76,6 +82,7 @@ class RoundState:
         self.accepted[update.node_id] = update
 
     def on_rejected(self, node_id: str, reason: str) -> None:
+        """A message on the node's behalf was refused: noted, but the node may still answer."""
         self.rejected[node_id] = reason
 
     def on_failed(self, node_id: str, reason: str) -> None:
@@ -89,7 +96,7 @@ class RoundState:
     @property
     def acks_complete(self) -> bool:
         """Every selected node acknowledged, answered or left: the broadcast need wait no longer."""
-        answered = self.rejected.keys() | self.accepted.keys() | self.failed.keys()
+        answered = self.accepted.keys() | self.failed.keys()
         return not (set(self.selected) - self.acked - self.offline - answered)
 
     @property
@@ -100,13 +107,15 @@ class RoundState:
     def close(self, is_live: Callable[[str], bool]) -> RoundOutcome:
         self.closed = True
         missing = [n for n in self.selected if not self.answered(n)]
-        lost = tuple(n for n in missing if n in self.offline or not is_live(n))
-        late = tuple(n for n in missing if n not in lost)
+        rejected = tuple(sorted(n for n in missing if n in self.rejected))
+        silent = [n for n in missing if n not in self.rejected]
+        lost = tuple(n for n in silent if n in self.offline or not is_live(n))
+        late = tuple(n for n in silent if n not in lost)
         return RoundOutcome(
             accepted=tuple(sorted(self.accepted)),
             late=late,
             lost=lost,
-            rejected=tuple(sorted(self.rejected)),
+            rejected=rejected,
             carried=tuple(sorted(self.carried)),
             failed=tuple(sorted(self.failed)),
         )

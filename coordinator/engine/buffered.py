@@ -1,8 +1,8 @@
 """Buffered asynchronous aggregation: FedAsync (K = 1) and FedBuff (K > 1) as a state machine.
 
 `concurrency` nodes train at once, each on its own task carrying the model version it was built
-from. When a task ends (an update, a reported failure, a refusal, its node going offline, or its
-deadline) its slot is refilled at once by a seeded draw among the idle live nodes (the node that
+from. When a task ends (an update, a reported failure, its node going offline, or its deadline)
+its slot is refilled at once by a seeded draw among the idle live nodes (the node that
 just delivered among them), unless K accepted updates already wait to be folded (backpressure:
 the buffer never outgrows what folding keeps up with). Accepted updates wait in a buffer; every K
 of them are folded into a new model version by the half's `aggregate` with the staleness rule of
@@ -10,6 +10,11 @@ of them are folded into a new model version by the half's `aggregate` with the s
 update whose place in the buffer would fold it staler than max_staleness is refused on arrival and
 recorded, never folded. The last version folds everything accepted (more than K if folding lagged);
 updates arriving after it started are answered late and counted, not accepted.
+
+A refused message (malformed, forged, out of version) does not end
+the node's task: until the broker authenticates senders anyone can publish on a node's topic, so
+the node's valid update is still taken until the task's deadline. A task that ends without one
+after a refusal (expired, or its node went offline) is recorded as rejected.
 
 Heavy calls run one at a time in the daemon's lane, in the order asked: a task configured while an
 aggregation runs is labelled with the version that aggregation produces, which is the model it will
@@ -49,6 +54,8 @@ class _Task:
     spec: c.TaskSpec
     sent_at: float
     deadline: float
+    refused: str = ""
+    """Why the latest message refused for this task was refused ("" if none was)."""
 
 
 class BufferedAsync(Engine):
@@ -177,18 +184,35 @@ class BufferedAsync(Engine):
         spec = task.spec
         if spec.node != node:
             raise ProtocolError("not-selected", f"the task {task_id.hex()} was not sent to {node}")  # type: ignore[union-attr]
-        if message.round != spec.version:
-            raise ProtocolError(
-                "wrong-base-version", f"update for version {message.round}, the task carried {spec.version}"
-            )
+        try:
+            update = self._parse(event, task)
+        except ProtocolError as exc:  # the task stays open for the node's valid update
+            task.refused = f"{exc.reason}: {exc.detail}"
+            raise
         self._end_task(task, "answered")
         try:
-            self._take(out, event, task, now)
+            self._take(out, event, task, update)
         finally:
             self._maybe_fold(out, now)
             self._dispatch(out, now)
 
-    def _take(self, out: list[c.Command], event: e.UpdateArrived, task: _Task, now: float) -> None:
+    def _parse(self, event: e.UpdateArrived, task: _Task) -> NodeUpdate | None:
+        """The update, checked against its task (ProtocolError says why not); None for a node's
+        report that its training failed, and while the run is ending (nothing more is folded)."""
+        message, spec = event.message, task.spec
+        if message.round != spec.version:
+            raise ProtocolError(
+                "wrong-base-version", f"update for version {message.round}, the task carried {spec.version}"
+            )
+        if "failed" in message.meta or self._final_fold or self._stopping:
+            return None
+        check_base_version(message, spec.version, required=True)
+        update = parse_update(
+            message, self.schema, version=spec.version, sent_at=task.sent_at, received_at=event.received_at
+        )
+        return update
+
+    def _take(self, out: list[c.Command], event: e.UpdateArrived, task: _Task, update: NodeUpdate | None) -> None:
         message, spec = event.message, task.spec
         node = spec.node
         failure = message.meta.get("failed")
@@ -197,18 +221,9 @@ class BufferedAsync(Engine):
             logger.warning("node %s reports its training for version %d failed: %s", node, spec.version, detail)
             self._failed(node, spec.version, "failed", detail)
             return
-        if self._final_fold or self._stopping:
+        if update is None:
             self.totals["finished"] += 1
             self._decline(out, message, "finished", "the last model version is being made", "late")
-            return
-        try:
-            check_base_version(message, spec.version, required=True)
-            update = parse_update(
-                message, self.schema, version=spec.version, sent_at=task.sent_at, received_at=event.received_at
-            )
-        except ProtocolError as exc:
-            self._failed(node, spec.version, "rejected", exc.detail)
-            self._refuse(out, message, exc.reason, exc.detail)
             return
         # the buffer is folded in order, K at a time: the version this update will be folded from
         staleness = self._target_version() + len(self.buffer) // self.ap.buffer - spec.version
@@ -250,7 +265,10 @@ class BufferedAsync(Engine):
         while len(self._closed) > CLOSED_TASKS_KEPT:
             self._closed.popitem(last=False)
         if why in ("expired", "lost"):
-            self._failed(spec.node, spec.version, why, "")
+            if task.refused:  # only refused messages came for it
+                self._failed(spec.node, spec.version, "rejected", task.refused)
+            else:
+                self._failed(spec.node, spec.version, why, "")
 
     def _failed(self, node: str, version: int, reason: str, detail: str) -> None:
         """A task that ends without an update to fold: recorded in the participation record and the metrics."""

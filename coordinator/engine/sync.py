@@ -218,7 +218,9 @@ class SyncRounds(Engine):
             try:
                 update = self._parse(state, event)
             except ProtocolError as exc:
-                state.on_rejected(node, "invalid")
+                # not an answer: anyone can publish on a node's topic until the broker authenticates
+                # senders, so the node's own valid update is still taken until the round closes
+                state.on_rejected(node, exc.reason)
                 self._refuse(out, message, exc.reason, exc.detail)
             else:
                 state.on_accepted(update)

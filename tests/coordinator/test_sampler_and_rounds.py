@@ -65,12 +65,29 @@ def _state(selected: tuple[str, ...], target: int | None = None) -> RoundState:
 def test_round_closes_when_every_live_selected_node_answered() -> None:
     state = _state(("a", "b", "c"))
     state.on_accepted(_update("a"))
-    state.on_rejected("b", "wrong-shape")
+    state.on_failed("b", "out of memory")
     assert not state.done
     state.on_offline("c")
     assert state.done
     outcome = state.close(lambda n: n != "c")
-    assert (outcome.accepted, outcome.rejected, outcome.lost, outcome.late) == (("a",), ("b",), ("c",), ())
+    assert (outcome.accepted, outcome.failed, outcome.lost, outcome.late) == (("a",), ("b",), ("c",), ())
+
+
+def test_round_refused_message_does_not_answer_for_its_node() -> None:
+    """b's refused message leaves b pending (its valid update may follow); c sent only refused
+    messages and went silent: rejected at the close, not late; a's refusal is forgotten once its
+    update is accepted."""
+    state = _state(("a", "b", "c"))
+    state.on_rejected("a", "samples-mismatch")
+    state.on_accepted(_update("a"))
+    state.on_rejected("b", "wrong-shape")
+    state.on_rejected("c", "non-finite")
+    assert not state.done and state.pending == {"b", "c"} and not state.answered("b")
+    state.on_accepted(_update("b"))
+    state.on_offline("c")
+    assert state.done
+    outcome = state.close(lambda n: n != "c")
+    assert (outcome.accepted, outcome.rejected, outcome.lost, outcome.late) == (("a", "b"), ("c",), (), ())
 
 
 def test_round_over_selected_closes_at_target_and_the_rest_are_late() -> None:
