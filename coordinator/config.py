@@ -41,6 +41,14 @@ class RoundPolicy:
     late_updates: Literal["drop", "carry"] = "drop"
     """An update that comes after its round closed: refused as late (drop), or validated and folded
     into the next aggregation with its staleness weight (carry; `AsyncPolicy.staleness`)."""
+    max_node_samples: int | None = None
+    """Refuse a node's announcement, or an update, claiming more samples than this (None: no limit).
+    The count weights an update in the average, and until statuses are authenticated a node's
+    announcement is as easy to forge as its update: this is the bound that holds regardless."""
+    require_announced_samples: bool = True
+    """Refuse updates from a node that announced no sample count ("samples-unannounced"): with no
+    announcement to check it against, an update's weight would rest on that one message's word.
+    False accepts them, bounded by max_node_samples only (for nodes that announce no count)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -59,6 +67,8 @@ class RoundPolicy:
             raise ValueError("receipts must be 'all' or 'refusals'")
         if self.late_updates not in ("drop", "carry"):
             raise ValueError("late_updates must be 'drop' or 'carry'")
+        if self.max_node_samples is not None and self.max_node_samples < 1:
+            raise ValueError("max_node_samples must be at least 1 (or None: no limit)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

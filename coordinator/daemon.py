@@ -201,9 +201,13 @@ class Coordinator:
         if message.kind != expected:
             raise ProtocolError("unexpected-kind", f"{message.kind} on a {route.channel} topic")
         if route.channel == "node-status":
+            known = self.registry.get(message.sender)
+            count = known.num_samples if known is not None else None
             changed = self.registry.apply_status(message.sender, message.meta)
-            if changed is not None:
-                self._events.put_nowait(e.NodeSeen(message.sender, changed))
+            node = self.registry.get(message.sender)
+            assert node is not None
+            if changed is not None or (node.online and node.num_samples != count):
+                self._events.put_nowait(e.NodeSeen(message.sender, node.online, node.num_samples))
         elif route.channel == "acks":
             task = message.meta.get("task")
             self._events.put_nowait(e.Acked(message.sender, message.round, task if isinstance(task, bytes) else None))
@@ -438,7 +442,7 @@ class Coordinator:
     def _refused(self, command: c.Refused) -> None:
         if command.protocol:
             self._bus_or_fail().stats.rejected[command.reason] += 1
-            logger.warning("refused update from %s: %s: %s", command.node, command.reason, command.detail)
+            logger.warning("refused a message from %s: %s: %s", command.node, command.reason, command.detail)
         else:
             logger.info("update from %s not folded: %s: %s", command.node, command.reason, command.detail)
 

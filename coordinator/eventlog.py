@@ -68,7 +68,7 @@ def encode_event(event: e.Event) -> dict[str, Any]:
     """The event's fields as its log line holds them (without the sequence number and time)."""
     name = type(event).__name__
     if isinstance(event, e.NodeSeen):
-        return {"ev": name, "node": event.node, "online": event.online}
+        return {"ev": name, "node": event.node, "online": event.online, "num_samples": event.num_samples}
     if isinstance(event, e.Acked):
         return {"ev": name, "node": event.node, "round": event.round, "task": _hex(event.task)}
     if isinstance(event, e.UpdateArrived):

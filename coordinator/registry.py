@@ -18,7 +18,8 @@ class NodeInfo:
     node_id: str
     online: bool = False
     device: str = "unknown"
-    num_samples: int = 0
+    num_samples: int | None = None
+    """What the node announced it holds (None: it never announced a count)."""
     label_histogram: list[int] | None = None
     first_seen: float = field(default_factory=time.time)
     changed_at: float = field(default_factory=time.monotonic)
@@ -74,7 +75,8 @@ class NodeRegistry:
         return [self._nodes[k] for k in sorted(self._nodes)]
 
     def apply_status(self, node_id: str, meta: Mapping[str, Any]) -> bool | None:
-        """Record a status message; returns the new liveness if it changed, else None."""
+        """Record a status message; returns the new liveness if it changed, else None. A field the
+        status leaves out keeps its earlier value (a count, once announced, stays known)."""
         fields = parse_announcement(meta)
         node = self._nodes.get(node_id)
         if node is None:

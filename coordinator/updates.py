@@ -87,3 +87,28 @@ def parse_update(
         rtt_seconds=max(received_at - sent_at, 0.0),
         base_version=version,
     )
+
+
+def check_samples(node: str, claimed: int, announced: int | None, *, limit: int | None, required: bool) -> None:
+    """An update's sample count weights it in the average, so one message claiming 10^11 samples
+    would replace the global model: the count must be believable, or ProtocolError says why not.
+
+    - above `limit` (the coordinator's max_node_samples): "samples-over-limit";
+    - more than the node announced in its status: "samples-mismatch". A node trains on the data it
+      holds (fedmq's nodes claim exactly what they announced); it may train on part of it, never
+      on more;
+    - the node announced no count: "samples-unannounced" when `required`, since nothing backs the
+      claim; otherwise only the limit bounds it.
+    """
+    if limit is not None and claimed > limit:
+        raise ProtocolError(
+            "samples-over-limit", f"num_samples {claimed} is above max_node_samples {limit}", node_id=node
+        )
+    if announced is None:
+        if required:
+            raise ProtocolError(
+                "samples-unannounced", f"{node} announced no sample count to check {claimed} against", node_id=node
+            )
+        return
+    if claimed > announced:
+        raise ProtocolError("samples-mismatch", f"num_samples {claimed} but {node} announced {announced}", node_id=node)

@@ -182,6 +182,8 @@ def coordinator_config(
         wait_for_nodes_s=cfg.policy.wait_for_nodes_s,
         late_updates=cfg.policy.late_updates,
         receipts=cfg.policy.receipts,
+        max_node_samples=cfg.policy.max_node_samples,
+        require_announced_samples=cfg.policy.require_announced_samples,
     )
     return CoordinatorConfig(
         federation=federation or federation_id(cfg),

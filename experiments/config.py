@@ -271,7 +271,13 @@ class PolicyConfig(_Strict):
     receipts: Literal["all", "refusals"] = Field(
         "all", description="receipts for every update, or only for those not folded (fewer messages per update)"
     )
-    _added_later = ("inline_model_bytes", "late_updates", "receipts")
+    max_node_samples: int | None = Field(
+        None, ge=1, description="refuse an announcement or update claiming more samples than this (default: no limit)"
+    )
+    require_announced_samples: bool = Field(
+        True, description="refuse updates from a node that announced no sample count (false: only the limit binds)"
+    )
+    _added_later = ("inline_model_bytes", "late_updates", "receipts", "max_node_samples", "require_announced_samples")
 
 
 class BusSettings(_Strict):

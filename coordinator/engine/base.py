@@ -20,7 +20,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
 from coordinator.errors import ProtocolError
-from fedcore.algorithms.base import Folding, RoundContext
+from coordinator.updates import check_samples
+from fedcore.algorithms.base import Folding, NodeUpdate, RoundContext
 from fedcore.participation import ParticipationRecord
 from fedcore.seeding import torch_generator
 from fedcore.tensors import TensorSpec
@@ -46,6 +47,8 @@ class Engine(ABC):
         self.new_id = new_id
         self.participation = ParticipationRecord()
         self.live: set[str] = set()
+        self.announced: dict[str, int | None] = {}
+        """Each node's sample count from its latest online announcement (None: it announced none)."""
         self.state = "starting"
         self.error = ""
         self.version = 0
@@ -164,6 +167,15 @@ class Engine(ABC):
     def _node_seen(self, out: list[c.Command], event: e.NodeSeen, now: float) -> None:
         was = event.node in self.live
         if event.online:
+            limit = self.policy.max_node_samples
+            if event.num_samples is not None and limit is not None and event.num_samples > limit:
+                # refused as if never sent: the node does not come online with a weight above the limit
+                detail = f"announces {event.num_samples} samples, above max_node_samples {limit}"
+                logger.warning("node %s %s; its announcement is ignored", event.node, detail)
+                self.refused["samples-over-limit"] += 1
+                out.append(c.Refused(event.node, "samples-over-limit", detail))
+                return
+            self.announced[event.node] = event.num_samples
             self.live.add(event.node)
         else:
             self.live.discard(event.node)
@@ -190,6 +202,16 @@ class Engine(ABC):
             self._on_update(out, event, now)
         except ProtocolError as exc:
             self._refuse(out, event.message, exc.reason, exc.detail)
+
+    def _check_samples(self, update: NodeUpdate) -> None:
+        """The update's sample count against the node's announcement and the limit (ProtocolError)."""
+        check_samples(
+            update.node_id,
+            update.num_samples,
+            self.announced.get(update.node_id),
+            limit=self.policy.max_node_samples,
+            required=self.policy.require_announced_samples,
+        )
 
     def _refuse(
         self, out: list[c.Command], message: Message, reason: str, detail: str, *, receipt: str = "rejected"

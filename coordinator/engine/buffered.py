@@ -11,7 +11,7 @@ update whose place in the buffer would fold it staler than max_staleness is refu
 recorded, never folded. The last version folds everything accepted (more than K if folding lagged);
 updates arriving after it started are answered late and counted, not accepted.
 
-A refused message (malformed, forged, out of version) does not end
+A refused message (malformed, forged, claiming more samples than its node announced) does not end
 the node's task: until the broker authenticates senders anyone can publish on a node's topic, so
 the node's valid update is still taken until the task's deadline. A task that ends without one
 after a refusal (expired, or its node went offline) is recorded as rejected.
@@ -210,6 +210,7 @@ class BufferedAsync(Engine):
         update = parse_update(
             message, self.schema, version=spec.version, sent_at=task.sent_at, received_at=event.received_at
         )
+        self._check_samples(update)
         return update
 
     def _take(self, out: list[c.Command], event: e.UpdateArrived, task: _Task, update: NodeUpdate | None) -> None:

@@ -21,10 +21,14 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class NodeSeen:
-    """A node's liveness changed (its retained status, or its will when it died)."""
+    """A node's liveness or announced sample count changed (its retained status, or its will when it died)."""
 
     node: str
     online: bool
+    num_samples: int | None = None
+    """The samples the node announced it holds (None: it announced none). Updates are weighted by the
+    count they claim, which may not exceed this (`coordinator.updates.check_samples`); it reaches the
+    engine as an event, not from the registry, so that the event log holds it and replays agree."""
 
 
 @dataclass(frozen=True, slots=True)

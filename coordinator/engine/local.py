@@ -18,7 +18,7 @@ import itertools
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -172,6 +172,9 @@ class LocalFederation:
 
     def _feed(self, event: e.Event) -> None:
         if isinstance(event, e.NodeSeen):
+            if event.num_samples is None and event.node in self.nodes:
+                # a node announces the size of its shard with its status, as the node daemon does
+                event = replace(event, num_samples=len(self.nodes[event.node].data))
             (self._online.add if event.online else self._online.discard)(event.node)
             if not event.online:
                 self._epochs[event.node] += 1

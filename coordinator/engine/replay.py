@@ -16,6 +16,7 @@ differs): both show as a mismatch at the step where they matter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import OrderedDict, deque
@@ -180,6 +181,11 @@ class Replay(LocalFederation):
         self._results: dict[int, e.Aggregated | e.Evaluated] = {}
         self._cache: OrderedDict[tuple[bytes, str], tuple[str, dict[str, Any], Message]] = OrderedDict()
         self._line = 0
+        if any(x.data.get("ev") == "NodeSeen" and "num_samples" not in x.data for x in self.entries):
+            # recorded before announced counts were logged (and checked): replay it as it ran, unchecked
+            policy = dataclasses.replace(self.engine.policy, require_announced_samples=False)
+            self.engine.policy = policy
+            self.engine.config = dataclasses.replace(self.engine.config, policy=policy)
 
     def _draw_id(self) -> bytes:
         if not self._ids:
@@ -238,7 +244,8 @@ class Replay(LocalFederation):
         if kind == "Stop":
             return e.Stop(str(d.get("reason", "stopped")))
         if kind == "NodeSeen":
-            return e.NodeSeen(str(d["node"]), bool(d["online"]))
+            n = d.get("num_samples")
+            return e.NodeSeen(str(d["node"]), bool(d["online"]), None if n is None else int(n))
         if kind == "Acked":
             task = d.get("task")
             return e.Acked(str(d["node"]), int(d["round"]), bytes.fromhex(task) if task is not None else None)

@@ -264,13 +264,15 @@ class SyncRounds(Engine):
         """The update, checked against the attempt it answers; ProtocolError says why not."""
         message = event.message
         check_base_version(message, state.version)
-        return parse_update(
+        update = parse_update(
             message,
             self.schema,
             version=state.version,
             sent_at=state.task_sent_at.get(message.sender, state.started),
             received_at=event.received_at,
         )
+        self._check_samples(update)
+        return update
 
     def _aggregation_ahead(self) -> bool:
         """Whether an aggregation is still to come that a carried update could join."""

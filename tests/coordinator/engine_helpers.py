@@ -21,6 +21,8 @@ from fedcore.staleness import Staleness
 from fedcore.tensors import TensorSpec
 
 SCHEMA = {"model": {"w": TensorSpec(torch.float32, (2,))}}
+SAMPLES = 100
+"""What every node announces unless a test says otherwise (`update` claims 10 by default)."""
 C = TypeVar("C")
 
 
@@ -59,15 +61,20 @@ class Driver:
         self.log.extend(out)
         return out
 
-    def start(self, *nodes: str) -> list[c.Command]:
-        """`nodes` come online (their retained statuses arrive first), then the run starts."""
+    def start(self, *nodes: str, samples: int | None = SAMPLES) -> list[c.Command]:
+        """`nodes` come online announcing `samples` (their retained statuses arrive first), then the run starts."""
         out = []
         for node in nodes:
-            out += self.feed(e.NodeSeen(node, True))
+            out += self.feed(seen(node, samples=samples))
         return out + self.feed(e.Start())
 
     def tick(self, at: float) -> list[c.Command]:
         return self.feed(e.Tick(), at=at)
+
+
+def seen(node: str, online: bool = True, *, samples: int | None = SAMPLES) -> e.NodeSeen:
+    """A node's status: online (announcing `samples`) or offline."""
+    return e.NodeSeen(node, online, samples)
 
 
 def of(kind: type[C], commands: Iterable[c.Command]) -> list[C]:

@@ -7,7 +7,7 @@ import pytest
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
 from coordinator.engine.sync import SyncRounds
-from tests.coordinator.engine_helpers import Driver, config, failure, of, one, update
+from tests.coordinator.engine_helpers import Driver, config, failure, of, one, seen, update
 
 NODES = ("a", "b", "c")
 
@@ -23,7 +23,7 @@ def test_sync_round_closes_when_everyone_answered_then_aggregates_evaluates_and_
     """All three updates in: one Aggregate (updates by node id), then Evaluate, Record, Checkpoint, status, round 1."""
     d = Driver(config(policy={"min_nodes": 3}))
     assert of(c.Configure, d.start(*NODES[:2])) == [], "round 0 began before min_nodes were live"
-    configure = one(c.Configure, d.feed(e.NodeSeen("c", True)))
+    configure = one(c.Configure, d.feed(seen("c")))
     assert [t.node for t in configure.tasks] == list(NODES) and {t.version for t in configure.tasks} == {0}
     out = d.feed(e.Configured(configure.step, inline=True))
     assert [s.node for s in of(c.SendTask, out)] == list(NODES) and not of(c.Broadcast, out)

@@ -111,11 +111,30 @@ def test_an_edited_sample_count_is_found_where_it_changes_a_decision(sync_run: P
     run = _copy(sync_run, tmp_path)
     lines = _lines(run)
     index = next(i for i, x in enumerate(lines) if x.get("ev") == "UpdateArrived")
-    lines[index]["meta"]["num_samples"] += 1
+    lines[index]["meta"]["num_samples"] -= 1  # fewer than announced: taken, weighted differently
     _write(run, lines)
     outcome = replay_run(run)
     assert outcome.mismatch is not None
     assert "Aggregate" in str(outcome.mismatch) or "aggregated model" in str(outcome.mismatch)
+    lines[index]["meta"]["num_samples"] += 2  # more than announced: the replayed engine refuses it
+    _write(run, lines)
+    outcome = replay_run(run)
+    assert outcome.mismatch is not None and outcome.mismatch.line == index + 1
+    assert "samples-mismatch" in str(outcome.mismatch)
+
+
+def test_a_log_from_before_announced_counts_were_logged_still_replays(sync_run: Path, tmp_path: Path) -> None:
+    """Older logs' NodeSeen lines have no num_samples: the counts were never checked then, so the
+    replay does not check them either (a current log says null for a node that announced none)."""
+    run = _copy(sync_run, tmp_path)
+    lines = _lines(run)
+    seen = [x for x in lines if x.get("ev") == "NodeSeen"]
+    assert seen and all(isinstance(x["num_samples"], int) for x in seen if x["online"])
+    for x in seen:
+        del x["num_samples"]
+    _write(run, lines)
+    outcome = replay_run(run)
+    assert outcome.mismatch is None and outcome.ok
 
 
 def test_a_deleted_update_is_a_difference(sync_run: Path, tmp_path: Path) -> None:
