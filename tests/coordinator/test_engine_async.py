@@ -7,7 +7,7 @@ import pytest
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
 from coordinator.engine.buffered import BufferedAsync
-from tests.coordinator.engine_helpers import Driver, config, failure, of, one, update
+from tests.coordinator.engine_helpers import SAMPLES, Driver, config, failure, of, one, update
 
 NODES = ("a", "b", "c", "d", "e")
 
@@ -295,3 +295,44 @@ def test_async_records_time_from_a_clock_that_starts_at_zero() -> None:
     aggregate = one(c.Aggregate, d.feed(update(a), at=2.5))
     record = one(c.Record, d.feed(e.Aggregated(aggregate.step, {}), at=3.0)).record
     assert record["ended_s"] == 3.0 and record["round_seconds"] == 3.0
+
+
+# -- trusting less: refused messages leave the task open ----------------------------------------------
+
+
+def test_async_forged_update_leaves_the_task_open_for_the_real_one() -> None:
+    """A forged update (10^11 samples) for a's task is refused and a keeps its task and its slot; a's
+    real update is then accepted; nothing is recorded rejected."""
+    d = _driver(buffer=5)
+    a, *_ = _configure(d, d.start("a", "b", "c"))
+    out = d.feed(update(a, value=1e6, samples=10**11), at=1.0)
+    assert one(c.Refused, out).reason == "samples-mismatch" and one(c.Receipt, out).status == "rejected"
+    assert not of(c.Configure, out) and _busy(d) == {"a", "b", "c"}, "the refusal ended a's task"
+    assert one(c.Receipt, d.feed(update(a), at=2.0)).status == "received"
+    assert one(c.Refused, d.feed(update(a), at=2.5)).reason == "duplicate-update"
+    assert isinstance(d.engine, BufferedAsync)
+    assert [u.num_samples for u in d.engine.buffer] == [10] and d.engine.totals["rejected"] == 0
+    assert d.engine.participation.get("a").rejected == 0  # type: ignore[union-attr]
+
+
+def test_async_task_with_only_refused_updates_is_rejected_when_it_expires() -> None:
+    """b's update claims more than b announced and c's holds NaN; both tasks stay open until their
+    deadline, then end rejected (not expired), once each, and their slots are refilled."""
+    d = _driver(concurrency=3)
+    _, b, cc = _configure(d, d.start("a", "b", "c", "d", "e"))
+    assert one(c.Refused, d.feed(update(b, samples=SAMPLES + 1))).reason == "samples-mismatch"
+    assert one(c.Refused, d.feed(update(cc, value=float("nan")))).reason == "non-finite"
+    assert one(c.Refused, d.feed(update(cc, value=float("nan")))).reason == "non-finite"
+    out = d.tick(20.0)
+    assert len(one(c.Configure, out).tasks) == 3
+    assert isinstance(d.engine, BufferedAsync)
+    assert d.engine.totals == {"rejected": 2, "expired": 1} and d.engine.refused["non-finite"] == 2
+    assert d.engine.participation.get(b.node).rejected == 1 and d.engine.participation.get(b.node).late == 0  # type: ignore[union-attr]
+    late = d.feed(update(cc), at=21.0)
+    assert one(c.Refused, late).reason == "expired"
+
+
+def test_async_node_with_no_announced_count_is_refused() -> None:
+    d = _driver()
+    (a, *_) = _configure(d, d.start("a", "b", "c", samples=None))
+    assert one(c.Refused, d.feed(update(a))).reason == "samples-unannounced"

@@ -7,7 +7,7 @@ import pytest
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
 from coordinator.engine.sync import SyncRounds
-from tests.coordinator.engine_helpers import Driver, config, failure, of, one, seen, update
+from tests.coordinator.engine_helpers import SAMPLES, Driver, config, failure, of, one, seen, update
 
 NODES = ("a", "b", "c")
 
@@ -283,3 +283,95 @@ def test_sync_receipts_for_refusals_only_skip_the_accepted() -> None:
     tasks = {t.node: t for t in _round(d).tasks}
     assert not of(c.Receipt, d.feed(update(tasks["a"])))
     assert one(c.Receipt, d.feed(update(tasks["b"], base_version=5))).status == "rejected"
+
+
+# -- trusting less: sample counts, and refused messages that do not answer for a node ---------------
+
+
+def test_sync_forged_update_does_not_block_the_real_one() -> None:
+    """A forged update on a's behalf (10^11 samples) is refused with a receipt and the reason; a's
+    real update for the same task is then accepted, the round closes when all answered, no one rejected."""
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    out = d.feed(update(tasks["a"], value=1e6, samples=10**11), at=0.5)
+    assert one(c.Refused, out).reason == "samples-mismatch" and one(c.Receipt, out).reason == "samples-mismatch"
+    wrong = update(tasks["b"])
+    object.__setattr__(wrong.message, "tensors", {"model/w": wrong.message.tensors["model/w"][:1]})
+    assert one(c.Refused, d.feed(wrong)).reason == "wrong-shape"
+    d.feed(update(tasks["a"]), at=1.0)
+    d.feed(update(tasks["b"]), at=1.5)
+    aggregate = one(c.Aggregate, d.feed(update(tasks["c"]), at=2.0))
+    assert [(u.node_id, u.num_samples) for u in aggregate.updates] == [("a", 10), ("b", 10), ("c", 10)]
+    assert aggregate.failures == []
+    d.feed(e.Aggregated(aggregate.step, {}))
+    record = one(c.Record, d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.9}))).record
+    assert record["accepted"] == list(NODES) and record["rejected"] == []
+    assert d.engine.refused == {"samples-mismatch": 1, "wrong-shape": 1}
+    assert d.engine.participation.get("a").rejected == 0  # type: ignore[union-attr]
+
+
+def test_sync_update_claiming_more_samples_than_announced_is_refused_and_as_many_accepted() -> None:
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    out = d.feed(update(tasks["a"], samples=SAMPLES + 1))
+    assert one(c.Refused, out).reason == "samples-mismatch" and one(c.Receipt, out).status == "rejected"
+    assert one(c.Receipt, d.feed(update(tasks["a"], samples=SAMPLES))).status == "received"
+
+
+def test_sync_invalid_update_of_an_honest_node_waits_for_the_deadline_and_is_rejected_once() -> None:
+    """c's only update holds NaN: the round waits for c until the deadline (c might yet send a valid
+    one), then closes with c rejected, once in the record, the participation and the failures."""
+    d = Driver(config())
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d).tasks}
+    d.feed(update(tasks["a"]), at=1.0)
+    d.feed(update(tasks["b"]), at=1.0)
+    assert one(c.Refused, d.feed(update(tasks["c"], value=float("nan")), at=2.0)).reason == "non-finite"
+    assert one(c.Refused, d.feed(update(tasks["c"], value=float("inf")), at=3.0)).reason == "non-finite"
+    assert not of(c.Aggregate, d.log) and d.engine.next_deadline() == pytest.approx(10.0)
+    aggregate = one(c.Aggregate, d.tick(10.0))
+    assert [u.node_id for u in aggregate.updates] == ["a", "b"]
+    assert [(f.node_id, f.reason) for f in aggregate.failures] == [("c", "rejected")]
+    d.feed(e.Aggregated(aggregate.step, {}))
+    record = one(c.Record, d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.5}))).record
+    assert (record["rejected"], record["late"], record["lost"]) == (["c"], [], [])
+    assert d.engine.participation.get("c").rejected == 1 and d.engine.refused["non-finite"] == 2  # type: ignore[union-attr]
+
+
+def test_sync_announcement_above_max_node_samples_is_refused_and_the_node_never_goes_live() -> None:
+    d = Driver(config(policy={"max_node_samples": 50}))
+    out = d.start("a", "b", samples=40)
+    out += d.feed(seen("c", samples=10**11))
+    assert one(c.Refused, out).reason == "samples-over-limit" and "c" not in d.engine.live
+    tasks = {t.node: t for t in _round(d).tasks}
+    assert set(tasks) == {"a", "b"}
+    assert one(c.Refused, d.feed(update(tasks["a"], samples=41))).reason == "samples-mismatch"
+    assert one(c.Receipt, d.feed(update(tasks["a"], samples=40))).status == "received"
+
+
+def test_sync_node_that_announced_no_count_is_refused_unless_allowed_then_bounded_by_the_limit() -> None:
+    """No announced count: refused as samples-unannounced by default; with require_announced_samples
+    off, accepted up to max_node_samples, refused above it."""
+    d = Driver(config())
+    d.start("a", samples=None)
+    (task,) = _round(d).tasks
+    out = d.feed(update(task))
+    assert one(c.Refused, out).reason == "samples-unannounced" and one(c.Receipt, out).status == "rejected"
+
+    d = Driver(config(policy={"require_announced_samples": False, "max_node_samples": 1000}))
+    d.start("a", "b", samples=None)
+    tasks = {t.node: t for t in _round(d).tasks}
+    assert one(c.Refused, d.feed(update(tasks["a"], samples=1001))).reason == "samples-over-limit"
+    assert one(c.Receipt, d.feed(update(tasks["a"], samples=1000))).status == "received"
+
+
+def test_sync_a_later_announcement_replaces_the_count() -> None:
+    """The latest online status counts (a node restarted with other data); an offline one changes nothing."""
+    d = Driver(config())
+    d.start("a", samples=10)
+    d.feed(seen("a", samples=20))
+    d.feed(seen("a", False, samples=None))
+    d.feed(seen("a", samples=30))
+    assert d.engine.announced == {"a": 30}

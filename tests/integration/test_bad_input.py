@@ -105,3 +105,42 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
     node_rejects = set(re.findall(r"rejected message on \S+/node-002/task: ([a-z-]+)", node_log))
     assert {"truncated", "bad-task", "wrong-sender", "wrong-shape"} <= node_rejects, node_rejects
     assert "node-002" in metrics[-1]["accepted"]
+
+
+async def test_forged_update_claiming_1e11_samples_is_refused_and_the_real_one_taken(
+    tmp_path: Path, broker_url: str
+) -> None:
+    """Issue 16: an anonymous client answers node-001's round-1 task first, with the model's tensors
+    scaled and 10^11 samples. It is refused (samples-mismatch: node-001 announced its shard's size),
+    node-001's own update for that round is accepted after it, and the model is not replaced."""
+    cfg = base_config(nodes=3, rounds=3, deadline_s=8, faults={"node-001": {"delay_s": 2.0, "delay_rounds": [1]}})
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+    async with raw_client(broker_url) as evil:
+        await evil.subscribe(t.task("node-001"), qos=1)
+        async with asyncio.timeout(60):
+            async for m in evil.messages:
+                task = decode(bytes(m.payload))  # type: ignore[arg-type]
+                if task.round != 1:
+                    continue
+                assert task.tensors, "the test expects the model inside the task (inline)"
+                forged = Message(
+                    kind=Kind.UPDATE, federation=fed.federation, round=1, sender="node-001",
+                    meta={"task": task.meta["task"], "num_samples": 10**11, "train_seconds": 1.0},
+                    tensors={k: np.asarray(v) * -1000.0 for k, v in task.tensors.items()},
+                )  # fmt: skip
+                await evil.publish(t.update("node-001"), bytes(encode(forged)), qos=1)
+                break
+    assert await waiter == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert summary["state"] == "finished" and summary["rounds_completed"] == 3
+    assert summary["bus"]["rejected"] == {"samples-mismatch": 1}, summary["bus"]["rejected"]
+    assert summary["refused_updates"] == {"samples-mismatch": 1}
+    assert metrics[1]["accepted"] == ["node-000", "node-001", "node-002"] and metrics[1]["rejected"] == []
+    assert all(line["aggregated"] for line in metrics)
+    assert metrics[1]["accuracy"] > 0.5 and summary["final_accuracy"] > 0.5, metrics
+    assert "samples-mismatch" in fed.log("coordinator.log")
+    assert fed.participation()["node-001"]["rejected"] == 0
