@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from broker import BusConfig
+from broker.credentials import COORDINATOR, Access, Credentials
 from coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
 from coordinator.daemon import Coordinator
 from experiments.config import ExperimentConfig
@@ -31,17 +32,23 @@ from fednode.scenario import NodeScript
 from fednode.workspace import Workspace
 
 
-def bus_config(cfg: ExperimentConfig, url: str) -> BusConfig:
+def bus_config(cfg: ExperimentConfig, url: str, credentials: Credentials | None = None) -> BusConfig:
+    """The experiment's bus settings for one identity, with its credentials (a password never has to be
+    in the URL: `broker.credentials`)."""
     b = cfg.bus
-    return BusConfig.from_url(
-        url,
-        protocol=b.protocol,
-        chunk_bytes=b.chunk_bytes,
-        max_message_bytes=b.max_message_bytes,
-        keepalive_s=b.keepalive_s,
-        transfer_timeout_s=b.transfer_timeout_s,
-        tune_allocator=b.tune_allocator,
-    )
+    try:
+        return BusConfig.from_url(
+            url,
+            **(credentials.bus_overrides() if credentials is not None else {}),
+            protocol=b.protocol,
+            chunk_bytes=b.chunk_bytes,
+            max_message_bytes=b.max_message_bytes,
+            keepalive_s=b.keepalive_s,
+            transfer_timeout_s=b.transfer_timeout_s,
+            tune_allocator=b.tune_allocator,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="--broker") from None
 
 
 def inline_model_bytes(cfg: ExperimentConfig) -> int:
@@ -202,7 +209,13 @@ def coordinator_config(
 
 
 def build_coordinator(
-    cfg: ExperimentConfig, url: str, out_dir: Path, *, federation: str | None = None, resume: bool = False
+    cfg: ExperimentConfig,
+    url: str,
+    out_dir: Path,
+    *,
+    federation: str | None = None,
+    resume: bool = False,
+    access: Access | None = None,
 ) -> Coordinator:
     split = load_split(cfg)
     half = coordinator_half(cfg, split)
@@ -214,7 +227,9 @@ def build_coordinator(
         "fraction": cfg.fraction,
         "seed": cfg.seed,
     }
-    return Coordinator(config, bus_config(cfg, url), half, split.test, val_data=split.val, extra_summary=extra)
+    credentials = access.for_identity(COORDINATOR) if access is not None else None
+    bus = bus_config(cfg, url, credentials)
+    return Coordinator(config, bus, half, split.test, val_data=split.val, extra_summary=extra)
 
 
 def async_policy(cfg: ExperimentConfig) -> AsyncPolicy:
@@ -248,6 +263,7 @@ def build_nodes(
     announce_label_histogram: bool = True,
     device: torch.device | None = None,
     data_path: Path | None = None,
+    access: Access | None = None,
 ) -> list[NodeDaemon]:
     """Daemons for `node_ids`, sharing one dataset load and one training workspace (one process).
 
@@ -269,7 +285,6 @@ def build_nodes(
     device = device or best_device()
     group_wait_s = cfg.hosting.vectorize_wait_s if cfg.hosting.vectorize else None
     workspace = Workspace(make_model(cfg, own if own is not None else split.train), device, group_wait_s=group_wait_s)
-    bus = bus_config(cfg, url)
     scripts = node_scripts(cfg)
     daemons = []
     for node_id in node_ids:
@@ -294,5 +309,6 @@ def build_nodes(
             script=scripts.get(node_id, NodeScript()),
         )
         data = (own if own is not None else split.train.subset(parts[node_id])).to(device)
+        bus = bus_config(cfg, url, access.for_identity(node_id) if access is not None else None)
         daemons.append(NodeDaemon(node_config, bus, spec.node(hp, node_id=node_id), data, workspace))
     return daemons

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from broker.errors import BusError
+from broker.errors import BusError, CredentialsError
 from fedcore.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ fedmq: event-driven federated learning over MQTT.
                                      (with --set: the same availability and timing, something changed)
   fedmq simulate EXP.yaml [--scenario FILE]    the federation in one process on a virtual clock
   fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
-  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train, async
+  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train, async, node
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -65,6 +65,56 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     p.add_argument("--log-file", type=Path, help="also write the log to this file")
     p.add_argument("--log-config", type=Path, help="a logging dictConfig YAML file, replacing the defaults")
+
+
+def _add_access(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "broker access",
+        "For a broker with TLS (mqtts://) and per-identity credentials, e.g. one set up by `fedmq provision`."
+        " A password is never needed in the URL, which any user can see in `ps`; FEDMQ_BROKER_USERNAME,"
+        " FEDMQ_BROKER_PASSWORD and FEDMQ_BROKER_PASSWORD_FILE are read too (the flags win).",
+    )
+    g.add_argument(
+        "--credentials",
+        type=Path,
+        metavar="PATH",
+        help="a credentials file (JSON: username, password, ca_file) for one identity, or a folder of"
+        " IDENTITY.json files, one per node id and coordinator.json (what `fedmq provision` writes)",
+    )
+    g.add_argument("--username", help="MQTT user name")
+    g.add_argument("--password-file", type=Path, metavar="FILE", help="read the MQTT password from FILE")
+    g.add_argument("--ca-file", type=Path, metavar="FILE", help="the CA that signed the broker's certificate")
+    g.add_argument("--cert-file", type=Path, metavar="FILE", help="a client certificate (PEM), with --key-file")
+    g.add_argument("--key-file", type=Path, metavar="FILE", help="the client certificate's private key (PEM)")
+
+
+def _access(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The Access the broker-access flags describe."""
+    from broker.credentials import Access, Credentials, read_password_file
+
+    def path(value: Path | None) -> str | None:
+        if value is not None and not value.is_file():
+            raise CredentialsError(f"{value} does not exist")
+        return str(value.resolve()) if value is not None else None
+
+    flags = Credentials(
+        username=args.username,
+        password=read_password_file(args.password_file) if args.password_file else None,
+        ca_file=path(args.ca_file),
+        cert_file=path(args.cert_file),
+        key_file=path(args.key_file),
+    )
+    return Access(source=args.credentials, flags=flags)
+
+
+def access_flags(args: argparse.Namespace) -> list[str]:
+    """The broker-access flags as given, for the processes `fedmq run` starts."""
+    out: list[str] = []
+    for flag in ("credentials", "username", "password_file", "ca_file", "cert_file", "key_file"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(Path(value).resolve()) if isinstance(value, Path) else value]
+    return out
 
 
 def _add_experiment(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
@@ -102,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, help="node-host processes (default: hosting.processes or the core count)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="provision the federation (OUT/secure: a CA, a password per node, ACLs) and run it over TLS on a"
+        " broker started for it (mosquitto when installed, else the embedded one), no anonymous access",
+    )
+    _add_access(p)
     _add_common(p)
 
     p = sub.add_parser(
@@ -181,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
         "  train      many simulated nodes trained together (vmap) vs one at a time\n"
         "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
+        "  node       one node process: start-up time and memory, on the partition and on its own data (--data)\n"
         "  all        every suite above, in that order",
     )
     p.add_argument("suites", nargs="*", default=["all"], metavar="SUITE", help="suites to run (default: all)")
@@ -213,6 +271,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--config", type=Path, help="a mosquitto.conf to use instead of the generated one")
     p.add_argument("--embedded", action="store_true", help="use the embedded broker even if mosquitto is installed")
+    p.add_argument(
+        "--secure",
+        type=Path,
+        metavar="DIR",
+        help="serve a federation provisioned into DIR by `fedmq provision`: TLS, its users and topic rules"
+        " (its own address and port; --port and --host are ignored)",
+    )
+    _add_common(p)
+
+    p = sub.add_parser(
+        "provision",
+        help="write what a secure federation needs: CA, broker certificate, credentials, broker configs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write into OUT_DIR (which must be new or empty): a CA and a broker certificate for --host, one"
+        " credentials file per identity (the coordinator, the run monitor, each node of the experiment), and a"
+        " mosquitto config (and the embedded broker's) with TLS, no anonymous access, persistence, and an ACL in"
+        " which each node publishes only on its own topics and reads only its own tasks, the model broadcasts and"
+        " the coordinator's state.\n\n"
+        "  fedmq provision secure/ --config EXP.yaml --host broker.example.org\n"
+        "  fedmq broker --secure secure/\n"
+        "  fedmq coordinator --broker mqtts://broker.example.org:8883 --credentials secure/credentials ...\n"
+        "  fedmq node --broker mqtts://broker.example.org:8883 --credentials node-003.json --node-id node-003 ...",
+    )
+    p.add_argument("out", type=Path, metavar="OUT_DIR", help="where to write (new or empty)")
+    _add_experiment(p)
+    p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
+    p.add_argument(
+        "--host",
+        dest="hosts",
+        action="append",
+        metavar="NAME",
+        help="a host name or address the broker is reached by, for its certificate (repeatable; default"
+        " localhost and 127.0.0.1)",
+    )
+    p.add_argument("--port", type=int, default=8883, help="the broker's TLS port (default 8883)")
+    p.add_argument("--bind", default="127.0.0.1", help="the address the broker listens on (default 127.0.0.1)")
+    p.add_argument("--days", type=_positive_int, default=365, help="certificate lifetime in days (default 365)")
     _add_common(p)
 
     p = sub.add_parser(
@@ -221,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Waits for the experiment's nodes, runs its rounds, writes metrics, participation,"
         " checkpoints and a summary to --out.",
     )
-    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT")
+    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS")
     _add_experiment(p)
     p.add_argument(
         "--out", type=Path, default=Path("runs/coordinator"), help="run directory (default runs/coordinator)"
@@ -229,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--threads", type=_positive_int, help="torch threads")
+    _add_access(p)
     _add_common(p)
 
     p = sub.add_parser(
@@ -238,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         " shared dataset load, training one at a time). In an experiment a node takes its shard of the partition;"
         " with --data, a deployed node trains on its own data instead and the dataset is never loaded.",
     )
-    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT")
+    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS")
     p.add_argument(
         "--node-id",
         dest="node_ids",
@@ -259,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="this node's own data: an .npz of x and y, or a folder PATH/<class index>/*.png (one --node-id;"
         " docs/local-data.md)",
     )
+    _add_access(p)
     _add_common(p)
     return parser
 
@@ -300,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         if args.command == "methods":
             return _methods(args)
+        if args.command == "provision":
+            return _provision(args)
         if args.command == "bench":
             return _bench(args)
         if args.command == "replay":
@@ -314,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except DataError as exc:
         print(f"fedmq: data error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except CredentialsError as exc:
+        print(f"fedmq: credentials error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except BusError as exc:
         print(f"fedmq: broker error: {exc}", file=sys.stderr)
@@ -509,9 +611,22 @@ async def _broker(args: argparse.Namespace) -> int:
     from broker.embedded import serve_embedded
     from broker.mosquitto import find_mosquitto, start_mosquitto
 
+    config_file, secure_amqtt, host, port = args.config, None, args.host, args.port
+    scheme = "mqtt"
+    if args.secure is not None:
+        if args.config is not None:
+            raise ConfigError("--secure DIR brings its own broker config; leave out --config")
+        spec = _provisioned(args.secure)
+        config_file, secure_amqtt, scheme = (
+            args.secure / "mosquitto" / "mosquitto.conf",
+            args.secure / "amqtt" / "amqtt.json",
+            "mqtts",
+        )
+        host, _, port_text = spec["bind"].rpartition(":")
+        port = int(port_text)
     if not args.embedded and find_mosquitto() is not None:
-        proc = start_mosquitto(args.port, bind=args.host, config_file=args.config)
-        print(f"mosquitto listening on mqtt://{args.host}:{args.port} (pid {proc.pid}); Ctrl-C stops it", flush=True)
+        proc = start_mosquitto(port, bind=host, config_file=config_file)
+        print(f"mosquitto listening on {scheme}://{host}:{port} (pid {proc.pid}); Ctrl-C stops it", flush=True)
         try:
             await asyncio.to_thread(proc.wait)
         finally:
@@ -521,10 +636,41 @@ async def _broker(args: argparse.Namespace) -> int:
         return EXIT_OK if proc.returncode in (0, -signal.SIGTERM) else EXIT_FAILED
     if args.config is not None and not args.embedded:
         raise ConfigError("--config is a mosquitto.conf, but mosquitto is not installed (apt-get install mosquitto)")
-    print(
-        f"embedded broker (amqtt, MQTT 3.1.1) listening on mqtt://{args.host}:{args.port}; Ctrl-C stops it", flush=True
-    )
-    await serve_embedded(args.host, args.port)
+    version = "MQTT 3.1.1" + (", TLS, provisioned users and topic rules" if secure_amqtt else "")
+    print(f"embedded broker (amqtt, {version}) listening on {scheme}://{host}:{port}; Ctrl-C stops it", flush=True)
+    await serve_embedded(host, port, secure=secure_amqtt)
+    return EXIT_OK
+
+
+def _provisioned(directory: Path) -> dict[str, Any]:
+    """The embedded broker's part of a provisioned folder, which also says where the broker listens."""
+    import json
+
+    path = directory / "amqtt" / "amqtt.json"
+    if not path.is_file():
+        raise ConfigError(f"{directory} was not written by `fedmq provision` (no {path})")
+    return dict(json.loads(path.read_text()))
+
+
+def _provision(args: argparse.Namespace) -> int:
+    from broker.provision import DEFAULT_HOSTS, provision
+    from experiments.build import federation_id
+
+    cfg = _load(args)
+    try:
+        result = provision(
+            args.out,
+            federation=args.federation or federation_id(cfg),
+            nodes=cfg.node_ids(),
+            hosts=args.hosts or DEFAULT_HOSTS,
+            port=args.port,
+            bind=args.bind,
+            days=args.days,
+        )
+    except (ValueError, FileExistsError) as exc:
+        raise ConfigError(str(exc)) from None
+    print(f"provisioned federation {result.federation!r} ({len(result.nodes)} nodes) in {result.directory}")
+    print((result.directory / "README.txt").read_text().split("\n\n", 1)[1], end="")
     return EXIT_OK
 
 
@@ -540,7 +686,9 @@ async def _coordinator(args: argparse.Namespace) -> int:
     report = partition_report(cfg, load_split(cfg))
     write_json(args.out / "partition.json", report)
     partition_png(args.out / "partition.png", report)
-    coordinator = build_coordinator(cfg, args.broker, args.out, federation=args.federation, resume=args.resume)
+    coordinator = build_coordinator(
+        cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=_access(args)
+    )
     summary = await coordinator.serve()
     if summary.final_accuracy is not None:
         print(
@@ -567,6 +715,7 @@ async def _node(args: argparse.Namespace) -> int:
         exit_when_done=args.exit_when_done,
         device=torch.device(args.device) if args.device else None,
         data_path=args.data,
+        access=_access(args),
     )
     await serve_nodes(daemons)
     return EXIT_OK

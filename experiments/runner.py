@@ -26,14 +26,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from broker import BusClient, BusConfig, Kind, Topics
+from broker.credentials import COORDINATOR, MONITOR, Access
 from broker.errors import BusError
-from broker.mosquitto import free_port, wait_for_port
+from broker.mosquitto import find_mosquitto, free_port, wait_for_port
+from broker.provision import Provisioned, provision
 from coordinator.run_dir import write_json
 from experiments.build import preflight
-from experiments.cli import PARENT_ENV
+from experiments.cli import PARENT_ENV, access_flags
 from experiments.config import ExperimentConfig
 from experiments.grid import Cell, Grid, load_experiment
 from experiments.report import write_report
+from fedcore.errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 4, 130
 
@@ -108,7 +111,18 @@ async def run_from_cli(args: argparse.Namespace) -> int:
     first = grid.cells[0].config
     out = args.out or default_out(first)
     processes = args.processes or first.hosting.processes or os.cpu_count() or 1
-    options = {"broker": args.broker, "processes": processes, "quiet": args.quiet, "verbose": args.verbose}
+    if args.secure and args.broker:
+        raise ConfigError(
+            "--secure starts a broker of its own; for yours, give --broker mqtts://HOST:PORT with --credentials"
+        )
+    options = {
+        "broker": args.broker,
+        "processes": processes,
+        "quiet": args.quiet,
+        "verbose": args.verbose,
+        "secure": args.secure,
+        "access": access_flags(args),
+    }
     if grid.is_grid:
         return await run_grid(grid, out, timeout_s=args.timeout, **options)
     code = await run_federation(first, out, timeout_s=args.timeout, **options)
@@ -151,6 +165,8 @@ async def run_grid(
     quiet: bool,
     timeout_s: float | None,
     verbose: int,
+    secure: bool = False,
+    access: list[str] | None = None,
 ) -> int:
     """Every cell of the grid, one federation after another; finished cells are kept (resumable)."""
     console = Console(highlight=False)
@@ -176,7 +192,7 @@ async def run_grid(
         console.print(f"[bold]cell {n}/{total}[/] ({what}){eta}")
         code = await run_federation(
             cell.config, directory, broker=broker, processes=processes, quiet=quiet, timeout_s=timeout_s,
-            verbose=verbose,
+            verbose=verbose, secure=secure, access=access,
         )  # fmt: skip
         ran.append(cell.cell_id)
         if code == EXIT_INTERRUPTED:
@@ -200,7 +216,11 @@ async def run_federation(
     quiet: bool = False,
     timeout_s: float | None = None,
     verbose: int = 0,
+    secure: bool = False,
+    access: list[str] | None = None,
 ) -> int:
+    """One federation: a broker unless `broker` is given (with `secure`, provisioned into OUT/secure and
+    TLS only), the coordinator and the node hosts as processes; `access` are broker-access flags."""
     console = Console(stderr=False, highlight=False)
     await asyncio.to_thread(preflight, cfg)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (start-up, before any task runs)
@@ -224,8 +244,22 @@ async def run_federation(
     children = Children()
     started = time.monotonic()
     verbosity = ["-v"] * max(verbose, 1)
+    access = list(access or [])
+    monitor_access = Access(source=_credentials_flag(access))
     try:
-        if broker is None:
+        if secure:
+            provisioned = await asyncio.to_thread(_provision_run, out / "secure", cfg, federation)
+            broker = provisioned.url()
+            access = ["--credentials", str(provisioned.credentials)]
+            monitor_access = Access(source=provisioned.credentials, use_environment=False)
+            kind = "mosquitto" if find_mosquitto() is not None else "embedded broker"
+            command = ["broker", "--secure", str(provisioned.directory), "--log-file", str(logs / "broker.log")]
+            proc = await children.start("broker", command, logs / "broker.out")
+            await asyncio.to_thread(wait_for_port, "127.0.0.1", provisioned.port, 20.0)
+            if proc.returncode is not None:
+                raise BusError(f"the {kind} exited at start; see {logs / 'broker.out'}")
+            where = f"{kind} on {broker} (TLS, a password and topic rules per node: {provisioned.directory})"
+        elif broker is None:
             port = free_port()
             broker = f"mqtt://127.0.0.1:{port}"
             proc = await children.start("broker", ["broker", "--embedded", "--port", str(port)], logs / "broker.log")
@@ -241,7 +275,7 @@ async def run_federation(
                 f" {_pace(cfg)}, {cfg.method.name} on {cfg.data.dataset}; {where}"
             )
             console.print(f"run directory: {out}")
-        common = ["--config", str(config_path), "--federation", federation, *verbosity]
+        common = ["--config", str(config_path), "--federation", federation, *verbosity, *access]
         threads = ["--threads", str(cfg.hosting.threads_per_process)]
         coordinator = await children.start(
             "coordinator",
@@ -275,7 +309,7 @@ async def run_federation(
                 ],
                 logs / f"nodes-{i}.out",
             )
-        monitor = asyncio.create_task(_monitor(cfg, broker, federation, console, quiet))
+        monitor = asyncio.create_task(_monitor(cfg, broker, federation, console, quiet, monitor_access))
         try:
             await asyncio.wait_for(coordinator.wait(), timeout_s)
         except TimeoutError:
@@ -297,10 +331,30 @@ async def run_federation(
     return _report(out, console, coordinator.returncode, time.monotonic() - started, quiet)
 
 
-async def _monitor(cfg: ExperimentConfig, url: str, federation: str, console: Console, quiet: bool) -> None:
+def _credentials_flag(access: list[str]) -> Path | None:
+    return Path(access[access.index("--credentials") + 1]) if "--credentials" in access else None
+
+
+def _provision_run(directory: Path, cfg: ExperimentConfig, federation: str) -> Provisioned:
+    """A fresh CA, broker certificate and credentials for this run alone (a rerun replaces them), for a
+    broker that runs as the user who started the run."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    import pwd
+
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    return provision(directory, federation=federation, nodes=cfg.node_ids(), port=free_port(), broker_user=user)
+
+
+async def _monitor(
+    cfg: ExperimentConfig, url: str, federation: str, console: Console, quiet: bool, access: Access
+) -> None:
     """Follow the coordinator's status topic: a progress bar on a terminal, a line per round otherwise."""
     topics = Topics(federation)
-    bus_config = BusConfig.from_url(url, protocol=cfg.bus.protocol, persistent_session=False)
+    # with a folder of credentials the monitor has its own identity (only the coordinator's status to read)
+    identity = MONITOR if access.source is not None and access.source.is_dir() else COORDINATOR
+    overrides = access.bus_overrides(identity)
+    bus_config = BusConfig.from_url(url, protocol=cfg.bus.protocol, persistent_session=False, **overrides)
     client = BusClient(bus_config, client_id=f"{federation}-monitor-{os.getpid()}", federation=federation)
     progress = Progress(
         TextColumn("{task.description}"),

@@ -1,0 +1,174 @@
+"""A provisioned federation on real brokers (mosquitto with the generated config, and the embedded
+broker with the same users and rules), over TLS: what an attacker on the network, or a node with
+its own valid credentials, can no longer do; clear errors for bad credentials; and the quickstart's
+results unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pwd
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import experiments.build
+from broker import BusClient, BusConfig, BusError, Kind, Message, Topics
+from broker.credentials import Access
+from broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+from broker.provision import Provisioned, provision
+from experiments.config import load_config
+from experiments.local import build_local
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+FEDERATION = "secure-test"
+NODES = ["node-000", "node-001"]
+
+
+def _provision(directory: Path) -> Provisioned:
+    # the broker runs as the user running the tests (pytest's folders are private to that user)
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    return provision(directory, federation=FEDERATION, nodes=NODES, port=free_port(), broker_user=user)
+
+
+@pytest.fixture(scope="module", params=["embedded", "mosquitto"])
+def secure_broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provisioned]:
+    provisioned = _provision(tmp_path_factory.mktemp("secure") / "federation")
+    if request.param == "mosquitto":
+        if find_mosquitto() is None:
+            if os.environ.get("FEDMQ_REQUIRE_MOSQUITTO"):
+                pytest.fail("mosquitto is required (FEDMQ_REQUIRE_MOSQUITTO is set) but not installed")
+            pytest.skip("mosquitto is not installed")
+        proc = start_mosquitto(provisioned.port, config_file=provisioned.mosquitto_conf)
+    else:
+        command = [sys.executable, "-m", "experiments", "broker", "--embedded", "--secure", str(provisioned.directory)]
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_port("127.0.0.1", provisioned.port, 30.0, proc)
+    yield provisioned
+    proc.terminate()
+    proc.wait(10)
+
+
+def _config(provisioned: Provisioned, identity: str, **changes: object) -> BusConfig:
+    overrides = Access(source=provisioned.credentials, use_environment=False).bus_overrides(identity)
+    return BusConfig.from_url(provisioned.url(), **(overrides | {"connect_timeout_s": 5.0} | changes))
+
+
+def _client(provisioned: Provisioned, identity: str, **changes: object) -> BusClient:
+    return BusClient(_config(provisioned, identity, **changes), client_id=identity, federation=FEDERATION)
+
+
+def _update(sender: str) -> Message:
+    meta = {"num_samples": 10**11, "task": b"t" * 16}
+    return Message(kind=Kind.UPDATE, federation=FEDERATION, round=0, sender=sender, meta=meta)
+
+
+async def _drain(bus: BusClient, seconds: float) -> list[str]:
+    topics: list[str] = []
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            async for envelope in bus.messages():
+                topics.append(envelope.topic)
+    return topics
+
+
+async def test_a_node_cannot_publish_an_update_on_another_nodes_topic(secure_broker: Provisioned) -> None:
+    """The forgery of the issue, now by an authenticated node: its own update arrives, the forged one
+    on node-000's topic is dropped by the broker and never reaches the coordinator."""
+    topics = Topics(FEDERATION)
+    async with _client(secure_broker, "coordinator") as coordinator, _client(secure_broker, "node-001") as attacker:
+        await coordinator.subscribe(topics.all_updates)
+        await attacker.publish(topics.update("node-000"), _update("node-000"))
+        await attacker.publish(topics.update("node-001"), _update("node-001"))
+        assert await _drain(coordinator, 1.5) == [topics.update("node-001")]
+
+
+async def test_a_node_cannot_read_another_nodes_task(secure_broker: Provisioned) -> None:
+    """mosquitto grants the subscription and delivers nothing; amqtt refuses the subscription."""
+    topics = Topics(FEDERATION)
+    task = Message(kind=Kind.TASK, federation=FEDERATION, round=0, sender="coordinator", meta={"task": b"t" * 16})
+    async with _client(secure_broker, "coordinator") as coordinator, _client(secure_broker, "node-001") as reader:
+        await reader.subscribe(topics.task("node-001"))
+        with contextlib.suppress(BusError):  # amqtt: "the broker refused ... not authorised by its ACL"
+            await reader.subscribe(topics.task("node-000"))
+        await coordinator.publish(topics.task("node-000"), task)
+        await coordinator.publish(topics.task("node-001"), task)
+        assert await _drain(reader, 1.5) == [topics.task("node-001")]
+
+
+async def test_the_monitor_reads_the_coordinators_status_and_publishes_nothing(secure_broker: Provisioned) -> None:
+    topics = Topics(FEDERATION)
+    status = Message(kind=Kind.COORDINATOR_STATUS, federation=FEDERATION, round=0, sender="coordinator", meta={})
+    async with _client(secure_broker, "monitor") as monitor, _client(secure_broker, "coordinator") as coordinator:
+        await monitor.subscribe(topics.coordinator_status)
+        await coordinator.subscribe(topics.all_node_status)
+        await monitor.publish(topics.node_status("node-000"), status)  # not the monitor's to publish
+        await coordinator.publish(topics.coordinator_status, status)
+        assert await _drain(monitor, 1.0) == [topics.coordinator_status]
+        assert await _drain(coordinator, 0.5) == []
+
+
+async def test_a_wrong_password_is_refused_with_a_clear_error(secure_broker: Provisioned) -> None:
+    with pytest.raises(BusError, match=r"refused the connection.*user 'node-000'.*check the credentials"):
+        async with _client(secure_broker, "node-000", password="not-the-password"):
+            pass
+
+
+async def test_no_anonymous_access(secure_broker: Provisioned) -> None:
+    with pytest.raises(BusError, match="refused the connection"):
+        async with _client(secure_broker, "node-000", username=None, password=None):
+            pass
+
+
+async def test_an_untrusted_broker_certificate_is_refused_at_once(secure_broker: Provisioned, tmp_path: Path) -> None:
+    """A CA of another federation, or none (the system's CAs): the handshake fails, and says why."""
+    other = _provision(tmp_path / "other")
+    for ca_file in (str(other.ca_file), None):
+        with pytest.raises(BusError, match=r"TLS with mqtts://127\.0\.0\.1.*CERTIFICATE_VERIFY_FAILED"):
+            async with _client(secure_broker, "node-000", ca_file=ca_file, connect_timeout_s=30.0):
+                pass
+
+
+async def test_plain_mqtt_to_the_tls_port_gets_nowhere(secure_broker: Provisioned) -> None:
+    config = BusConfig.from_url(f"mqtt://127.0.0.1:{secure_broker.port}", connect_timeout_s=3.0)
+    with pytest.raises(BusError):
+        async with BusClient(config, client_id="plain", federation=FEDERATION):
+            pass
+
+
+@pytest.mark.slow
+def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fedmq run --secure`: provisioned, TLS, a password and an ACL per node on a mosquitto it starts
+    (the embedded broker without mosquitto); the same rounds, losses and accuracies, bit for bit, as the
+    engine in process with no broker at all."""
+    rounds = 8
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--set", f"rounds={rounds}", "--secure"]
+    command += ["--out", str(out), "--processes", "2", "--quiet"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "secure" / "credentials" / "node-000.json").is_file()
+    assert "listening on mqtts://" in (out / "logs" / "broker.out").read_text()
+    daemons = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the node hosts train
+    try:
+        monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))
+        local = build_local(load_config(QUICKSTART, [f"rounds={rounds}"]), device=torch.device("cpu")).run()
+    finally:
+        torch.set_num_threads(before)
+    assert [(r["selected"], r["train_loss"], r["accuracy"]) for r in daemons] == [
+        (r["selected"], r["train_loss"], r["accuracy"]) for r in local
+    ]
