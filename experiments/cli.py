@@ -472,7 +472,7 @@ def _threads(n: int | None) -> None:
 
 
 def _methods(args: argparse.Namespace) -> int:
-    from fedcore.algorithms import ALGORITHMS, get_algorithm
+    from fedcore.algorithms import AGGREGATORS, ALGORITHMS, get_algorithm
     from fedcore.algorithms.describe import options, summary
 
     if args.name is None:
@@ -482,7 +482,11 @@ def _methods(args: argparse.Namespace) -> int:
             print(f"{name:<{width}}  {mode:<10}  {summary(spec)}")
         print("\nfedmq methods NAME: its hyperparameters (method.hyperparams in an experiment file), and why a")
         print("fedmq method marked sync cannot run with engine.kind async")
+        print(f"\naveraging rules (method.aggregator.name): {', '.join(sorted(AGGREGATORS))};")
+        print("fedmq methods RULE: its options (method.aggregator.options)")
         return EXIT_OK
+    if args.name in AGGREGATORS and args.name not in ALGORITHMS:
+        return _aggregator(args.name)
     spec = get_algorithm(args.name)
     print(f"{spec.name}: {summary(spec)}\n")
     reason = spec.coordinator.sync_only
@@ -492,6 +496,25 @@ def _methods(args: argparse.Namespace) -> int:
         if option.doc:
             for line in textwrap.wrap(option.doc, 92):
                 print(f"      {line}")
+    return EXIT_OK
+
+
+def _aggregator(name: str) -> int:
+    import inspect
+
+    from fedcore.algorithms import AGGREGATORS, async_refusal
+    from fedcore.algorithms.describe import class_options
+
+    hyperparams, _ = AGGREGATORS[name]
+    print(f"{name}: an averaging rule for method.aggregator.name\n")
+    reason = async_refusal("fedavg", name)
+    print(f"  asynchronous (engine.kind async): {'no: ' + reason if reason else 'yes'}\n")
+    if hyperparams is None:
+        print("  no options")
+    for option in class_options(hyperparams) if hyperparams is not None else []:
+        print(f"  {option.name}: {option.type} = {option.default!r}")
+        for line in textwrap.wrap(option.doc or inspect.getdoc(hyperparams) or "", 92):
+            print(f"      {line}")
     return EXIT_OK
 
 

@@ -225,7 +225,11 @@ class ModelConfig(_Strict):
 
 
 class AggregatorConfig(_Strict):
-    name: str = Field("mean", description="mean (the method's own weighted mean) | fedsa")
+    name: str = Field(
+        "mean",
+        description="mean (the method's own weighted mean) | fedsa | clip | median | trimmed_mean"
+        " (`fedmq methods` lists each one's options)",
+    )
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -30,9 +30,14 @@ def summary(spec: AlgorithmSpec) -> str:
 
 def options(spec: AlgorithmSpec) -> list[Option]:
     """The Hyperparams fields in order, each with the docstring string that follows it in the class body."""
+    return class_options(spec.hyperparams)
+
+
+def class_options(hyperparams: type) -> list[Option]:
+    """`options` of any options dataclass (an aggregator's too)."""
     docs: dict[str, str] = {}
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(spec.hyperparams)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(hyperparams)))
     except (OSError, TypeError, SyntaxError):
         tree = None
     if tree is not None:
@@ -44,7 +49,7 @@ def options(spec: AlgorithmSpec) -> list[Option]:
                 )
                 docs[node.target.id] = " ".join(str(text).split())
     out = []
-    for f in dataclasses.fields(spec.hyperparams):
+    for f in dataclasses.fields(hyperparams):
         default = f.default if f.default is not dataclasses.MISSING else None
         out.append(Option(f.name, str(f.type), default, docs.get(f.name, "")))
     return out

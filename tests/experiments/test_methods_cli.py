@@ -38,3 +38,19 @@ def test_methods_say_which_run_asynchronously(capsys: pytest.CaptureFixture[str]
     assert modes["fedavg"] == "sync/async" and modes["kdia"] == "sync/async" and modes["scaffold"] == "sync"
     assert main(["methods", "feddyn"]) == 0
     assert "asynchronous (engine.kind async): no: " in capsys.readouterr().out
+
+
+def test_methods_list_the_averaging_rules_and_each_rules_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedcore.algorithms import AGGREGATORS
+    from fedcore.algorithms.describe import class_options
+
+    assert main(["methods"]) == 0
+    assert f"method.aggregator.name): {', '.join(sorted(AGGREGATORS))}" in capsys.readouterr().out
+    for name in ("clip", "trimmed_mean"):
+        assert main(["methods", name]) == 0
+        out = capsys.readouterr().out
+        hyperparams = AGGREGATORS[name][0]
+        assert hyperparams is not None
+        assert all(f"  {o.name}: " in out and o.doc for o in class_options(hyperparams))
+    assert main(["methods", "median"]) == 0
+    assert "no options" in capsys.readouterr().out
