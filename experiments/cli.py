@@ -482,7 +482,7 @@ def _methods(args: argparse.Namespace) -> int:
             print(f"{name:<{width}}  {mode:<10}  {summary(spec)}")
         print("\nfedmq methods NAME: its hyperparameters (method.hyperparams in an experiment file), and why a")
         print("fedmq method marked sync cannot run with engine.kind async")
-        print(f"\naveraging rules (method.aggregator.name): {', '.join(sorted(AGGREGATORS))};")
+        print(f"\nfedmq averaging rules (method.aggregator.name): {', '.join(sorted(AGGREGATORS))};")
         print("fedmq methods RULE: its options (method.aggregator.options)")
         return EXIT_OK
     if args.name in AGGREGATORS and args.name not in ALGORITHMS:
