@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "scale": "experiments.bench.scale",
     "train": "experiments.bench.training",
     "async": "experiments.bench.asynchrony",
+    "node": "experiments.bench.node",
 }
 """Suite name -> module, in the order `all` runs them."""
 
