@@ -85,20 +85,29 @@ def test_npz_with_the_experiments_own_preprocessing(tmp_path: Path) -> None:
     assert torch.equal(batch, train) and torch.allclose(batch, data.x.float() / 255 * 2 - 1, atol=1e-6)
 
 
+_TO_NCHW = {
+    "nchw": lambda a: a,
+    "nhwc": lambda a: a.transpose(0, 3, 1, 2),
+    "nhw": lambda a: a[:, None],
+}
+
+
 @pytest.mark.parametrize(
-    ("name", "stored"),
-    [("cifar10", (32, 32, 3)), ("mnist", (28, 28)), ("mnist", (28, 28, 1)), ("mnist", (1, 28, 28))],
+    ("name", "stored", "layout"),
+    [
+        ("cifar10", (32, 32, 3), "nhwc"),
+        ("mnist", (28, 28), "nhw"),
+        ("mnist", (28, 28, 1), "nhwc"),
+        ("mnist", (1, 28, 28), "nchw"),
+    ],
 )
 def test_npz_channels_last_and_channelless_images_become_nchw(
-    tmp_path: Path, name: str, stored: tuple[int, ...]
+    tmp_path: Path, name: str, stored: tuple[int, ...], layout: str
 ) -> None:
     """N x H x W x C (PIL's and most image code's layout), and N x H x W for one channel, are accepted."""
     x = _images(4, stored)
     data = load_local(_save(tmp_path / "node.npz", x=x, y=np.arange(4)), name)
-    if len(stored) == 2:
-        nchw = x[:, None]
-    else:
-        nchw = x.transpose(0, 3, 1, 2) if stored[0] not in (1, 3) else x
+    nchw = _TO_NCHW[layout](x)
     assert data.input_shape == dataset_schema(name).input_shape and torch.equal(data.x, torch.from_numpy(nchw))
 
 
