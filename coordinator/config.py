@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from fedcore.compression import Compression
 from fedcore.staleness import Staleness
 from fedcore.training import TrainSettings
 
@@ -121,6 +122,8 @@ class CoordinatorConfig:
     engine: Literal["sync", "async"] = "sync"
     """Synchronous rounds (`policy`) or buffered asynchronous aggregation (`asynchronous`)."""
     asynchronous: AsyncPolicy = field(default_factory=AsyncPolicy)
+    compression: Compression = field(default_factory=Compression)
+    """How the nodes compress their updates; an update compressed otherwise is refused (bad-compression)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:

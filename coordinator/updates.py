@@ -8,8 +8,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from broker import Message
+from coordinator.compressed import decoded, payload_of
 from coordinator.errors import ProtocolError
-from fedcore.algorithms.base import NodeUpdate, Payload
+from fedcore.algorithms.base import NodeUpdate
+from fedcore.compression import Compression
 from fedcore.errors import AlgorithmError
 from fedcore.tensors import StateDict, TensorSpec, non_finite, schema_mismatch, split_groups
 
@@ -52,8 +54,10 @@ def parse_update(
     version: int,
     sent_at: float,
     received_at: float,
+    compression: Compression | None = None,
 ) -> NodeUpdate:
-    """A NodeUpdate trained from model `version`, or ProtocolError with the reason to count."""
+    """A NodeUpdate trained from model `version`, or ProtocolError with the reason to count. Its
+    tensors are decompressed first; only `compression` (default: none) is accepted."""
     node = message.sender
     meta = message.meta
     num_samples = meta.get("num_samples")
@@ -65,8 +69,9 @@ def parse_update(
     payload_meta = meta.get("payload", {})
     if not isinstance(payload_meta, dict):
         raise ProtocolError("bad-update", "payload meta must be a map", node_id=node)
+    arrays, used = decoded(message, schema, compression or Compression())
     try:
-        groups = split_groups(message.tensors)
+        groups = split_groups(arrays)
     except AlgorithmError as exc:
         raise ProtocolError("bad-update", str(exc), node_id=node) from exc
     if groups.keys() != schema.keys():
@@ -75,14 +80,14 @@ def parse_update(
         mismatch = schema_mismatch(groups[group], expected)
         if mismatch is not None:
             raise ProtocolError(mismatch[0], f"{group}: {mismatch[1]}", node_id=node)
-    bad = first_non_finite(message.tensors, groups)
+    bad = first_non_finite(arrays, groups)
     if bad is not None:
         raise ProtocolError("non-finite", f"{bad} holds NaN or inf", node_id=node)
     return NodeUpdate(
         node_id=node,
         round=message.round,
         num_samples=num_samples,
-        payload=Payload(tensors=groups, meta=payload_meta),
+        payload=payload_of(groups, payload_meta, used),
         train_seconds=float(train_seconds),
         rtt_seconds=max(received_at - sent_at, 0.0),
         base_version=version,

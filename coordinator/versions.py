@@ -1,5 +1,6 @@
-"""The models that asynchronous tasks were built from, kept while an update may still be folded
-against one of them (FedBuff adds each update's delta from the model its node received)."""
+"""The models that tasks were built from, kept while an update may still be folded against one of
+them (FedBuff adds each update's delta from the model its node received) or still needs one to be
+read (a delta-compressed update is a difference from its task's model)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ class ModelVersions:
         first = payload if isinstance(payload, Payload) else next(iter(payload.values()), None)
         group = first.tensors.get("model") if first is not None else None
         self._models[version] = cpu_copy(group if group is not None else half.model.state_dict())
+
+    def model(self, version: int) -> StateDict:
+        """The kept model of `version` (CoordinatorError when it was not kept or is pruned)."""
+        model = self._models.get(version)
+        if model is None:
+            raise CoordinatorError(f"the model of version {version} was not kept")
+        return model
 
     def context(self, command: Aggregate) -> RoundContext:
         """The command's context with the base models its updates trained from."""

@@ -205,6 +205,7 @@ def coordinator_config(
         eval_device=str(best_device()),
         engine=cfg.engine.kind,
         asynchronous=async_policy(cfg),
+        compression=cfg.compression.compression(),
     )
 
 
@@ -307,6 +308,7 @@ def build_nodes(
             announce_label_histogram=announce_label_histogram,
             faults=faults,
             script=scripts.get(node_id, NodeScript()),
+            compression=cfg.compression.compression(),
         )
         data = (own if own is not None else split.train.subset(parts[node_id])).to(device)
         bus = bus_config(cfg, url, access.for_identity(node_id) if access is not None else None)

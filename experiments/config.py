@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from experiments.scenario import ScenarioConfig, resolve_scenario
+from fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
 from fedcore.errors import ConfigError
 
 
@@ -344,6 +345,28 @@ class EngineConfig(_Strict):
     deadline_s: float = Field(60.0, gt=0, description="a task not answered within this is lost and its slot refilled")
 
 
+class CompressionConfig(_Strict):
+    """How nodes compress their updates for thin links (`fedcore.compression`, docs/compression.md);
+    the coordinator decodes them and refuses any other compression."""
+
+    mode: Literal["none", "float16", "bfloat16", "int8", "int8-block"] = Field(
+        "none",
+        description="none | float16 | bfloat16 (half the bytes) | int8 (a quarter: one scale per tensor)"
+        " | int8-block (one scale per block of elements)",
+    )
+    block: int = Field(
+        DEFAULT_BLOCK, ge=MIN_BLOCK, le=MAX_BLOCK, description="elements per scale for int8-block (4 bytes each)"
+    )
+    delta: bool = Field(
+        True,
+        description="compress the model's change from the model the task carried (finer; the coordinator keeps"
+        " that model) rather than the weights themselves",
+    )
+
+    def compression(self) -> Compression:
+        return Compression(mode=self.mode, block=self.block, delta=self.delta)
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(..., min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     federation: str | None = Field(None, description="topic namespace; `fedmq run` makes a unique one")
@@ -366,7 +389,10 @@ class ExperimentConfig(_Strict):
     scenario: ScenarioConfig | None = Field(
         None, description="what happens to the nodes over time (docs/scenarios.md); a file is read inline"
     )
-    _added_later = ("engine", "scenario")
+    compression: CompressionConfig = Field(
+        default_factory=CompressionConfig, description="update compression for thin links (default: none)"
+    )
+    _added_later = ("engine", "scenario", "compression")
 
     @field_validator("faults")
     @classmethod

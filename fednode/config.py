@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fedcore.compression import Compression
 from fednode.scenario import NodeScript
 
 
@@ -51,6 +52,8 @@ class NodeConfig:
     """How far this machine's clock may run ahead of the coordinator's. A task counts as expired (and
     is not acted on) only once it is older, by its ``sent_at``, than its ``deadline_s`` plus this; a
     clock further ahead would make fresh tasks look expired, one behind lets stale ones through."""
+    compression: Compression = field(default_factory=Compression)
+    """How the node compresses its updates (`fedcore.compression`); the coordinator must expect the same."""
 
     def __post_init__(self) -> None:
         if not self.clock_skew_s >= 0:

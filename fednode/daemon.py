@@ -23,6 +23,7 @@ import torch
 from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from broker.errors import BusError
 from fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
+from fedcore.compression import compress_update
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError, ConfigError
 from fedcore.seeding import torch_generator
@@ -375,7 +376,7 @@ class NodeDaemon:
             grouped = await groups.train(_group_key(task), member)
             if grouped is not None:
                 result, train_s = grouped
-                return await asyncio.to_thread(self._encode, task, result, train_s), train_s
+                return await asyncio.to_thread(self._encode, task, result, train_s, received=payload), train_s
         async with self.workspace.lock:
             return await asyncio.to_thread(self._train_and_encode, task, payload)
 
@@ -436,7 +437,7 @@ class NodeDaemon:
             self._task_input(task, payload), self.workspace.model, self.data, self._generator(task)
         )
         train_s = time.perf_counter() - started
-        return self._encode(task, result, train_s), train_s
+        return self._encode(task, result, train_s, received=payload), train_s
 
     def _generator(self, task: Task) -> torch.Generator:
         return torch_generator(
@@ -452,7 +453,8 @@ class NodeDaemon:
             scratch=self.workspace.scratch,
         )
 
-    def _encode(self, task: Task, result: Payload, train_s: float) -> bytearray:
+    def _encode(self, task: Task, result: Payload, train_s: float, *, received: Payload | None = None) -> bytearray:
+        """The update's frame, compressed as configured (`received`, the task's payload, is the base of a delta)."""
         meta: dict[str, Any] = {
             "task": task.task_id,
             "num_samples": len(self.data),
@@ -461,13 +463,16 @@ class NodeDaemon:
         }
         if task.version is not None:
             meta["base_version"] = task.version
+        compression = self.config.compression
+        if compression.enabled:
+            meta["compression"] = compression.meta()
         update = Message(
             kind=Kind.UPDATE,
             federation=self.config.federation,
             round=task.round,
             sender=self.node_id,
             meta=meta,
-            tensors=flatten_groups(result.tensors),
+            tensors=compress_update(flatten_groups(result.tensors), compression, received.tensors if received else {}),
         )
         return encode(update)
 

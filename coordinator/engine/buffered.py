@@ -208,7 +208,12 @@ class BufferedAsync(Engine):
             return None
         check_base_version(message, spec.version, required=True)
         update = parse_update(
-            message, self.schema, version=spec.version, sent_at=task.sent_at, received_at=event.received_at
+            message,
+            self.schema,
+            version=spec.version,
+            sent_at=task.sent_at,
+            received_at=event.received_at,
+            compression=self.config.compression,
         )
         self._check_samples(update)
         return update

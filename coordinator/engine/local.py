@@ -32,6 +32,7 @@ from coordinator.engine.clock import FakeClock
 from coordinator.eventlog import EventLog
 from coordinator.halfcalls import HalfCalls
 from fedcore.algorithms.base import CoordinatorHalf, NodeHalf, Payload, TaskInput
+from fedcore.compression import compress_update
 from fedcore.data import TensorDataset
 from fedcore.seeding import torch_generator
 from fedcore.tensors import flatten_groups
@@ -258,8 +259,10 @@ class LocalFederation:
             **({"scratch": self.scratch} if self.scratch is not None else {}),
         )
         generator = torch_generator(self.seed, "node-train", spec.node, spec.round, spec.attempt)
+        compression = self.engine.config.compression  # the nodes compress as the coordinator expects
         try:
             out = node.half.train(task, self.workspace, node.data, generator)
+            arrays = compress_update(flatten_groups(out.tensors), compression, payload.tensors)
         except Exception as exc:  # the node reports it, as the daemon's node does
             logger.warning("%s's training for round %d failed: %r", spec.node, spec.round, exc)
             meta: dict[str, Any] = {"task": spec.task, "failed": f"{type(exc).__name__}: {exc}"[:500]}
@@ -272,8 +275,10 @@ class LocalFederation:
                 "payload": dict(out.meta),
                 "base_version": spec.version,
             }
+            if compression.enabled:
+                meta["compression"] = compression.meta()
             # the update aliases the workspace, which the next node trains in: copy it, as encoding does
-            tensors = {k: v.copy() for k, v in flatten_groups(out.tensors).items()}
+            tensors = {k: v.copy() for k, v in arrays.items()}
         return Message(
             kind=Kind.UPDATE, federation=self.engine.config.federation, round=spec.round, sender=spec.node,
             meta=meta, tensors=tensors,

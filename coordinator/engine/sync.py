@@ -270,6 +270,7 @@ class SyncRounds(Engine):
             version=state.version,
             sent_at=state.task_sent_at.get(message.sender, state.started),
             received_at=event.received_at,
+            compression=self.config.compression,
         )
         self._check_samples(update)
         return update
