@@ -390,7 +390,8 @@ class ExperimentConfig(_Strict):
         None, description="what happens to the nodes over time (docs/scenarios.md); a file is read inline"
     )
     compression: CompressionConfig = Field(
-        default_factory=CompressionConfig, description="update compression for thin links (default: none)"
+        CompressionConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        description="update compression for thin links (default: none)",
     )
     _added_later = ("engine", "scenario", "compression")
 
