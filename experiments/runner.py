@@ -31,7 +31,7 @@ from broker.errors import BusError
 from broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from broker.provision import Provisioned, provision
 from coordinator.run_dir import write_json
-from experiments.build import preflight
+from experiments.build import federation_id, preflight
 from experiments.cli import PARENT_ENV, access_flags
 from experiments.config import ExperimentConfig
 from experiments.grid import Cell, Grid, load_experiment
@@ -225,7 +225,9 @@ async def run_federation(
     await asyncio.to_thread(preflight, cfg)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (start-up, before any task runs)
     logs = out / "logs"
-    federation = cfg.federation or f"{cfg.name}-{os.urandom(3).hex()}"
+    # a broker with credentials was provisioned for the config's federation id (its ACL names the
+    # topics), so only an anonymous run gets a fresh id that keeps it apart from earlier runs' retained state
+    federation = cfg.federation or (federation_id(cfg) if access else f"{cfg.name}-{os.urandom(3).hex()}")
     cfg = cfg.model_copy(update={"federation": federation})
     config_path = out / "config.yaml"
     config_path.write_text(cfg.to_yaml())
