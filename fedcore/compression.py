@@ -187,6 +187,7 @@ def _dequantise(codes: np.ndarray, scales: np.ndarray, per: int | None, wide: bo
         return (flat * work(scales[0])).reshape(codes.shape)
     out = np.empty(len(scales) * per, dtype=work)
     out[: flat.size] = flat
+    out[flat.size :] = 0  # the last block's padding: uninitialised memory may hold NaN, which warns in the multiply
     rows = out.reshape(len(scales), per)
     rows *= scales[:, None].astype(work)
     return out[: flat.size].reshape(codes.shape)
