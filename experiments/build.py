@@ -272,7 +272,10 @@ def build_nodes(
     instead of its shard of the experiment's partition, and the dataset is never loaded."""
     unknown = sorted(set(node_ids) - set(cfg.node_ids()))
     if unknown:
-        raise ValueError(f"node ids {unknown} are not in this experiment (node-000 .. {cfg.node_ids()[-1]})")
+        raise ConfigError(
+            f"node ids {unknown} are not in this experiment (node-000 .. {cfg.node_ids()[-1]}, from `nodes`)",
+            field="--node-id",
+        )
     if data_path is not None and len(node_ids) != 1:
         raise ConfigError(
             f"--data gives one node its own data, but {len(node_ids)} nodes were asked for: one --node-id"

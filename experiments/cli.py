@@ -740,7 +740,11 @@ async def _node(args: argparse.Namespace) -> int:
         data_path=args.data,
         access=_access(args),
     )
-    await serve_nodes(daemons)
+    failed = await serve_nodes(daemons)
+    if failed:
+        print(f"fedmq node: {len(failed)} of {len(daemons)} node(s) stopped on a broker error: {', '.join(failed)}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_BUS
     return EXIT_OK
 
 

@@ -505,15 +505,19 @@ def _group_key(task: Task) -> tuple[int, int, bytes, TrainSettings]:
     return (task.round, task.attempt, task.task_id, task.settings)
 
 
-async def serve_nodes(daemons: list[NodeDaemon]) -> None:
-    """Host several node daemons in one event loop; one failing does not stop the others."""
+async def serve_nodes(daemons: list[NodeDaemon]) -> list[str]:
+    """Host several node daemons in one event loop; one failing does not stop the others. Returns the
+    ids of those that stopped on a broker error (unreachable, refused), for the exit code."""
+    failed: list[str] = []
 
     async def guarded(daemon: NodeDaemon) -> None:
         try:
             await daemon.serve()
         except BusError as exc:
             daemon.log.error("stopped: %s", exc)
+            failed.append(daemon.node_id)
 
     async with asyncio.TaskGroup() as group:
         for daemon in daemons:
             group.create_task(guarded(daemon), name=f"node-{daemon.node_id}")
+    return sorted(failed)

@@ -69,6 +69,22 @@ def test_coordinator_without_a_broker_exits_3_with_advice(tmp_path: Path) -> Non
     assert result.returncode == 3 and "fedmq broker" in result.stderr
 
 
+def test_node_without_a_broker_exits_3_so_a_supervisor_restarts_it() -> None:
+    """It exited 0 before, which a supervisor (systemd's Restart=on-failure) takes for a clean end."""
+    url = f"mqtt://127.0.0.1:{free_port()}"
+    result = fedmq(
+        "node", "--broker", url, "--config", str(QUICKSTART), "--node-id", "node-000", "--node-id", "node-001"
+    )
+    assert result.returncode == 3, result.stderr
+    assert "2 of 2 node(s) stopped on a broker error: node-000, node-001" in result.stderr
+
+
+def test_node_with_an_unknown_id_exits_2_and_names_the_ids() -> None:
+    result = fedmq("node", "--broker", "mqtt://127.0.0.1:1", "--config", str(QUICKSTART), "--node-id", "node-999")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--node-id: node ids ['node-999'] are not in this experiment (node-000 .. node-019" in result.stderr
+
+
 def test_every_subcommand_has_help() -> None:
     for command in ["run", "broker", "coordinator", "node"]:
         result = fedmq(command, "--help")
