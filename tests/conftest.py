@@ -83,3 +83,15 @@ def data_root() -> Path:
             pytest.fail(f"FEDMQ_REQUIRE_DATA is set but the data root {root} does not exist")
         pytest.skip(f"no dataset root at {root}; set FEDMQ_DATA_ROOT")
     return root
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """As the node hosts train: one torch thread (hosting.threads_per_process), so sums run in one
+    order and an in-process run matches a daemon run or its replay bit for bit."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -28,3 +28,8 @@ async def raw_client(url: str) -> AsyncIterator[aiomqtt.Client]:
         parts.hostname or "127.0.0.1", parts.port or 1883, protocol=aiomqtt.ProtocolVersion.V311
     ) as client:
         yield client
+
+
+QUICKSTART_STRAGGLERS = [f"faults.node-{i:03d}.delay_s=45" for i in (1, 4, 7, 12, 15)]
+"""Overrides making five of the twenty quickstart nodes answer after its 30 s deadline: late in sync,
+stale in async."""

@@ -16,17 +16,10 @@ from experiments.scenario import resolve_scenario
 from experiments.simulate import simulate
 from fedcore.compression import Compression
 from fedcore.errors import ConfigError
+from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train
 ROOT = Path(__file__).resolve().parents[2]
-STRAGGLERS = [f"faults.node-{i:03d}.delay_s=45" for i in (1, 4, 7, 12, 15)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _config(overrides: list[str], name: str = "quickstart.yaml", scenario: str | None = None) -> object:

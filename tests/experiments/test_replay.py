@@ -18,18 +18,10 @@ from experiments.config import apply_overrides, parse_config, read_yaml
 from experiments.replay import counterfactual, replay_run, trace_of
 from experiments.scenario import resolve_scenario
 from experiments.simulate import simulate
+from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train
 ROOT = Path(__file__).resolve().parents[2]
-STRAGGLERS = [f"faults.node-{i:03d}.delay_s=45" for i in (1, 4, 7, 12, 15)]
-"""Five of the twenty quickstart nodes answer after the 30 s deadline: late in sync, stale in async."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _simulated(tmp_path: Path, name: str, overrides: list[str], scenario: str | None = None) -> Path:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 ROUNDS = 8
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """As the daemons train: one torch thread (hosting.threads_per_process), so sums run in one order."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_quickstart_in_process_equals_the_daemons_round_for_round(

@@ -145,7 +145,7 @@ async def test_plain_mqtt_to_the_tls_port_gets_nowhere(secure_broker: Provisione
 
 @pytest.mark.slow
 def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
 ) -> None:
     """`fedmq run --secure`: provisioned, TLS, a password and an ACL per node on a mosquitto it starts
     (the embedded broker without mosquitto); the same rounds, losses and accuracies, bit for bit, as the
@@ -162,13 +162,8 @@ def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
     assert "listening on mqtts://" in (out / "logs" / "broker.out").read_text()
     daemons = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the node hosts train
-    try:
-        monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))
-        local = build_local(load_config(QUICKSTART, [f"rounds={rounds}"]), device=torch.device("cpu")).run()
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))
+    local = build_local(load_config(QUICKSTART, [f"rounds={rounds}"]), device=torch.device("cpu")).run()
     assert [(r["selected"], r["train_loss"], r["accuracy"]) for r in daemons] == [
         (r["selected"], r["train_loss"], r["accuracy"]) for r in local
     ]
