@@ -88,7 +88,7 @@ def _add_access(p: argparse.ArgumentParser) -> None:
     g.add_argument("--key-file", type=Path, metavar="FILE", help="the client certificate's private key (PEM)")
 
 
-def _access(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def broker_access(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The Access the broker-access flags describe."""
     from broker.credentials import Access, Credentials, read_password_file
 
@@ -710,7 +710,7 @@ async def _coordinator(args: argparse.Namespace) -> int:
     write_json(args.out / "partition.json", report)
     partition_png(args.out / "partition.png", report)
     coordinator = build_coordinator(
-        cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=_access(args)
+        cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=broker_access(args)
     )
     summary = await coordinator.serve()
     if summary.final_accuracy is not None:
@@ -738,7 +738,7 @@ async def _node(args: argparse.Namespace) -> int:
         exit_when_done=args.exit_when_done,
         device=torch.device(args.device) if args.device else None,
         data_path=args.data,
-        access=_access(args),
+        access=broker_access(args),
     )
     failed = await serve_nodes(daemons)
     if failed:

@@ -32,7 +32,7 @@ from broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from broker.provision import Provisioned, provision
 from coordinator.run_dir import write_json
 from experiments.build import federation_id, preflight
-from experiments.cli import PARENT_ENV, access_flags
+from experiments.cli import PARENT_ENV, access_flags, broker_access
 from experiments.config import ExperimentConfig
 from experiments.grid import Cell, Grid, load_experiment
 from experiments.report import write_report
@@ -122,6 +122,7 @@ async def run_from_cli(args: argparse.Namespace) -> int:
         "verbose": args.verbose,
         "secure": args.secure,
         "access": access_flags(args),
+        "monitor_access": broker_access(args),
     }
     if grid.is_grid:
         return await run_grid(grid, out, timeout_s=args.timeout, **options)
@@ -167,6 +168,7 @@ async def run_grid(
     verbose: int,
     secure: bool = False,
     access: list[str] | None = None,
+    monitor_access: Access | None = None,
 ) -> int:
     """Every cell of the grid, one federation after another; finished cells are kept (resumable)."""
     console = Console(highlight=False)
@@ -192,7 +194,7 @@ async def run_grid(
         console.print(f"[bold]cell {n}/{total}[/] ({what}){eta}")
         code = await run_federation(
             cell.config, directory, broker=broker, processes=processes, quiet=quiet, timeout_s=timeout_s,
-            verbose=verbose, secure=secure, access=access,
+            verbose=verbose, secure=secure, access=access, monitor_access=monitor_access,
         )  # fmt: skip
         ran.append(cell.cell_id)
         if code == EXIT_INTERRUPTED:
@@ -218,9 +220,11 @@ async def run_federation(
     verbose: int = 0,
     secure: bool = False,
     access: list[str] | None = None,
+    monitor_access: Access | None = None,
 ) -> int:
     """One federation: a broker unless `broker` is given (with `secure`, provisioned into OUT/secure and
-    TLS only), the coordinator and the node hosts as processes; `access` are broker-access flags."""
+    TLS only), the coordinator and the node hosts as processes; `access` are the broker-access flags
+    the processes get, `monitor_access` what they say for the progress monitor in this process."""
     console = Console(stderr=False, highlight=False)
     await asyncio.to_thread(preflight, cfg)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (start-up, before any task runs)
@@ -247,7 +251,7 @@ async def run_federation(
     started = time.monotonic()
     verbosity = ["-v"] * max(verbose, 1)
     access = list(access or [])
-    monitor_access = Access(source=_credentials_flag(access))
+    monitor_access = monitor_access or Access()
     try:
         if secure:
             provisioned = await asyncio.to_thread(_provision_run, out / "secure", cfg, federation)
@@ -331,10 +335,6 @@ async def run_federation(
     finally:
         await asyncio.shield(children.stop())
     return _report(out, console, coordinator.returncode, time.monotonic() - started, quiet)
-
-
-def _credentials_flag(access: list[str]) -> Path | None:
-    return Path(access[access.index("--credentials") + 1]) if "--credentials" in access else None
 
 
 def _provision_run(directory: Path, cfg: ExperimentConfig, federation: str) -> Provisioned:

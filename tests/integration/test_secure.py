@@ -170,28 +170,37 @@ def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
 
 
 @pytest.mark.slow
-def test_run_against_a_provisioned_embedded_broker_with_a_credentials_folder(tmp_path: Path) -> None:
+@pytest.mark.parametrize("given", ["folder", "flags"])
+def test_run_against_a_provisioned_embedded_broker(tmp_path: Path, given: str) -> None:
     """The other way to run securely: `fedmq provision`, `fedmq broker --embedded --secure`, then `fedmq
-    run --broker mqtts://... --credentials DIR` (each process takes its identity's file; the run uses
-    the provisioned federation id, which the ACL names)."""
+    run --broker mqtts://...` with `--credentials DIR` (each process takes its identity's file, the
+    progress monitor the read-only one) or one identity's `--username`, `--password-file` and
+    `--ca-file` for every process. The run uses the provisioned federation id, which the ACL names, and
+    its progress lines show that the monitor got in too."""
     out = tmp_path / "run"
     secure = tmp_path / "secure"
     port = free_port()
     argv = [sys.executable, "-m", "experiments"]
     setup = [*argv, "provision", str(secure), "--config", str(QUICKSTART), "--port", str(port)]
     assert subprocess.run(setup, capture_output=True, timeout=60, cwd=ROOT).returncode == 0
-    # the broker reads its files as the user running the tests (a provision run as root would hand them to
-    # the user 'mosquitto'; the embedded broker runs as whoever starts it)
+    if given == "folder":
+        access = ["--credentials", str(secure / "credentials")]
+    else:  # the coordinator's identity may publish and read everything: every process can use it
+        creds = json.loads((secure / "credentials" / "coordinator.json").read_text())
+        (tmp_path / "password").write_text(creds["password"] + "\n")
+        access = ["--username", "coordinator", "--password-file", str(tmp_path / "password")]
+        access += ["--ca-file", str(secure / "ca.crt")]
     broker = subprocess.Popen([*argv, "broker", "--embedded", "--secure", str(secure)], stderr=subprocess.PIPE)
     try:
         wait_for_port("127.0.0.1", port, 30.0, broker)
         command = [*argv, "run", str(QUICKSTART), "--set", "rounds=3", "--broker", f"mqtts://127.0.0.1:{port}"]
-        command += ["--credentials", str(secure / "credentials"), "--out", str(out), "--processes", "2", "--quiet"]
+        command += [*access, "--out", str(out), "--processes", "2"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert done.returncode == 0, done.stdout + done.stderr
         summary = json.loads((out / "summary.json").read_text())
         assert summary["state"] == "finished" and summary["federation"] == "quickstart"
         assert summary["participation_totals"]["accepted"] == 15  # 3 rounds of 5 nodes
+        assert "round 3/3" in done.stdout  # the monitor's progress line (not a terminal: one per round)
     finally:
         broker.terminate()
         broker.wait(10)
