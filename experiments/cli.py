@@ -639,14 +639,8 @@ async def _broker(args: argparse.Namespace) -> int:
     if args.secure is not None:
         if args.config is not None:
             raise ConfigError("--secure DIR brings its own broker config; leave out --config")
-        spec = _provisioned(args.secure)
-        config_file, secure_amqtt, scheme = (
-            args.secure / "mosquitto" / "mosquitto.conf",
-            args.secure / "amqtt" / "amqtt.json",
-            "mqtts",
-        )
-        host, _, port_text = spec["bind"].rpartition(":")
-        port = int(port_text)
+        secure_amqtt, (host, port) = _provisioned(args.secure)
+        config_file, scheme = args.secure / "mosquitto" / "mosquitto.conf", "mqtts"
     if not args.embedded and find_mosquitto() is not None:
         proc = start_mosquitto(port, bind=host, config_file=config_file)
         print(f"mosquitto listening on {scheme}://{host}:{port} (pid {proc.pid}); Ctrl-C stops it", flush=True)
@@ -665,14 +659,18 @@ async def _broker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _provisioned(directory: Path) -> dict[str, Any]:
-    """The embedded broker's part of a provisioned folder, which also says where the broker listens."""
-    import json
+def _provisioned(directory: Path) -> tuple[Path, tuple[str, int]]:
+    """A provisioned folder's embedded-broker config (checked as the embedded broker reads it) and the
+    address both brokers listen on."""
+    from broker.embedded import secure_amqtt_config
 
     path = directory / "amqtt" / "amqtt.json"
     if not path.is_file():
         raise ConfigError(f"{directory} was not written by `fedmq provision` (no {path})")
-    return dict(json.loads(path.read_text()))
+    host, _, port = secure_amqtt_config(path)["listeners"]["default"]["bind"].rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{path}: bind must be HOST:PORT; run fedmq provision again")
+    return path, (host, int(port))
 
 
 def _provision(args: argparse.Namespace) -> int:

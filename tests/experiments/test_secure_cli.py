@@ -43,6 +43,7 @@ def test_provision_writes_one_credential_per_node_of_the_experiment(
          "password file {tmp}/empty is empty"),
         (["run", "--secure", "--broker", "mqtt://127.0.0.1:1"], "--secure starts a broker of its own"),
         (["broker", "--secure", "{tmp}"], "was not written by `fedmq provision`"),
+        (["broker", "--secure", "{tmp}/bad"], "is not a fedmq provision amqtt config"),
     ],
 )  # fmt: skip
 def test_broker_access_mistakes_exit_2_with_what_to_fix(
@@ -50,6 +51,8 @@ def test_broker_access_mistakes_exit_2_with_what_to_fix(
 ) -> None:
     (tmp_path / "ca.crt").write_text("synthetic, never read")
     (tmp_path / "empty").write_text("")
+    (tmp_path / "bad" / "amqtt").mkdir(parents=True)
+    (tmp_path / "bad" / "amqtt" / "amqtt.json").write_text('{"bind": "127.0.0.1:1"')  # cut short
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if argv[0] == "run":
         argv.insert(1, QUICKSTART)
