@@ -22,7 +22,7 @@ import torch
 from broker import Message
 from coordinator.errors import ProtocolError
 from fedcore.algorithms.base import NodeUpdate, Payload
-from fedcore.compression import DELTA_GROUP, Compression, CompressionError, add_base, decompress
+from fedcore.compression import DELTA_GROUP, SCALES, Compression, CompressionError, add_base, decompress
 from fedcore.errors import AlgorithmError
 from fedcore.tensors import StateDict, TensorSpec
 
@@ -41,6 +41,8 @@ def decoded(
     """The update's tensors as the schema expects them, and the compression it came in; a
     ProtocolError ``bad-compression`` for another compression than `configured` or a malformed one."""
     node = message.sender
+    if not configured.enabled and "compression" not in message.meta and SCALES not in message.tensors:
+        return dict(message.tensors), configured  # the common case, on every update: no schema walk
     try:
         used = Compression.from_meta(message.meta.get("compression"))
         if used.meta() != configured.meta():
