@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="run directory (default: runs/NAME-sim-TIMESTAMP)")
     p.add_argument("--device", type=_device, help="torch device (default: cuda when present, else cpu)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="for a grid: cells simulated at once, each in a process of its own (default 1); with a GPU,"
+        " several cells share it",
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -608,6 +615,8 @@ def _simulate(args: argparse.Namespace) -> int:
         from experiments.scenario import resolve_scenario
 
         data["scenario"] = resolve_scenario(str(args.scenario), Path.cwd())
+    if "grid" in data:
+        return _simulate_grid(args, data)
     cfg = parse_config(data, source=str(args.config))
     _threads(args.threads)
     out = args.out or Path("runs") / f"{cfg.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -615,6 +624,18 @@ def _simulate(args: argparse.Namespace) -> int:
     keys = ("state", "final_accuracy", "simulated_seconds", "wall_seconds", "simulated_per_wall_second")
     print(json.dumps({k: summary.get(k) for k in keys} | {"out": str(out)}, indent=2))
     return EXIT_OK if summary["state"] == "finished" else EXIT_FAILED
+
+
+def _simulate_grid(args: argparse.Namespace, data: dict[str, Any]) -> int:
+    from datetime import datetime
+
+    from experiments.grid import expand
+    from experiments.simulate_grid import simulate_grid
+
+    grid = expand(data, source=str(args.config))
+    first = grid.cells[0].config
+    out = args.out or Path("runs") / f"{first.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return simulate_grid(grid, out, jobs=args.jobs, device=args.device, threads=args.threads)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -230,3 +231,18 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Gri
 
 def dump_cell_config(cell: Cell) -> str:
     return yaml.safe_dump(cell.config.model_dump(mode="json"), sort_keys=False)
+
+
+def cell_is_done(directory: Path, cell: Cell) -> bool:
+    """A cell finished before with the same config (its federation id aside) is not run again."""
+    try:
+        summary = json.loads((directory / "summary.json").read_text())
+        previous = yaml.safe_load((directory / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    if summary.get("state") != "finished" or not isinstance(previous, dict):
+        return False
+    current = cell.config.model_dump(mode="json")
+    previous.pop("federation", None)
+    current.pop("federation", None)
+    return bool(previous == current)

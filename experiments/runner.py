@@ -21,7 +21,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -34,7 +33,7 @@ from coordinator.run_dir import write_json
 from experiments.build import federation_id, preflight
 from experiments.cli import PARENT_ENV, access_flags, broker_access
 from experiments.config import ExperimentConfig
-from experiments.grid import Cell, Grid, load_experiment
+from experiments.grid import Grid, cell_is_done, load_experiment
 from experiments.report import write_report
 from fedcore.errors import ConfigError
 
@@ -140,21 +139,6 @@ def _write_report(out: Path, console: Console, quiet: bool) -> None:
         return
     if not quiet:
         console.print(f"report: {path}")
-
-
-def cell_is_done(directory: Path, cell: Cell) -> bool:
-    """A cell finished before with the same config (its federation id aside) is not run again."""
-    try:
-        summary = json.loads((directory / "summary.json").read_text())
-        previous = yaml.safe_load((directory / "config.yaml").read_text())
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    if summary.get("state") != "finished" or not isinstance(previous, dict):
-        return False
-    current = cell.config.model_dump(mode="json")
-    previous.pop("federation", None)
-    current.pop("federation", None)
-    return bool(previous == current)
 
 
 async def run_grid(

@@ -97,10 +97,16 @@ def simulate(
     )
     started = time.perf_counter()
     calls = 0
+    run_dir = RunDir(out)
+    flushed = 0
 
     def show() -> bool:
-        nonlocal calls
+        nonlocal calls, flushed
         calls += 1
+        if len(fed.records) > flushed:  # metrics.jsonl grows as the run goes, as a daemon's does
+            for record in fed.records[flushed:]:
+                run_dir.append_metrics(record)
+            flushed = len(fed.records)
         if calls % 64 == 0:
             progress.update(bar, completed=fed.engine.version, status=f"virtual {fed.clock.now():,.0f} s")
         return False
@@ -112,15 +118,22 @@ def simulate(
             progress.update(bar, completed=fed.engine.version)
     finally:
         log.close()
-    return write_local_run(out, cfg, fed, wall_s=time.perf_counter() - started)
+    return write_local_run(out, cfg, fed, wall_s=time.perf_counter() - started, metrics_written=flushed)
 
 
 def write_local_run(
-    out: Path, cfg: ExperimentConfig, fed: LocalFederation, *, wall_s: float, extra: Mapping[str, Any] | None = None
+    out: Path,
+    cfg: ExperimentConfig,
+    fed: LocalFederation,
+    *,
+    wall_s: float,
+    extra: Mapping[str, Any] | None = None,
+    metrics_written: int = 0,
 ) -> dict[str, Any]:
-    """The run files of an in-process run, as the daemon writes them."""
+    """The run files of an in-process run, as the daemon writes them (the first `metrics_written`
+    metrics lines are in metrics.jsonl already)."""
     run_dir = RunDir(out)
-    for record in fed.records:
+    for record in fed.records[metrics_written:]:
         run_dir.append_metrics(record)
     for name, lines in fed.round_records.items():
         run_dir.append_records(name, lines)
