@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from experiments.bench.common import BenchOptions, Report, Timing, measure
-from fedcore.data import TensorDataset, load_dataset, load_synthetic
+from fedcore.data import Augment, Split, TensorDataset, load_dataset, load_synthetic, with_transforms
 from fedcore.models import build_model, count_parameters
 from fedcore.seeding import torch_generator
 from fedcore.training import TrainSettings, local_sgd, torch_threads
@@ -39,12 +39,19 @@ EXACT = 1e-12
 """Largest weight difference allowed in float64, where rounding cannot hide a different computation."""
 
 
+KDIA_SETTINGS = TrainSettings(local_epochs=1, batch_size=64, lr=0.01, momentum=0.9, weight_decay=1e-5)
+"""KDIA's and MOON's node training on CIFAR-10 (batch 64, SGD lr 0.01, momentum 0.9), one local epoch."""
+
+
 @dataclass(frozen=True, slots=True)
 class Case:
     data: str
     """A key of `DATA`."""
     model: str
     k: int
+    mean: int | None = None
+    """Mean shard size; None: the suite's."""
+    settings: TrainSettings = SETTINGS
 
 
 def digits(augment: bool = False) -> TensorDataset:
@@ -60,10 +67,22 @@ def mnist_shaped() -> TensorDataset:
     return TensorDataset(train.x.view(-1, 1, 28, 28), train.y, train.num_classes)
 
 
+def cifar_shaped() -> TensorDataset:
+    """Synthetic uint8 images of CIFAR-10's shape (3 x 32 x 32, 10 classes) with CIFAR's crop (padding 4)
+    and flip and a normalisation: what a KDIA node's batch costs, on data that is clearly not CIFAR."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (5000, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    y = torch.randint(0, 10, (5000,), generator=gen)
+    data = TensorDataset(x, y, 10)
+    normalize = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    return with_transforms(Split(data, data), Augment(crop=32, padding=4, flip=True), normalize).train
+
+
 DATA: dict[str, Callable[[], TensorDataset]] = {
     "digits": digits,
     "digits, crop and flip": lambda: digits(augment=True),
     "mnist-shaped": mnist_shaped,
+    "cifar-shaped, crop and flip": cifar_shaped,
 }
 
 
@@ -93,19 +112,28 @@ class OneByOne:
     def of(cls, model: nn.Module) -> OneByOne:
         return cls(copy.deepcopy(model), copy.deepcopy(model.state_dict()))
 
-    def __call__(self, datasets: Sequence[TensorDataset], device: torch.device, *, keep: bool = False) -> States:
+    def __call__(
+        self,
+        datasets: Sequence[TensorDataset],
+        device: torch.device,
+        *,
+        keep: bool = False,
+        settings: TrainSettings = SETTINGS,
+    ) -> States:
         """Train every node; with `keep`, a copy of each result (the daemon's encoding copies it instead)."""
         out = []
         for data, gen in zip(datasets, generators(len(datasets), device), strict=True):
             self.workspace.load_state_dict(self.start)
-            local_sgd(self.workspace, data, SETTINGS, gen)
+            local_sgd(self.workspace, data, settings, gen)
             if keep:
                 out.append({k: v.detach().clone() for k, v in self.workspace.state_dict().items()})
         return out
 
 
-def vectorised(model: nn.Module, datasets: Sequence[TensorDataset], device: torch.device) -> States:
-    return [state for state, _ in train_vectorized(model, datasets, SETTINGS, generators(len(datasets), device))]
+def vectorised(
+    model: nn.Module, datasets: Sequence[TensorDataset], device: torch.device, settings: TrainSettings = SETTINGS
+) -> States:
+    return [state for state, _ in train_vectorized(model, datasets, settings, generators(len(datasets), device))]
 
 
 def max_difference(a: States, b: States) -> float:
@@ -128,12 +156,13 @@ def measure_case(
 ) -> tuple[Timing, Timing, float, list[int]]:
     """(one by one, vectorised, largest difference of any weight, shard sizes) for one case."""
     model = build_model(case.model, data.input_shape, data.num_classes, seed=0).to(device)
-    datasets = [d.to(device) for d in shards(data, case.k, mean)]
+    datasets = [d.to(device) for d in shards(data, case.k, case.mean or mean)]
     one_by_one = OneByOne.of(model)
-    diff = max_difference(one_by_one(datasets, device, keep=True), vectorised(model, datasets, device))
+    s = case.settings
+    diff = max_difference(one_by_one(datasets, device, keep=True, settings=s), vectorised(model, datasets, device, s))
     # the two runs above were the warm-up
-    alone = measure(synchronized(lambda: one_by_one(datasets, device), device), repeats=repeats, warmup=0)
-    together = measure(synchronized(lambda: vectorised(model, datasets, device), device), repeats=repeats, warmup=0)
+    alone = measure(synchronized(lambda: one_by_one(datasets, device, settings=s), device), repeats=repeats, warmup=0)
+    together = measure(synchronized(lambda: vectorised(model, datasets, device, s), device), repeats=repeats, warmup=0)
     return alone, together, diff, [len(d) for d in datasets]
 
 
@@ -155,6 +184,7 @@ def cases(quick: bool) -> tuple[int, list[Case], Case]:
         Case("digits, crop and flip", "cnn", 50),
         Case("mnist-shaped", "mlp", 10),
         Case("mnist-shaped", "cnn", 10),
+        Case("cifar-shaped, crop and flip", "moon-cnn", 10, mean=500, settings=KDIA_SETTINGS),
     ]
     return 64, timed, Case("digits, crop and flip", "cnn", 10)
 
@@ -213,14 +243,16 @@ def _add_case(report: Report, case: Case, data: TensorDataset, mean: int, device
     model = build_model(case.model, data.input_shape, data.num_classes, seed=0)
     shape = "x".join(map(str, data.input_shape))
     section = f"{case.model} ({count_parameters(model):,} parameters) on {case.data} ({shape}), {device}"
-    report.add(f"K = {case.k}: one by one", alone.median * 1e3, "ms", section=section, note=f"{sum(sizes)} samples")
+    n, batch = sum(sizes), case.settings.batch_size
+    note = f"{n} samples, batch {batch}, {n / alone.median:,.0f} images/s"
+    report.add(f"K = {case.k}: one by one", alone.median * 1e3, "ms", section=section, note=note)
     report.add(
         f"K = {case.k}: vectorised",
         together.median * 1e3,
         "ms",
         ratio=alone.median / together.median,
         ratio_means="one by one's speed",
-        note=f"largest weight difference {diff:.1e}",
+        note=f"{n / together.median:,.0f} images/s; largest weight difference {diff:.1e}",
         section=section,
     )
     report.context.setdefault("max_abs_difference", {})[f"{case.model}/{case.data}/K={case.k}/{device}"] = diff
