@@ -19,7 +19,7 @@ from experiments.config import ExperimentConfig
 from experiments.scenario import expand as expand_scenario
 from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
 from fedcore.algorithms.base import CoordinatorHalf
-from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local
+from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local, pooled_resplit
 from fedcore.errors import ConfigError
 from fedcore.models import build_model
 from fedcore.partition import label_histograms, partition
@@ -88,7 +88,8 @@ def _preprocessing(cfg: ExperimentConfig) -> dict[str, object]:
 
 
 def load_split(cfg: ExperimentConfig) -> Split:
-    """The experiment's dataset with its augmentation and normalisation, from the resolved data root and cache."""
+    """The experiment's dataset with its augmentation and normalisation, from the resolved data root and
+    cache; re-split as ``data.split`` says, then with ``data.validation_fraction`` held out."""
     d = cfg.data
     split = load_dataset(
         d.dataset,
@@ -98,6 +99,10 @@ def load_split(cfg: ExperimentConfig) -> Split:
         download=d.download,
         **_preprocessing(cfg),  # type: ignore[arg-type]
     )
+    if not isinstance(d.split, str):  # the FedVLS authors' pooled re-split (experiments.config.PooledSplit)
+        split = pooled_resplit(
+            split, test_fraction=d.split.test_fraction, seed=d.split.seed, evaluate_on=d.split.evaluate_on
+        )
     return hold_out_validation(split, d.validation_fraction, seed=cfg.seed) if d.validation_fraction else split
 
 

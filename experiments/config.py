@@ -70,6 +70,26 @@ class NormalizeConfig(_Strict):
         return self
 
 
+class PooledSplit(_Strict):
+    """The FedVLS authors' MNIST pipeline (``system/data/generate_mnist.py`` of github.com/krumpguo/FedVLS):
+    the official training and test sets are pooled (training images first), shuffled by one NumPy
+    permutation under ``np.random.seed(seed)``, and cut as sklearn's ``train_test_split(train_size=1 -
+    test_fraction)`` cuts it: the first ``n - floor((1 - test_fraction) n)`` permuted images are the
+    held-out part, the next ``floor((1 - test_fraction) n)`` the training part, which the nodes are
+    partitioned from. Their ``main.py`` unpacks ``generate_mnist``'s loaders in swapped order, so their
+    reported test accuracy is measured on the training part (the nodes' own data): ``evaluate_on:
+    train_part`` is what their code does, ``held_out_part`` what their paper says."""
+
+    kind: Literal["pooled"] = "pooled"
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="share of the pooled images held out (authors: 0.25)")
+    seed: int = Field(1, ge=0, le=2**32 - 1, description="NumPy's legacy global seed for the permutation (authors: 1)")
+    evaluate_on: Literal["train_part", "held_out_part"] = Field(
+        ...,
+        description="train_part: the authors' code (its swapped loaders evaluate on the training part);"
+        " held_out_part: the paper's description (a 75/25 re-split tested on the 25%)",
+    )
+
+
 class DataConfig(_Strict):
     dataset: str = Field(
         "digits",
@@ -93,6 +113,44 @@ class DataConfig(_Strict):
     validation_fraction: float = Field(
         0.0, ge=0, lt=1, description="held out of the training set (stratified) to pick the final model"
     )
+    split: Literal["official"] | PooledSplit = Field(
+        "official",
+        description="official: the dataset's own training and test sets; or {kind: pooled, test_fraction,"
+        " seed, evaluate_on}: the FedVLS authors' pooled re-split (see PooledSplit)",
+    )
+    _added_later = ("split",)
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split_choice(cls, value: Any) -> Any:
+        """One readable error for a bad split (not one per member of the union)."""
+        if isinstance(value, str):
+            if value != "official":
+                raise PydanticCustomError(
+                    "data_choice",
+                    "expected official or a mapping with kind: pooled (fields: {fields})",
+                    {"fields": ", ".join(PooledSplit.model_fields)},
+                )
+            return value
+        if isinstance(value, dict):
+            if value.get("kind", "pooled") != "pooled":
+                raise PydanticCustomError(
+                    "data_choice", "unknown split kind {kind}; allowed: pooled", {"kind": repr(value.get("kind"))}
+                )
+            try:
+                return PooledSplit.model_validate(value)
+            except ValidationError as exc:
+                problems = [
+                    f"{'.'.join(map(str, e['loc'])) or '(mapping)'}: "
+                    + ("unknown field" if e["type"] == "extra_forbidden" else e["msg"])
+                    for e in exc.errors()
+                ]
+                raise PydanticCustomError(
+                    "data_choice",
+                    "{problems} (allowed fields: {fields})",
+                    {"problems": "; ".join(problems), "fields": ", ".join(PooledSplit.model_fields)},
+                ) from None
+        return value
 
     @field_validator("augment", "normalize", mode="before")
     @classmethod
@@ -252,6 +310,12 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     lr_decay: float = Field(1.0, gt=0, le=1)
     max_grad_norm: float | None = Field(None, gt=0)
+    drop_last: bool = Field(
+        False,
+        description="skip each epoch's last batch when short of batch_size (DataLoader drop_last; the FedVLS"
+        " authors' MNIST loaders). Weight decay is weight_decay (their FedVLS client: 0, the rest 1e-5)",
+    )
+    _added_later = ("drop_last",)
 
 
 class PolicyConfig(_Strict):
@@ -367,6 +431,14 @@ class CompressionConfig(_Strict):
         return Compression(mode=self.mode, block=self.block, delta=self.delta)
 
 
+DROP_LAST_REFUSED = {
+    "kdia": "the generated labels of each batch",
+    "fedacd": "the steps of an epoch for its estimate",
+    "fedproto": "the first step of the last epoch, where its prototypes are recorded",
+}
+"""Methods whose node counts `local_sgd`'s batches without `drop_last`, and what it counts."""
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(..., min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     federation: str | None = Field(None, description="topic namespace; `fedmq run` makes a unique one")
@@ -418,6 +490,11 @@ class ExperimentConfig(_Strict):
         if self.engine.kind == "sync" and self.rounds is None:
             raise ValueError(
                 "rounds: required for synchronous rounds (or set engine.kind: async and engine.aggregations)"
+            )
+        if self.train.drop_last and self.method.name in DROP_LAST_REFUSED:
+            raise ValueError(
+                f"train.drop_last: {self.method.name} counts local_sgd's batches itself"
+                f" ({DROP_LAST_REFUSED[self.method.name]}) and does not know drop_last yet; leave it false"
             )
         if self.engine.kind == "async" or self.policy.late_updates == "carry":
             from fedcore.algorithms import async_refusal

@@ -15,6 +15,7 @@ once into a cache folder), each with its standard augmentation and normalisation
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,6 +102,48 @@ def hold_out_validation(split: Split, fraction: float, *, seed: int) -> Split:
     if len(val) == 0 or len(keep) == 0:
         raise ConfigError(f"{fraction} of {len(labels)} samples leaves an empty part", field="data.validation_fraction")
     return replace(split, train=split.train.subset(keep), val=split.train.subset(val))
+
+
+POOLED_EVALUATE_ON = ("train_part", "held_out_part")
+
+
+def pooled_indices(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training part, held-out part) of `n` pooled samples, as the FedVLS authors cut them:
+    ``np.random.seed(seed)`` then sklearn's ``train_test_split(train_size=1 - test_fraction,
+    shuffle=True)``, whose `ShuffleSplit` draws one permutation from NumPy's global RandomState and
+    takes its first ``n - floor((1 - test_fraction) n)`` entries as the held-out part and the rest,
+    in permuted order, as the training part. A fresh ``RandomState(seed)`` gives the same stream."""
+    if not 0 < test_fraction < 1:
+        raise ConfigError(f"{test_fraction} is not in (0, 1)", field="data.split.test_fraction")
+    n_train = math.floor((1 - test_fraction) * n)
+    n_test = n - n_train
+    if n_train == 0 or n_test == 0:
+        raise ConfigError(f"{test_fraction} of {n} samples leaves an empty part", field="data.split.test_fraction")
+    permutation = np.random.RandomState(seed).permutation(n)
+    return permutation[n_test : n_test + n_train], permutation[:n_test]
+
+
+def pooled_resplit(split: Split, *, test_fraction: float, seed: int, evaluate_on: str) -> Split:
+    """The FedVLS authors' pipeline (``system/data/generate_mnist.py``): the training set and then the
+    test set pooled, re-split by `pooled_indices`; the nodes are partitioned from the training part.
+
+    `evaluate_on` says which part is evaluated: "train_part" is what the authors' code does (their
+    ``main.py`` unpacks ``generate_mnist``'s returned loaders in swapped order, so the loader they
+    evaluate is the training part, the union of the nodes' data), "held_out_part" what their paper
+    describes. The parts keep the split's transforms. Apply it before holding out a validation set."""
+    if evaluate_on not in POOLED_EVALUATE_ON:
+        raise ConfigError(
+            f"{evaluate_on!r} is not one of {', '.join(POOLED_EVALUATE_ON)}", field="data.split.evaluate_on"
+        )
+    if split.val is not None:
+        raise ConfigError("a pooled re-split is made before a validation set is held out", field="data.split")
+    a, b = split.train, split.test
+    if a.input_shape != b.input_shape or a.num_classes != b.num_classes or a.x.dtype != b.x.dtype:
+        raise ConfigError("the training and test sets differ in shape, classes or type: they cannot be pooled")
+    pooled = replace(a, x=torch.cat([a.x, b.x]), y=torch.cat([a.y, b.y]))
+    train_idx, held_idx = pooled_indices(len(pooled), test_fraction, seed)
+    train = pooled.subset(train_idx)
+    return Split(train, train if evaluate_on == "train_part" else pooled.subset(held_idx))
 
 
 def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,10 @@ class TrainSettings:
     lr_decay: float = 1.0
     """Per-round multiplier: round r trains with lr * lr_decay**r."""
     max_grad_norm: float | None = None
+    drop_last: bool = False
+    """Skip each epoch's last batch when it is short of `batch_size` (PyTorch's DataLoader
+    ``drop_last=True``, what the FedVLS authors' MNIST loaders use); false: train on it, unless it is
+    a single sample (BatchNorm cannot train on one)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -42,6 +46,7 @@ class TrainSettings:
             ("weight_decay", self.weight_decay >= 0, "non-negative"),
             ("lr_decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
             ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0, "positive or null"),
+            ("drop_last", isinstance(self.drop_last, bool), "true or false"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -94,7 +99,8 @@ def local_sgd(
     loss_fn: LossFn = cross_entropy,
     after_backward: Callable[[nn.Module], None] | None = None,
 ) -> TrainStats:
-    """`local_epochs` passes over `data` in batches shuffled by `generator`.
+    """`local_epochs` passes over `data` in batches shuffled by `generator`; a trailing batch of one
+    sample is skipped, and with `settings.drop_last` any trailing batch short of `batch_size`.
 
     `loss_fn` lets an algorithm add its terms (FedProx's proximal term, distillation);
     `after_backward` lets it correct gradients (SCAFFOLD's control variates).
@@ -109,6 +115,8 @@ def local_sgd(
             idx = order[start : start + settings.batch_size]
             if len(idx) == 1 and n > 1:
                 break  # a trailing batch of one sample: BatchNorm cannot train on it (and it weighs nothing)
+            if settings.drop_last and len(idx) < settings.batch_size:
+                break  # DataLoader(drop_last=True): a short last batch is not trained on
             x, y = data.train_batch(idx, generator)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)

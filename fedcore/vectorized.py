@@ -11,7 +11,9 @@ generator.
 What is reproduced per node, exactly as `local_sgd` does it:
 - its own shard and its own generator, drawn in the same order (the epoch's `randperm`, then each
   batch's augmentation), so shuffling and augmentation are those of one-by-one training;
-- the trailing-batch rule: a last batch of one sample ends the epoch (unless the shard has one);
+- the trailing-batch rule: a last batch of one sample ends the epoch (unless the shard has one),
+  and with ``drop_last`` any last batch short of the batch size (a shard smaller than one batch then
+  takes no step, as with a DataLoader);
 - shards of different sizes: a node with no batch left at a step does not move (neither do its
   optimizer state and step count). Nodes are kept sorted by their number of steps, longest first,
   so the nodes still training at any step are a prefix of the stack and are updated through a
@@ -87,9 +89,12 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Batches `local_sgd` trains on per epoch: a trailing batch of one sample is skipped unless n == 1."""
+def steps_per_epoch(n: int, batch_size: int, drop_last: bool = False) -> int:
+    """Batches `local_sgd` trains on per epoch: a trailing batch of one sample is skipped unless n == 1,
+    and with `drop_last` any trailing batch short of `batch_size`."""
     full, rest = divmod(n, batch_size)
+    if drop_last:
+        return full
     return full + (1 if rest > 1 or (rest == 1 and n == 1) else 0)
 
 
@@ -101,6 +106,8 @@ def node_indices(data: TensorDataset, settings: TrainSettings, generator: torch.
         for start in range(0, n, settings.batch_size):
             idx = order[start : start + settings.batch_size]
             if len(idx) == 1 and n > 1:
+                break
+            if settings.drop_last and len(idx) < settings.batch_size:
                 break
             yield idx
 
@@ -306,7 +313,7 @@ def train_vectorized(
         raise ValueError(f"{len(datasets)} datasets and {len(generators)} generators: one of each per node")
     first = next(model.parameters())
     device, dtype = first.device, first.dtype
-    steps = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size) for d in datasets]
+    steps = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size, settings.drop_last) for d in datasets]
     order = sorted(range(len(datasets)), key=lambda k: -steps[k])  # stable: longest first, then as given
     stack = _Stack.of(model, len(order), settings, device)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}

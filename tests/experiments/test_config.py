@@ -31,7 +31,10 @@ def test_quickstart_config_loads_with_the_documented_settings() -> None:
         ({"nodes": 0}, "nodes: Input should be greater than or equal to 1"),
         ({"fraction": 1.5}, "fraction: Input should be less than or equal to 1"),
         ({"train": {"lr": -1}}, "train.lr: Input should be greater than 0"),
-        ({"train": {"optimiser": "sgd"}}, "train.optimiser: unknown field; allowed here: batch_size, local_epochs, lr"),
+        (
+            {"train": {"optimiser": "sgd"}},
+            "train.optimiser: unknown field; allowed here: batch_size, drop_last, local_epochs",
+        ),
         ({"bogus": 1}, "bogus: unknown field; allowed here: bus, compression, data, deadline_s"),
         ({"partition": {"kind": "bogus"}}, "partition.kind: unknown kind 'bogus'; allowed: iid, dirichlet"),
         ({"name": "a/b"}, "name: String should match pattern"),
