@@ -137,19 +137,7 @@ class DataConfig(_Strict):
                 raise PydanticCustomError(
                     "data_choice", "unknown split kind {kind}; allowed: pooled", {"kind": repr(value.get("kind"))}
                 )
-            try:
-                return PooledSplit.model_validate(value)
-            except ValidationError as exc:
-                problems = [
-                    f"{'.'.join(map(str, e['loc'])) or '(mapping)'}: "
-                    + ("unknown field" if e["type"] == "extra_forbidden" else e["msg"])
-                    for e in exc.errors()
-                ]
-                raise PydanticCustomError(
-                    "data_choice",
-                    "{problems} (allowed fields: {fields})",
-                    {"problems": "; ".join(problems), "fields": ", ".join(PooledSplit.model_fields)},
-                ) from None
+            return _mapping_choice(PooledSplit, value)
         return value
 
     @field_validator("augment", "normalize", mode="before")
@@ -166,20 +154,25 @@ class DataConfig(_Strict):
                 )
             return value
         if isinstance(value, dict):
-            try:
-                return model.model_validate(value)
-            except ValidationError as exc:
-                problems = [
-                    f"{'.'.join(map(str, e['loc'])) or '(mapping)'}: "
-                    + ("unknown field" if e["type"] == "extra_forbidden" else e["msg"])
-                    for e in exc.errors()
-                ]
-                raise PydanticCustomError(
-                    "data_choice",
-                    "{problems} (allowed fields: {fields})",
-                    {"problems": "; ".join(problems), "fields": ", ".join(model.model_fields)},
-                ) from None
+            return _mapping_choice(model, value)
         return value
+
+
+def _mapping_choice(model: type[BaseModel], value: dict[str, Any]) -> BaseModel:
+    """`value` validated as `model`, with one readable error naming each problem and the allowed fields."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(map(str, e['loc'])) or '(mapping)'}: "
+            + ("unknown field" if e["type"] == "extra_forbidden" else e["msg"])
+            for e in exc.errors()
+        ]
+        raise PydanticCustomError(
+            "data_choice",
+            "{problems} (allowed fields: {fields})",
+            {"problems": "; ".join(problems), "fields": ", ".join(model.model_fields)},
+        ) from None
 
 
 _DATA_CHOICES: dict[str, tuple[tuple[str, ...], type[BaseModel]]] = {
