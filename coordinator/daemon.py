@@ -66,6 +66,10 @@ class _Prepared:
     model: bytearray | None = None
 
 
+Watcher = Callable[[float, e.Event, "list[c.Command]"], None]
+"""Sees each event the engine handled, when (the clock's time), and the commands it gave."""
+
+
 class _Failed(Exception):
     """A heavy call raised: the run fails with this as the reason."""
 
@@ -111,6 +115,11 @@ class Coordinator:
         self._extra_summary = dict(extra_summary or {})
         self._started = time.monotonic()
         self._state = "starting"
+        self.connected = asyncio.Event()
+        """Set while the coordinator is connected and subscribed (readiness for supervisors and `/readyz`)."""
+        self.watchers: list[Watcher] = []
+        """Called after each event with its commands (metrics, the HTTP API); one that raises is logged
+        and removed, never the daemon's end."""
 
     @property
     def participation(self) -> ParticipationRecord:
@@ -134,6 +143,7 @@ class Coordinator:
         async with client as bus:
             self._bus = bus
             await bus.subscribe(self.topics.all_node_status, self.topics.all_acks, self.topics.all_updates)
+            self.connected.set()
             receiver = asyncio.create_task(self._receive(bus), name="coordinator-receive")
             driver = asyncio.create_task(self._drive(), name="coordinator-drive")
             statuses = asyncio.create_task(self._publish_statuses(), name="coordinator-status")
@@ -155,6 +165,7 @@ class Coordinator:
                 self._state = "failed"
                 logger.error("%s", exc)
             finally:
+                self.connected.clear()
                 for task in (receiver, driver, *self._background):
                     task.cancel()
                 await asyncio.gather(receiver, driver, return_exceptions=True)
@@ -242,6 +253,17 @@ class Coordinator:
         self.event_log.commands(commands)
         for command in commands:
             self._execute(command)
+        for watcher in list(self.watchers):
+            try:
+                watcher(now, event, commands)
+            except Exception:
+                logger.exception("a watcher failed and is removed: %r", watcher)
+                self.watchers.remove(watcher)
+
+    @property
+    def state(self) -> str:
+        """The daemon's state: starting, the engine's (waiting, running, ...), then finished, failed or stopped."""
+        return self._state if self._state in ("finished", "failed", "stopped") else self.engine.state
 
     def _execute(self, command: c.Command) -> None:
         if isinstance(command, c.Configure):
