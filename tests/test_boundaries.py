@@ -19,8 +19,18 @@ FORBIDDEN_EVERYWHERE = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "t
 ALLOWED: dict[str, set[str]] = {
     "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt", "xxhash", "cryptography", "argon2"},
     "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors"},
-    "coordinator": {"coordinator", "broker", "fedcore", "torch", "numpy", "safetensors"},
-    "fednode": {"fednode", "broker", "fedcore", "torch", "numpy"},
+    "coordinator": {
+        "coordinator",
+        "broker",
+        "fedcore",
+        "torch",
+        "numpy",
+        "safetensors",
+        "aiohttp",
+        "prometheus_client",
+        "tensorboard",
+    },
+    "fednode": {"fednode", "broker", "fedcore", "torch", "numpy", "aiohttp", "prometheus_client"},
 }
 # only these modules may use the optional third-party pieces
 NARROW = {
@@ -32,6 +42,9 @@ NARROW = {
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS
     "safetensors": {"coordinator/run_dir.py", "fedcore/algorithms/kdia_teacher.py"},  # checkpoints, KDIA's disk store
+    "aiohttp": {"coordinator/http.py", "fednode/metrics.py"},  # the HTTP API and dashboard, a node host's /metrics
+    "prometheus_client": {"coordinator/metrics.py", "fednode/metrics.py"},
+    "tensorboard": {"coordinator/tensorboard.py"},  # optional: fedmq[tensorboard]
 }
 # The only exceptions to FORBIDDEN_EVERYWHERE: the opt-in `data.download` imports torchvision inside
 # one function (never at module level: the core must import without it); the CIFAR pickles are read
