@@ -261,6 +261,10 @@ class Coordinator:
                 self.watchers.remove(watcher)
 
     @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    @property
     def state(self) -> str:
         """The daemon's state: starting, the engine's (waiting, running, ...), then finished, failed or stopped."""
         return self._state if self._state in ("finished", "failed", "stopped") else self.engine.state
