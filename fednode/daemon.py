@@ -84,6 +84,9 @@ class NodeDaemon:
         self.node_id = config.node_id
         self.log = _NodeLog(logger, {"node_id": self.node_id})
         self.rounds_trained = 0
+        self.trainings = 0
+        self.train_seconds = 0.0
+        """Local trainings finished and their wall seconds (an update abandoned afterwards included), for metrics."""
         self.crashed = False
         self._bus: BusClient | None = None
         self._task: Task | None = None
@@ -397,6 +400,8 @@ class NodeDaemon:
                 return self._abandoned(task)
             await self._report_failure(task, f"{type(exc).__name__}: {exc}")
             return
+        self.trainings += 1
+        self.train_seconds += train_s
         if not await hold(max(0.0, script.compute_s(len(self.data)) - train_s), spell):
             return self._abandoned(task)
         delay = self.config.faults.delay_for(task.round)
@@ -493,6 +498,11 @@ class NodeDaemon:
         exc = job.exception()
         if exc is not None:  # a failed publish of the update; training errors are reported in the job
             self.log.error("round job failed: %r", exc, exc_info=exc)
+
+    @property
+    def bus(self) -> BusClient | None:
+        """The node's bus client once `serve` began (its stats and connection state, for metrics)."""
+        return self._bus
 
     def _bus_or_fail(self) -> BusClient:
         if self._bus is None:
