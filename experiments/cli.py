@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import textwrap
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,48 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     p.add_argument("--log-file", type=Path, help="also write the log to this file")
     p.add_argument("--log-config", type=Path, help="a logging dictConfig YAML file, replacing the defaults")
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("FEDMQ_LOG_FORMAT") or "text",
+        help="text (default), or json: one JSON object a line (time, level, logger, message, process, exception);"
+        " FEDMQ_LOG_FORMAT sets the default, and processes `fedmq run` starts inherit it",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text}")
+    return value
+
+
+def _add_service(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "service",
+        "As a daemon under systemd, Docker or another supervisor (docs/services.md): with $NOTIFY_SOCKET set it"
+        " tells systemd when it is ready, its status and watchdog pings. SIGTERM drains and exits 0; SIGINT"
+        " exits 130.",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="at start, wait up to SECONDS for an unreachable broker, retrying with exponential backoff and"
+        " jitter, then exit 3 (default 10; 0 tries once; the systemd units wait 300)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="on SIGTERM, the longest the drain may take before the process stops at once with exit 130"
+        " (default 60; a second SIGTERM also stops at once)",
+    )
 
 
 def _add_access(p: argparse.ArgumentParser) -> None:
@@ -117,6 +159,34 @@ def access_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _http_address(text: str) -> tuple[str, int]:
+    from coordinator.errors import CoordinatorError
+    from coordinator.http import parse_address
+
+    try:
+        return parse_address(text)
+    except CoordinatorError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _add_http(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP API and dashboard")
+    g.add_argument(
+        "--http",
+        type=_http_address,
+        metavar="[HOST:]PORT",
+        help="serve the JSON API, /metrics and a live dashboard on this address (off by default; a bare port"
+        " listens on loopback only; 0 picks a free port, written to OUT/http.json)",
+    )
+    g.add_argument(
+        "--http-token-file",
+        type=Path,
+        metavar="FILE",
+        help="require this bearer token (the file's first line, 16 characters or more) on every endpoint but"
+        " /healthz and /readyz; a browser passes it as ?token=",
+    )
+
+
 def _add_experiment(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
     if positional:
         p.add_argument("config", type=Path, metavar="EXP.yaml", help="the experiment file")
@@ -158,7 +228,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="provision the federation (OUT/secure: a CA, a password per node, ACLs) and run it over TLS on a"
         " broker started for it (mosquitto when installed, else the embedded one), no anonymous access",
     )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="the coordinator also writes TensorBoard scalars to OUT/tensorboard (each grid cell's to its own;"
+        " needs pip install 'fedmq[tensorboard]')",
+    )
+    _add_http(p)
     _add_access(p)
+    _add_common(p)
+
+    p = sub.add_parser(
+        "status",
+        help="a running coordinator's state, from its HTTP API",
+        description="Prints what the dashboard shows: the state, the round or model version, accuracy, the last"
+        " rounds and the nodes, from a coordinator started with --http. Exit 0, 2 when the token is missing or"
+        " wrong, 3 when nothing answers.",
+    )
+    p.add_argument("target", metavar="URL|RUN_DIR", help="http://HOST:PORT/, or a run directory with http.json")
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="the bearer token, if the API wants one")
+    p.add_argument("--json", action="store_true", help="print the raw state as JSON instead of tables")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until the run ends")
+    p.add_argument("--last", type=_positive_int, default=10, help="rounds shown (default 10)")
     _add_common(p)
 
     p = sub.add_parser(
@@ -329,8 +420,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("runs/coordinator"), help="run directory (default runs/coordinator)"
     )
     p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in --out; without one yet, start from the beginning (so a supervisor"
+        " can always restart with --resume)",
+    )
+    _add_service(p)
     p.add_argument("--threads", type=_positive_int, help="torch threads")
+    p.add_argument(
+        "--tensorboard",
+        nargs="?",
+        const=True,
+        type=Path,
+        metavar="DIR",
+        help="write accuracy, loss, round time and update counts per round (or version) as TensorBoard scalars"
+        " to DIR (default OUT/tensorboard); needs pip install 'fedmq[tensorboard]'",
+    )
+    _add_http(p)
     _add_access(p)
     _add_common(p)
 
@@ -353,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experiment(p)
     p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
     p.add_argument("--exit-when-done", action="store_true", help="exit when the coordinator finishes the run")
+    _add_service(p)
     p.add_argument("--threads", type=_positive_int, help="torch threads")
     p.add_argument("--device", type=_device, help="torch device (default: cuda when present, else cpu)")
     p.add_argument(
@@ -361,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="this node's own data: an .npz of x and y, or a folder PATH/<class index>/*.png (one --node-id;"
         " docs/local-data.md)",
+    )
+    p.add_argument(
+        "--metrics",
+        type=_http_address,
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics of this process's nodes at http://HOST:PORT/metrics (a bare port listens on"
+        " loopback only; 0 picks a free port, printed at start; docs/metrics.md)",
     )
     _add_access(p)
     _add_common(p)
@@ -373,35 +488,48 @@ PARENT_ENV = "FEDMQ_PARENT_PID"
 def _die_with_parent() -> None:
     """A process started by `fedmq run` ends with it, even when `fedmq run` is killed outright.
 
-    Linux only (prctl PR_SET_PDEATHSIG); SIGTERM then stops the daemon cleanly. Elsewhere
-    `fedmq run` still stops its children whenever it can run its own clean-up.
+    Linux only (prctl PR_SET_PDEATHSIG); SIGINT then stops the daemon as Ctrl-C does (no drain: the
+    run and its broker are gone). Elsewhere `fedmq run` still stops its children whenever it can run
+    its own clean-up.
     """
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
     if str(os.getppid()) != parent:  # the parent died before the call above
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _die_with_parent()
+    from coordinator.errors import CoordinatorError
     from experiments import logs
 
+    def say(text: str) -> None:
+        print(logs.line(text, args.log_format), file=sys.stderr, flush=True)
+
     console = not (args.command == "run" and not args.verbose)
-    logs.setup(args.verbose, file=args.log_file, console=console or args.command != "run", config_file=args.log_config)
+    if args.log_format == "json":
+        os.environ["FEDMQ_LOG_FORMAT"] = "json"  # the processes `fedmq run` starts log alike
     try:
+        logs.setup(
+            args.verbose,
+            file=args.log_file,
+            console=console or args.command != "run",
+            config_file=args.log_config,
+            fmt=args.log_format,
+        )
         if args.command == "broker":
             return _run_async(_broker(args))
-        if args.command == "coordinator":
-            return _run_async(_coordinator(args))
-        if args.command == "node":
-            return _run_async(_node(args))
+        if args.command in ("coordinator", "node"):
+            return _daemon(_coordinator if args.command == "coordinator" else _node, args)
         if args.command == "report":
             return _report(args)
+        if args.command == "status":
+            return _status(args)
         if args.command == "methods":
             return _methods(args)
         if args.command == "provision":
@@ -416,35 +544,52 @@ def main(argv: list[str] | None = None) -> int:
 
         return _run_async(run_from_cli(args))
     except ConfigError as exc:
-        print(f"fedmq: configuration error: {exc}", file=sys.stderr)
+        say(f"fedmq: configuration error: {exc}")
         return EXIT_CONFIG
     except DataError as exc:
-        print(f"fedmq: data error: {exc}", file=sys.stderr)
+        say(f"fedmq: data error: {exc}")
         return EXIT_CONFIG
     except CredentialsError as exc:
-        print(f"fedmq: credentials error: {exc}", file=sys.stderr)
+        say(f"fedmq: credentials error: {exc}")
+        return EXIT_CONFIG
+    except CoordinatorError as exc:  # raised before the run starts: a checkpoint that cannot be resumed
+        say(f"fedmq: coordinator error: {exc}")
+        return EXIT_CONFIG
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        say(f"fedmq: {exc.filename}: {exc.strerror or exc}" if exc.filename else f"fedmq: {exc}")
         return EXIT_CONFIG
     except BusError as exc:
-        print(f"fedmq: broker error: {exc}", file=sys.stderr)
+        say(f"fedmq: broker error: {exc}")
         return EXIT_BUS
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 
 
-def _run_async(coro: Coroutine[Any, Any, int]) -> int:
-    """Run `coro`; SIGTERM and SIGINT cancel it, so daemons write their state and exit cleanly."""
+def _daemon(command: Callable[[argparse.Namespace, Any], Coroutine[Any, Any, int]], args: argparse.Namespace) -> int:
+    """A daemon command: SIGTERM drains it (exit 0), SIGINT interrupts it (130); `experiments.service`."""
+    from experiments.service import Signals
+
+    signals = Signals(drains=True, drain_s=args.drain_timeout, forced_exit=EXIT_INTERRUPTED)
+    return _run_async(command(args, signals), signals)
+
+
+def _run_async(coro: Coroutine[Any, Any, int], signals: Any = None) -> int:
+    """Run `coro` until it returns its exit code. SIGINT cancels it (exit 130), and so does SIGTERM,
+    except for a daemon (`signals`, an `experiments.service.Signals`), which SIGTERM drains (exit 0)."""
+    from experiments.service import Signals
+
+    signals = signals or Signals(drains=False, forced_exit=EXIT_INTERRUPTED)
 
     async def runner() -> int:
         task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
         assert task is not None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, task.cancel)
+        signals.install(task)
         try:
             return await coro
         except asyncio.CancelledError:
-            return EXIT_INTERRUPTED
+            return EXIT_OK if signals.drained else EXIT_INTERRUPTED
+        finally:
+            signals.close()
 
     with asyncio.Runner(loop_factory=event_loop_factory()) as run:
         return run.run(runner())
@@ -638,6 +783,44 @@ def _simulate_grid(args: argparse.Namespace, data: dict[str, Any]) -> int:
     return simulate_grid(grid, out, jobs=args.jobs, device=args.device, threads=args.threads)
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from rich.console import Console
+
+    from coordinator.errors import CoordinatorError
+    from coordinator.http import read_token
+    from experiments.status import Unreachable, render, resolve_url, snapshot
+
+    try:
+        token = read_token(args.token_file) if args.token_file else None
+    except CoordinatorError as exc:
+        raise ConfigError(str(exc)) from exc
+    url = resolve_url(args.target)
+    console = Console(highlight=False)
+    seen = False
+    while True:
+        try:
+            state = snapshot(url, token)
+        except Unreachable:
+            if not seen:
+                raise
+            # a daemon exits when its run is over: after answering, silence is the end, not a fault
+            print(f"fedmq status: {url} stopped answering: the coordinator has exited", file=sys.stderr)
+            return EXIT_OK
+        seen = True
+        if args.json:
+            print(json.dumps(state, indent=2))
+        else:
+            if args.watch:
+                console.clear()
+            render(state, console, args.last)
+        if not args.watch or state["status"]["state"] in ("finished", "failed", "stopped"):
+            return EXIT_OK
+        time.sleep(args.watch)
+
+
 def _report(args: argparse.Namespace) -> int:
     from experiments.report import write_report
 
@@ -662,6 +845,8 @@ async def _broker(args: argparse.Namespace) -> int:
             raise ConfigError("--secure DIR brings its own broker config; leave out --config")
         secure_amqtt, (host, port) = _provisioned(args.secure)
         config_file, scheme = args.secure / "mosquitto" / "mosquitto.conf", "mqtts"
+    if args.config is None:  # a mosquitto.conf of the user's says where it listens itself
+        _check_free(host, port)
     if not args.embedded and find_mosquitto() is not None:
         proc = start_mosquitto(port, bind=host, config_file=config_file)
         print(f"mosquitto listening on {scheme}://{host}:{port} (pid {proc.pid}); Ctrl-C stops it", flush=True)
@@ -678,6 +863,20 @@ async def _broker(args: argparse.Namespace) -> int:
     print(f"embedded broker (amqtt, {version}) listening on {scheme}://{host}:{port}; Ctrl-C stops it", flush=True)
     await serve_embedded(host, port, secure=secure_amqtt)
     return EXIT_OK
+
+
+def _check_free(host: str, port: int) -> None:
+    """A broker that cannot listen exits 3 saying where, before it starts (mosquitto would exit 1
+    without a word here; amqtt with a traceback)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise BusError(f"cannot listen on {host}:{port}: {why} (is another broker running there?)") from None
 
 
 def _provisioned(directory: Path) -> tuple[Path, tuple[str, int]]:
@@ -716,14 +915,24 @@ def _provision(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _coordinator(args: argparse.Namespace) -> int:
+async def _coordinator(args: argparse.Namespace, signals: Any) -> int:
     from coordinator.run_dir import write_json
     from experiments.build import build_coordinator, load_split, partition_report
     from experiments.plots import partition_png
+    from experiments.service import Notifier, coordinator_status
 
+    if args.tensorboard is not None:
+        from coordinator.tensorboard import check_installed
+
+        check_installed()  # before loading anything: exit 2 saying what to install
     cfg = _load(args)
+    notifier = Notifier()
+    signals.on_stop = notifier.stopping
+    notifier.status("loading the data")
     _threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        _resume_or_start(args.out)
     (args.out / "config.yaml").write_text(cfg.to_yaml())
     report = partition_report(cfg, load_split(cfg))
     write_json(args.out / "partition.json", report)
@@ -731,7 +940,14 @@ async def _coordinator(args: argparse.Namespace) -> int:
     coordinator = build_coordinator(
         cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=broker_access(args)
     )
-    summary = await coordinator.serve()
+    with _tensorboard(args, coordinator):
+        # the HTTP API first: its options are checked at once, and /readyz says 503 while the broker is awaited
+        async with _http_api(args, coordinator, cfg):
+            await _wait_for_broker(args, cfg, notifier)  # after what can be checked here: a mistake is said at once
+            async with notifier.running(
+                [coordinator.connected], lambda: coordinator_status(coordinator, cfg.step_name)
+            ):
+                summary = await coordinator.serve()
     if summary.final_accuracy is not None:
         print(
             f"final accuracy {summary.final_accuracy:.4f} (best {summary.best_accuracy:.4f}) after"
@@ -740,13 +956,83 @@ async def _coordinator(args: argparse.Namespace) -> int:
     return EXIT_OK if summary.state == "finished" else EXIT_FAILED
 
 
-async def _node(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _tensorboard(args: argparse.Namespace, coordinator: Any) -> Iterator[None]:
+    """TensorBoard scalars of the metrics lines (`--tensorboard`) for as long as the coordinator serves."""
+    if args.tensorboard is None:
+        yield
+        return
+    from coordinator.tensorboard import TensorBoardScalars
+
+    scalars = TensorBoardScalars(args.out / "tensorboard" if args.tensorboard is True else args.tensorboard)
+    coordinator.watchers.append(scalars)
+    try:
+        yield
+    finally:
+        scalars.close()
+
+
+@contextlib.asynccontextmanager
+async def _http_api(args: argparse.Namespace, coordinator: Any, cfg: Any) -> AsyncIterator[None]:
+    """The HTTP API and dashboard (`--http`) for as long as the coordinator serves."""
+    if args.http is None:
+        yield
+        return
+    import yaml
+
+    from coordinator.errors import CoordinatorError
+    from coordinator.http import CoordinatorAPI, read_token
+    from coordinator.metrics import CoordinatorMetrics
+
+    try:
+        token = read_token(args.http_token_file) if args.http_token_file else None
+        metrics = CoordinatorMetrics.attach(coordinator)
+        api = CoordinatorAPI(coordinator, config=yaml.safe_load(cfg.to_yaml()), token=token, metrics=metrics.render)
+        url = await api.start(*args.http)
+    except CoordinatorError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(f"dashboard: {url}", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        await api.stop()
+
+
+async def _wait_for_broker(args: argparse.Namespace, cfg: Any, notifier: Any) -> None:
+    """`--connect-timeout`: once what can be checked locally is (config, data, node ids: exit 2), a
+    daemon waits for its broker, and exits 3 naming it if it does not come."""
+    from experiments.build import bus_config
+    from experiments.service import wait_for_broker
+
+    config = bus_config(cfg, args.broker)
+    notifier.status(f"connecting to the broker {config.url}")
+    await wait_for_broker(
+        config,
+        args.connect_timeout,
+        on_retry=lambda n, why: notifier.status(f"waiting for the broker {config.url} ({why}; attempt {n})"),
+    )
+
+
+def _resume_or_start(out: Path) -> None:
+    """`--resume` without a checkpoint starts from the beginning: the records of an attempt that
+    stopped before its first checkpoint go, as on a resume those after the checkpoint do."""
+    from coordinator.run_dir import CHECKPOINT, RunDir
+
+    if not (out / CHECKPOINT).exists():
+        logger.info("--resume: no checkpoint in %s yet; starting from the beginning", out)
+        RunDir(out).truncate_metrics_after(-1)
+
+
+async def _node(args: argparse.Namespace, signals: Any) -> int:
     import torch
 
     from experiments.build import build_nodes
+    from experiments.service import Notifier, nodes_status
     from fednode.daemon import serve_nodes
 
     cfg = _load(args)
+    notifier = Notifier()
+    signals.on_stop = notifier.stopping
     _threads(args.threads)
     ids = cfg.node_ids() if args.node_ids == ["all"] else args.node_ids
     daemons = build_nodes(
@@ -759,12 +1045,36 @@ async def _node(args: argparse.Namespace) -> int:
         data_path=args.data,
         access=broker_access(args),
     )
-    failed = await serve_nodes(daemons)
+    await _wait_for_broker(args, cfg, notifier)  # after what can be checked here: a mistake is said at once
+    signals.drain = lambda: [daemon.drain("SIGTERM") for daemon in daemons]  # until here SIGTERM just stops
+    async with (
+        _node_metrics(args, daemons),
+        notifier.running([d.connected for d in daemons], lambda: nodes_status(daemons)),
+    ):
+        failed = await serve_nodes(daemons)
     if failed:
         print(f"fedmq node: {len(failed)} of {len(daemons)} node(s) stopped on a broker error: {', '.join(failed)}",
               file=sys.stderr)  # fmt: skip
         return EXIT_BUS
     return EXIT_OK
+
+
+@contextlib.asynccontextmanager
+async def _node_metrics(args: argparse.Namespace, daemons: list[Any]) -> AsyncIterator[None]:
+    """Prometheus /metrics of the node daemons (`--metrics`) for as long as they serve."""
+    if args.metrics is None:
+        yield
+        return
+    from fednode.metrics import NodeHostMetrics, serve_metrics
+
+    host, port = args.metrics
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            url = await stack.enter_async_context(serve_metrics(NodeHostMetrics(daemons).render, host, port))
+        except OSError as exc:
+            raise ConfigError(f"--metrics {host}:{port}: cannot listen there: {exc.strerror or exc}") from exc
+        print(f"metrics: {url}/metrics", file=sys.stderr, flush=True)
+        yield
 
 
 if __name__ == "__main__":

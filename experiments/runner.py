@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,14 +31,17 @@ from broker.errors import BusError
 from broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from broker.provision import Provisioned, provision
 from coordinator.run_dir import write_json
-from experiments.build import federation_id, preflight
+from experiments.build import bus_config, federation_id, preflight
 from experiments.cli import PARENT_ENV, access_flags, broker_access
 from experiments.config import ExperimentConfig
 from experiments.grid import Grid, cell_is_done, load_experiment
 from experiments.report import write_report
+from experiments.service import wait_for_broker
 from fedcore.errors import ConfigError
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 4, 130
+EXIT_OK, EXIT_CONFIG, EXIT_BUS, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+CONNECT_TIMEOUT_S = 10.0
+"""How long `fedmq run --broker URL` waits for that broker (the daemons' default --connect-timeout)."""
 
 
 @dataclass
@@ -62,10 +66,12 @@ class Children:
         return proc
 
     async def stop(self, names: list[str] | None = None, *, grace_s: float = 10.0) -> None:
+        """SIGINT, as Ctrl-C: a run being stopped has nothing to drain for (SIGTERM would have the nodes
+        finish their updates, for a broker stopped with them), and the coordinator still writes its summary."""
         procs = [p for n, p in self.procs.items() if (names is None or n in names) and p.returncode is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
+                proc.send_signal(signal.SIGINT)
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace_s)
         except TimeoutError:
@@ -122,6 +128,7 @@ async def run_from_cli(args: argparse.Namespace) -> int:
         "secure": args.secure,
         "access": access_flags(args),
         "monitor_access": broker_access(args),
+        "coordinator_flags": coordinator_flags(args),
     }
     if grid.is_grid:
         return await run_grid(grid, out, timeout_s=args.timeout, **options)
@@ -129,6 +136,22 @@ async def run_from_cli(args: argparse.Namespace) -> int:
     if (out / "summary.json").exists():
         _write_report(out, Console(highlight=False), args.quiet)
     return code
+
+
+def coordinator_flags(args: argparse.Namespace) -> list[str]:
+    """`fedmq run`'s options that only the coordinator process takes (the HTTP API)."""
+    flags = []
+    if args.http is not None:
+        host, port = args.http
+        flags += ["--http", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    if args.http_token_file is not None:
+        flags += ["--http-token-file", str(args.http_token_file)]
+    if args.tensorboard:
+        from coordinator.tensorboard import check_installed
+
+        check_installed()  # before starting anything: exit 2 saying what to install
+        flags.append("--tensorboard")  # into each run directory's tensorboard/
+    return flags
 
 
 def _write_report(out: Path, console: Console, quiet: bool) -> None:
@@ -153,6 +176,7 @@ async def run_grid(
     secure: bool = False,
     access: list[str] | None = None,
     monitor_access: Access | None = None,
+    coordinator_flags: list[str] | None = None,
 ) -> int:
     """Every cell of the grid, one federation after another; finished cells are kept (resumable)."""
     console = Console(highlight=False)
@@ -179,6 +203,7 @@ async def run_grid(
         code = await run_federation(
             cell.config, directory, broker=broker, processes=processes, quiet=quiet, timeout_s=timeout_s,
             verbose=verbose, secure=secure, access=access, monitor_access=monitor_access,
+            coordinator_flags=coordinator_flags,
         )  # fmt: skip
         ran.append(cell.cell_id)
         if code == EXIT_INTERRUPTED:
@@ -205,6 +230,7 @@ async def run_federation(
     secure: bool = False,
     access: list[str] | None = None,
     monitor_access: Access | None = None,
+    coordinator_flags: list[str] | None = None,
 ) -> int:
     """One federation: a broker unless `broker` is given (with `secure`, provisioned into OUT/secure and
     TLS only), the coordinator and the node hosts as processes; `access` are the broker-access flags
@@ -257,7 +283,8 @@ async def run_federation(
             if proc.returncode is not None:
                 raise BusError("the embedded broker exited at start; see logs/broker.log")
             where = f"embedded broker on {broker}"
-        else:
+        else:  # the user's broker: unreachable is exit 3 now, before any process starts
+            await wait_for_broker(bus_config(cfg, broker), CONNECT_TIMEOUT_S, flag=None)
             where = f"broker {broker}"
         if not quiet:
             console.print(
@@ -265,6 +292,10 @@ async def run_federation(
                 f" {_pace(cfg)}, {cfg.method.name} on {cfg.data.dataset}; {where}"
             )
             console.print(f"run directory: {out}")
+            if "--http" in (coordinator_flags or []):
+                address = coordinator_flags[coordinator_flags.index("--http") + 1]  # type: ignore[union-attr]
+                shown = f"http://{address}/" if not address.endswith(":0") else f"the URL in {out / 'http.json'}"
+                console.print(f"dashboard: {shown}")
         common = ["--config", str(config_path), "--federation", federation, *verbosity, *access]
         threads = ["--threads", str(cfg.hosting.threads_per_process)]
         coordinator = await children.start(
@@ -277,6 +308,7 @@ async def run_federation(
                 str(out),
                 *common,
                 *threads,
+                *(coordinator_flags or []),
                 "--log-file",
                 str(logs / "coordinator.log"),
             ],
@@ -389,7 +421,8 @@ def _report(out: Path, console: Console, returncode: int | None, wall: float, qu
     summary_path = out / "summary.json"
     if not summary_path.exists():
         console.print(f"[red]the coordinator wrote no summary (exit code {returncode}); see {out / 'logs'}[/]")
-        return EXIT_FAILED
+        # its configuration or its broker (exit 2 or 3) is what went wrong, not the federation
+        return returncode if returncode in (EXIT_CONFIG, EXIT_BUS) else EXIT_FAILED
     summary = json.loads(summary_path.read_text())
     final, best = summary.get("final_accuracy"), summary.get("best_accuracy")
     if summary.get("state") != "finished" or returncode != 0:

@@ -123,7 +123,7 @@ class Notifier:
             while True:
                 if not self.ready and waiting.done():
                     self.ready = True
-                    self._status = status()
+                    self._status = " ".join(status().split())
                     self.send("READY=1", f"STATUS={self._status}")
                 else:
                     self.status(status())

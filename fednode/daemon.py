@@ -96,6 +96,10 @@ class NodeDaemon:
         self._background: set[asyncio.Task[Any]] = set()
         self.player = ScriptPlayer(config.script, self.node_id, log=self.log)
         self._status_lock = asyncio.Lock()
+        self.connected = asyncio.Event()
+        """Set once the node is connected and subscribed, cleared when `serve` ends (readiness for supervisors)."""
+        self._drain_asked = asyncio.Event()
+        self._draining: str | None = None
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -114,21 +118,28 @@ class NodeDaemon:
         self._bus = client  # before connecting: the on-connect hook announces through it
         async with client as bus:
             await bus.subscribe(*self.topics.node_inbox(self.node_id), self.topics.coordinator_state)
+            self.connected.set()
             if self.config.script.transitions:
                 self._spawn(self.player.play(started, self._on_transition), f"scenario-{self.node_id}")
             receiver = asyncio.create_task(self._receive(bus))
             stopper = asyncio.create_task(self._stop.wait())
+            drainer = asyncio.create_task(self._drain_when_asked(), name=f"drain-{self.node_id}")
             try:
-                await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({receiver, stopper, drainer}, return_when=asyncio.FIRST_COMPLETED)
                 if receiver.done():
                     receiver.result()
+                if drainer.done():
+                    drainer.result()
             finally:
+                self.connected.clear()
                 if self._task is not None:
                     self._leave_group(self._task)
-                for task in (receiver, stopper, self._job, *self._background):
+                for task in (receiver, stopper, drainer, self._job, *self._background):
                     if task is not None:
                         task.cancel()
-                await asyncio.gather(receiver, stopper, *([self._job] if self._job else []), return_exceptions=True)
+                await asyncio.gather(
+                    receiver, stopper, drainer, *([self._job] if self._job else []), return_exceptions=True
+                )
                 self.log.info("stopping after %d rounds trained; bus %s", self.rounds_trained, bus.stats.as_dict())
                 if self.config.script.scripted:
                     self.log.info("scenario: %s", self.player.counts())
@@ -141,6 +152,34 @@ class NodeDaemon:
                         )
                     except (BusError, TimeoutError) as exc:
                         self.log.warning("could not publish the offline status: %s", exc)
+
+    def drain(self, reason: str) -> None:
+        """Stop taking tasks and end `serve` once the task in hand is dealt with: a training job in
+        progress finishes and sends its update; a task whose model has not come is abandoned, and a
+        task that arrives meanwhile refused, each reported to the coordinator as a failure with
+        `reason` (it then stops waiting for this node); then the node says goodbye (offline)."""
+        if self._draining is None:
+            self._draining = reason
+            self._drain_asked.set()
+
+    @property
+    def draining(self) -> str | None:
+        """Why the node is draining, or None."""
+        return self._draining
+
+    async def _drain_when_asked(self) -> None:
+        await self._drain_asked.wait()
+        reason = self._draining or "draining"
+        task, self._task = self._task, None
+        if task is not None:  # acknowledged, the model not here yet
+            self._leave_group(task)
+            self.log.info("draining (%s): abandoning round %d's task, whose model has not come", reason, task.round)
+            await self._report_failure(task, f"abandoned: the node is stopping ({reason})")
+        job = self._job
+        if job is not None and not job.done():
+            self.log.info("draining (%s): finishing the update in hand", reason)
+            await asyncio.wait({job})
+        self.log.info("drained (%s) after %d rounds trained", reason, self.rounds_trained)
 
     async def _announce(self) -> None:
         """The retained status, on every connect and scripted transition: online, or offline while the
@@ -230,6 +269,10 @@ class NodeDaemon:
     async def _on_task(self, message: Message, size: int = 0) -> None:
         task = self._parse_task(message, size)
         self._check_deadline(message)
+        if self._draining is not None:
+            self.log.info("round %d's task refused: the node is stopping (%s)", task.round, self._draining)
+            await self._report_failure(task, f"refused: the node is stopping ({self._draining})")
+            return
         if not self.player.admit(task.round):
             return  # scripted: offline, or a dropped task (no ack, no group, no update)
         if self._task is not None:
