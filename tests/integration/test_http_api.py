@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser import Browser, find_chromium
 from tests.integration.federation import Federation, base_config
@@ -90,6 +91,13 @@ async def test_the_api_follows_a_federation_and_agrees_with_its_run_directory(tm
             assert code == 200 and 1 <= mid["total"] <= 4
             nodes_mid = (await get(session, url + "api/nodes"))[1]
             assert sorted(n["node_id"] for n in nodes_mid) == [f"node-00{i}" for i in range(4)]
+            # Prometheus scrapes the same port, with the token, during the run
+            async with session.get(url + "metrics", headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+                assert response.status == 200 and response.content_type == "text/plain"
+                scraped = {s.name: s.value for f in text_string_to_metric_families(await response.text())
+                           for s in f.samples}  # fmt: skip
+            assert 1 <= scraped["fedmq_rounds_completed_total"] <= 4
+            assert scraped["fedmq_live_nodes"] == 4
             async with asyncio.timeout(120):
                 await stream  # ends with the run
     finally:
