@@ -261,6 +261,11 @@ class Coordinator:
                 self.watchers.remove(watcher)
 
     @property
+    def bus(self) -> BusClient | None:
+        """The bus client while serving (its stats: bytes, messages, rejections), for metrics; None before."""
+        return self._bus
+
+    @property
     def uptime_s(self) -> float:
         return time.monotonic() - self._started
 

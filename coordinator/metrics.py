@@ -160,8 +160,7 @@ class CoordinatorMetrics:
         config = coordinator.config
         metrics = cls(
             engine=coordinator.engine,
-            # the daemon keeps its bus client private; its stats are what summary.json reports as "bus"
-            bus=lambda: coordinator._bus,
+            bus=lambda: coordinator.bus,  # its stats are what summary.json reports as "bus"
             state=lambda: coordinator.state,
             info={"federation": config.federation, "engine": config.engine, "method": config.method},
         )
