@@ -803,9 +803,10 @@ def _status(args: argparse.Namespace) -> int:
     while True:
         try:
             state = snapshot(url, token)
-        except Unreachable:
+        except Unreachable as exc:
             if not seen:
-                raise
+                print(f"fedmq status: {exc}", file=sys.stderr)
+                return EXIT_BUS
             # a daemon exits when its run is over: after answering, silence is the end, not a fault
             print(f"fedmq status: {url} stopped answering: the coordinator has exited", file=sys.stderr)
             return EXIT_OK
