@@ -115,7 +115,8 @@ def load_node_data(cfg: ExperimentConfig, path: Path) -> TensorDataset:
 def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
     """Node id -> indices into the training set; the same on every process for the same seed."""
     labels = split.train.y.numpy()
-    parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=cfg.seed, **cfg.partition.options())
+    seed = cfg.partition.seed_for(cfg.seed)
+    parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=seed, **cfg.partition.options())
     return dict(zip(cfg.node_ids(), parts, strict=True))
 
 
@@ -136,7 +137,7 @@ def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
     return {
         "kind": cfg.partition.kind,
         "parameters": cfg.partition.options(),
-        "seed": cfg.seed,
+        "seed": cfg.partition.seed_for(cfg.seed),
         "num_classes": split.train.num_classes,
         "train_samples": len(split.train),
         "assigned_samples": sum(sizes.values()),

@@ -184,9 +184,20 @@ _DATA_CHOICES: dict[str, tuple[tuple[str, ...], type[BaseModel]]] = {
 class _Partition(_Strict):
     """One kind of split of the training set across nodes (`fedcore.partition`, where each is documented)."""
 
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**32 - 1,
+        description="the partition's own seed (default: the experiment's): fixed, every seed of a grid trains on"
+        " the same shards, as papers whose trials share one split (FedVLS's code draws it once, NumPy seed 1)",
+    )
+
     def options(self) -> dict[str, Any]:
         """The keyword options of `fedcore.partition.partition` for this kind."""
-        return self.model_dump(exclude={"kind"})
+        return self.model_dump(exclude={"kind", "seed"})
+
+    def seed_for(self, experiment_seed: int) -> int:
+        return experiment_seed if self.seed is None else self.seed
 
     def describe(self) -> str:
         """``kind(param=value, ...)``, for titles and logs."""

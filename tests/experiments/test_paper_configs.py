@@ -11,7 +11,12 @@ from experiments.grid import load_experiment
 from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
 
 PAPERS = Path(__file__).resolve().parents[2] / "experiments" / "papers"
-COMPANIONS = {"fedvls-beta005-seeds", "fedvls-beta005-seeds-authors", "fedvls-beta005-authors"}
+COMPANIONS = {
+    "fedvls-beta005-seeds",
+    "fedvls-beta005-seeds-authors",
+    "fedvls-beta005-authors",
+    "fedvls-beta005-one-split",
+}
 """Companions of a paper's files, neither its full nor its reduced config (more seeds for a few methods,
 the authors' evaluation pipeline): they load and name valid methods (the last test), nothing more."""
 FULL = sorted(p for p in PAPERS.glob("*.yaml") if not p.stem.endswith("-reduced") and p.stem not in COMPANIONS)

@@ -154,3 +154,21 @@ def test_partition_heatmap_bad_histogram_raises(tmp_path: Path) -> None:
     """A histogram that is not nodes x classes is a ValueError, not an empty figure."""
     with pytest.raises(ValueError, match="nodes x classes"):
         partition_heatmap(tmp_path / "h.png", np.zeros(5), title="test")
+
+
+def test_partition_seed_keeps_the_shards_across_the_experiments_seeds() -> None:
+    """`partition.seed` fixes the split while `seed` changes the rest (papers whose trials share one split);
+    without it, each experiment seed draws its own shards."""
+    split = load_dataset("synthetic", seed=0)
+
+    def parts(experiment_seed: int, **partition: Any) -> dict[str, np.ndarray]:
+        spec = {"kind": "dirichlet", "alpha": 0.1, **partition}
+        return shards(parse_config(MINIMAL | {"seed": experiment_seed, "partition": spec}), split)
+
+    def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+        return all(np.array_equal(a[node], b[node]) for node in a)
+
+    assert same(parts(0, seed=7), parts(1, seed=7)) and same(parts(5, seed=7), parts(7))
+    assert not same(parts(0), parts(1)) and not same(parts(0, seed=7), parts(0, seed=8))
+    cfg = parse_config(MINIMAL | {"seed": 3, "partition": {"kind": "iid", "seed": 7}})
+    assert partition_report(cfg, split)["seed"] == 7 and "seed" not in cfg.partition.options()
