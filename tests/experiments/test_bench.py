@@ -44,6 +44,7 @@ def test_report_markdown_shows_every_figure_ratio_and_target() -> None:
     assert json.loads(json.dumps(report.to_json()))["figures"][1]["ratio"] == 0.5
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_codec_suite_compares_encode_with_memcpy_and_decode_with_the_other_formats(tmp_path: Path) -> None:
     report = run_suite("codec", quick(tmp_path), log=lambda _: None)
     rows = figures(report)
@@ -60,6 +61,7 @@ def test_codec_suite_compares_encode_with_memcpy_and_decode_with_the_other_forma
     ]
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_transport_suite_measures_the_bus_and_the_raw_socket_side_by_side(tmp_path: Path) -> None:
     report = run_suite("transport", quick(tmp_path), log=lambda _: None)
     rows = figures(report)
@@ -71,6 +73,7 @@ def test_transport_suite_measures_the_bus_and_the_raw_socket_side_by_side(tmp_pa
     assert report.targets[0].text == "4 MB to one node >= 1 GB/s end to end"
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_rounds_suite_runs_real_federations_and_times_their_rounds(tmp_path: Path) -> None:
     report = run_suite("rounds", quick(tmp_path), log=lambda _: None)
     rows = [f for f in report.figures if f.section == "time per round"]
@@ -83,6 +86,7 @@ def test_rounds_suite_runs_real_federations_and_times_their_rounds(tmp_path: Pat
     assert all(b["ended_s"] > a["ended_s"] for a, b in itertools.pairwise(metrics))
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_scale_suite_ramps_the_node_count_and_measures_memory(tmp_path: Path) -> None:
     report = run_suite("scale", quick(tmp_path), log=lambda _: None)
     rows = figures(report)
@@ -94,6 +98,7 @@ def test_scale_suite_ramps_the_node_count_and_measures_memory(tmp_path: Path) ->
     assert report.targets[0].met is False  # 40 nodes are not the 1,000 of the target
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

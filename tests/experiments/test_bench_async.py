@@ -69,6 +69,7 @@ def check_comparison(report: Report, where: str, figures: dict, labels: list[str
         assert wasted[label].ratio == pytest.approx(run["wasted"] / run["sent"] / sync_share)
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_async_suite_measures_every_section_and_reports_ratios(tmp_path: Path) -> None:
     assert SUITES["async"] == "experiments.bench.asynchrony"
     report = run_suite("async", BenchOptions(quick=True, work_dir=tmp_path), log=lambda _: None)

@@ -10,6 +10,7 @@ import pytest
 from experiments.bench_fedsa import main, table
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_bench_fedsa_measures_both_rules_at_each_k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--params 1000 --updates 3: one result per rule, sizes as asked, and one table row for K = 3."""
     out = tmp_path / "fedsa.json"

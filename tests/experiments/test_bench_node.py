@@ -13,6 +13,7 @@ from experiments.bench.common import BenchOptions
 from experiments.cli import build_parser
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_node_suite_measures_one_node_on_the_partition_and_on_its_own_file(tmp_path: Path) -> None:
     report = run_suite("node", BenchOptions(quick=True, work_dir=tmp_path), log=lambda _: None)
     rows = {f"{f.section.split(':')[0]}: {f.label}": f for f in report.figures}

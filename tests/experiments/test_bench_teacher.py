@@ -10,6 +10,7 @@ import pytest
 from experiments.bench_teacher import main
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_bench_teacher_compares_each_mode_with_the_exact_one(tmp_path: Path) -> None:
     out = tmp_path / "teacher.json"
     args = ["--nodes", "60", "--fraction", "0.1", "--rounds", "12", "--modes", "exact,windowed,streaming"]

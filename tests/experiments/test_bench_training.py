@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from experiments.bench.common import BenchOptions
 from experiments.bench.training import run
 
 
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_bench_train_quick_reports_each_case_side_by_side() -> None:
     """Each case gives a one-by-one row and a vectorised row with its ratio and weight difference; the
     float64 target is met, and the missing GPU is said, not hidden."""
