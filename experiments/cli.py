@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.errors import BusError, CredentialsError
+from experiments.broker_flags import add_access, broker_access
+from experiments.service import die_with_parent
 from fedcore.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -109,56 +111,6 @@ def _add_service(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_access(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "broker access",
-        "For a broker with TLS (mqtts://) and per-identity credentials, e.g. one set up by `fedmq provision`."
-        " A password is never needed in the URL, which any user can see in `ps`; FEDMQ_BROKER_USERNAME,"
-        " FEDMQ_BROKER_PASSWORD and FEDMQ_BROKER_PASSWORD_FILE are read too (the flags win).",
-    )
-    g.add_argument(
-        "--credentials",
-        type=Path,
-        metavar="PATH",
-        help="a credentials file (JSON: username, password, ca_file) for one identity, or a folder of"
-        " IDENTITY.json files, one per node id and coordinator.json (what `fedmq provision` writes)",
-    )
-    g.add_argument("--username", help="MQTT user name")
-    g.add_argument("--password-file", type=Path, metavar="FILE", help="read the MQTT password from FILE")
-    g.add_argument("--ca-file", type=Path, metavar="FILE", help="the CA that signed the broker's certificate")
-    g.add_argument("--cert-file", type=Path, metavar="FILE", help="a client certificate (PEM), with --key-file")
-    g.add_argument("--key-file", type=Path, metavar="FILE", help="the client certificate's private key (PEM)")
-
-
-def broker_access(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The Access the broker-access flags describe."""
-    from broker.credentials import Access, Credentials, read_password_file
-
-    def path(value: Path | None) -> str | None:
-        if value is not None and not value.is_file():
-            raise CredentialsError(f"{value} does not exist")
-        return str(value.resolve()) if value is not None else None
-
-    flags = Credentials(
-        username=args.username,
-        password=read_password_file(args.password_file) if args.password_file else None,
-        ca_file=path(args.ca_file),
-        cert_file=path(args.cert_file),
-        key_file=path(args.key_file),
-    )
-    return Access(source=args.credentials, flags=flags)
-
-
-def access_flags(args: argparse.Namespace) -> list[str]:
-    """The broker-access flags as given, for the processes `fedmq run` starts."""
-    out: list[str] = []
-    for flag in ("credentials", "username", "password_file", "ca_file", "cert_file", "key_file"):
-        value = getattr(args, flag, None)
-        if value is not None:
-            out += [f"--{flag.replace('_', '-')}", str(Path(value).resolve()) if isinstance(value, Path) else value]
-    return out
-
-
 def _http_address(text: str) -> tuple[str, int]:
     from coordinator.errors import CoordinatorError
     from coordinator.http import parse_address
@@ -235,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         " needs pip install 'fedmq[tensorboard]')",
     )
     _add_http(p)
-    _add_access(p)
+    add_access(p)
     _add_common(p)
 
     p = sub.add_parser(
@@ -438,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         " to DIR (default OUT/tensorboard); needs pip install 'fedmq[tensorboard]'",
     )
     _add_http(p)
-    _add_access(p)
+    add_access(p)
     _add_common(p)
 
     p = sub.add_parser(
@@ -477,34 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics of this process's nodes at http://HOST:PORT/metrics (a bare port listens on"
         " loopback only; 0 picks a free port, printed at start; docs/metrics.md)",
     )
-    _add_access(p)
+    add_access(p)
     _add_common(p)
     return parser
 
 
-PARENT_ENV = "FEDMQ_PARENT_PID"
-
-
-def _die_with_parent() -> None:
-    """A process started by `fedmq run` ends with it, even when `fedmq run` is killed outright.
-
-    Linux only (prctl PR_SET_PDEATHSIG); SIGINT then stops the daemon as Ctrl-C does (no drain: the
-    run and its broker are gone). Elsewhere `fedmq run` still stops its children whenever it can run
-    its own clean-up.
-    """
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
-    if str(os.getppid()) != parent:  # the parent died before the call above
-        os.kill(os.getpid(), signal.SIGINT)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     from coordinator.errors import CoordinatorError
     from experiments import logs
 

@@ -31,12 +31,12 @@ from broker.errors import BusError
 from broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from broker.provision import Provisioned, provision
 from coordinator.run_dir import write_json
+from experiments.broker_flags import access_flags, broker_access
 from experiments.build import bus_config, federation_id, preflight
-from experiments.cli import PARENT_ENV, access_flags, broker_access
 from experiments.config import ExperimentConfig
 from experiments.grid import Grid, cell_is_done, load_experiment
 from experiments.report import write_report
-from experiments.service import wait_for_broker
+from experiments.service import PARENT_ENV, wait_for_broker
 from fedcore.errors import ConfigError
 
 EXIT_OK, EXIT_CONFIG, EXIT_BUS, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130

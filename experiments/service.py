@@ -308,3 +308,23 @@ class Signals:
                 self.on_stop(why)
             except Exception:
                 logger.exception("the stop hook failed")
+
+
+PARENT_ENV = "FEDMQ_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """A process started by `fedmq run` ends with it, even when `fedmq run` is killed outright.
+
+    Linux only (prctl PR_SET_PDEATHSIG); SIGINT then stops the daemon as Ctrl-C does (no drain: the
+    run and its broker are gone). Elsewhere `fedmq run` still stops its children whenever it can run
+    its own clean-up.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != parent:  # the parent died before the call above
+        os.kill(os.getpid(), signal.SIGINT)

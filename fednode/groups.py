@@ -22,12 +22,10 @@ import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+from torch import nn
 
 from fedcore.algorithms.base import GroupMember, NodeHalf, Payload
-
-if TYPE_CHECKING:
-    from fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +51,12 @@ class _Group:
 class GroupTrainer:
     """The rendezvous of one process's nodes (one per `Workspace`); see the module docstring."""
 
-    def __init__(self, workspace: Workspace, wait_s: float, *, logger: logging.Logger = logger) -> None:
+    def __init__(self, model: nn.Module, lock: asyncio.Lock, wait_s: float, *, logger: logging.Logger = logger) -> None:
         if wait_s <= 0:
             raise ValueError(f"wait_s must be positive, got {wait_s!r}")
-        self.workspace = workspace
+        self.model = model
+        self.lock = lock
+        """The workspace's model and lock: the nodes of one process train in one model, one at a time."""
         self.wait_s = wait_s
         self.log = logger
         self.groups_trained = 0
@@ -71,7 +71,7 @@ class GroupTrainer:
         why not is logged once per class)."""
         kind = type(half)
         if kind not in self._refusals:
-            reason = self._refusals[kind] = half.group_refusal(self.workspace.model)
+            reason = self._refusals[kind] = half.group_refusal(self.model)
             if reason is not None:
                 self.log.warning("hosting.vectorize is on but nodes train one by one: %s", reason)
         return self._refusals[kind] is None
@@ -127,10 +127,10 @@ class GroupTrainer:
 
     async def _train(self, members: list[tuple[GroupMember, asyncio.Future[Grouped]]]) -> None:
         group = [m for m, _ in members]
-        async with self.workspace.lock:
+        async with self.lock:
             started = time.perf_counter()
             try:
-                payloads = await asyncio.to_thread(group[0].half.train_group, group, self.workspace.model)
+                payloads = await asyncio.to_thread(group[0].half.train_group, group, self.model)
             except Exception as exc:
                 self.log.error("training a group of %d failed, each trains alone: %r", len(group), exc, exc_info=exc)
                 return

@@ -33,7 +33,7 @@ class Workspace:
         self.model.to(self.device)
         self.schema: dict[str, TensorSpec] = schema_of(self.model.state_dict())
         self._scratch: dict[str, nn.Module] = {}
-        self.groups = GroupTrainer(self, self.group_wait_s) if self.group_wait_s is not None else None
+        self.groups = GroupTrainer(self.model, self.lock, self.group_wait_s) if self.group_wait_s is not None else None
 
     def scratch(self, key: str, build: Callable[[], nn.Module] | None = None) -> nn.Module:
         """A spare model kept under `key` for the nodes of this process: a copy of the training model's

@@ -129,3 +129,58 @@ def test_exceptions_import_only_inside_functions() -> None:
                 if any(n.split(".")[0] == top for n in names) and id(node) not in lazy:
                     offenders.append(f"{rel}: module-level import of {top}")
     assert not offenders, offenders
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """Our modules that `path` imports when it is imported: module level, including `if TYPE_CHECKING:` and
+    `try:` blocks (a type-only cycle still ties two modules together), not imports inside functions. `from
+    pkg import sub` counts as an import of `pkg.sub`, not of the package's `__init__`."""
+    name = _module_name(path)
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = name.split(".")[: len(name.split(".")) - node.level + (path.name == "__init__.py")]
+                    base = ".".join([*package, base] if base else package)
+                subs = {f"{base}.{alias.name}" for alias in node.names} & modules
+                found.update(subs)
+                if len(subs) < len(node.names):
+                    found.add(base)
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return (found & modules) - {name}
+
+
+def test_no_import_cycles() -> None:
+    """No two of our modules import each other, directly or around a circle (issue 20 found two:
+    experiments.cli <-> experiments.runner, fednode.groups <-> fednode.workspace)."""
+    paths = {_module_name(p): p for pkg in (*ALLOWED, "experiments") for p in (ROOT / pkg).rglob("*.py")}
+    graph = {name: _module_level_imports(path, set(paths)) for name, path in paths.items()}
+    cycles = []
+    for start in graph:  # a depth-first walk from each module, back to it
+        stack = [(start, [start])]
+        seen: set[str] = set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join([*trail, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))

@@ -120,7 +120,7 @@ async def test_failed_group_training_sends_every_member_back_to_train_alone() ->
 def test_rendezvous_admits_only_methods_with_a_group_form(method: str, model: str, admitted: bool) -> None:
     spec = get_algorithm(method)
     rendezvous = trainer(wait_s=1)
-    rendezvous.workspace.model = build_model(model, (1, 8, 8), 10, seed=0)
+    rendezvous.model = build_model(model, (1, 8, 8), 10, seed=0)
     assert rendezvous.admits(spec.node(build_hyperparams(spec, {}), node_id="node-0")) is admitted
 
 

@@ -152,7 +152,7 @@ async def test_job_sleeps_link_and_compute_outside_the_workspace_lock() -> None:
     ((frame, sent_at),) = bus.frames
     assert decode(frame).kind == Kind.UPDATE and daemon.rounds_trained == 1
     floor = script.transfer_s(50_000) + 0.2 + script.transfer_s(len(frame))
-    assert floor - 0.01 < sent_at - started < floor + 2.0
+    assert sent_at - started > floor - 0.01  # no upper bound: a loaded machine only makes it later
 
 
 async def test_job_sends_nothing_when_the_node_goes_offline_during_its_sleeps() -> None:
