@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import aiomqtt
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker import BusClient, Envelope
 
@@ -33,3 +34,20 @@ async def raw_client(url: str) -> AsyncIterator[aiomqtt.Client]:
 QUICKSTART_STRAGGLERS = [f"faults.node-{i:03d}.delay_s=45" for i in (1, 4, 7, 12, 15)]
 """Overrides making five of the twenty quickstart nodes answer after its 30 s deadline: late in sync,
 stale in async."""
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""Prometheus samples by name and sorted labels."""
+
+
+def parse_metrics(body: bytes) -> Samples:
+    """Every sample of a /metrics body, parsed by prometheus_client's own parser."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]

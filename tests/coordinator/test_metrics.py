@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker import BusConfig, Kind, Message
 from broker.client import BusStats
@@ -22,23 +21,14 @@ from coordinator.metrics import CoordinatorMetrics
 from fedcore.algorithms.base import NodeUpdate, Payload
 from tests.coordinator.engine_helpers import Driver, config, of, one, seen, update
 from tests.coordinator.test_payloads import PerNode, _model
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.helpers import Samples, parse_metrics, value
 
 
 def scrape(metrics: CoordinatorMetrics) -> Samples:
     """Every sample of `render()`, by name and sorted labels, parsed by prometheus_client's own parser."""
     body, content_type = metrics.render()
     assert content_type == CONTENT_TYPE_LATEST
-    samples: Samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
+    return parse_metrics(body)
 
 
 def names(samples: Samples) -> set[str]:

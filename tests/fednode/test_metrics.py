@@ -10,29 +10,16 @@ import aiohttp
 import pytest
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker.client import BusStats
 from experiments.build import build_nodes
 from experiments.config import parse_config
 from fednode.daemon import NodeDaemon
 from fednode.metrics import NodeHostMetrics, serve_metrics
+from tests.helpers import parse_metrics, value
 from tests.integration.federation import base_config
 
 URL = "mqtt://127.0.0.1:1"  # never connected to: the daemons are only built
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def parse(body: bytes) -> Samples:
-    samples: Samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +60,7 @@ def test_node_host_metrics_give_three_series_per_node_and_the_host_sums_of_the_r
                                             training_error=1))  # fmt: skip
     body, content_type = NodeHostMetrics(daemons).render()
     assert content_type == CONTENT_TYPE_LATEST
-    s = parse(body)
+    s = parse_metrics(body)
     ids = [d.node_id for d in daemons]
     assert [value(s, "fedmq_node_tasks_received_total", node=n) for n in ids] == [7, 0, 5]
     assert [value(s, "fedmq_node_updates_sent_total", node=n) for n in ids] == [4, 0, 2]
@@ -107,7 +94,7 @@ async def test_serve_metrics_answers_a_scrape_over_http_with_what_render_gives_n
         for expected in (1, 2):
             async with http.get(f"{url}/metrics") as response:
                 assert response.status == 200 and response.headers["Content-Type"] == CONTENT_TYPE_LATEST
-                assert value(parse(await response.read()), "fedmq_test") == expected
+                assert value(parse_metrics(await response.read()), "fedmq_test") == expected
         async with http.get(f"{url}/") as response:
             assert response.status == 404
     assert len(calls) == 2

@@ -17,7 +17,6 @@ import aiohttp
 import pytest
 import torch
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 import experiments.build
 from coordinator.engine import commands as c
@@ -28,11 +27,11 @@ from experiments.cli import main
 from experiments.config import parse_config
 from fednode.daemon import serve_nodes
 from fednode.metrics import NodeHostMetrics, serve_metrics
+from tests.helpers import Samples, parse_metrics, value
 from tests.integration.federation import base_config
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 ENGINES = {
     "sync": {"rounds": 5},
     "async": {
@@ -41,18 +40,6 @@ ENGINES = {
         "eval_every": 2,
     },
 }
-
-
-def parse(body: bytes) -> Samples:
-    samples: Samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 def total(samples: Samples, name: str) -> float:
@@ -90,7 +77,7 @@ async def test_metrics_scraped_during_a_run_grow_and_agree_with_the_metrics_line
         async def scrape_host() -> Samples:
             async with http.get(f"{url}/metrics") as response:
                 assert response.status == 200
-                return parse(await response.read())
+                return parse_metrics(await response.read())
 
         run = asyncio.ensure_future(asyncio.gather(coordinator.serve(), serve_nodes(nodes)))
         while not run.done():
@@ -101,10 +88,12 @@ async def test_metrics_scraped_during_a_run_grow_and_agree_with_the_metrics_line
                 break
             if coordinator.engine.finished:
                 continue  # the nodes may be leaving: only scrapes of the running federation count
-            mine = parse(metrics.render()[0])  # first the coordinator, then the nodes, who sent before it received
+            mine = parse_metrics(
+                metrics.render()[0]
+            )  # first the coordinator, then the nodes, who sent before it received
             during.append((mine, await scrape_host()))
         summary, failed = await run
-        end, end_host = parse(metrics.render()[0]), await scrape_host()
+        end, end_host = parse_metrics(metrics.render()[0]), await scrape_host()
 
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert failed == [] and summary.state == "finished" and len(records) == {"sync": 5, "async": 6}[engine]
@@ -198,7 +187,7 @@ async def test_node_command_serves_its_nodes_metrics(tmp_path: Path, embedded_br
         async with aiohttp.ClientSession() as http, asyncio.timeout(60):
             while True:
                 async with http.get(url) as response:
-                    samples = parse(await response.read())
+                    samples = parse_metrics(await response.read())
                 if total(samples, "fedmq_node_connected") == 2 and value(samples, "fedmq_bus_published_messages_total"):
                     break
                 await asyncio.sleep(0.1)
