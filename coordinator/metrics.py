@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 
 from broker.client import BusStats
+from broker.prometheus import bus_families
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
 from coordinator.engine.base import Engine
@@ -55,15 +56,7 @@ MODEL_GAUGES = {
     "loss": "Test loss of the global model at its latest evaluation.",
     "train_loss": "Mean training loss the nodes reported for the latest aggregation, when the method reports it.",
 }
-
-BUS_COUNTERS = (
-    ("received", "fedmq_bus_received_messages", "Messages received from the broker (decoded frames)."),
-    ("published", "fedmq_bus_published_messages", "Messages published to the broker."),
-    ("bytes_in", "fedmq_bus_received_bytes", "Bytes of frames received from the broker."),
-    ("bytes_out", "fedmq_bus_sent_bytes", "Bytes of frames published to the broker."),
-    ("duplicates", "fedmq_bus_duplicate_messages", "Redelivered messages dropped as duplicates."),
-    ("reconnects", "fedmq_bus_reconnects", "Reconnections to the broker."),
-)
+PROTOCOL_REJECTIONS = "Messages rejected as breaking the protocol (malformed, forged, out of round, ...), by reason."
 
 
 class BusView(Protocol):
@@ -229,7 +222,7 @@ class _Present:
             yield from _engine_families(m.engine, m._state() if m._state is not None else m.engine.state)
         bus = m._bus() if m._bus is not None else None
         if m._bus is not None:
-            yield from bus_families([bus.stats] if bus is not None else [])
+            yield from bus_families([bus.stats] if bus is not None else [], PROTOCOL_REJECTIONS)
             yield GaugeMetricFamily(
                 "fedmq_bus_connected", "1 while connected to the broker.", value=int(bus is not None and bus.connected)
             )
@@ -259,21 +252,3 @@ def _engine_families(engine: Engine, state: str) -> Iterator[Metric]:
     for name in (*STATES, *([state] if state not in STATES else [])):
         family.add_metric([name], int(name == state))
     yield family
-
-
-def bus_families(stats: list[BusStats]) -> Iterator[Metric]:
-    """The bus counters summed over `stats` (one client's, or a node host's many), and rejections by reason."""
-    for attr, name, doc in BUS_COUNTERS:
-        yield CounterMetricFamily(name, doc, value=sum(getattr(s, attr) for s in stats))
-    rejected = CounterMetricFamily(
-        "fedmq_rejected_messages",
-        "Messages rejected as breaking the protocol (malformed, forged, out of round, ...), by reason.",
-        labels=["reason"],
-    )
-    reasons: dict[str, int] = {}
-    for s in stats:
-        for reason, count in s.rejected.items():
-            reasons[reason] = reasons.get(reason, 0) + count
-    for reason, count in sorted(reasons.items()):
-        rejected.add_metric([reason], count)
-    yield rejected

@@ -17,20 +17,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from broker.client import BusStats
+from broker.prometheus import bus_families
 from fednode.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
-
-BUS_COUNTERS = (
-    ("received", "fedmq_bus_received_messages", "Messages received from the broker (decoded frames)."),
-    ("published", "fedmq_bus_published_messages", "Messages published to the broker."),
-    ("bytes_in", "fedmq_bus_received_bytes", "Bytes of frames received from the broker."),
-    ("bytes_out", "fedmq_bus_sent_bytes", "Bytes of frames published to the broker."),
-    ("duplicates", "fedmq_bus_duplicate_messages", "Redelivered messages dropped as duplicates."),
-    ("reconnects", "fedmq_bus_reconnects", "Reconnections to the broker."),
-)
-"""The same names as the coordinator's (coordinator.metrics), summed over the host's nodes."""
 
 
 class NodeHostMetrics:
@@ -92,25 +82,10 @@ class _HostCollector:
             "Seconds the nodes spent in local training (wall time of the training call).",
             value=sum(d.train_seconds for d in daemons),
         )
-        yield from bus_families([d.bus.stats for d in daemons if d.bus is not None])
-
-
-def bus_families(stats: list[BusStats]) -> Iterator[Metric]:
-    """The bus counters summed over the host's clients, and the rejections by reason."""
-    for attr, name, doc in BUS_COUNTERS:
-        yield CounterMetricFamily(name, doc, value=sum(getattr(s, attr) for s in stats))
-    rejected = CounterMetricFamily(
-        "fedmq_rejected_messages",
-        "Messages rejected (malformed, forged, expired tasks, ...) and failed trainings, by reason.",
-        labels=["reason"],
-    )
-    reasons: dict[str, int] = {}
-    for s in stats:
-        for reason, count in s.rejected.items():
-            reasons[reason] = reasons.get(reason, 0) + count
-    for reason, count in sorted(reasons.items()):
-        rejected.add_metric([reason], count)
-    yield rejected
+        yield from bus_families(
+            [d.bus.stats for d in daemons if d.bus is not None],
+            "Messages rejected (malformed, forged, expired tasks, ...) and failed trainings, by reason.",
+        )
 
 
 @contextlib.asynccontextmanager

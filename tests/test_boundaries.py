@@ -17,7 +17,18 @@ STDLIB = set(sys.stdlib_module_names)
 FORBIDDEN_EVERYWHERE = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "torchvision"}
 
 ALLOWED: dict[str, set[str]] = {
-    "broker": {"broker", "aiomqtt", "paho", "msgpack", "numpy", "amqtt", "xxhash", "cryptography", "argon2"},
+    "broker": {
+        "broker",
+        "aiomqtt",
+        "paho",
+        "msgpack",
+        "numpy",
+        "amqtt",
+        "xxhash",
+        "cryptography",
+        "argon2",
+        "prometheus_client",
+    },
     "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors"},
     "coordinator": {
         "coordinator",
@@ -43,7 +54,7 @@ NARROW = {
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS
     "safetensors": {"coordinator/run_dir.py", "fedcore/algorithms/kdia_teacher.py"},  # checkpoints, KDIA's disk store
     "aiohttp": {"coordinator/http.py", "fednode/metrics.py"},  # the HTTP API and dashboard, a node host's /metrics
-    "prometheus_client": {"coordinator/metrics.py", "fednode/metrics.py"},
+    "prometheus_client": {"coordinator/metrics.py", "fednode/metrics.py", "broker/prometheus.py"},
     "tensorboard": {"coordinator/tensorboard.py"},  # optional: fedmq[tensorboard]
 }
 # The only exceptions to FORBIDDEN_EVERYWHERE: the opt-in `data.download` imports torchvision inside
