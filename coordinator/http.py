@@ -287,7 +287,7 @@ class CoordinatorAPI:
         except OSError as exc:
             await self._runner.cleanup()
             raise CoordinatorError(f"the HTTP API cannot listen on {host}:{port}: {exc.strerror}") from exc
-        bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port  # type: ignore[union-attr]
+        bound = self._runner.addresses[0][1]  # the port the system chose for port 0
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}/"
         self.coordinator.run_dir.write_json("http.json", {"url": self.url, "token_required": self.token is not None})
