@@ -253,7 +253,7 @@ class Coordinator:
         self.event_log.commands(commands)
         for command in commands:
             self._execute(command)
-        for watcher in list(self.watchers):
+        for watcher in list(self.watchers) if self.watchers else ():  # no copy per event when none watch
             try:
                 watcher(now, event, commands)
             except Exception:

@@ -61,12 +61,14 @@ def render(state: dict[str, Any], console: Console, last: int = 10) -> None:
     step = "version" if status.get("engine") == "async" else "round"
     where = status.get("model_version") if step == "version" else f"{status.get('round')}/{status.get('rounds')}"
     accuracy = status.get("accuracy")
-    console.print(
+    line = (
         f"[bold]{status.get('federation')}[/] {status.get('method')} ({status.get('engine')}): "
         f"[bold]{status.get('state')}[/], {step} {where}, live nodes {status.get('nodes_live')}/"
         f"{status.get('nodes_known')}"
-        + (f", accuracy {accuracy:.4f} (best {status.get('best_accuracy', accuracy):.4f})" if accuracy else "")
     )
+    if accuracy is not None:
+        line += f", accuracy {accuracy:.4f} (best {status.get('best_accuracy', accuracy):.4f})"
+    console.print(line)
     if rounds:
         table = Table(title=f"last {min(last, len(rounds))} of {len(rounds)} {step}s", title_justify="left")
         for column in (step, "accuracy", "loss", "train loss", "accepted", "late", "lost", "seconds"):

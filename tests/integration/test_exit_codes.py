@@ -25,6 +25,7 @@ import asyncio
 import json
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -152,13 +153,7 @@ def test_the_coordinator_interrupted_exits_130_and_drained_exits_0(
         "coordinator", "--broker", embedded_broker, "--config", str(QUICKSTART), "--out", str(out),
         "--federation", f"x{free_port()}", *WAITING, log=log, env=notify.env(),
     )  # fmt: skip
-    try:
-        notify.wait_for("READY=1", proc, log)
-        proc.send_signal(sig)
-        assert proc.wait(60) == code, tail(log)
-    finally:
-        proc.kill()
-        notify.close()
+    assert signalled_when_ready(proc, notify, log, sig) == code, tail(log)
     assert json.loads((out / "summary.json").read_text())["state"] == "stopped"
     assert "Traceback" not in tail(log)
 
@@ -173,16 +168,21 @@ def test_the_node_interrupted_exits_130_and_drained_exits_0_saying_goodbye(
         "node", "--broker", embedded_broker, "--config", str(QUICKSTART), "--node-id", "node-003",
         "--federation", federation, "-v", log=log, env=notify.env(),
     )  # fmt: skip
-    try:
-        notify.wait_for("READY=1", proc, log)
-        proc.send_signal(sig)
-        assert proc.wait(60) == code, tail(log)
-    finally:
-        proc.kill()
-        notify.close()
+    assert signalled_when_ready(proc, notify, log, sig) == code, tail(log)
     assert asyncio.run(_retained_state(embedded_broker, federation, "node-003")) == "offline"
     if sig == signal.SIGTERM:
         assert "[node-003] drained (SIGTERM) after 0 rounds trained" in tail(log)
+
+
+def signalled_when_ready(proc: subprocess.Popen[bytes], notify: NotifySocket, log: Path, sig: signal.Signals) -> int:
+    """Send `sig` once the daemon said READY=1 on its notify socket; its exit code."""
+    try:
+        notify.wait_for("READY=1", proc, log)
+        proc.send_signal(sig)
+        return proc.wait(60)
+    finally:
+        proc.kill()
+        notify.close()
 
 
 async def _retained_state(url: str, federation: str, node: str) -> str:
