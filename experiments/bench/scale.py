@@ -59,11 +59,16 @@ def run(options: BenchOptions) -> Report:
             result["startup_s"] = summary.get("startup_seconds")
             done.append((nodes, result, memory.peak))
             section = f"{nodes} node daemons"
-            report.add("until every node was live", result["startup_s"] or float("nan"), "s", section=section)
+            first = done[0][1]  # the smallest step, measured in this run: each step's growth over it
+            report.add(
+                "until every node was live", result["startup_s"] or float("nan"), "s", section=section,
+                **_growth(result["startup_s"], first["startup_s"], done[0][0]),
+            )  # fmt: skip
             report.add(
                 "time per round at 1% participation" if not options.quick else "time per round",
                 result["seconds_per_round"] * 1e3, "ms", section=section,
                 note=f"{result['selected_per_round']:.0f} selected",
+                **_growth(result["seconds_per_round"], first["seconds_per_round"], done[0][0]),
             )  # fmt: skip
             hosts = memory.peak["node-hosts"]
             report.add("node hosts' memory (peak RSS, 2 processes)", hosts / MIB, "MiB",
@@ -81,6 +86,13 @@ def run(options: BenchOptions) -> Report:
     report.add("most node daemons that ran rounds here", most, "nodes", section="per node")
     report.target("1,000 connected node daemons on this machine", f"{most:,} ran rounds", most >= 1000)
     return report
+
+
+def _growth(value: float | None, first: float | None, first_nodes: int) -> dict[str, Any]:
+    """The ratio of a step's figure to the smallest step's, as `Report.add` keywords."""
+    if not value or not first:
+        return {}
+    return {"ratio": value / first, "ratio_means": f"the {first_nodes:,}-node step's"}
 
 
 def _summary(out: Any) -> dict[str, Any]:

@@ -77,9 +77,13 @@ def test_transport_suite_measures_the_bus_and_the_raw_socket_side_by_side(tmp_pa
 def test_rounds_suite_runs_real_federations_and_times_their_rounds(tmp_path: Path) -> None:
     report = run_suite("rounds", quick(tmp_path), log=lambda _: None)
     rows = [f for f in report.figures if f.section == "time per round"]
-    assert [f.label for f in rows] == ["4 nodes, C = 0.5"]
+    assert [f.label for f in rows] == [
+        "a small message's round trip through the broker (the floor)",
+        "4 nodes, C = 0.5",
+    ]
     assert all(f.value > 0 and math.isfinite(f.value) for f in rows)
-    assert "2 selected" in rows[0].note
+    floor, round_ = rows
+    assert "2 selected" in round_.note and round_.ratio == pytest.approx(round_.value / floor.value)
     runs = sorted((tmp_path / "rounds").iterdir())
     metrics = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 5 and all(m["aggregated"] and m["accepted"] == m["selected"] for m in metrics)
@@ -92,6 +96,8 @@ def test_scale_suite_ramps_the_node_count_and_measures_memory(tmp_path: Path) ->
     rows = figures(report)
     for nodes in (20, 40):
         assert rows[f"{nodes} node daemons: until every node was live"].value > 0
+        per_round, first = rows[f"{nodes} node daemons: time per round"], rows["20 node daemons: time per round"]
+        assert per_round.ratio == pytest.approx(per_round.value / first.value)
         assert rows[f"{nodes} node daemons: node hosts' memory (peak RSS, 2 processes)"].value > 50  # MiB
     assert rows["per node: most node daemons that ran rounds here"].value == 40
     assert "per node: memory per idle node daemon (slope)" in rows
