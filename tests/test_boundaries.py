@@ -52,7 +52,7 @@ NARROW = {
     "sklearn": {"fedcore/data.py"},
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS
-    "safetensors": {"coordinator/run_dir.py", "fedcore/algorithms/kdia_teacher.py"},  # checkpoints, KDIA's disk store
+    "safetensors": {"coordinator/run_dir.py", "fedcore/algorithms/kdia/teacher.py"},  # checkpoints, KDIA's disk store
     "aiohttp": {"coordinator/http.py", "fednode/metrics.py"},  # the HTTP API and dashboard, a node host's /metrics
     "prometheus_client": {"coordinator/metrics.py", "fednode/metrics.py", "broker/prometheus.py"},
     "tensorboard": {"coordinator/tensorboard.py"},  # optional: fedmq[tensorboard]

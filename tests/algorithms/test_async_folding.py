@@ -15,7 +15,7 @@ from torch import nn
 from fedcore.aggregation import fedasync_step, fedbuff_step, weighted_average
 from fedcore.algorithms import ALGORITHMS, async_refusal, build_hyperparams, get_algorithm
 from fedcore.algorithms.base import Failure, Folding, NodeUpdate, Payload, RoundContext
-from fedcore.algorithms.kdia_teacher import uploads_from_record
+from fedcore.algorithms.kdia.teacher import uploads_from_record
 from fedcore.errors import ConfigError
 from fedcore.participation import ParticipationRecord
 from fedcore.staleness import CONSTANT, Staleness

@@ -13,14 +13,14 @@ import torch
 
 from fedcore.algorithms import build_hyperparams, get_algorithm, kdia
 from fedcore.algorithms.base import Payload, RoundContext, TaskInput
-from fedcore.algorithms.kdia_generator import (
+from fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
     build_generator,
     diversity_loss,
     train_generator,
 )
-from fedcore.algorithms.kdia_teacher import weights_from_record
+from fedcore.algorithms.kdia.teacher import weights_from_record
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError, ConfigError
 from fedcore.models import build_model

@@ -1,4 +1,4 @@
-"""KDIA's teacher (kdia_teacher): the triFreqs weights against the spec's unit-test vector (kdia.md 1.3),
+"""KDIA's teacher (kdia.teacher): the triFreqs weights against the spec's unit-test vector (kdia.md 1.3),
 log-space robustness, the model stores (memory, disk and its crash safety, the safetensors codec), and
 the four teacher modes driven over simulated rounds against a float64 hand-written Eq. 10."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.algorithms.kdia_teacher import (
+from fedcore.algorithms.kdia.teacher import (
     DiskStore,
     MemoryStore,
     StoreTeacher,

@@ -10,9 +10,9 @@ generator. A node starts from theta_g and minimises, per real mini-batch (x, y) 
 (Eq. 11-13, section 1.5): self-distillation from the frozen teacher on the real batch, and the
 classifier head h on B generated features with labels y~ from the node's label pool. After
 aggregating the student, the coordinator overwrites the participants' stored models, weighs every
-stored model by triFreqs (`kdia_teacher`, from the participation record: only accepted updates
+stored model by triFreqs (`kdia.teacher`, from the participation record: only accepted updates
 count) into the teacher (Eq. 10), and trains the generator against the round's uploaded heads
-(`kdia_generator`, Eq. 3-4). Both student ("accuracy") and teacher ("accuracy_teacher") are
+(`kdia.generator`, Eq. 3-4). Both student ("accuracy") and teacher ("accuracy_teacher") are
 evaluated; the final model is picked on the validation split (A11).
 
 Every ambiguity of the spec's section 5 is an option here, defaulting to the spec's recommendation:
@@ -37,14 +37,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedcore.algorithms import base, fedavg
-from fedcore.algorithms.kdia_generator import (
+from fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
     build_generator,
     generator_state,
     train_generator,
 )
-from fedcore.algorithms.kdia_teacher import (
+from fedcore.algorithms.kdia.teacher import (
     TEACHER_MODES,
     WEIGHTINGS,
     DiskStore,
@@ -89,7 +89,7 @@ class Hyperparams:
     the nodes in the record. Irrelevant under "gm", where never-seen nodes weigh exactly 0."""
     teacher_mode: str = "exact"
     """"exact" (Eq. 10 over every stored model), "windowed", "incremental" or "streaming"
-    (`kdia_teacher`); the last holds no per-node model at all."""
+    (`kdia.teacher`); the last holds no per-node model at all."""
     store: str = "memory"
     """Where the exact, windowed and incremental modes keep every node's last model: "memory" or "disk"."""
     store_dir: str = ""
