@@ -39,7 +39,8 @@ fedmq: event-driven federated learning over MQTT.
                                      (with --set: the same availability and timing, something changed)
   fedmq simulate EXP.yaml [--scenario FILE]    the federation in one process on a virtual clock
   fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
-  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train, async, node
+  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train, async,
+                                     node, fedsa, teacher
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -289,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  train      many simulated nodes trained together (vmap) vs one at a time\n"
         "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
         "  node       one node process: start-up time and memory, on the partition and on its own data (--data)\n"
+        "  fedsa      FedSA's skew-aware aggregation vs the weighted mean, K = 5 to 50 updates of ResNet-18\n"
+        "  teacher    KDIA's teacher modes with 10,000 nodes: memory and time a round vs the exact teacher\n"
         "  all        every suite above, in that order",
     )
     p.add_argument("suites", nargs="*", default=["all"], metavar="SUITE", help="suites to run (default: all)")

@@ -21,6 +21,8 @@ SUITES: dict[str, str] = {
     "train": "experiments.bench.training",
     "async": "experiments.bench.asynchrony",
     "node": "experiments.bench.node",
+    "fedsa": "experiments.bench.fedsa",
+    "teacher": "experiments.bench.teacher",
 }
 """Suite name -> module, in the order `all` runs them."""
 

@@ -117,4 +117,15 @@ def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
     assert "### codec:" in capsys.readouterr().out
     assert main(["bench", "nope"]) == 2
     assert main(["bench", "codec", "--opt", "novalue"]) == 2
-    assert list(SUITES) == ["codec", "transport", "rounds", "flower", "scale", "train", "async", "node"]
+    assert list(SUITES) == [
+        "codec",
+        "transport",
+        "rounds",
+        "flower",
+        "scale",
+        "train",
+        "async",
+        "node",
+        "fedsa",
+        "teacher",
+    ]
