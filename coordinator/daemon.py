@@ -37,9 +37,10 @@ from coordinator.registry import NodeRegistry
 from coordinator.reporting import Evaluator, outcome_fields, write_run_files
 from coordinator.run_dir import RunDir
 from fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedcore.data import TensorDataset
 from fedcore.participation import ParticipationRecord
-from fedcore.tensors import flatten_groups
+from fedcore.tensors import flatten_groups, schema_of
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class Coordinator:
         self.clock = clock or MonotonicClock()
         self.topics = Topics(config.federation)
         self.registry = NodeRegistry()
+        self.fingerprint = fingerprint_of(half, schema_of(half.model.state_dict()))
+        """The method, hyperparameters and model schema nodes must share: in every task and status."""
         self.run_dir = RunDir(config.out_dir)
         self.run_id = os.urandom(8).hex()
         self.event_log = EventLog(self.run_dir.root / EVENT_LOG)
@@ -212,18 +215,38 @@ class Coordinator:
         if message.kind != expected:
             raise ProtocolError("unexpected-kind", f"{message.kind} on a {route.channel} topic")
         if route.channel == "node-status":
+            refusal = self._method_refusal(message.meta)
             known = self.registry.get(message.sender)
             count = known.num_samples if known is not None else None
-            changed = self.registry.apply_status(message.sender, message.meta)
+            # a node running another method is never live: it would train another objective
+            changed = self.registry.apply_status(message.sender, {"state": "offline"} if refusal else message.meta)
             node = self.registry.get(message.sender)
             assert node is not None
             if changed is not None or (node.online and node.num_samples != count):
                 self._events.put_nowait(e.NodeSeen(message.sender, node.online, node.num_samples))
+            if refusal:
+                raise ProtocolError("method-mismatch", refusal)
         elif route.channel == "acks":
             task = message.meta.get("task")
             self._events.put_nowait(e.Acked(message.sender, message.round, task if isinstance(task, bytes) else None))
         else:
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
+
+    def _method_refusal(self, meta: Mapping[str, Any]) -> str | None:
+        """Why an online announcement is refused for its method (None: it matches, or says none)."""
+        if meta.get("state") != "online" or "method" not in meta:
+            return None
+        try:
+            theirs = MethodFingerprint.from_meta(meta["method"])
+        except ValueError as exc:
+            raise ProtocolError("bad-status", str(exc)) from None
+        if theirs.digest == self.fingerprint.digest:
+            return None
+        differences = self.fingerprint.differences(theirs, "here", "on the node")
+        return (
+            f"the node runs {theirs.describe()}; the coordinator runs {self.fingerprint.describe()}"
+            f" (differences: {differences}): it is not given tasks until it announces the coordinator's method"
+        )
 
     # -- driving the engine ----------------------------------------------------------------
 
@@ -371,6 +394,7 @@ class Coordinator:
             "model_topic": self.topics.model(task.round),
             "deadline_s": command.expiry_s,
             "settings": command.settings,
+            "method": self.fingerprint.digest,
         }
         tensors = {}
         if inline is not None:
@@ -478,7 +502,12 @@ class Coordinator:
             logger.info("update from %s not folded: %s: %s", command.node, command.reason, command.detail)
 
     def _status_message(self, state: str, fields: Mapping[str, Any]) -> Message:
-        meta = {"state": state, "run_id": self.run_id, **(fields or self._status_fields())}
+        meta = {
+            "state": state,
+            "run_id": self.run_id,
+            "method": self.fingerprint.to_meta(),
+            **(fields or self._status_fields()),
+        }
         return Message(
             kind=Kind.COORDINATOR_STATUS,
             federation=self.config.federation,

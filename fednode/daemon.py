@@ -23,6 +23,7 @@ import torch
 from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from broker.errors import BusError
 from fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
+from fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedcore.compression import compress_update
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError, ConfigError
@@ -83,6 +84,9 @@ class NodeDaemon:
         self.topics = Topics(config.federation)
         self.node_id = config.node_id
         self.log = _NodeLog(logger, {"node_id": self.node_id})
+        self.fingerprint = fingerprint_of(half, workspace.schema)
+        """The method, hyperparameters and model schema this node trains: announced, and checked in every task."""
+        self._method_warned: str | None = None
         self.rounds_trained = 0
         self.trainings = 0
         self.train_seconds = 0.0
@@ -216,7 +220,11 @@ class NodeDaemon:
     def _status(self, state: str) -> Message:
         meta: dict[str, Any] = {"state": state}
         if state == "online":
-            meta |= {"device": str(self.workspace.device), "num_samples": len(self.data)}
+            meta |= {
+                "device": str(self.workspace.device),
+                "num_samples": len(self.data),
+                "method": self.fingerprint.to_meta(),
+            }
             if self.config.announce_label_histogram:
                 meta["label_histogram"] = self.data.label_histogram()
         return Message(
@@ -261,14 +269,49 @@ class NodeDaemon:
         state, run_id = message.meta.get("state"), message.meta.get("run_id")
         if state in ("waiting", "running"):
             self._run_id = run_id
+            self._check_method(message.meta.get("method"))
         elif state in _FINAL_STATES and run_id is not None and run_id == self._run_id:
             self.log.info("coordinator reports the run %s", state)
             if self.config.exit_when_done:
                 self._stop.set()
 
+    def _check_method(self, announced: Any) -> None:
+        """Say once, loudly, that the coordinator runs another method (its tasks will be refused)."""
+        if announced is None:
+            return
+        try:
+            theirs = MethodFingerprint.from_meta(announced)
+        except ValueError as exc:
+            raise TaskError("bad-status", str(exc)) from None
+        if theirs.digest != self.fingerprint.digest and self._method_warned != theirs.digest:
+            self._method_warned = theirs.digest
+            self.log.error(
+                "the coordinator runs %s; this node runs %s (differences: %s): its tasks will be refused;"
+                " start the node with the coordinator's experiment file",
+                theirs.describe(),
+                self.fingerprint.describe(),
+                self.fingerprint.differences(theirs, "here", "at the coordinator"),
+            )
+
+    def _method_mismatch(self, message: Message) -> str | None:
+        """Why a task is for another method than this node's (None: it is ours, or names none)."""
+        digest = message.meta.get("method")
+        if digest is None or digest == self.fingerprint.digest:
+            return None
+        return (
+            f"method-mismatch: the task is for method fingerprint {str(digest)[:32]!r}; this node runs"
+            f" {self.fingerprint.describe()} (fingerprint {self.fingerprint.digest})"
+        )
+
     async def _on_task(self, message: Message, size: int = 0) -> None:
         task = self._parse_task(message, size)
         self._check_deadline(message)
+        mismatch = self._method_mismatch(message)
+        if mismatch is not None:  # the coordinator stops waiting for this node, and logs why
+            self._bus_or_fail().stats.rejected["method-mismatch"] += 1
+            self.log.error("round %d's task refused: %s", task.round, mismatch)
+            await self._report_failure(task, mismatch)
+            return
         if self._draining is not None:
             self.log.info("round %d's task refused: the node is stopping (%s)", task.round, self._draining)
             await self._report_failure(task, f"refused: the node is stopping ({self._draining})")

@@ -181,4 +181,5 @@ async def test_offline_transition_announces_offline_and_forgets_the_pending_task
     assert daemon._task is None and daemon.player.ignored_offline == 1
     daemon.player.online = True
     await daemon._on_transition(Transition(0.0, True))
-    assert bus.published[-1].meta == {"state": "online", "device": "cpu", "num_samples": 8}
+    method = daemon.fingerprint.to_meta()
+    assert bus.published[-1].meta == {"state": "online", "device": "cpu", "num_samples": 8, "method": method}

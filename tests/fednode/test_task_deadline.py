@@ -1,10 +1,12 @@
 """The node daemon does not act on a task whose deadline passed before it arrived (``sent_at`` +
-``deadline_s``, with `NodeConfig.clock_skew_s` for the machines' clocks), and answers a fresh one."""
+``deadline_s``, with `NodeConfig.clock_skew_s` for the machines' clocks), nor on one for another
+method than its own (the task's method fingerprint), and answers a fresh one of its own method."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -28,6 +30,7 @@ class _Bus:
         self.published: list[Message] = []
         self.frames: list[bytearray] = []
         self.subscribed: list[str] = []
+        self.stats = type("Stats", (), {"rejected": Counter()})()
 
     async def publish_frame(self, topic: str, frame: bytearray, *, round: int) -> None:
         self.frames.append(frame)
@@ -124,3 +127,25 @@ async def test_task_with_a_malformed_deadline_is_a_bad_task(deadline_s: object) 
 def test_node_config_refuses_a_negative_clock_skew() -> None:
     with pytest.raises(ValueError, match="clock_skew_s"):
         NodeConfig(node_id="node-000", federation="f", clock_skew_s=-1.0)
+
+
+async def test_task_for_another_method_is_refused_with_a_failure_report_that_says_why() -> None:
+    """A task whose method fingerprint is not the node's: no acknowledgement, no training; one failure
+    update goes back naming this node's method, so the coordinator stops waiting and records why."""
+    daemon, bus = _daemon()
+    await daemon._on_task(_task(age_s=0.0, deadline_s=30, inline=True, method="0123456789abcdef"))
+    assert daemon._job is None and daemon._task is None and bus.frames == []
+    [failure] = bus.published
+    assert failure.kind == Kind.UPDATE and failure.round == 4
+    reason = failure.meta["failed"]
+    assert reason.startswith("method-mismatch: the task is for method fingerprint '0123456789abcdef'")
+    assert f"this node runs fedavg(weighted=True) with model schema {daemon.fingerprint.schema}" in reason
+    assert bus.stats.rejected["method-mismatch"] == 1
+
+
+async def test_task_with_the_node_s_own_method_is_trained() -> None:
+    daemon, bus = _daemon()
+    await daemon._on_task(_task(age_s=0.0, deadline_s=30, inline=True, method=daemon.fingerprint.digest))
+    assert daemon._job is not None
+    await daemon._job
+    assert len(bus.frames) == 1 and bus.published == []

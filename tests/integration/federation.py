@@ -25,10 +25,11 @@ class Federation:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.coordinator: subprocess.Popen[bytes] | None = None
 
-    def _start(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
+    def _start(self, args: list[str], log: str, config: Path | None = None) -> subprocess.Popen[bytes]:
+        config_path = str(config or self.config_path)
         with (self.dir / log).open("ab") as fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "experiments", *args, "--config", str(self.config_path), "--threads", "1", "-v"],
+                [sys.executable, "-m", "experiments", *args, "--config", config_path, "--threads", "1", "-v"],
                 stdout=fh, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
             )  # fmt: skip
         self.procs.append(proc)
@@ -40,9 +41,18 @@ class Federation:
         )
         return self.coordinator
 
-    def start_nodes(self, *node_ids: str, log: str | None = None) -> subprocess.Popen[bytes]:
+    def start_nodes(
+        self, *node_ids: str, log: str | None = None, changes: dict[str, Any] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Node daemons for `node_ids` in one process; `changes` start them from an experiment file of
+        their own, the federation's with these top-level keys replaced."""
         ids = [a for n in node_ids for a in ("--node-id", n)]
-        return self._start(["node", "--broker", self.url, *ids, "--exit-when-done"], log or f"{node_ids[0]}.log")
+        config = None
+        if changes:
+            config = self.dir / f"exp-{node_ids[0]}.yaml"
+            config.write_text(yaml.safe_dump({**self.config, **changes}))
+        args = ["node", "--broker", self.url, *ids, "--exit-when-done"]
+        return self._start(args, log or f"{node_ids[0]}.log", config)
 
     def wait(self, timeout: float = 120) -> int:
         assert self.coordinator is not None
