@@ -27,7 +27,7 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from broker import allocator, paho_fast
+from broker import paho_fast
 from broker.chunking import Reassembler, split
 from broker.codec import decode, encode
 from broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
@@ -134,8 +134,6 @@ class BusClient:
         """`on_connect` runs after every (re)connection, once subscriptions are restored: a daemon
         re-publishes its retained status there, since the broker published its will meanwhile."""
         self.config = config
-        if config.tune_allocator:
-            allocator.tune(config.chunk_bytes)
         self._on_connect = on_connect
         self._hook: asyncio.Task[None] | None = None
         self.client_id = client_id

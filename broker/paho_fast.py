@@ -10,7 +10,8 @@ an outgoing packet is sent through memoryview slices. Everything else is paho's 
 
 `speed_up` swaps the class of one aiomqtt client's paho client for `FastClient`, only for paho
 versions this was written against; on any other version it leaves paho as it is (and says so once
-in the log), so an upgrade can only lose speed, never correctness.
+in the log), so an upgrade can only lose speed, never correctness. The zero-copy PUBLISH decoder
+goes into paho's module only when an entry point calls `install` (`broker.tuning.tune_process`).
 """
 
 from __future__ import annotations
@@ -272,5 +273,17 @@ def speed_up(client: Any) -> bool:
     return True
 
 
-if supported():
+def install() -> bool:
+    """Put `decode_publish` in paho's place, process-wide and idempotent; True if it is in place.
+
+    An entry point's call (`broker.tuning.tune_process`), not an import's side effect: without it a
+    FastClient still reads with ``recv_into`` and sends without copies, but each PUBLISH's payload is
+    copied once more by paho's own decoder."""
+    if not supported():
+        return False
     _packet.decode_publish = decode_publish  # type: ignore[assignment]  # paho looks it up at each call
+    return True
+
+
+def installed() -> bool:
+    return _packet.decode_publish is decode_publish  # type: ignore[comparison-overlap]

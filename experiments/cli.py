@@ -852,6 +852,7 @@ def _provision(args: argparse.Namespace) -> int:
 
 
 async def _coordinator(args: argparse.Namespace, signals: Any) -> int:
+    from broker.tuning import tune_process
     from coordinator.run_dir import write_json
     from experiments.build import build_coordinator, load_split, partition_report
     from experiments.plots import partition_png
@@ -876,6 +877,7 @@ async def _coordinator(args: argparse.Namespace, signals: Any) -> int:
     coordinator = build_coordinator(
         cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=broker_access(args)
     )
+    tune_process(coordinator.bus_config)
     with _tensorboard(args, coordinator):
         # the HTTP API first: its options are checked at once, and /readyz says 503 while the broker is awaited
         async with _http_api(args, coordinator, cfg):
@@ -962,6 +964,7 @@ def _resume_or_start(out: Path) -> None:
 async def _node(args: argparse.Namespace, signals: Any) -> int:
     import torch
 
+    from broker.tuning import tune_process
     from experiments.build import build_nodes
     from experiments.service import Notifier, nodes_status
     from fednode.daemon import serve_nodes
@@ -981,6 +984,7 @@ async def _node(args: argparse.Namespace, signals: Any) -> int:
         data_path=args.data,
         access=broker_access(args),
     )
+    tune_process(daemons[0].bus_config)  # the process's, shared by its nodes' clients
     await _wait_for_broker(args, cfg, notifier)  # after what can be checked here: a mistake is said at once
     signals.drain = lambda: [daemon.drain("SIGTERM") for daemon in daemons]  # until here SIGTERM just stops
     async with (

@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from broker import BusConfig
 from broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+from broker.tuning import tune_process
 
 BROKERS = ["embedded", "mosquitto"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test process is an entry point: its in-process clients take the daemons' fast paths."""
+    tune_process(BusConfig())
 
 
 def _start_embedded(log: Path) -> tuple[subprocess.Popen[bytes], int]:

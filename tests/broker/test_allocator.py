@@ -41,14 +41,24 @@ def test_tune_applies_once_per_process_and_only_raises() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_a_bus_client_tunes_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
-    from broker import BusClient, BusConfig
-
-    calls: list[int] = []
-    monkeypatch.setattr(allocator, "tune", lambda chunk_bytes, keep_bytes=0: calls.append(chunk_bytes) or True)
-    BusClient(BusConfig(chunk_bytes=2**16), client_id="a", federation="f")
-    BusClient(BusConfig(chunk_bytes=2**16, tune_allocator=False), client_id="b", federation="f")
-    assert calls == [2**16]
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_a_bus_client_changes_nothing_process_wide_and_the_entry_point_tunes_as_told() -> None:
+    """Importing the bus and building clients leave glibc and paho as they are; `tune_process` at an
+    entry point applies both, and `tune_allocator: false` leaves the allocator alone."""
+    code = (
+        "import paho.mqtt._packet as p\n"
+        "original = p.decode_publish\n"
+        "from broker import BusClient, BusConfig, allocator, paho_fast\n"
+        "from broker.tuning import tune_process\n"
+        "BusClient(BusConfig(chunk_bytes=2**16), client_id='a', federation='f')\n"
+        "assert allocator.applied() is None and p.decode_publish is original\n"
+        "tune_process(BusConfig(chunk_bytes=2**16, tune_allocator=False))\n"
+        "assert allocator.applied() is None and paho_fast.installed() is paho_fast.supported()\n"
+        "tune_process(BusConfig(chunk_bytes=2**20))\n"
+        "assert allocator.applied() == (4 * 2**20, 64 * 2**20), allocator.applied()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_mosquitto_fedmq_starts_gets_the_settings_and_yours_win(monkeypatch: pytest.MonkeyPatch) -> None:
