@@ -31,6 +31,7 @@ from broker import BusClient, BusConfig, allocator
 from broker.client import quiet_pending_publishes
 from broker.codec import encode
 from broker.message import Kind, Message
+from broker.tuning import tune_process
 from experiments.bench.brokers import broker_kind, running_broker
 from experiments.bench.common import MIB, BenchOptions, Report, throughput
 
@@ -81,6 +82,7 @@ async def _bus_receive(
     url: str, topic: str, clients: int, first: int, reports: Any, ready: Any, chunk_bytes: int
 ) -> None:
     config = BusConfig.from_url(url, persistent_session=False, chunk_bytes=chunk_bytes)
+    tune_process(config)  # a receiver process is an entry point, as a node host is
 
     async def one(index: int, started: asyncio.Event) -> None:
         async with BusClient(config, client_id=f"bench-rx-{index}-{time.monotonic_ns()}", federation=FED) as bus:
@@ -231,6 +233,7 @@ async def _send_models(
     url: str, topic: str, nodes: int, nbytes: int, repeats: int, reports: Any, chunk_bytes: int = 2**20
 ) -> list[float]:
     config = BusConfig.from_url(url, persistent_session=False, chunk_bytes=chunk_bytes)
+    tune_process(config)  # as the coordinator's entry point does
     out = []
     async with BusClient(config, client_id=f"bench-tx-{time.monotonic_ns()}", federation=FED) as bus:
         buffer = bytearray()
