@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote, urlsplit
+
+from broker.fields import Bounds, check_fields
 
 #: The MQTT protocol's own cap on a message: 256 MiB minus one byte.
 MQTT_MAX_PACKET = 268_435_455
@@ -15,29 +17,30 @@ PUBLISH_OVERHEAD = 1024
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BusConfig:
     host: str = "127.0.0.1"
-    port: int = 1883
+    port: Annotated[int, Bounds(ge=1, le=65535)] = 1883
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     """'auto' tries MQTT v5 and falls back to 3.1.1 for brokers that refuse it (amqtt)."""
-    keepalive_s: int = 15
-    connect_timeout_s: float = 10.0
-    operation_timeout_s: float = 120.0
+    keepalive_s: Annotated[int, Bounds(ge=1)] = 15
+    connect_timeout_s: Annotated[float, Bounds(gt=0)] = 10.0
+    operation_timeout_s: Annotated[float, Bounds(gt=0)] = 120.0
     """How long one publish or subscribe may wait, reconnections included."""
-    reconnect_initial_s: float = 0.25
-    reconnect_max_s: float = 10.0
-    max_message_bytes: int = 64 * 2**20
+    reconnect_initial_s: Annotated[float, Bounds(gt=0)] = 0.25
+    reconnect_max_s: Annotated[float, Bounds(gt=0)] = 10.0
+    max_message_bytes: Annotated[int, Bounds(ge=65536, le=MQTT_MAX_PACKET, note="the MQTT limit")] = 64 * 2**20
     """The broker's limit on one MQTT message; nothing larger is ever published."""
-    chunk_bytes: int = 2**20
-    """Frames above this size travel as chunks published concurrently."""
-    max_reassembly_bytes: int = 2 * 2**30
+    chunk_bytes: Annotated[int, Bounds(ge=4096)] = 2**20
+    """Frames above this size travel as chunks published concurrently; a chunk leaves room for its
+    headers under `max_message_bytes`."""
+    max_reassembly_bytes: Annotated[int, Bounds(ge=1)] = 2 * 2**30
     """Memory bound on all partially received transfers together."""
-    max_transfer_bytes: int = 2**30
-    transfer_timeout_s: float = 120.0
-    max_concurrent_publishes: int = 32
-    max_inflight_messages: int = 64
-    incoming_queue: int = 256
-    dedup_window: int = 65_536
+    max_transfer_bytes: Annotated[int, Bounds(ge=1)] = 2**30
+    transfer_timeout_s: Annotated[float, Bounds(gt=0)] = 120.0
+    max_concurrent_publishes: Annotated[int, Bounds(ge=1)] = 32
+    max_inflight_messages: Annotated[int, Bounds(ge=1)] = 64
+    incoming_queue: Annotated[int, Bounds(ge=1)] = 256
+    dedup_window: Annotated[int, Bounds(ge=1)] = 65_536
     tcp_nodelay: bool = True
     tune_allocator: bool = True
     """Let glibc keep freed chunk-sized buffers for reuse instead of faulting in fresh pages for each
@@ -55,33 +58,12 @@ class BusConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("broker host is empty")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"broker port {self.port} is not in 1..65535")
-        if self.protocol not in ("auto", "5", "3.1.1"):
-            raise ValueError(f"protocol {self.protocol!r}: use 'auto', '5' or '3.1.1'")
-        if not 0 < self.max_message_bytes <= MQTT_MAX_PACKET:
-            raise ValueError(f"max_message_bytes must be in 1..{MQTT_MAX_PACKET} (the MQTT limit)")
-        if not 4096 <= self.chunk_bytes <= self.max_message_bytes - PUBLISH_OVERHEAD - 4096:
+        check_fields(self)
+        if self.chunk_bytes > self.max_message_bytes - PUBLISH_OVERHEAD - 4096:
             raise ValueError(
-                f"chunk_bytes {self.chunk_bytes} must be at least 4096 and leave room for headers under"
-                f" max_message_bytes {self.max_message_bytes}"
+                f"chunk_bytes {self.chunk_bytes} must leave room for headers under max_message_bytes"
+                f" {self.max_message_bytes} (at most {self.max_message_bytes - PUBLISH_OVERHEAD - 4096})"
             )
-        for name in (
-            "keepalive_s",
-            "connect_timeout_s",
-            "operation_timeout_s",
-            "reconnect_initial_s",
-            "reconnect_max_s",
-            "transfer_timeout_s",
-            "max_concurrent_publishes",
-            "max_inflight_messages",
-            "incoming_queue",
-            "dedup_window",
-            "max_reassembly_bytes",
-            "max_transfer_bytes",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
         if not self.tls and (self.ca_file or self.cert_file or self.key_file):
             raise ValueError("a CA file or client certificate is given but the broker URL is mqtt://; use mqtts://")
         if (self.cert_file is None) != (self.key_file is None):

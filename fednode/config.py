@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
+from broker.fields import Bounds, check_fields
 from fedcore.compression import Compression
 from fednode.scenario import NodeScript
 
@@ -12,23 +14,18 @@ from fednode.scenario import NodeScript
 class Faults:
     """Deterministic stragglers and crashes for experiments and tests."""
 
-    delay_s: float = 0.0
+    delay_s: Annotated[float, Bounds(ge=0)] = 0.0
     """Extra compute time added after training, before the update is sent."""
     delay_rounds: frozenset[int] | None = None
     """Rounds the delay applies to; None means every round."""
-    error_at_round: int | None = None
-    """Raise an error in this round's training (the node reports the failure and goes on)."""
-    fail_at_round: int | None = None
+    fail_at_round: Annotated[int | None, Bounds(ge=0)] = None
     """Crash (drop the connection without a goodbye, so the broker fires the will) on receiving this
     round's model, that is mid-round."""
+    error_at_round: Annotated[int | None, Bounds(ge=0)] = None
+    """Raise an error in this round's training (the node reports the failure and goes on)."""
 
     def __post_init__(self) -> None:
-        if self.delay_s < 0:
-            raise ValueError("delay_s must be non-negative")
-        for name in ("fail_at_round", "error_at_round"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be a round number")
+        check_fields(self)
 
     def delay_for(self, round: int) -> float:
         if self.delay_s and (self.delay_rounds is None or round in self.delay_rounds):
@@ -48,7 +45,7 @@ class NodeConfig:
     script: NodeScript = field(default_factory=NodeScript)
     """What the run's scenario scripts for this node (availability, modelled compute and link, drops);
     the default changes nothing. Played by `fednode.scripted`."""
-    clock_skew_s: float = 5.0
+    clock_skew_s: Annotated[float, Bounds(ge=0)] = 5.0
     """How far this machine's clock may run ahead of the coordinator's. A task counts as expired (and
     is not acted on) only once it is older, by its ``sent_at``, than its ``deadline_s`` plus this; a
     clock further ahead would make fresh tasks look expired, one behind lets stale ones through."""
@@ -56,5 +53,4 @@ class NodeConfig:
     """How the node compresses its updates (`fedcore.compression`); the coordinator must expect the same."""
 
     def __post_init__(self) -> None:
-        if not self.clock_skew_s >= 0:
-            raise ValueError(f"clock_skew_s must be a non-negative number of seconds, got {self.clock_skew_s!r}")
+        check_fields(self)
