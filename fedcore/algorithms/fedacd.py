@@ -79,7 +79,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.training import local_sgd
@@ -318,7 +318,7 @@ def aggregation_weights(scores: Sequence[float], num_samples: Sequence[int], wei
     raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
+class CoordinatorHalf(shared.AveragingCoordinator):
     """FedAvg's broadcast; the average is weighted by the nodes' adaptability scores (Eq. 11). Async
     mode: a score is a property of its own update, so a buffer folds with the same weights."""
 
@@ -344,7 +344,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         self.model.load_state_dict(self.next_model(ctx, kept, weights))
         nan = float("nan")
         return {
-            "train_loss": fedavg.mean_reported_loss(kept, weights),
+            "train_loss": shared.mean_reported_loss(kept, weights),
             "acd_invalid": float(invalid),
             "acd_score": math.fsum(valid_scores) / len(valid_scores) if valid_scores else nan,
             "acd_kl": math.fsum(map(kl_from_score, valid_scores)) / len(valid_scores) if valid_scores else nan,
@@ -362,16 +362,6 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
         return score
 
 
-def steps_per_epoch(num_samples: int, batch_size: int) -> int:
-    """How many mini-batches `local_sgd` trains on per epoch (it skips a trailing batch of one sample)."""
-    steps = 0
-    for start in range(0, num_samples, batch_size):
-        if min(batch_size, num_samples - start) == 1 and num_samples > 1:
-            break
-        steps += 1
-    return steps
-
-
 class NodeHalf(base.NodeHalf):
     """Local training with L1 + lambda L2 (Eq. 9) and Mixup; the update carries V_m in meta ``score``."""
 
@@ -380,7 +370,7 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        shared.load_group(task, "model", model, node_id=self.node_id)
         hp = self.hp
         num_classes = data.num_classes
         if num_classes < 2 or len(data) == 0:
@@ -434,7 +424,7 @@ class _Estimate:
         self, model: nn.Module, data: TensorDataset, present: torch.Tensor, hp: Hyperparams, batch_size: int
     ) -> None:
         self.model, self.data, self.hp = model, data, hp
-        self.per_epoch = max(steps_per_epoch(len(data), batch_size), 1)
+        self.per_epoch = max(shared.batches_per_epoch(len(data), batch_size), 1)
         self.step = 0
         self.p = probability_matrix(model, data)
         self.present = present.to(self.p.device)

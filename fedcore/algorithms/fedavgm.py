@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, fedavg, shared
 
 VELOCITY = "velocity/"
 """Prefix of the velocity's entries in `CoordinatorHalf.state_dict`."""
@@ -55,7 +55,7 @@ class Hyperparams:
         base.require_positive(self, "server_lr")
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
+class CoordinatorHalf(shared.AveragingCoordinator):
     """Async mode: the target is `next_model`'s (a fedasync or fedbuff step instead of the average),
     Delta = w - target, and the momentum runs once per aggregation (per model version)."""
 
@@ -65,7 +65,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
         floating = {name: t for name, t in model.state_dict().items() if t.is_floating_point()}
-        self.velocity = {name: torch.zeros_like(t, dtype=_accumulator(t)) for name, t in floating.items()}
+        self.velocity = {name: torch.zeros_like(t, dtype=shared.accumulator(t.dtype)) for name, t in floating.items()}
         """v, one tensor per floating entry of the model's state dict; zero before the first round."""
 
     def aggregate(
@@ -89,26 +89,13 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
             new[name] = (avg.to(v.dtype) + delta.sub_(v, alpha=eta)).to(current.dtype)
         self.model.load_state_dict(new)
         velocity_norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in self.velocity.values()))
-        return {"train_loss": fedavg.mean_reported_loss(updates, weights), "velocity_norm": velocity_norm}
+        return {"train_loss": shared.mean_reported_loss(updates, weights), "velocity_norm": velocity_norm}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {VELOCITY + name: v for name, v in self.velocity.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        expected = {VELOCITY + name for name in self.velocity}
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"FedAvgM state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, v in self.velocity.items():
-            saved = state[VELOCITY + name]
-            if saved.shape != v.shape:
-                raise ValueError(f"FedAvgM velocity {name} has shape {tuple(saved.shape)}, expected {tuple(v.shape)}")
-            v.copy_(saved.to(v.dtype))
-
-
-def _accumulator(t: torch.Tensor) -> torch.dtype:
-    """float64 entries keep float64; every other floating type accumulates in float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+        shared.load_tensors(self.velocity, state, VELOCITY, owner="FedAvgM", what="velocity")
 
 
 SPEC = base.AlgorithmSpec(name="fedavgm", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=fedavg.NodeHalf)

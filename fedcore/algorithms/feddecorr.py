@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 FORMS = ("code", "paper")
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
@@ -81,30 +81,25 @@ def decorrelation_loss(features: torch.Tensor, form: str = "code") -> torch.Tens
     return off_diagonal.pow(2).mean() / n
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+CoordinatorHalf = shared.AveragingCoordinator
+"""FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         beta, form = self.hp.beta, self.hp.form
         if beta == 0.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            extract, classify = split_model(model, self.node_id, task.round)
+            return None
+        extract, classify = split_model(model, self.node_id, task.round)
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                h = extract(x)  # forward(x) is classify(extract(x)), bit for bit
-                # CE + beta L_FedDecorr(features before the classifier)
-                return F.cross_entropy(classify(h), y) + beta * decorrelation_loss(h.flatten(1), form)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = extract(x)  # forward(x) is classify(extract(x)), bit for bit
+            # CE + beta L_FedDecorr(features before the classifier)
+            return F.cross_entropy(classify(h), y) + beta * decorrelation_loss(h.flatten(1), form)
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
 
 def split_model(model: nn.Module, node_id: str, round: int) -> tuple[TensorFn, TensorFn]:

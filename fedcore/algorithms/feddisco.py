@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, fedavg, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 
@@ -84,7 +84,7 @@ def disco_weights(num_samples: Sequence[int], discrepancies: Sequence[float], a:
     return [max(0.0, float(n_k) - n * (a * d_k - b)) for n_k, d_k in zip(num_samples, discrepancies, strict=True)]
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
+class CoordinatorHalf(shared.AveragingCoordinator):
     """Async mode: Eq. 8 (and the normalisation of d_k) runs over the buffer's updates in place of a
     round's; the weights need nothing else from the cohort."""
 
@@ -113,7 +113,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
             weights = [float(n) for n in samples]
         self.model.load_state_dict(self.next_model(ctx, valid, weights))
         return {
-            "train_loss": fedavg.mean_reported_loss(valid, [float(n) for n in samples]),
+            "train_loss": shared.mean_reported_loss(valid, [float(n) for n in samples]),
             "disco_clipped": float(sum(w == 0.0 for w in weights)),
             "disco_invalid": float(len(updates) - len(valid)),
             "disco_fallback": float(fallback),

@@ -59,8 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg
-from fedcore.algorithms.scaffold import accumulator, federation_size, trainable
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.training import local_sgd
@@ -128,9 +127,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
-        self.h: dict[str, torch.Tensor] = {
-            name: torch.zeros_like(p.detach(), dtype=accumulator(p.dtype)) for name, p in trainable(model)
-        }
+        self.h: dict[str, torch.Tensor] = shared.zero_state(shared.trainable(model))
         """h, one tensor per trainable parameter; zero before the first round."""
         self.average_model: nn.Module | None = copy.deepcopy(model) if hp.evaluate_average else None
         """The last round's mean of the node models (only with `evaluate_average`)."""
@@ -143,10 +140,10 @@ class CoordinatorHalf(base.CoordinatorHalf):
     ) -> Mapping[str, float]:
         if not updates:
             raise AlgorithmError("no update to aggregate", round=ctx.round)
-        weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in updates]
+        weights = shared.sample_weights(updates, weighted=self.hp.weighted)
         models = [u.payload.tensors["model"] for u in updates]
         average = self.average(models, base.staleness_weighted(ctx, updates, weights))
-        m = federation_size(self.hp.num_nodes, ctx, len(updates), method="FedDyn")
+        m = shared.federation_size(self.hp.num_nodes, ctx, len(updates), method="FedDyn")
         alpha = self.hp.alpha
         new: dict[str, torch.Tensor] = {}
         for name, current in self.model.state_dict().items():
@@ -161,7 +158,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             self.average_model.load_state_dict(average)
         h_norm = math.sqrt(sum(float(h.double().pow(2).sum()) for h in self.h.values()))
         return {
-            "train_loss": fedavg.mean_reported_loss(updates, weights),
+            "train_loss": shared.mean_reported_loss(updates, weights),
             "h_norm": h_norm,
             "federation_size": float(m),
         }
@@ -175,15 +172,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         return {STATE_PREFIX + name: h for name, h in self.h.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        expected = {STATE_PREFIX + name for name in self.h}
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"FedDyn state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, h in self.h.items():
-            saved = state[STATE_PREFIX + name]
-            if tuple(saved.shape) != tuple(h.shape):
-                raise ValueError(f"FedDyn h {name} has shape {tuple(saved.shape)}, expected {tuple(h.shape)}")
-            h.copy_(saved.to(h.dtype))
+        shared.load_tensors(self.h, state, STATE_PREFIX, owner="FedDyn", what="h")
 
 
 class NodeHalf(base.NodeHalf):
@@ -197,13 +186,11 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        shared.load_group(task, "model", model, node_id=self.node_id)
         alpha = self.hp.alpha
-        params = trainable(model)
+        params = shared.trainable(model)
         if self.gradient is None:  # grad_k = 0 before the first round
-            self.gradient = {
-                name: torch.zeros_like(p.detach(), dtype=accumulator(p.dtype), device="cpu") for name, p in params
-            }
+            self.gradient = shared.zero_state(params, device="cpu")
         if self.gradient.keys() != {name for name, _ in params}:
             message = "the model's parameters changed since this node's last round"
             raise AlgorithmError(message, node_id=self.node_id, round=task.round)

@@ -40,10 +40,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedcore.aggregation import weighted_average
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.tensors import StateDict, cpu_copy
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 BUFFER = "buffer/"
 """Prefix of the buffered models in `CoordinatorHalf.state_dict`: ``buffer/{i}/{name}``, oldest first."""
@@ -116,7 +116,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.model.load_state_dict(self.next_model(ctx, updates, weights))
         self.buffer.append(cpu_copy(self.model.state_dict()))
         del self.buffer[: -self.hp.buffer_size]
-        return {"train_loss": fedavg.mean_reported_loss(updates, weights)}
+        return {"train_loss": shared.mean_reported_loss(updates, weights)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{BUFFER}{i}/{name}": t for i, state in enumerate(self.buffer) for name, t in state.items()}
@@ -143,31 +143,26 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.buffer = buffer[-self.hp.buffer_size :]
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
-        distill = fedavg.task_flag(task, "distill", node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
+        distill = shared.task_flag(task, "distill", node_id=self.node_id)
         if not distill or self.hp.gamma == 0.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            teacher = task.scratch("fedgkd-teacher")
-            fedavg.load_group(task, "teacher", teacher, node_id=self.node_id)
-            teacher.eval()
-            weight, tau = self.hp.kd_weight, self.hp.temperature
+            return None
+        teacher = task.scratch("fedgkd-teacher")
+        shared.load_group(task, "teacher", teacher, node_id=self.node_id)
+        teacher.eval()
+        weight, tau = self.hp.kd_weight, self.hp.temperature
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                logits = m(x)
-                with torch.no_grad():
-                    teacher_logits = teacher(x)
-                # CE + (gamma / 2) KL(q_teacher^tau || q^tau)   [or gamma tau^2 KL: kd_scale "code"]
-                return F.cross_entropy(logits, y) + weight * distillation_loss(logits, teacher_logits, tau)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = m(x)
+            with torch.no_grad():
+                teacher_logits = teacher(x)
+            # CE + (gamma / 2) KL(q_teacher^tau || q^tau)   [or gamma tau^2 KL: kd_scale "code"]
+            return F.cross_entropy(logits, y) + weight * distillation_loss(logits, teacher_logits, tau)
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
 
 SPEC = base.AlgorithmSpec(name="fedgkd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -30,7 +30,8 @@ Paper vs code, and choices:
 - ``tau = 0`` trains exactly as FedAvg does (the term is skipped; FedVLS's code would compute 0 x inf
   = NaN for a missing class).
 
-The helpers `local_label_counts` and `calibrated_cross_entropy` are shared with FedVLS and FedRS.
+The label counts come from `shared.local_label_counts` (FedRS and FedVLS use it too); FedVLS reuses
+`fedlc_offsets` and `calibrated_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -41,10 +42,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,22 +55,6 @@ class Hyperparams:
 
     def __post_init__(self) -> None:
         base.require_non_negative(self, "tau")
-
-
-def local_label_counts(data: TensorDataset, model: nn.Module, *, node_id: str, round: int) -> torch.Tensor:
-    """n_c, the node's number of training samples of each class, as float32 on the data's device.
-
-    Computed from the whole local set (``data.label_histogram()``), never sent anywhere. An empty
-    shard, or labels that do not fit the model's ``num_classes`` logits, is an AlgorithmError.
-    """
-    histogram = data.label_histogram()
-    classes = getattr(model, "num_classes", data.num_classes)
-    if len(histogram) != classes:
-        message = f"labels span {len(histogram)} classes but the model has {classes} logits"
-        raise AlgorithmError(message, node_id=node_id, round=round)
-    if sum(histogram) <= 0:
-        raise AlgorithmError("an empty training set has no label distribution", node_id=node_id, round=round)
-    return torch.tensor(histogram, dtype=torch.float32, device=data.y.device)
 
 
 def fedlc_offsets(counts: torch.Tensor, tau: float) -> torch.Tensor:
@@ -92,29 +76,24 @@ def calibrated_cross_entropy(logits: torch.Tensor, y: torch.Tensor, offsets: tor
     return F.cross_entropy(logits + offsets.to(logits.dtype), y)
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+CoordinatorHalf = shared.AveragingCoordinator
+"""FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         if self.hp.tau == 0.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            counts = local_label_counts(data, model, node_id=self.node_id, round=task.round)
-            offsets = fedlc_offsets(counts, self.hp.tau)
+            return None
+        counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)
+        offsets = fedlc_offsets(counts, self.hp.tau)
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                # L_cal = CE(f(x) - tau n^{-1/4}, y), a missing class at -inf
-                return calibrated_cross_entropy(m(x), y, offsets)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            # L_cal = CE(f(x) - tau n^{-1/4}, y), a missing class at -inf
+            return calibrated_cross_entropy(m(x), y, offsets)
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
 
 SPEC = base.AlgorithmSpec(name="fedlc", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

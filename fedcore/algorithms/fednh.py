@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.seeding import torch_generator
@@ -216,13 +216,6 @@ class PrototypeClassifier(nn.Module):
         return fednh_logits(self.body.extract(x).flatten(1), self.prototypes, self.scale)  # type: ignore[operator]
 
 
-def _model_shape(model: nn.Module) -> tuple[int, int]:
-    classes, dim = getattr(model, "num_classes", None), getattr(model, "feature_dim", None)
-    if not isinstance(classes, int) or not isinstance(dim, int) or not hasattr(model, "extract"):
-        raise ValueError(f"FedNH needs a FedModel (num_classes, feature_dim, extract), not {type(model).__name__}")
-    return classes, dim
-
-
 # -- the two halves --------------------------------------------------------------------------------
 
 
@@ -235,7 +228,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
-        self.classes, self.dim = _model_shape(model)
+        self.classes, self.dim = shared.model_shape(model, "FedNH")
         generator = torch_generator(hp.prototype_seed, "fednh", "prototypes")
         self.prototypes = initial_prototypes(self.classes, self.dim, hp.init, generator)
         """W, (C, d) unit rows, on the CPU."""
@@ -269,16 +262,10 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        valid = []
-        for update in updates:
-            problem = self._invalid(update)
-            if problem is None:
-                valid.append(update)
-            else:
-                logger.warning("round %d: update of %s left out: %s", ctx.round, update.node_id, problem)
+        valid = shared.valid_updates(ctx, updates, self._invalid, logger)
         if not valid:
             raise AlgorithmError("no update of this round carries valid FedNH class means", round=ctx.round)
-        weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in valid]
+        weights = shared.sample_weights(valid, weighted=self.hp.weighted)
         # the bodies (and s, when it is learnt) as FedAvg averages them
         states = [dict(u.payload.tensors["model"]) for u in valid]
         if self.hp.learn_scale:
@@ -297,7 +284,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         shift = float((1.0 - (old * self.prototypes).sum(dim=1)).mean())
         seen = sum(s["counts"].to("cpu") for s in stats)
         return {
-            "train_loss": fedavg.mean_reported_loss(valid, [float(u.num_samples) for u in valid]),
+            "train_loss": shared.mean_reported_loss(valid, [float(u.num_samples) for u in valid]),
             "fednh_invalid": float(len(updates) - len(valid)),
             "fednh_classes_seen": float((seen > 0).sum()),
             "fednh_prototype_shift": shift,
@@ -306,22 +293,11 @@ class CoordinatorHalf(base.CoordinatorHalf):
 
     def _invalid(self, update: base.NodeUpdate) -> str | None:
         """Why the update's class means (and s) cannot be used, or None: they came over the wire."""
+        problem = shared.class_means_problem(update, self.classes, self.dim)
+        if problem is not None:
+            return problem
         tensors = update.payload.tensors
-        stats = tensors.get("class_means")
-        if stats is None or "means" not in stats or "counts" not in stats:
-            return "no class means"
-        means, counts = stats["means"], stats["counts"]
-        if tuple(means.shape) != (self.classes, self.dim) or tuple(counts.shape) != (self.classes,):
-            return "class means or counts of the wrong shape"
-        if counts.is_floating_point() or counts.dtype == torch.bool:
-            return "counts are not integers"
-        if bool((counts < 0).any()):
-            return "negative counts"
-        total = int(counts.sum())
-        if not 0 < total <= update.num_samples:
-            return f"counts sum to {total}, not in 1..{update.num_samples}"
-        if not means.is_floating_point() or not bool(torch.isfinite(means).all()):
-            return "class means are not finite numbers"
+        means, counts = tensors["class_means"]["means"], tensors["class_means"]["counts"]
         if bool((means[counts > 0].norm(dim=1) == 0).any()):
             return "a zero class mean for a class it holds"
         if self.hp.learn_scale:
@@ -354,9 +330,9 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        shared.load_group(task, "model", model, node_id=self.node_id)
         try:
-            classes, dim = _model_shape(model)
+            classes, dim = shared.model_shape(model, "FedNH")
         except ValueError as exc:
             raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
         prototypes = self._tensor(task, "prototypes", "weight", (classes, dim))

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 KD_SCALES = ("plain", "tau2")
 
@@ -89,34 +89,29 @@ def ntd_loss(
     )
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+CoordinatorHalf = shared.AveragingCoordinator
+"""FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         if self.hp.beta == 0.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            teacher = task.scratch("fedntd-global")  # the frozen global model w^t
-            fedavg.load_group(task, "model", teacher, node_id=self.node_id)
-            teacher.eval()
-            weight, tau = self.hp.kd_weight, self.hp.temperature
+            return None
+        teacher = task.scratch("fedntd-global")  # the frozen global model w^t
+        shared.load_group(task, "model", teacher, node_id=self.node_id)
+        teacher.eval()
+        weight, tau = self.hp.kd_weight, self.hp.temperature
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                logits = m(x)
-                with torch.no_grad():
-                    teacher_logits = teacher(x)
-                # CE(q^l, y) + beta L_NTD(q~^l_tau, q~^g_tau)     [x tau^2 with kd_scale "tau2"]
-                return F.cross_entropy(logits, y) + weight * ntd_loss(logits, teacher_logits, y, tau)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = m(x)
+            with torch.no_grad():
+                teacher_logits = teacher(x)
+            # CE(q^l, y) + beta L_NTD(q~^l_tau, q~^g_tau)     [x tau^2 with kd_scale "tau2"]
+            return F.cross_entropy(logits, y) + weight * ntd_loss(logits, teacher_logits, y, tau)
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
 
 SPEC = base.AlgorithmSpec(name="fedntd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

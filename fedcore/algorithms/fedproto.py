@@ -66,7 +66,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.tensors import StateDict, TensorSpec, cpu_copy, schema_of
@@ -133,17 +133,6 @@ def aggregate_prototypes(
     return (acc / total.clamp(min=1.0)[:, None]).float(), held
 
 
-def batches_per_epoch(n: int, batch_size: int) -> int:
-    """How many batches `local_sgd` takes per epoch over n samples: it stops before a trailing batch
-    of one sample (mirrors its loop; the "train" prototype pass counts on it)."""
-    count = 0
-    for start in range(0, n, batch_size):
-        if min(batch_size, n - start) == 1 and n > 1:
-            break
-        count += 1
-    return count
-
-
 class NearestPrototype(nn.Module):
     """FedProto's inference on a model's representations: logits -||f(x) - C_bar^(j)||^2, classes
     without a prototype `ABSENT_MARGIN` below a row's lowest logit (never predicted, finite loss)."""
@@ -163,13 +152,6 @@ class NearestPrototype(nn.Module):
         return torch.where(self.present[None, :], logits, floor)
 
 
-def _model_shape(model: nn.Module) -> tuple[int, int]:
-    classes, dim = getattr(model, "num_classes", None), getattr(model, "feature_dim", None)
-    if not isinstance(classes, int) or not isinstance(dim, int) or not hasattr(model, "extract"):
-        raise ValueError(f"FedProto needs a FedModel (num_classes, feature_dim, extract), not {type(model).__name__}")
-    return classes, dim
-
-
 # -- the two halves --------------------------------------------------------------------------------
 
 
@@ -182,7 +164,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
-        self.classes, self.dim = _model_shape(model)
+        self.classes, self.dim = shared.model_shape(model, "FedProto")
         self.prototypes = torch.zeros(self.classes, self.dim)
         """C_bar, (C, d) on the CPU; rows of classes without a prototype are 0."""
         self.present = torch.zeros(self.classes, dtype=torch.bool)
@@ -213,13 +195,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        valid = []
-        for update in updates:
-            problem = self._invalid(update)
-            if problem is None:
-                valid.append(update)
-            else:
-                logger.warning("round %d: update of %s left out: %s", ctx.round, update.node_id, problem)
+        valid = shared.valid_updates(ctx, updates, self._invalid, logger)
         if not valid:
             raise AlgorithmError("no update of this round carries valid FedProto prototypes", round=ctx.round)
         weights = [float(u.num_samples) for u in valid]
@@ -232,29 +208,14 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.prototypes = torch.where(held[:, None], new, self.prototypes)
         self.present = self.present | held
         return {
-            "train_loss": fedavg.mean_reported_loss(valid, weights),
+            "train_loss": shared.mean_reported_loss(valid, weights),
             "fedproto_invalid": float(len(updates) - len(valid)),
             "fedproto_classes": float(self.present.sum()),
         }
 
     def _invalid(self, update: base.NodeUpdate) -> str | None:
         """Why the update's local prototypes cannot be used, or None: they came over the wire."""
-        stats = update.payload.tensors.get("class_means")
-        if stats is None or "means" not in stats or "counts" not in stats:
-            return "no class means"
-        means, counts = stats["means"], stats["counts"]
-        if tuple(means.shape) != (self.classes, self.dim) or tuple(counts.shape) != (self.classes,):
-            return "class means or counts of the wrong shape"
-        if counts.is_floating_point() or counts.dtype == torch.bool:
-            return "counts are not integers"
-        if bool((counts < 0).any()):
-            return "negative counts"
-        total = int(counts.sum())
-        if not 0 < total <= update.num_samples:
-            return f"counts sum to {total}, not in 1..{update.num_samples}"
-        if not means.is_floating_point() or not bool(torch.isfinite(means).all()):
-            return "class means are not finite numbers"
-        return None
+        return shared.class_means_problem(update, self.classes, self.dim)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"prototypes": self.prototypes, "present": self.present}
@@ -285,11 +246,11 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        shared.load_group(task, "model", model, node_id=self.node_id)
         if self.hp.local_models and self.local is not None:
             model.load_state_dict(self.local)  # FedProto: the node goes on from its own model
         try:
-            classes, dim = _model_shape(model)
+            classes, dim = shared.model_shape(model, "FedProto")
         except ValueError as exc:
             raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
         device = next(model.parameters()).device
@@ -299,7 +260,8 @@ class NodeHalf(base.NodeHalf):
         record = self.hp.prototype_pass == "train"
         sums = torch.zeros(classes, dim, device=device)
         counts = torch.zeros(classes, dtype=torch.int64, device=device)
-        first_recorded = (task.settings.local_epochs - 1) * batches_per_epoch(len(data), task.settings.batch_size)
+        per_epoch = shared.batches_per_epoch(len(data), task.settings.batch_size)
+        first_recorded = (task.settings.local_epochs - 1) * per_epoch
         step = 0
 
         def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

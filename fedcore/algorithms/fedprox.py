@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,30 +48,25 @@ def proximal_term(params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]
     return 0.5 * mu * total
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+CoordinatorHalf = shared.AveragingCoordinator
+"""FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         mu = self.hp.mu
         if mu == 0.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            params = [p for p in model.parameters() if p.requires_grad]
-            anchor = [p.detach().clone() for p in params]  # w^t, the global model this round starts from
+            return None
+        params = [p for p in model.parameters() if p.requires_grad]
+        anchor = [p.detach().clone() for p in params]  # w^t, the global model this round starts from
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                # h_k(w; w^t) = F_k(w) + (mu / 2) ||w - w^t||^2
-                return F.cross_entropy(m(x), y) + proximal_term(params, anchor, mu)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            # h_k(w; w^t) = F_k(w) + (mu / 2) ||w - w^t||^2
+            return F.cross_entropy(m(x), y) + proximal_term(params, anchor, mu)
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
 
 SPEC = base.AlgorithmSpec(name="fedprox", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

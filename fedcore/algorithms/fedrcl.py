@@ -78,7 +78,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, fedavg, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
@@ -249,36 +249,32 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
     """FedAvg's server: the (size-weighted, or plain with ``weighted: false``) average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         hp = self.hp
-        loss_fn: LossFn = cross_entropy
-        if hp.scl_weight != 0.0 or hp.beta != 0.0:
-            names = self._taps(model, task.round)
+        if hp.scl_weight == 0.0 and hp.beta == 0.0:
+            return None
+        names = self._taps(model, task.round)
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                logits, taps = m.forward_taps(x)  # type: ignore[operator]
-                # L = CE + w_scl mean_l L_SCL^l + beta mean_l L_pen^l   (Eq. 5, Algorithm 1)
-                return F.cross_entropy(logits, y) + rcl_loss([taps[n] for n in names], y, hp)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits, taps = m.forward_taps(x)  # type: ignore[operator]
+            # L = CE + w_scl mean_l L_SCL^l + beta mean_l L_pen^l   (Eq. 5, Algorithm 1)
+            return F.cross_entropy(logits, y) + rcl_loss([taps[n] for n in names], y, hp)
 
-            loss_fn = objective
-        stats = self._local_training(model, data, task.settings, generator, loss_fn)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
-    def _local_training(
+    def fit(
         self,
         model: nn.Module,
         data: TensorDataset,
         settings: TrainSettings,
         generator: torch.Generator,
-        loss_fn: LossFn,
+        objective: LossFn | None,
     ) -> TrainStats:
         """`local_sgd`, epoch e at lr x local_lr_decay^e (the code's LambdaLR stepped per local epoch)."""
+        loss_fn = cross_entropy if objective is None else objective
         decay = self.hp.local_lr_decay
         if decay == 1.0 or settings.local_epochs == 1:
             return local_sgd(model, data, settings, generator, loss_fn=loss_fn)

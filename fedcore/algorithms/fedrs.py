@@ -31,10 +31,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
-from fedcore.algorithms.fedlc import local_label_counts
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 SCALINGS = ("hard", "proportional")
 
@@ -73,29 +72,24 @@ def restricted_cross_entropy(logits: torch.Tensor, y: torch.Tensor, scales: torc
     return F.cross_entropy(logits * scales.to(logits.dtype), y)
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+CoordinatorHalf = shared.AveragingCoordinator
+"""FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         if self.hp.alpha == 1.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            counts = local_label_counts(data, model, node_id=self.node_id, round=task.round)
-            scales = restriction_scales(counts, self.hp.alpha, self.hp.scaling)
+            return None
+        counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)
+        scales = restriction_scales(counts, self.hp.alpha, self.hp.scaling)
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                # CE over o_c = alpha_c f_c(x): the restricted softmax
-                return restricted_cross_entropy(m(x), y, scales)
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            # CE over o_c = alpha_c f_c(x): the restricted softmax
+            return restricted_cross_entropy(m(x), y, scales)
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
 
 SPEC = base.AlgorithmSpec(name="fedrs", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

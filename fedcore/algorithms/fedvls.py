@@ -64,10 +64,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
-from fedcore.algorithms.fedlc import calibrated_cross_entropy, fedlc_offsets, local_label_counts
+from fedcore.algorithms import base, shared
+from fedcore.algorithms.fedlc import calibrated_cross_entropy, fedlc_offsets
 from fedcore.data import TensorDataset
-from fedcore.training import local_sgd
+from fedcore.training import LossFn
 
 LOGIT_SUPPRESSIONS = ("official", "paper")
 CALIBRATIONS = ("prior", "fedlc", "none")
@@ -182,7 +182,7 @@ def set_teacher_mode(teacher: nn.Module, bn: str) -> None:
                 module.train()
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
+class CoordinatorHalf(shared.AveragingCoordinator):
     """Async mode: "total" aggregation folds the buffer with the previous model as one more input of
     weight 1 - sum_i n_i / |D| (a node with two updates in one buffer counts its n_i twice among the
     inputs and once in |D|); "participants" is FedAvg's."""
@@ -215,50 +215,43 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
             weights = [rest, *weights]
         self.model.load_state_dict(self.next_model(ctx, inputs, weights))
         return {
-            "train_loss": fedavg.mean_reported_loss(updates, samples),
+            "train_loss": shared.mean_reported_loss(updates, samples),
             "global_share": rest / total if total > 0 else 0.0,
         }
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         hp = self.hp
-        counts = local_label_counts(data, model, node_id=self.node_id, round=task.round)
+        counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)
         prior = counts / counts.sum()
         vacant = vacant_classes(counts)
         offsets = self._offsets(counts)
         distill = hp.lam > 0.0 and vacant.numel() >= 2  # L_dis is exactly 0 for |O| < 2
         suppress = hp.logit_scale > 0.0
         if offsets is None and not distill and not suppress:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            teacher = None
-            if distill:
-                teacher = task.scratch("fedvls-teacher")
-                fedavg.load_group(task, "model", teacher, node_id=self.node_id)  # frozen w^g
-                set_teacher_mode(teacher, hp.teacher_bn)
+            return None
+        teacher = None
+        if distill:
+            teacher = task.scratch("fedvls-teacher")
+            shared.load_group(task, "model", teacher, node_id=self.node_id)  # frozen w^g
+            set_teacher_mode(teacher, hp.teacher_bn)
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                logits = m(x)
-                # L_cal (Eq. 2, or FedLC's margins, or plain CE)
-                loss = F.cross_entropy(logits, y) if offsets is None else calibrated_cross_entropy(logits, y, offsets)
-                if suppress:  # + L_logit (Eqs. 4-5, or the code's form), times its scale
-                    loss = loss + hp.logit_scale * logit_suppression(
-                        logits, y, prior, hp.logit_suppression, hp.prior_eps
-                    )
-                if teacher is not None:  # + lambda L_dis (Eq. 3)
-                    with torch.no_grad():
-                        teacher_logits = teacher(x)
-                    loss = loss + hp.lam * vacant_distillation(logits, teacher_logits, vacant)
-                return loss
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = m(x)
+            # L_cal (Eq. 2, or FedLC's margins, or plain CE)
+            loss = F.cross_entropy(logits, y) if offsets is None else calibrated_cross_entropy(logits, y, offsets)
+            if suppress:  # + L_logit (Eqs. 4-5, or the code's form), times its scale
+                loss = loss + hp.logit_scale * logit_suppression(logits, y, prior, hp.logit_suppression, hp.prior_eps)
+            if teacher is not None:  # + lambda L_dis (Eq. 3)
+                with torch.no_grad():
+                    teacher_logits = teacher(x)
+                loss = loss + hp.lam * vacant_distillation(logits, teacher_logits, vacant)
+            return loss
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return objective
 
     def _offsets(self, counts: torch.Tensor) -> torch.Tensor | None:
         """The per-class offsets of the base loss; None for plain cross-entropy."""

@@ -38,11 +38,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.tensors import StateDict, cpu_copy
-from fedcore.training import local_sgd
+from fedcore.training import LossFn, TrainSettings, TrainStats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,11 +72,11 @@ def contrastive_loss(
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
-    """FedAvg's server: the global model is the sample-weighted average of the updates."""
+CoordinatorHalf = shared.AveragingCoordinator
+"""FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(shared.LossTermNode):
     hp: Hyperparams
 
     def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
@@ -84,31 +84,38 @@ class NodeHalf(base.NodeHalf):
         self.previous: list[StateDict] = []
         """This node's last local models, oldest first, on the CPU (at most `previous_models`)."""
 
-    def train(
-        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
-    ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         mu, tau = self.hp.mu, self.hp.temperature
         if mu == 0.0:
-            stats = local_sgd(model, data, task.settings, generator)
-        else:
-            represent = self._representation(model, task.round)
-            frozen = [self._representation(m, task.round) for m in self._frozen_models(task)]
+            return None
+        represent = self._representation(model, task.round)
+        frozen = [self._representation(m, task.round) for m in self._frozen_models(task)]
 
-            def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                z, logits = represent(x)
-                loss = F.cross_entropy(logits, y)  # l_sup
-                if frozen:  # [global model, previous models...]; none before a first previous model
-                    with torch.no_grad():
-                        z_glob, *z_prev = (rep(x)[0] for rep in frozen)
-                    loss = loss + mu * contrastive_loss(z, z_glob, z_prev, tau)  # l_sup + mu l_con
-                return loss
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            z, logits = represent(x)
+            loss = F.cross_entropy(logits, y)  # l_sup
+            if frozen:  # [global model, previous models...]; none before a first previous model
+                with torch.no_grad():
+                    z_glob, *z_prev = (rep(x)[0] for rep in frozen)
+                loss = loss + mu * contrastive_loss(z, z_glob, z_prev, tau)  # l_sup + mu l_con
+            return loss
 
-            stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
+        return objective
+
+    def fit(
+        self,
+        model: nn.Module,
+        data: TensorDataset,
+        settings: TrainSettings,
+        generator: torch.Generator,
+        objective: LossFn | None,
+    ) -> TrainStats:
+        stats = super().fit(model, data, settings, generator, objective)
+        if objective is not None:
             # the model just trained is this node's newest previous model (FIFO of `previous_models`)
             self.previous.append(cpu_copy(model.state_dict()))
             del self.previous[: -self.hp.previous_models]
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return stats
 
     def _frozen_models(self, task: base.TaskInput) -> list[nn.Module]:
         """The global model, then the previous local models, in the process's spare modules in eval
@@ -116,7 +123,7 @@ class NodeHalf(base.NodeHalf):
         if not self.previous:
             return []
         global_model = task.scratch("moon-global")
-        fedavg.load_group(task, "model", global_model, node_id=self.node_id)
+        shared.load_group(task, "model", global_model, node_id=self.node_id)
         frozen = [global_model]
         for i, state in enumerate(self.previous):
             module = task.scratch(f"moon-previous-{i}")

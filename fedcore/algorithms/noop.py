@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, fedavg, shared
 from fedcore.data import TensorDataset
 
 
@@ -31,13 +31,13 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)  # checks the model as FedAvg would
+        shared.load_group(task, "model", model, node_id=self.node_id)  # checks the model as FedAvg would
         return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": 0.0, "steps": 0})
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
         """Every member returns the broadcast model: one copy (not aliasing the workspace) for the group."""
         first = base.same_task(members)
-        fedavg.load_group(first.task, "model", model, node_id=first.half.node_id)
+        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
         state = {name: t.detach().clone() for name, t in model.state_dict().items()}
         return [base.Payload(tensors={"model": state}, meta={"loss": 0.0, "steps": 0}) for _ in members]
 

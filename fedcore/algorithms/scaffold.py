@@ -59,7 +59,6 @@ Choices and deviations:
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,13 +67,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.tensors import TensorSpec, schema_of
 from fedcore.training import local_sgd
-
-logger = logging.getLogger(__name__)
 
 CONTROL = "control"
 """The task's tensor group holding the server control variate c."""
@@ -108,16 +105,6 @@ class Hyperparams:
 # -- the rules, as small functions -------------------------------------------------------------
 
 
-def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters that carry control variates (FedDyn's gradient state too), by state-dict name."""
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-
-
-def accumulator(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other floating type accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def corrected_gradient(g: torch.Tensor, c_i: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """The direction of a local step: g_i(y) - c_i + c (Alg. 1 line 10)."""
     return g - c_i + c
@@ -143,26 +130,12 @@ def server_control_step(c: torch.Tensor, deltas: Sequence[torch.Tensor], num_nod
     return c + total / num_nodes
 
 
-def federation_size(num_nodes: int, ctx: base.RoundContext, accepted: int, *, method: str) -> int:
-    """N: `num_nodes` when set, else the nodes in the participation record; never fewer than the
-    nodes known to exist (the record, this round's selection and its accepted updates)."""
-    known = max(len(ctx.participation), len(set(ctx.selected)), accepted, 1)
-    if num_nodes == 0:
-        return known
-    if num_nodes < known:
-        logger.warning(
-            "round %d: %s num_nodes = %d but %d nodes are known; using %d", ctx.round, method, num_nodes, known, known
-        )
-        return known
-    return num_nodes
-
-
 def local_gradient(model: nn.Module, data: TensorDataset, batch_size: int) -> dict[str, torch.Tensor]:
     """The full-batch gradient of the mean cross-entropy over `data` at the model's weights (option
     I's g_i(x)), in batches of `batch_size` in train mode, without augmentation. A trailing batch of
     one joins the batch before it (BatchNorm cannot run on one sample). Leaves no gradients behind;
     BatchNorm's running statistics move, so reload the model afterwards."""
-    params = trainable(model)
+    params = shared.trainable(model)
     model.train()
     model.zero_grad(set_to_none=True)
     n = len(data)
@@ -190,11 +163,9 @@ class CoordinatorHalf(base.CoordinatorHalf):
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
-        self.control: dict[str, torch.Tensor] = {
-            name: torch.zeros_like(p.detach(), dtype=accumulator(p.dtype)) for name, p in trainable(model)
-        }
+        self.control: dict[str, torch.Tensor] = shared.zero_state(shared.trainable(model))
         """c, one tensor per trainable parameter; zero before the first round (Alg. 1 input)."""
-        self._dtypes = {name: p.dtype for name, p in trainable(model)}
+        self._dtypes = {name: p.dtype for name, p in shared.trainable(model)}
 
     def configure_round(self, ctx: base.RoundContext) -> base.Payload:
         if self.hp.control_update == "option_ii" and ctx.settings.optimizer != "sgd":
@@ -204,7 +175,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         return base.Payload(tensors={"model": self.model.state_dict(), CONTROL: control})
 
     def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
-        params = {name: p.detach() for name, p in trainable(self.model)}
+        params = {name: p.detach() for name, p in shared.trainable(self.model)}
         return {"model": schema_of(self.model.state_dict()), CONTROL_DELTA: schema_of(params)}
 
     def aggregate(
@@ -212,7 +183,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
     ) -> Mapping[str, float]:
         if not updates:
             raise AlgorithmError("no update to aggregate", round=ctx.round)
-        weights = [float(u.num_samples) if self.hp.weighted else 1.0 for u in updates]
+        weights = shared.sample_weights(updates, weighted=self.hp.weighted)
         models = [u.payload.tensors["model"] for u in updates]
         average = self.average(models, base.staleness_weighted(ctx, updates, weights))
         new: dict[str, torch.Tensor] = {}
@@ -224,13 +195,13 @@ class CoordinatorHalf(base.CoordinatorHalf):
             step = server_model_step(current.to(acc), average[name].to(acc), self.hp.server_lr)
             new[name] = step.to(current.dtype)  # x <- x + eta_g (average - x)
         self.model.load_state_dict(new)
-        n = federation_size(self.hp.num_nodes, ctx, len(updates), method="SCAFFOLD")
+        n = shared.federation_size(self.hp.num_nodes, ctx, len(updates), method="SCAFFOLD")
         for name, c in self.control.items():
             deltas = [u.payload.tensors[CONTROL_DELTA][name] for u in updates]
             c.copy_(server_control_step(c, deltas, n))  # c <- c + (|S|/N) mean(Delta c_i)
         control_norm = math.sqrt(sum(float(c.double().pow(2).sum()) for c in self.control.values()))
         return {
-            "train_loss": fedavg.mean_reported_loss(updates, weights),
+            "train_loss": shared.mean_reported_loss(updates, weights),
             "control_norm": control_norm,
             "federation_size": float(n),
         }
@@ -239,15 +210,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         return {STATE_PREFIX + name: c for name, c in self.control.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        expected = {STATE_PREFIX + name for name in self.control}
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"SCAFFOLD state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, c in self.control.items():
-            saved = state[STATE_PREFIX + name]
-            if tuple(saved.shape) != tuple(c.shape):
-                raise ValueError(f"SCAFFOLD control {name} has shape {tuple(saved.shape)}, expected {tuple(c.shape)}")
-            c.copy_(saved.to(c.dtype))
+        shared.load_tensors(self.control, state, STATE_PREFIX, owner="SCAFFOLD", what="control")
 
 
 class NodeHalf(base.NodeHalf):
@@ -261,16 +224,14 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
+        shared.load_group(task, "model", model, node_id=self.node_id)
         settings, option = task.settings, self.hp.control_update
         if option == "option_ii" and settings.optimizer != "sgd":
             raise self._error(task, "SCAFFOLD's option II assumes SGD local steps, not " + repr(settings.optimizer))
-        params = trainable(model)
+        params = shared.trainable(model)
         c = self._server_control(task, params)
         if self.control is None:  # c_i = 0 at the first participation
-            self.control = {
-                name: torch.zeros_like(p.detach(), dtype=accumulator(p.dtype), device="cpu") for name, p in params
-            }
+            self.control = shared.zero_state(params, device="cpu")
         if self.control.keys() != c.keys():
             raise self._error(task, "the model's parameters changed since this node's last round")
         c_i = {name: self.control[name].to(p.device, p.dtype) for name, p in params}
@@ -278,7 +239,7 @@ class NodeHalf(base.NodeHalf):
         g_x = None
         if option == "option_i":  # c_i+ = g_i(x), from an extra pass over the local data
             g_x = local_gradient(model, data, settings.batch_size)
-            fedavg.load_group(task, "model", model, node_id=self.node_id)  # undo the pass's BatchNorm statistics
+            shared.load_group(task, "model", model, node_id=self.node_id)  # undo the pass's BatchNorm statistics
         grad_sum = {name: torch.zeros_like(p.detach()) for name, p in params} if option == "gradient_mean" else None
 
         def correct(_: nn.Module) -> None:
@@ -294,7 +255,7 @@ class NodeHalf(base.NodeHalf):
             raise self._error(task, "no local step was taken: SCAFFOLD needs K >= 1")
         deltas: dict[str, torch.Tensor] = {}
         for name, p in params:
-            acc = accumulator(p.dtype)
+            acc = shared.accumulator(p.dtype)
             if g_x is not None:  # option I: c_i+ - c_i = g_i(x) - c_i
                 delta = g_x[name].to(acc) - c_i[name].to(acc)
             elif grad_sum is not None:  # gradient_mean: c_i+ - c_i = (1/K) sum_k g_i(y_k) - c_i

@@ -18,7 +18,6 @@ from fedcore.algorithms.base import Payload, TaskInput
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError, ConfigError
 from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, local_sgd
 from tests.algorithms.common import (
     SETTINGS,
     Federation,
@@ -249,15 +248,6 @@ def test_probability_matrix_is_the_clean_class_mean_softmax_in_eval_mode() -> No
         assert torch.allclose(p[c], probs[data.y == c].mean(0), atol=1e-6)
     assert p[2].tolist() == [0.0, 0.0, 0.0]
     assert torch.allclose(p[:2].sum(1), torch.ones(2))
-
-
-def test_steps_per_epoch_matches_local_sgd() -> None:
-    """The epoch boundaries of the running estimate rely on counting local_sgd's batches, trailing one dropped."""
-    data = shards()[2]
-    for n, batch in [(40, 8), (17, 8), (33, 8), (16, 8), (1, 8), (5, 1), (9, 40)]:
-        subset = data.subset(np.arange(n))
-        stats = local_sgd(tiny_model(), subset, TrainSettings(batch_size=batch), torch.Generator().manual_seed(0))
-        assert fedacd.steps_per_epoch(n, batch) == stats.steps, (n, batch)
 
 
 def test_running_estimate_renews_p_at_each_epoch_from_the_previous_epoch() -> None:

@@ -76,24 +76,6 @@ def _task(round: int = 0) -> TaskInput:
     )
 
 
-def test_local_label_counts_is_the_shard_histogram() -> None:
-    """The shared helper returns n_c of the whole shard as float32 (shard 1: 19, 11, 0)."""
-    data = shards()[1]
-    counts = fedlc.local_label_counts(data, tiny_model(), node_id="n", round=0)
-    assert counts.dtype == torch.float32 and counts.tolist() == [19.0, 11.0, 0.0]
-
-
-def test_local_label_counts_of_empty_or_mismatched_shard_raise_algorithm_error() -> None:
-    """No labels, or labels that do not fit the model's logits, fail the round naming the node."""
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
-    with pytest.raises(AlgorithmError, match="empty"):
-        fedlc.local_label_counts(empty, tiny_model(), node_id="n", round=0)
-    wide = tiny_model()
-    wide.num_classes = 5  # the data has 3 classes
-    with pytest.raises(AlgorithmError, match="5 logits"):
-        fedlc.local_label_counts(shards()[0], wide, node_id="n", round=0)
-
-
 def test_node_with_empty_shard_raises_algorithm_error() -> None:
     node = SPEC.node(build_hyperparams(SPEC, {}), node_id="node-000")
     empty = shards()[0].subset(np.array([], dtype=np.int64))

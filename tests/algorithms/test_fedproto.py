@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from fedcore.aggregation import weighted_average
 from fedcore.algorithms import build_hyperparams, fedproto
@@ -19,7 +18,7 @@ from fedcore.algorithms.base import NodeUpdate, Payload, TaskInput
 from fedcore.errors import AlgorithmError, ConfigError
 from fedcore.seeding import torch_generator
 from fedcore.tensors import non_finite, schema_mismatch
-from fedcore.training import TrainSettings, local_sgd
+from fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, context, same_state, shards, tiny_model
 
 SPEC = fedproto.SPEC
@@ -59,26 +58,6 @@ def test_aggregate_prototypes_matches_hand_computation(weighting: str, class0: t
     protos, held = fedproto.aggregate_prototypes(means, counts, weighting)
     assert held.tolist() == [True, True, False]
     assert torch.allclose(protos, torch.tensor([list(class0), [2.0, 2.0], [0.0, 0.0]]))
-
-
-@pytest.mark.parametrize(
-    ("n", "batch", "expected"), [(20, 8, 3), (17, 8, 2), (16, 8, 2), (9, 8, 1), (1, 8, 1), (5, 1, 0)]
-)
-def test_batches_per_epoch_mirrors_local_sgd(n: int, batch: int, expected: int) -> None:
-    """local_sgd skips a trailing batch of one sample (every batch when batch_size is 1)."""
-    assert fedproto.batches_per_epoch(n, batch) == expected
-    data = shards()[2].subset(np.arange(n))
-    model = tiny_model(0)
-    calls = []
-
-    def loss_fn(m, x, y):  # type: ignore[no-untyped-def]
-        calls.append(len(y))
-        return F.cross_entropy(m(x), y)
-
-    local_sgd(
-        model, data, TrainSettings(local_epochs=1, batch_size=batch, lr=0.01), torch_generator(0, "t"), loss_fn=loss_fn
-    )
-    assert len(calls) == expected
 
 
 # -- the node half ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ github.com/krumpguo/FedVLS at commit 7d8163f4410ecef565a1d4e27703cd4bcab403d5, i
   decay 0 (line 23 overrides args.weight_decay), the teacher a copy of the received global model
   (``set_parameters``, lines 91-94), run on each batch and detached.
 
-The objective fedmq builds (`fedvls.NodeHalf.train`'s closure, with the node's prior and vacant set
+The objective fedmq builds (`fedvls.NodeHalf.objective`, with the node's prior and vacant set
 and the teacher loaded from the task) is captured by replacing `local_sgd` for one call, then
 evaluated on a student whose weights differ from the teacher's (at the start of local training they
 coincide and L_dis and its gradient are 0): loss and every parameter's gradient equal the authors'
@@ -37,7 +37,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams, fedvls
+from fedcore.algorithms import build_hyperparams, fedvls, shared
 from fedcore.algorithms.base import Payload, TaskInput
 from fedcore.data import TensorDataset
 from fedcore.seeding import torch_generator
@@ -101,7 +101,7 @@ def _captured_objective(
         captured.update(kw)
         return TrainStats(loss=0.0, steps=0, samples_seen=0)
 
-    monkeypatch.setattr(fedvls, "local_sgd", fake_local_sgd)
+    monkeypatch.setattr(shared, "local_sgd", fake_local_sgd)  # the training of FedAvg plus a loss term
     half = fedvls.SPEC.node(build_hyperparams(fedvls.SPEC, hyperparams), node_id="node-000")
     workspace = _mlp(99)
     task = TaskInput(

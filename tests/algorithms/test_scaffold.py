@@ -218,7 +218,7 @@ def test_federation_size_comes_from_the_participation_record_by_default() -> Non
 
 def test_too_small_num_nodes_logs_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """num_nodes = 1 with two updates: N = 2, and the misconfiguration is logged."""
-    with caplog.at_level(logging.WARNING, logger="fedcore.algorithms.scaffold"):
+    with caplog.at_level(logging.WARNING, logger="fedcore.algorithms.shared"):
         metrics = _aggregate(_coordinator(num_nodes=1), [(1.0, 0.4, 10), (3.0, 0.8, 30)])
     assert metrics["federation_size"] == 2.0
     assert "num_nodes = 1" in caplog.text

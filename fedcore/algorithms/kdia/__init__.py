@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg
+from fedcore.algorithms import base, shared
 from fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
@@ -275,7 +275,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         w = weights.weights
         index = weights.index()
         metrics = {
-            "train_loss": fedavg.mean_reported_loss(updates, sizes),
+            "train_loss": shared.mean_reported_loss(updates, sizes),
             "teacher_error_share": float(step.error_share),
             "teacher_models_held": float(step.models_held),
             "teacher_effective_nodes": float(1.0 / np.sum(w**2)) if np.any(w > 0) else 0.0,
@@ -353,13 +353,16 @@ class CoordinatorHalf(base.CoordinatorHalf):
         if unknown:
             raise ValueError(f"KDIA state holds unexpected groups {sorted(unknown)}")
         self._last_round = int(groups.get("", {}).get("last_round", torch.tensor(-1)))
-        if "teacher" in groups:
-            self.teacher_model.load_state_dict(groups["teacher"])
-        if "generator" in groups:
-            if self.generator is None:
-                raise ValueError("the checkpoint holds a generator but lambda_gen is 0")
-            self.generator.load_state_dict(groups["generator"])
-            self._generator_ready = True
+        if "generator" in groups and self.generator is None:
+            raise ValueError("the checkpoint holds a generator but lambda_gen is 0")
+        try:  # a group that does not fit its module is a ValueError, as every half's misfit state is
+            if "teacher" in groups:
+                self.teacher_model.load_state_dict(groups["teacher"])
+            if "generator" in groups and self.generator is not None:
+                self.generator.load_state_dict(groups["generator"])
+                self._generator_ready = True
+        except RuntimeError as exc:
+            raise ValueError(f"KDIA state does not fit the model: {exc}") from exc
         if self.store is not None:
             self.store.load_state_dict(groups.get("store", {}), self._last_round)
         if isinstance(self.teacher, StreamingTeacher):
@@ -372,9 +375,9 @@ class NodeHalf(base.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
-        fedavg.load_group(task, "model", model, node_id=self.node_id)
-        distill = fedavg.task_flag(task, "distill", node_id=self.node_id, default=False) and self.hp.lambda_kd > 0
-        generate = fedavg.task_flag(task, "generate", node_id=self.node_id, default=False) and self.hp.lambda_gen > 0
+        shared.load_group(task, "model", model, node_id=self.node_id)
+        distill = shared.task_flag(task, "distill", node_id=self.node_id, default=False) and self.hp.lambda_kd > 0
+        generate = shared.task_flag(task, "generate", node_id=self.node_id, default=False) and self.hp.lambda_gen > 0
         teacher = self._teacher(task) if distill else None
         feature_generator = self._generator(task, model) if generate else None
         settings = task.settings
@@ -423,7 +426,7 @@ class NodeHalf(base.NodeHalf):
 
     def _teacher(self, task: base.TaskInput) -> nn.Module:
         teacher = task.scratch("kdia-teacher")
-        fedavg.load_group(task, "teacher", teacher, node_id=self.node_id)
+        shared.load_group(task, "teacher", teacher, node_id=self.node_id)
         return teacher.eval()
 
     def _generator(self, task: base.TaskInput, model: nn.Module) -> FeatureGenerator:

@@ -1,0 +1,260 @@
+"""What several methods share, so that none of them borrows it from another method's module.
+
+- The node side of every method: `load_group` (a task's tensor group into a model) and `task_flag`
+  (a true/false switch from the task's meta), both checked because they came over the wire.
+- FedAvg's server, `AveragingCoordinator`: broadcast the model, average the updates weighted by
+  their sample counts (`fedavg.CoordinatorHalf` adds FedAvg's `weighted` option to it), report
+  `mean_reported_loss`. Methods that change only the local training reuse it as it is.
+- `LossTermNode`, the template of "FedAvg plus a loss term": the node loads the global model, trains
+  with `local_sgd` on the method's objective and returns the model; a subclass gives the objective
+  (`LossTermNode.objective`) and nothing else, unless it keeps state (`LossTermNode.fit`).
+- Small pieces of several methods: the trainable parameters and their accumulator dtypes (SCAFFOLD,
+  FedDyn, FedAvgM), a checkpointed dict of tensors (`load_tensors`), the federation size N
+  (SCAFFOLD, FedDyn), a node's label counts (FedLC, FedRS, FedVLS), `local_sgd`'s batch count
+  (FedACD, FedProto), the shape of a FedModel and the checks on uploaded class means (FedNH,
+  FedProto), and the filter that leaves invalid updates out with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from fedcore.algorithms import base
+from fedcore.data import TensorDataset
+from fedcore.errors import AlgorithmError
+from fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
+
+logger = logging.getLogger(__name__)
+
+# -- the task and the update -----------------------------------------------------------------------
+
+
+def load_group(task: base.TaskInput, group: str, model: nn.Module, *, node_id: str) -> None:
+    """Load the task's tensor group `group` (the global model, a teacher) into `model`; a group that
+    is missing or does not fit the model is an AlgorithmError, not a KeyError deep in training."""
+    try:
+        model.load_state_dict(task.payload.tensors[group])
+    except (KeyError, RuntimeError) as exc:
+        raise AlgorithmError(f"task carries no usable {group}: {exc}", node_id=node_id, round=task.round) from exc
+
+
+def task_flag(task: base.TaskInput, key: str, *, node_id: str, default: bool | None = None) -> bool:
+    """A true/false switch from the task's meta (FedGKD's and KDIA's "distill"); anything else,
+    or a missing key without a `default`, is an AlgorithmError: the value came over the wire."""
+    value = task.payload.meta.get(key, default)
+    if not isinstance(value, bool):
+        message = f"task meta {key!r} must be true or false, got {value!r}"
+        raise AlgorithmError(message, node_id=node_id, round=task.round)
+    return value
+
+
+def mean_reported_loss(updates: Sequence[base.NodeUpdate], weights: Sequence[float]) -> float:
+    """The weighted mean of the training losses the nodes reported (meta ``loss``), over the updates
+    that reported a finite number; NaN when none did. The value comes from the wire: anything that
+    is not a finite number is left out, never trusted."""
+    total = weight_sum = 0.0
+    for update, weight in zip(updates, weights, strict=True):
+        loss = base.wire_number(update.payload.meta.get("loss"))
+        if loss is not None:
+            total += weight * loss
+            weight_sum += weight
+    return total / weight_sum if weight_sum > 0 else float("nan")
+
+
+def sample_weights(updates: Sequence[base.NodeUpdate], *, weighted: bool = True) -> list[float]:
+    """Each update's weight in an average: its number of samples n_k, or 1 when not `weighted`."""
+    return [float(u.num_samples) if weighted else 1.0 for u in updates]
+
+
+def valid_updates(
+    ctx: base.RoundContext,
+    updates: Sequence[base.NodeUpdate],
+    problem: Callable[[base.NodeUpdate], str | None],
+    log: logging.Logger,
+) -> list[base.NodeUpdate]:
+    """The updates for which `problem` finds nothing wrong; each other one is left out with a warning on `log`."""
+    valid = []
+    for update in updates:
+        reason = problem(update)
+        if reason is None:
+            valid.append(update)
+        else:
+            log.warning("round %d: update of %s left out: %s", ctx.round, update.node_id, reason)
+    return valid
+
+
+# -- FedAvg's server, and a node that adds a loss term to FedAvg's training -----------------------
+
+
+class AveragingCoordinator(base.CoordinatorHalf):
+    """FedAvg's server: every selected node receives the global model, and the next global model is
+    the average of the updates (``self.average``) weighted by `weights`, their sample counts.
+
+    Async mode: the server keeps no state besides the model, so a buffer of stale updates folds by
+    ``ctx.folding`` (`next_model`) like a round's; every method that reuses this half inherits that
+    unless it says otherwise."""
+
+    sync_only = None
+
+    def configure_round(self, ctx: base.RoundContext) -> base.Payload:
+        return base.Payload(tensors={"model": self.model.state_dict()})
+
+    def weights(self, updates: Sequence[base.NodeUpdate]) -> list[float]:
+        """The unnormalised weight of each update in the average: n_k (FedAvg, Algorithm 1)."""
+        return sample_weights(updates)
+
+    def aggregate(
+        self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
+    ) -> Mapping[str, float]:
+        weights = self.weights(updates)
+        # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only (async: ctx.folding)
+        self.model.load_state_dict(self.next_model(ctx, updates, weights))
+        return {"train_loss": mean_reported_loss(updates, weights)}
+
+
+class LossTermNode(base.NodeHalf):
+    """FedAvg's local training on the method's own per-batch objective: load the global model, set
+    up the objective (`objective`), train (`fit`), return the model with the loss and step count."""
+
+    def train(
+        self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
+    ) -> base.Payload:
+        load_group(task, "model", model, node_id=self.node_id)
+        stats = self.fit(model, data, task.settings, generator, self.objective(task, model, data))
+        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+
+    @abstractmethod
+    def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
+        """The loss of one mini-batch, ``loss(model, x, y)``, set up from the global model just loaded
+        into `model` (anchors, teachers, label counts); None at the method's neutral setting, where the
+        node then trains exactly as FedAvg does."""
+
+    def fit(
+        self,
+        model: nn.Module,
+        data: TensorDataset,
+        settings: TrainSettings,
+        generator: torch.Generator,
+        objective: LossFn | None,
+    ) -> TrainStats:
+        """The local training: `local_sgd` on `objective`, or on the cross-entropy when it is None."""
+        if objective is None:
+            return local_sgd(model, data, settings, generator)
+        return local_sgd(model, data, settings, generator, loss_fn=objective)
+
+
+# -- parameters and checkpointed tensors ----------------------------------------------------------
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters that carry per-parameter state (control variates, gradient states), by state-dict name."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other floating type accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def zero_state(params: Sequence[tuple[str, nn.Parameter]], device: str | None = None) -> dict[str, torch.Tensor]:
+    """A zero tensor per named parameter, in its accumulator dtype, on `device` (default: the parameter's)."""
+    return {name: torch.zeros_like(p.detach(), dtype=accumulator(p.dtype), device=device) for name, p in params}
+
+
+def load_tensors(
+    tensors: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], prefix: str, *, owner: str, what: str
+) -> None:
+    """Copy a checkpoint's ``prefix + name`` entries into `tensors` (in place, in their dtypes): the
+    counterpart of ``{prefix + name: t}``. A missing, unexpected or misshapen entry is a ValueError
+    naming `owner` (the method) and `what` (the tensors), and nothing is copied."""
+    expected = {prefix + name for name in tensors}
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(f"{owner} state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in tensors.items():
+        saved = state[prefix + name]
+        if tuple(saved.shape) != tuple(t.shape):
+            raise ValueError(f"{owner} {what} {name} has shape {tuple(saved.shape)}, expected {tuple(t.shape)}")
+    for name, t in tensors.items():
+        t.copy_(state[prefix + name].to(t.dtype))
+
+
+def federation_size(num_nodes: int, ctx: base.RoundContext, accepted: int, *, method: str) -> int:
+    """N: `num_nodes` when set, else the nodes in the participation record; never fewer than the
+    nodes known to exist (the record, this round's selection and its accepted updates)."""
+    known = max(len(ctx.participation), len(set(ctx.selected)), accepted, 1)
+    if num_nodes == 0:
+        return known
+    if num_nodes < known:
+        logger.warning(
+            "round %d: %s num_nodes = %d but %d nodes are known; using %d", ctx.round, method, num_nodes, known, known
+        )
+        return known
+    return num_nodes
+
+
+# -- the node's data -------------------------------------------------------------------------------
+
+
+def local_label_counts(data: TensorDataset, model: nn.Module, *, node_id: str, round: int) -> torch.Tensor:
+    """n_c, the node's number of training samples of each class, as float32 on the data's device.
+
+    Computed from the whole local set (``data.label_histogram()``), never sent anywhere. An empty
+    shard, or labels that do not fit the model's ``num_classes`` logits, is an AlgorithmError.
+    """
+    histogram = data.label_histogram()
+    classes = getattr(model, "num_classes", data.num_classes)
+    if len(histogram) != classes:
+        message = f"labels span {len(histogram)} classes but the model has {classes} logits"
+        raise AlgorithmError(message, node_id=node_id, round=round)
+    if sum(histogram) <= 0:
+        raise AlgorithmError("an empty training set has no label distribution", node_id=node_id, round=round)
+    return torch.tensor(histogram, dtype=torch.float32, device=data.y.device)
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """How many batches `local_sgd` trains on per epoch over n samples: it stops before a trailing
+    batch of one sample (mirrors its loop, ``drop_last`` aside)."""
+    count = 0
+    for start in range(0, n, batch_size):
+        if min(batch_size, n - start) == 1 and n > 1:
+            break
+        count += 1
+    return count
+
+
+# -- prototype methods (FedNH, FedProto) -----------------------------------------------------------
+
+
+def model_shape(model: nn.Module, method: str) -> tuple[int, int]:
+    """(classes C, feature dimension d) of a FedModel; ValueError naming `method` for any other model."""
+    classes, dim = getattr(model, "num_classes", None), getattr(model, "feature_dim", None)
+    if not isinstance(classes, int) or not isinstance(dim, int) or not hasattr(model, "extract"):
+        raise ValueError(f"{method} needs a FedModel (num_classes, feature_dim, extract), not {type(model).__name__}")
+    return classes, dim
+
+
+def class_means_problem(update: base.NodeUpdate, classes: int, dim: int) -> str | None:
+    """Why the update's ``class_means`` group (``means`` (C, d), integer ``counts`` (C,)) cannot be
+    used, or None: they came over the wire."""
+    stats = update.payload.tensors.get("class_means")
+    if stats is None or "means" not in stats or "counts" not in stats:
+        return "no class means"
+    means, counts = stats["means"], stats["counts"]
+    if tuple(means.shape) != (classes, dim) or tuple(counts.shape) != (classes,):
+        return "class means or counts of the wrong shape"
+    if counts.is_floating_point() or counts.dtype == torch.bool:
+        return "counts are not integers"
+    if bool((counts < 0).any()):
+        return "negative counts"
+    total = int(counts.sum())
+    if not 0 < total <= update.num_samples:
+        return f"counts sum to {total}, not in 1..{update.num_samples}"
+    if not means.is_floating_point() or not bool(torch.isfinite(means).all()):
+        return "class means are not finite numbers"
+    return None

@@ -1,0 +1,94 @@
+"""The helpers several methods share (`fedcore.algorithms.shared`): local_sgd's batch count, a node's
+label counts, the checks on uploaded class means, and the template of FedAvg plus a loss term."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.algorithms import fedavg, fedprox, shared
+from fedcore.algorithms.base import NodeUpdate, Payload
+from fedcore.errors import AlgorithmError
+from fedcore.seeding import torch_generator
+from fedcore.training import TrainSettings, local_sgd
+from tests.algorithms.common import Federation, same_state, shards, tiny_model, update
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "expected"),
+    [(20, 8, 3), (17, 8, 2), (16, 8, 2), (9, 8, 1), (1, 8, 1), (5, 1, 0), (40, 8, 5), (33, 8, 4), (9, 40, 1)],
+)
+def test_batches_per_epoch_counts_the_batches_local_sgd_trains_on(n: int, batch: int, expected: int) -> None:
+    """local_sgd skips a trailing batch of one sample (every batch when batch_size is 1); FedACD's
+    running estimate and FedProto's last-epoch pass count on the same number."""
+    assert shared.batches_per_epoch(n, batch) == expected
+    data = shards()[2].subset(np.arange(n))
+    settings = TrainSettings(local_epochs=1, batch_size=batch, lr=0.01)
+    assert local_sgd(tiny_model(0), data, settings, torch_generator(0, "t")).steps == expected
+
+
+def test_local_label_counts_is_the_shard_histogram() -> None:
+    """n_c of the whole shard as float32 (shard 1: 19, 11, 0)."""
+    counts = shared.local_label_counts(shards()[1], tiny_model(), node_id="n", round=0)
+    assert counts.dtype == torch.float32 and counts.tolist() == [19.0, 11.0, 0.0]
+
+
+def test_local_label_counts_of_empty_or_mismatched_shard_raise_algorithm_error() -> None:
+    """No labels, or labels that do not fit the model's logits, fail the round naming the node."""
+    empty = shards()[0].subset(np.array([], dtype=np.int64))
+    with pytest.raises(AlgorithmError, match="empty"):
+        shared.local_label_counts(empty, tiny_model(), node_id="n", round=0)
+    wide = tiny_model()
+    wide.num_classes = 5  # the data has 3 classes
+    with pytest.raises(AlgorithmError, match="5 logits"):
+        shared.local_label_counts(shards()[0], wide, node_id="n", round=0)
+
+
+def _with_class_means(means: torch.Tensor, counts: torch.Tensor) -> NodeUpdate:
+    """An update of 10 samples carrying `means` and `counts`."""
+    tensors = {"model": {}, "class_means": {"means": means, "counts": counts}}
+    return NodeUpdate(node_id="n", round=0, num_samples=10, payload=Payload(tensors=tensors))
+
+
+@pytest.mark.parametrize(
+    ("means", "counts", "problem"),
+    [
+        (torch.zeros(3, 2), torch.tensor([4, 6, 0]), None),
+        (torch.zeros(2, 2), torch.tensor([4, 6, 0]), "wrong shape"),
+        (torch.zeros(3, 2), torch.tensor([4.0, 6.0, 0.0]), "not integers"),
+        (torch.zeros(3, 2), torch.tensor([-1, 6, 0]), "negative"),
+        (torch.zeros(3, 2), torch.tensor([5, 6, 0]), "sum to 11"),
+        (torch.zeros(3, 2), torch.tensor([0, 0, 0]), "sum to 0"),
+        (torch.full((3, 2), float("nan")), torch.tensor([4, 6, 0]), "not finite"),
+    ],
+)
+def test_class_means_problem_names_what_is_wrong(
+    means: torch.Tensor, counts: torch.Tensor, problem: str | None
+) -> None:
+    """Class means from the wire: shape (C, d) and (C,), integer non-negative counts summing to 1..n, finite means."""
+    found = shared.class_means_problem(_with_class_means(means, counts), classes=3, dim=2)
+    assert found is None if problem is None else problem in (found or "")
+
+
+def test_class_means_problem_without_the_group() -> None:
+    """An update without class means is named as such."""
+    assert shared.class_means_problem(update("n", {}, 10), classes=3, dim=2) == "no class means"
+
+
+def test_loss_term_node_at_its_neutral_setting_trains_as_fedavg() -> None:
+    """The template with no objective (FedProx at mu = 0) is FedAvg's local training, bit for bit."""
+    start = Federation("fedavg").coordinator.model.state_dict()
+    a = Federation("fedavg").train("node-001", Payload(tensors={"model": start}))
+    b = Federation("fedprox", {"mu": 0.0}).train("node-001", Payload(tensors={"model": start}))
+    assert isinstance(Federation("fedprox").nodes["node-000"], shared.LossTermNode)
+    assert same_state(a.payload.tensors["model"], b.payload.tensors["model"])
+    assert a.payload.meta == b.payload.meta
+
+
+def test_averaging_coordinator_weights_by_samples_and_fedavg_may_not() -> None:
+    """The shared server weighs by n_k; FedAvg's `weighted: false` gives the plain mean."""
+    updates = [update("a", {}, 10), update("b", {}, 30)]
+    assert fedprox.CoordinatorHalf(fedprox.Hyperparams(), model=tiny_model()).weights(updates) == [10.0, 30.0]
+    plain = fedavg.CoordinatorHalf(fedavg.Hyperparams(weighted=False), model=tiny_model())
+    assert plain.weights(updates) == [1.0, 1.0]
