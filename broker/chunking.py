@@ -175,7 +175,7 @@ class Reassembler:
                 "bad-chunk", f"chunks of {transfer.received_bytes} bytes do not tile the {transfer.total}-byte frame"
             )
         self._keep_spare(transfer.buffer)
-        return memoryview(transfer.buffer)
+        return memoryview(transfer.buffer)  # type: ignore[arg-type]  # numpy arrays are buffers
 
     def _keep_spare(self, buffer: np.ndarray) -> None:
         if self._spare_limit > 0:

@@ -47,6 +47,11 @@ _AUTH_REFUSED = {4, 5, 134, 135}
 """CONNACK codes for a bad user name or password and not authorised (MQTT 3.1.1, then v5)."""
 
 
+def _reason_code(rc: Any) -> int:
+    """A CONNACK's return code as a number, whether paho gives an int or a ReasonCode."""
+    return int(getattr(rc, "value", rc) or 0)
+
+
 def tls_context(config: BusConfig) -> ssl.SSLContext | None:
     """The TLS context of an ``mqtts://`` connection: the broker's certificate must chain to
     `config.ca_file` (or the system's CAs) and name the host connected to; TLS 1.2 at least."""
@@ -261,7 +266,7 @@ class BusClient:
                 self._protocol = aiomqtt.ProtocolVersion.V5
         except MqttConnectError as exc:
             # refused for the credentials, it spoke v5: the real connection then fails with the reason
-            v5 = int(getattr(exc.rc, "value", exc.rc) or 0) in (134, 135)
+            v5 = _reason_code(exc.rc) in (134, 135)
             self._protocol = aiomqtt.ProtocolVersion.V5 if v5 else aiomqtt.ProtocolVersion.V311
         except aiomqtt.MqttError as exc:
             if "timed out" not in str(exc).lower():
@@ -310,7 +315,7 @@ class BusClient:
                 self._last_error = f"connection refused: {exc}"
                 if not ever_connected:
                     hint = ""
-                    if int(getattr(exc.rc, "value", exc.rc) or 0) in _AUTH_REFUSED:
+                    if _reason_code(exc.rc) in _AUTH_REFUSED:
                         who = f"user {self.config.username!r}" if self.config.username else "no user name"
                         hint = f" ({who}): check the credentials (--credentials, or the password file)"
                     await self._fail(BusError(f"broker {self.config.url} refused the connection: {exc}{hint}"))
@@ -400,7 +405,7 @@ class BusClient:
             if isinstance(limit, int) and limit > 0:
                 self._connack["max_packet"] = limit
             if forward is not None:
-                forward(c, userdata, flags, reason, properties)
+                forward(c, userdata, flags, reason, properties)  # type: ignore[call-arg]  # paho v2 callback
 
         paho.on_connect = on_connect
 
@@ -593,7 +598,7 @@ class BusClient:
             attempt = asyncio.ensure_future(call(client, max(deadline - time.monotonic(), 0.001)))
             try:
                 # a call in flight when the connection drops would wait for an ack that can never come
-                await asyncio.wait({attempt, lost}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({attempt, lost}, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
             finally:
                 if not attempt.done():
                     attempt.cancel()

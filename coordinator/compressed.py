@@ -79,8 +79,12 @@ def check_one_model(payloads: Mapping[str, Payload]) -> None:
     models = [p.tensors.get(DELTA_GROUP) for p in payloads.values()]
     first = models[0] if models else None
     for model in models[1:]:
-        same = model is not None and first is not None and model.keys() == first.keys()
-        if not same or not all(torch.equal(model[k], first[k]) for k in first):  # type: ignore[index]
+        if (
+            model is None
+            or first is None
+            or model.keys() != first.keys()
+            or not all(torch.equal(model[k], first[k]) for k in first)
+        ):
             raise AlgorithmError(
                 "this method sends each node its own model, which delta compression cannot read back:"
                 " set compression.delta false"

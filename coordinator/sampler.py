@@ -41,5 +41,5 @@ def sample(
     need = max(k - len(already), 0)
     n = min(len(pool), math.ceil(need * over_selection))
     rng = stream(seed, "sampler", round, attempt)
-    chosen = rng.choice(len(pool), size=n, replace=False) if n else []
+    chosen = rng.choice(len(pool), size=n, replace=False).tolist() if n else []
     return Selection(tuple(sorted(pool[i] for i in chosen)), k)

@@ -986,7 +986,12 @@ async def _node(args: argparse.Namespace, signals: Any) -> int:
     )
     tune_process(daemons[0].bus_config)  # the process's, shared by its nodes' clients
     await _wait_for_broker(args, cfg, notifier)  # after what can be checked here: a mistake is said at once
-    signals.drain = lambda: [daemon.drain("SIGTERM") for daemon in daemons]  # until here SIGTERM just stops
+
+    def drain() -> None:  # until here SIGTERM just stops
+        for daemon in daemons:
+            daemon.drain("SIGTERM")
+
+    signals.drain = drain
     async with (
         _node_metrics(args, daemons),
         notifier.running([d.connected for d in daemons], lambda: nodes_status(daemons)),

@@ -184,7 +184,9 @@ async def run_grid(
         await asyncio.to_thread(preflight, cell.config)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     write_json(out / "grid.json", grid.describe())
-    total, failed, ran = len(grid.cells), [], []
+    total = len(grid.cells)
+    failed: list[str] = []
+    ran: list[str] = []
     started = time.monotonic()
     for n, cell in enumerate(grid.cells, 1):
         directory = out / "cells" / cell.cell_id
@@ -292,8 +294,8 @@ async def run_federation(
                 f" {_pace(cfg)}, {cfg.method.name} on {cfg.data.dataset}; {where}"
             )
             console.print(f"run directory: {out}")
-            if "--http" in (coordinator_flags or []):
-                address = coordinator_flags[coordinator_flags.index("--http") + 1]  # type: ignore[union-attr]
+            if coordinator_flags and "--http" in coordinator_flags:
+                address = coordinator_flags[coordinator_flags.index("--http") + 1]
                 shown = f"http://{address}/" if not address.endswith(":0") else f"the URL in {out / 'http.json'}"
                 console.print(f"dashboard: {shown}")
         common = ["--config", str(config_path), "--federation", federation, *verbosity, *access]

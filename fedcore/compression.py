@@ -181,7 +181,7 @@ def _quantise(values: np.ndarray, per: int | None) -> tuple[np.ndarray, np.ndarr
 
 
 def _dequantise(codes: np.ndarray, scales: np.ndarray, per: int | None, wide: bool) -> np.ndarray:
-    work = np.float64 if wide else np.float32
+    work: type[np.floating[Any]] = np.float64 if wide else np.float32
     flat = codes.reshape(-1).astype(work)
     if per is None:
         return (flat * work(scales[0])).reshape(codes.shape)

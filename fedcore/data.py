@@ -394,7 +394,7 @@ def with_transforms(split: Split, augment: Augment | None, normalize: tuple[Sequ
 
 
 def _bind(
-    name: str, loader: Callable[..., Split], fixed: dict[str, object], options: dict[str, object]
+    name: str, loader: Callable[..., Split], fixed: Mapping[str, object], options: dict[str, object]
 ) -> inspect.BoundArguments:
     try:
         return inspect.signature(loader).bind(**fixed, **options)
@@ -405,7 +405,7 @@ def _bind(
         ) from None
 
 
-def _call(name: str, loader: Callable[..., Split], fixed: dict[str, object], options: dict[str, object]) -> Split:
+def _call(name: str, loader: Callable[..., Split], fixed: Mapping[str, object], options: dict[str, object]) -> Split:
     _bind(name, loader, fixed, options)
     return loader(**fixed, **options)
 

@@ -27,8 +27,10 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from broker import BusClient, BusConfig, Kind, Topics
 from experiments.bench.brokers import broker_kind, running_broker
@@ -81,7 +83,7 @@ class Settings:
         )
         quick = replace(full, dataset="digits", nodes=2, rounds=2, overhead_rounds=2, sim_overhead=False, timeout_s=300)
         base = quick if options.quick else full
-        parsers = {
+        parsers: dict[str, Callable[[str], Any]] = {
             "dataset": str,
             "nodes": int,
             "rounds": int,

@@ -188,7 +188,7 @@ def _split(total: int, parts: int = 2) -> list[int]:
 
 
 @contextlib.contextmanager
-def _processes(target: Any, args_for: list[tuple[Any, ...]]) -> Iterator[list[mp.Process]]:
+def _processes(target: Any, args_for: list[tuple[Any, ...]]) -> Iterator[list[Any]]:
     procs = [_CTX.Process(target=target, args=args, daemon=True) for args in args_for]
     for p in procs:
         p.start()
@@ -203,7 +203,7 @@ def _processes(target: Any, args_for: list[tuple[Any, ...]]) -> Iterator[list[mp
 
 
 def _collect(reports: Any, expected: int, timeout_s: float = 120.0) -> list[tuple[int, int, float, int, int]]:
-    out = []
+    out: list[tuple[int, int, float, int, int]] = []
     deadline = time.monotonic() + timeout_s
     while len(out) < expected:
         try:

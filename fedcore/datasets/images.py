@@ -32,7 +32,7 @@ def decode_blobs(blobs: np.ndarray, offsets: np.ndarray, shape: tuple[int, int, 
     mode = {1: "L", 3: "RGB"}[channels]
     n = len(offsets) - 1
     out = np.empty((n, channels, height, width), dtype=np.uint8)
-    view = memoryview(np.ascontiguousarray(blobs, dtype=np.uint8))
+    view = memoryview(np.ascontiguousarray(blobs, dtype=np.uint8))  # type: ignore[arg-type]
     for i in range(n):
         try:
             with Image.open(io.BytesIO(view[offsets[i] : offsets[i + 1]])) as image:

@@ -85,7 +85,7 @@ class _DtypeBox:
 
     def resolve(self) -> np.dtype[Any]:
         dtype = np.dtype(self.code)
-        return dtype.newbyteorder(self.byteorder) if self.byteorder in "<>" else dtype
+        return dtype.newbyteorder(self.byteorder) if self.byteorder in "<>" else dtype  # type: ignore[arg-type]
 
 
 class _ArrayBox:

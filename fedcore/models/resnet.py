@@ -144,7 +144,7 @@ class ResNet(FedModel):
         if self.maxpool is not None:
             x = self.maxpool(x)
         for name in self.stages:
-            for block in self.get_submodule(name):
+            for block in self.get_submodule(name):  # type: ignore[attr-defined]  # an nn.Sequential
                 pre = block.preact(x)
                 x = F.relu(pre)
             record(taps, name, pre)
