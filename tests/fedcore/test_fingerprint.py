@@ -112,3 +112,13 @@ def test_a_half_built_outside_the_registry_is_named_by_its_hyperparams_class() -
 
     fp = fingerprint_of(Custom(OwnHyperparams(), node_id="n"), SCHEMA)
     assert fp.method.endswith("OwnHyperparams") and fp.hyperparams == {"rate": torch.pi}
+
+
+def test_kdia_s_store_and_logging_may_differ_between_machines_but_its_teacher_may_not() -> None:
+    spec = get_algorithm("kdia")
+
+    def fp(**hp: object) -> str:
+        return fingerprint_of(spec.node(build_hyperparams(spec, {"num_nodes": 4, **hp}), node_id="n"), SCHEMA).digest
+
+    assert fp(store="disk", store_dir="/tmp/a", teacher_log_every=0) == fp()
+    assert fp(lambda_kd=0.1) != fp() and fp(teacher_mode="windowed") != fp()

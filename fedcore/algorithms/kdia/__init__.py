@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -69,6 +69,10 @@ GENERATOR_HEADS = ("participants", "teacher")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hyperparams:
+    LOCAL_FIELDS: ClassVar[tuple[str, ...]] = ("store", "store_dir", "teacher_log_every")
+    """Where and how often the coordinator keeps and logs: may differ between machines, so the method
+    fingerprint (`fedcore.algorithms.fingerprint`) leaves them out."""
+
     lambda_kd: float = 0.5
     """Weight of the self-distillation term (paper: 0.5; grid 0.1, 0.5, 1.0). 0 switches l_kd off."""
     lambda_gen: float = 1.0
