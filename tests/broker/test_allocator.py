@@ -24,41 +24,45 @@ def test_child_env_sets_both_thresholds_and_keeps_what_the_user_set() -> None:
     assert capped["MALLOC_MMAP_THRESHOLD_"] == str(allocator.MMAP_THRESHOLD_MAX)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
-def test_tune_applies_once_per_process_and_only_raises() -> None:
-    # a fresh interpreter: the settings are process-wide, and this test process may have set them already
-    code = (
-        "from broker import allocator as a\n"
-        "assert a.applied() is None\n"
-        "assert a.tune(2**20)\n"
-        "assert a.applied() == (4 * 2**20, 64 * 2**20), a.applied()\n"
-        "assert a.tune(8 * 2**20)\n"
-        "assert a.applied() == (16 * 2**20 + 2**16, 64 * 2**20), a.applied()\n"
-        "assert a.tune(2**20)\n"
-        "assert a.applied() == (16 * 2**20 + 2**16, 64 * 2**20), a.applied()\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+GLIBC = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+
+
+def _in_a_fresh_interpreter(*lines: str) -> None:
+    """Run `lines` in a new Python: the settings are process-wide, and this test process has set them."""
+    done = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@GLIBC
+def test_tune_applies_once_per_process_and_only_raises() -> None:
+    _in_a_fresh_interpreter(
+        "from broker import allocator as a",
+        "assert a.applied() is None",
+        "assert a.tune(2**20)",
+        "assert a.applied() == (4 * 2**20, 64 * 2**20), a.applied()",
+        "assert a.tune(8 * 2**20)",
+        "assert a.applied() == (16 * 2**20 + 2**16, 64 * 2**20), a.applied()",
+        "assert a.tune(2**20)",
+        "assert a.applied() == (16 * 2**20 + 2**16, 64 * 2**20), a.applied()",
+    )
+
+
+@GLIBC
 def test_a_bus_client_changes_nothing_process_wide_and_the_entry_point_tunes_as_told() -> None:
     """Importing the bus and building clients leave glibc and paho as they are; `tune_process` at an
     entry point applies both, and `tune_allocator: false` leaves the allocator alone."""
-    code = (
-        "import paho.mqtt._packet as p\n"
-        "original = p.decode_publish\n"
-        "from broker import BusClient, BusConfig, allocator, paho_fast\n"
-        "from broker.tuning import tune_process\n"
-        "BusClient(BusConfig(chunk_bytes=2**16), client_id='a', federation='f')\n"
-        "assert allocator.applied() is None and p.decode_publish is original\n"
-        "tune_process(BusConfig(chunk_bytes=2**16, tune_allocator=False))\n"
-        "assert allocator.applied() is None and paho_fast.installed() is paho_fast.supported()\n"
-        "tune_process(BusConfig(chunk_bytes=2**20))\n"
-        "assert allocator.applied() == (4 * 2**20, 64 * 2**20), allocator.applied()\n"
+    _in_a_fresh_interpreter(
+        "import paho.mqtt._packet as p",
+        "original = p.decode_publish",
+        "from broker import BusClient, BusConfig, allocator, paho_fast",
+        "from broker.tuning import tune_process",
+        "BusClient(BusConfig(chunk_bytes=2**16), client_id='a', federation='f')",
+        "assert allocator.applied() is None and p.decode_publish is original",
+        "tune_process(BusConfig(chunk_bytes=2**16, tune_allocator=False))",
+        "assert allocator.applied() is None and paho_fast.installed() is paho_fast.supported()",
+        "tune_process(BusConfig(chunk_bytes=2**20))",
+        "assert allocator.applied() == (4 * 2**20, 64 * 2**20), allocator.applied()",
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
 
 
 def test_the_mosquitto_fedmq_starts_gets_the_settings_and_yours_win(monkeypatch: pytest.MonkeyPatch) -> None:
