@@ -35,17 +35,9 @@ from fednode.workspace import Workspace
 def bus_config(cfg: ExperimentConfig, url: str, credentials: Credentials | None = None) -> BusConfig:
     """The experiment's bus settings for one identity, with its credentials (a password never has to be
     in the URL: `broker.credentials`)."""
-    b = cfg.bus
     try:
         return BusConfig.from_url(
-            url,
-            **(credentials.bus_overrides() if credentials is not None else {}),
-            protocol=b.protocol,
-            chunk_bytes=b.chunk_bytes,
-            max_message_bytes=b.max_message_bytes,
-            keepalive_s=b.keepalive_s,
-            transfer_timeout_s=b.transfer_timeout_s,
-            tune_allocator=b.tune_allocator,
+            url, **(credentials.bus_overrides() if credentials is not None else {}), **dict(cfg.bus)
         )
     except ValueError as exc:
         raise ConfigError(str(exc), field="--broker") from None
@@ -182,22 +174,8 @@ def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
 def coordinator_config(
     cfg: ExperimentConfig, out_dir: Path, *, federation: str | None = None, resume: bool = False
 ) -> CoordinatorConfig:
-    policy = RoundPolicy(
-        fraction=cfg.fraction,
-        over_selection=cfg.policy.over_selection,
-        deadline_s=cfg.deadline_s,
-        ack_timeout_s=cfg.policy.ack_timeout_s,
-        inline_model_bytes=inline_model_bytes(cfg),
-        min_updates=cfg.policy.min_updates,
-        on_insufficient=cfg.policy.on_insufficient,
-        max_retries=cfg.policy.max_retries,
-        min_nodes=cfg.policy.min_nodes or cfg.nodes,
-        wait_for_nodes_s=cfg.policy.wait_for_nodes_s,
-        late_updates=cfg.policy.late_updates,
-        receipts=cfg.policy.receipts,
-        max_node_samples=cfg.policy.max_node_samples,
-        require_announced_samples=cfg.policy.require_announced_samples,
-    )
+    derived = {"inline_model_bytes": inline_model_bytes(cfg), "min_nodes": cfg.policy.min_nodes or cfg.nodes}
+    policy = RoundPolicy(fraction=cfg.fraction, deadline_s=cfg.deadline_s, **(dict(cfg.policy) | derived))
     return CoordinatorConfig(
         federation=federation or federation_id(cfg),
         rounds=cfg.steps,
@@ -240,16 +218,17 @@ def build_coordinator(
 
 
 def async_policy(cfg: ExperimentConfig) -> AsyncPolicy:
-    eng = cfg.engine
-    return AsyncPolicy(
-        buffer=eng.buffer,
-        concurrency=eng.concurrency,
-        max_staleness=eng.max_staleness,
-        staleness=Staleness(fn=eng.staleness.fn, a=eng.staleness.a, b=eng.staleness.b),
-        server_lr=eng.server_lr,
-        aggregations=eng.aggregations,
-        deadline_s=eng.deadline_s,
-    )
+    settings = {name: value for name, value in cfg.engine if name != "kind"}  # kind: CoordinatorConfig.engine
+    return AsyncPolicy(**(settings | {"staleness": Staleness(**dict(cfg.engine.staleness))}))
+
+
+def node_faults(cfg: ExperimentConfig, node_id: str) -> Faults:
+    """The faults the experiment injects into `node_id` (none by default)."""
+    fault = cfg.faults.get(node_id)
+    if fault is None:
+        return Faults()
+    rounds = frozenset(fault.delay_rounds) if fault.delay_rounds is not None else None
+    return Faults(**(dict(fault) | {"delay_rounds": rounds}))
 
 
 def node_scripts(cfg: ExperimentConfig) -> dict[str, NodeScript]:
@@ -298,24 +277,13 @@ def build_nodes(
     scripts = node_scripts(cfg)
     daemons = []
     for node_id in node_ids:
-        fault = cfg.faults.get(node_id)
-        faults = (
-            Faults(
-                delay_s=fault.delay_s,
-                delay_rounds=frozenset(fault.delay_rounds) if fault.delay_rounds is not None else None,
-                fail_at_round=fault.fail_at_round,
-                error_at_round=fault.error_at_round,
-            )
-            if fault
-            else Faults()
-        )
         node_config = NodeConfig(
             node_id=node_id,
             federation=federation or federation_id(cfg),
             seed=cfg.seed,
             exit_when_done=exit_when_done,
             announce_label_histogram=announce_label_histogram,
-            faults=faults,
+            faults=node_faults(cfg, node_id),
             script=scripts.get(node_id, NodeScript()),
             compression=cfg.compression.compression(),
         )

@@ -2,13 +2,22 @@
 
 Every error names the field and says what is allowed; an unknown key is an error, never ignored.
 `ExperimentConfig` composes the daemons' own settings (`CoordinatorConfig`, `NodeConfig`,
-`BusConfig`); only this package parses files.
+`BusConfig`); only this package parses files. The sections that carry those settings (`policy`,
+`engine`, `bus`, `faults`) are derived from the daemons' dataclasses, where each setting's type,
+default, bounds and docstring are written once (`_section`).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from pydantic import (
@@ -20,15 +29,20 @@ from pydantic import (
     Tag,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from broker.config import BusConfig
+from broker.fields import field_bounds, unannotated
+from coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
 from experiments.scenario import ScenarioConfig, resolve_scenario
 from fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
 from fedcore.errors import ConfigError
+from fednode.config import Faults
 
 
 class _Strict(BaseModel):
@@ -44,6 +58,68 @@ class _Strict(BaseModel):
             if getattr(self, name) == type(self).model_fields[name].default:
                 data.pop(name, None)
         return data
+
+
+def _field(cls: type, name: str, *, unset: str | None = None, default_factory: Any = None) -> Any:
+    """The pydantic field of setting `name` of the daemons' config dataclass `cls`: its default, bounds
+    (`broker.fields.Bounds`) and docstring as written there. `unset`: the experiment file's default is
+    None instead, which `experiments.build` resolves as this says."""
+    spec = next(f for f in dataclasses.fields(cls) if f.name == name)
+    bounds = field_bounds(get_type_hints(cls, include_extras=True)[name])
+    limits = bounds.limits() if bounds is not None else {}
+    doc = _docstrings(cls).get(name)
+    if unset is not None:
+        return Field(None, description=f"{doc or ''} None: {unset}.".lstrip(), **limits)
+    if default_factory is None and spec.default_factory is not dataclasses.MISSING:
+        default_factory = spec.default_factory
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=doc, **limits)
+    return Field(... if spec.default is dataclasses.MISSING else spec.default, description=doc, **limits)
+
+
+def _section(
+    cls: type,
+    *,
+    include: Collection[str] | None = None,
+    exclude: Collection[str] = (),
+    unset: Mapping[str, str] | None = None,
+    types: Mapping[str, Any] | None = None,
+    before: Mapping[str, tuple[type, str]] | None = None,
+) -> type[_Strict]:
+    """A section of the experiment file holding settings of the daemons' config dataclass `cls`:
+    `include` (in that order) or all but `exclude`, each as `_field` derives it. `unset`: settings
+    whose file default is None (see `_field`); `types`: a setting's type in the file where it is not
+    the daemon's (a section of its own for a nested dataclass, a list for a set); `before`: settings
+    of other dataclasses, by their name in the file, ahead of these."""
+    unset, types = unset or {}, types or {}
+    fields: dict[str, Any] = {
+        name: (unannotated(get_type_hints(owner)[setting]), _field(owner, setting))
+        for name, (owner, setting) in (before or {}).items()
+    }
+    hints = get_type_hints(cls, include_extras=True)
+    names = list(include) if include is not None else [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
+    for name in names:
+        kind = types.get(name, unannotated(hints[name]))
+        nested = isinstance(kind, type) and issubclass(kind, BaseModel)
+        info = _field(cls, name, unset=unset.get(name), default_factory=kind if nested else None)
+        fields[name] = (kind | None if name in unset else kind, info)
+    model: type[_Strict] = create_model(f"{cls.__name__}Fields", __base__=_Strict, **fields)
+    return model
+
+
+@functools.cache
+def _docstrings(cls: type) -> dict[str, str]:
+    """The attribute docstrings of class `cls` (a string right below a field), by field name."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    return {
+        field.target.id: inspect.cleandoc(doc.value.value)
+        for field, doc in itertools.pairwise(body)
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(field.target, ast.Name)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+        and isinstance(doc.value.value, str)
+    }
 
 
 class AugmentConfig(_Strict):
@@ -322,54 +398,40 @@ class TrainConfig(_Strict):
     _added_later = ("drop_last",)
 
 
-class PolicyConfig(_Strict):
-    over_selection: float = Field(1.0, ge=1, description="select ceil(f x K), close the round at K updates")
-    ack_timeout_s: float = Field(5.0, gt=0)
-    inline_model_bytes: int | None = Field(
-        None,
-        ge=0,
-        description="a model frame up to this size rides in each task instead of one broadcast (0: never);"
-        " default: 65536, or 0 with hosting.vectorize (its groups form at the acknowledgements)",
+class PolicyConfig(
+    _section(
+        RoundPolicy,
+        exclude=("fraction", "deadline_s"),  # at the top of the file
+        unset={
+            "inline_model_bytes": "65536, or 0 with hosting.vectorize (its groups form at the acknowledgements)",
+            "min_nodes": "all of them",
+        },
     )
-    min_updates: int = Field(1, ge=1)
-    on_insufficient: Literal["retry", "skip"] = "retry"
-    max_retries: int = Field(3, ge=0)
-    min_nodes: int | None = Field(None, ge=1, description="live nodes before round 0; default: all of them")
-    wait_for_nodes_s: float = Field(120.0, gt=0)
-    late_updates: Literal["drop", "carry"] = Field(
-        "drop",
-        description="an update after its round closed: refused (drop), or folded into the next aggregation with"
-        " its staleness weight (carry; engine.staleness and engine.max_staleness)",
-    )
-    receipts: Literal["all", "refusals"] = Field(
-        "all", description="receipts for every update, or only for those not folded (fewer messages per update)"
-    )
-    max_node_samples: int | None = Field(
-        None, ge=1, description="refuse an announcement or update claiming more samples than this (default: no limit)"
-    )
-    require_announced_samples: bool = Field(
-        True, description="refuse updates from a node that announced no sample count (false: only the limit binds)"
-    )
+):
+    """`policy:` when a round ends (`coordinator.config.RoundPolicy`; fraction and deadline_s are top-level)."""
+
     _added_later = ("inline_model_bytes", "late_updates", "receipts", "max_node_samples", "require_announced_samples")
 
 
-class BusSettings(_Strict):
-    protocol: Literal["auto", "5", "3.1.1"] = "auto"
-    chunk_bytes: int = Field(2**20, ge=4096)
-    max_message_bytes: int = Field(64 * 2**20, ge=65536, le=268_435_455)
-    keepalive_s: int = Field(15, ge=1)
-    transfer_timeout_s: float = Field(120.0, gt=0)
-    tune_allocator: bool = Field(
-        True, description="let glibc keep freed chunk buffers for reuse (twice the large-transfer speed, <= 64 MiB)"
+class BusSettings(
+    _section(
+        BusConfig,
+        include=("protocol", "chunk_bytes", "max_message_bytes", "keepalive_s", "transfer_timeout_s", "tune_allocator"),
     )
+):
+    """`bus:` the transfer settings of every client (`broker.BusConfig`); the broker's address and
+    credentials come from the command line."""
+
     _added_later = ("tune_allocator",)
 
+    @model_validator(mode="after")
+    def _together(self) -> BusSettings:
+        BusConfig(**dict(self))  # the rules between settings: a chunk leaves room for its headers
+        return self
 
-class FaultConfig(_Strict):
-    delay_s: float = Field(0.0, ge=0)
-    delay_rounds: list[int] | None = None
-    fail_at_round: int | None = Field(None, ge=0, description="crash mid-round (the broker fires the will)")
-    error_at_round: int | None = Field(None, ge=0, description="raise in this round's training; reported, not fatal")
+
+class FaultConfig(_section(Faults, types={"delay_rounds": list[int] | None})):
+    """A node's injected faults (`fednode.config.Faults`), for experiments."""
 
 
 class HostingConfig(_Strict):
@@ -397,20 +459,15 @@ class StalenessConfig(_Strict):
     b: float = Field(4.0, ge=0, description="hinge: versions of staleness before the weight starts to fall")
 
 
-class EngineConfig(_Strict):
-    """How the coordinator turns updates into models: synchronous rounds, or buffered asynchronous
-    aggregation (FedAsync with buffer 1, FedBuff above)."""
-
-    kind: Literal["sync", "async"] = Field("sync", description="sync rounds (default) | async")
-    buffer: int = Field(10, ge=1, description="K: aggregate every K accepted updates (1 = FedAsync, > 1 = FedBuff)")
-    concurrency: int = Field(20, ge=1, description="nodes training at once; a freed slot is refilled at once")
-    max_staleness: int = Field(20, ge=0, description="updates staler than this many versions are refused")
-    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
-    server_lr: float = Field(
-        1.0, gt=0, description="FedBuff's server step; FedAsync's mixing weight is server_lr * s(staleness)"
+class EngineConfig(
+    _section(
+        AsyncPolicy,
+        before={"kind": (CoordinatorConfig, "engine")},
+        types={"staleness": StalenessConfig},
     )
-    aggregations: int = Field(200, ge=1, description="model versions to produce (the async counterpart of rounds)")
-    deadline_s: float = Field(60.0, gt=0, description="a task not answered within this is lost and its slot refilled")
+):
+    """How the coordinator turns updates into models: synchronous rounds, or buffered asynchronous
+    aggregation (`coordinator.config.AsyncPolicy`)."""
 
 
 class CompressionConfig(_Strict):
@@ -448,10 +505,10 @@ class ExperimentConfig(_Strict):
     federation: str | None = Field(None, description="topic namespace; `fedmq run` makes a unique one")
     seed: int = 0
     nodes: int = Field(..., ge=1, le=100_000)
-    fraction: float = Field(0.1, gt=0, le=1, description="C: the share of live nodes sampled per round")
-    rounds: int | None = Field(None, ge=1, description="synchronous rounds (required unless engine.kind is async)")
-    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds (or model versions)")
-    deadline_s: float = Field(60.0, gt=0, description="a round closes at its deadline with what arrived")
+    fraction: float = _field(RoundPolicy, "fraction")
+    rounds: int | None = _field(CoordinatorConfig, "rounds", unset="only with engine.kind async (required otherwise)")
+    eval_every: int = _field(CoordinatorConfig, "eval_every")
+    deadline_s: float = _field(RoundPolicy, "deadline_s")
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -489,8 +546,6 @@ class ExperimentConfig(_Strict):
             self.scenario.check(ids)  # a ConfigError naming the unknown ids
         if self.policy.min_nodes is not None and self.policy.min_nodes > self.nodes:
             raise ValueError(f"policy.min_nodes {self.policy.min_nodes} exceeds nodes {self.nodes}")
-        if self.bus.chunk_bytes > self.bus.max_message_bytes - 8192:
-            raise ValueError("bus.chunk_bytes must be at least 8 KiB below bus.max_message_bytes")
         if self.engine.kind == "sync" and self.rounds is None:
             raise ValueError(
                 "rounds: required for synchronous rounds (or set engine.kind: async and engine.aggregations)"

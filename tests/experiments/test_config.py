@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 
-from experiments.config import load_config, parse_config, read_yaml
+from broker.config import BusConfig
+from broker.fields import field_bounds
+from coordinator.config import AsyncPolicy, RoundPolicy
+from experiments.build import bus_config, coordinator_config, node_faults
+from experiments.config import (
+    BusSettings,
+    EngineConfig,
+    FaultConfig,
+    PolicyConfig,
+    load_config,
+    parse_config,
+    read_yaml,
+)
 from fedcore.errors import ConfigError
+from fednode.config import Faults
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "t", "nodes": 4, "rounds": 2}
@@ -155,3 +170,64 @@ def test_async_experiment_needs_no_rounds_and_counts_model_versions() -> None:
     assert (parse_config(MINIMAL).steps, parse_config(MINIMAL).step_name) == (2, "round")
     shipped = load_config(ROOT / "experiments" / "quickstart-async.yaml")
     assert shipped.engine.kind == "async" and shipped.rounds is None and shipped.engine.buffer == 5
+
+
+def test_file_that_says_nothing_gives_the_daemons_their_own_defaults(tmp_path: Path) -> None:
+    """The policy, engine, bus and faults sections are derived from the daemons' dataclasses, so their
+    defaults are the daemons' own (min_nodes and inline_model_bytes aside, which build.py derives)."""
+    cfg = parse_config(MINIMAL)
+    built = coordinator_config(cfg, tmp_path)
+    assert built.policy == RoundPolicy(min_nodes=4) and built.asynchronous == AsyncPolicy()
+    assert (built.rounds, built.eval_every, built.engine) == (2, 1, "sync")
+    assert bus_config(cfg, "mqtt://h:1") == BusConfig.from_url("mqtt://h:1")
+    assert node_faults(cfg, "node-001") == Faults()
+    faulty = parse_config(MINIMAL | {"faults": {"node-001": {"delay_s": 2, "delay_rounds": [3, 1]}}})
+    assert node_faults(faulty, "node-001") == Faults(delay_s=2.0, delay_rounds=frozenset({1, 3}))
+
+
+def _outside(limits: dict[str, float]) -> float:
+    """A value just outside the first bound of `limits`."""
+    name, bound = next(iter(limits.items()))
+    return {"gt": bound, "ge": bound - 1, "lt": bound, "le": bound + 1}[name]
+
+
+def _bounded_settings() -> list[tuple[str, type, str]]:
+    """(file section, daemon dataclass, setting) for every setting with bounds that a file can set."""
+    sections = {"policy": (PolicyConfig, RoundPolicy), "engine": (EngineConfig, AsyncPolicy)}
+    sections |= {"bus": (BusSettings, BusConfig), "faults.node-001": (FaultConfig, Faults)}
+    return [
+        (section, settings, f.name)
+        for section, (model, settings) in sections.items()
+        for f in fields(settings)
+        if f.name in model.model_fields and field_bounds(get_type_hints(settings, include_extras=True)[f.name])
+    ]
+
+
+@pytest.mark.parametrize(("section", "settings", "name"), _bounded_settings())
+def test_setting_outside_its_bounds_is_refused_from_a_file_and_from_python(
+    section: str, settings: type, name: str
+) -> None:
+    """One definition of each bound: the file's section and the daemon's dataclass refuse the same value."""
+    bounds = field_bounds(get_type_hints(settings, include_extras=True)[name])
+    assert bounds is not None
+    value = _outside(bounds.limits())
+    with pytest.raises(ValueError, match=name):
+        settings(**{name: value})
+    change: dict[str, object] = {name: value}
+    for part in reversed(section.split(".")):
+        change = {part: change}
+    with pytest.raises(ConfigError, match=f"{section}.{name}: Input should be"):
+        parse_config(MINIMAL | change)
+
+
+def test_section_fields_carry_the_daemons_docstrings() -> None:
+    """A derived setting's description is its dataclass docstring; a None default says what None means."""
+    described = PolicyConfig.model_fields
+    assert (described["late_updates"].description or "").startswith("An update that comes after its round closed")
+    assert (described["min_nodes"].description or "").endswith("None: all of them.")
+
+
+def test_bus_chunk_without_room_for_headers_is_refused_by_the_bus_rule() -> None:
+    """The rule between chunk_bytes and max_message_bytes is BusConfig's, applied when the file loads."""
+    with pytest.raises(ConfigError, match="bus: Value error, chunk_bytes 65536 must leave room for headers"):
+        parse_config(MINIMAL | {"bus": {"chunk_bytes": 65536, "max_message_bytes": 70000}})
