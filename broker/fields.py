@@ -80,9 +80,10 @@ def _rules(cls: type) -> tuple[_Rule, ...]:
     return tuple(rules)
 
 
-def check_fields(config: Any) -> None:
+def check_fields(config: object) -> None:
     """Raise ValueError naming the first field of the dataclass `config` outside its bounds or choices."""
-    for rule in _rules(type(config)):
+    kind: type = type(config)
+    for rule in _rules(kind):
         value = getattr(config, rule.name)
         if value is None and rule.optional:
             continue

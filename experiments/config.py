@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from broker.config import BusConfig
-from broker.fields import field_bounds, unannotated
+from broker.fields import Bounds, field_bounds, unannotated
 from coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
 from experiments.scenario import ScenarioConfig, resolve_scenario
 from fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
@@ -65,16 +65,15 @@ def _field(cls: type, name: str, *, unset: str | None = None, default_factory: A
     (`broker.fields.Bounds`) and docstring as written there. `unset`: the experiment file's default is
     None instead, which `experiments.build` resolves as this says."""
     spec = next(f for f in dataclasses.fields(cls) if f.name == name)
-    bounds = field_bounds(get_type_hints(cls, include_extras=True)[name])
-    limits = bounds.limits() if bounds is not None else {}
+    bounds = field_bounds(get_type_hints(cls, include_extras=True)[name]) or Bounds()
     doc = _docstrings(cls).get(name)
+    default: Any = ... if spec.default is dataclasses.MISSING else spec.default
     if unset is not None:
-        return Field(None, description=f"{doc or ''} None: {unset}.".lstrip(), **limits)
-    if default_factory is None and spec.default_factory is not dataclasses.MISSING:
-        default_factory = spec.default_factory
-    if default_factory is not None:
-        return Field(default_factory=default_factory, description=doc, **limits)
-    return Field(... if spec.default is dataclasses.MISSING else spec.default, description=doc, **limits)
+        doc, default = f"{doc or ''} None: {unset}.".lstrip(), None
+    elif default_factory is not None or spec.default_factory is not dataclasses.MISSING:  # a nested section
+        factory: Any = default_factory or spec.default_factory
+        return Field(default_factory=factory, description=doc)
+    return Field(default, description=doc, gt=bounds.gt, ge=bounds.ge, lt=bounds.lt, le=bounds.le)
 
 
 def _section(
@@ -399,7 +398,7 @@ class TrainConfig(_Strict):
 
 
 class PolicyConfig(
-    _section(
+    _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
         RoundPolicy,
         exclude=("fraction", "deadline_s"),  # at the top of the file
         unset={
@@ -414,7 +413,7 @@ class PolicyConfig(
 
 
 class BusSettings(
-    _section(
+    _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
         BusConfig,
         include=("protocol", "chunk_bytes", "max_message_bytes", "keepalive_s", "transfer_timeout_s", "tune_allocator"),
     )
@@ -430,7 +429,7 @@ class BusSettings(
         return self
 
 
-class FaultConfig(_section(Faults, types={"delay_rounds": list[int] | None})):
+class FaultConfig(_section(Faults, types={"delay_rounds": list[int] | None})):  # type: ignore[misc]
     """A node's injected faults (`fednode.config.Faults`), for experiments."""
 
 
@@ -460,7 +459,7 @@ class StalenessConfig(_Strict):
 
 
 class EngineConfig(
-    _section(
+    _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
         AsyncPolicy,
         before={"kind": (CoordinatorConfig, "engine")},
         types={"staleness": StalenessConfig},
