@@ -592,7 +592,7 @@ def _tagged(annotation: Any) -> dict[str, Any]:
     return members
 
 
-def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
+def _describe(error: Mapping[str, Any], model: type[BaseModel]) -> str:
     # walk the location through the models; a union tag (``partition.dirichlet.alpha``) picks the
     # member and is left out of the location shown
     parent: Any = model
@@ -618,8 +618,8 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
     if error["type"] == "union_tag_not_found" and loc == "partition":
         return f"partition: expected a mapping with a kind (got {error.get('input')!r}); kinds: {kinds}"
     value = error.get("input")
-    shown = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
-    return f"{loc}: {error['msg']}{shown}"
+    got = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
+    return f"{loc}: {error['msg']}{got}"
 
 
 def parse_config(data: Any, *, source: str = "config") -> ExperimentConfig:
@@ -697,11 +697,16 @@ def merge(base: dict[str, Any], changes: dict[str, Any], *, _path: tuple[str, ..
             out.pop(key, None)  # `axis: null` removes an axis the parent file varies
             continue
         old = out.get(key)
-        nested = isinstance(value, dict) and isinstance(old, dict) and _path != ("grid",)
-        nested = nested and (*_path, key) != ("report", "paper")  # another table's figures: all replaced
-        if nested and any(k in value and k in old and value[k] != old[k] for k in _IDENTITY):
-            nested = False
-        out[key] = merge(old, value, _path=(*_path, key)) if nested else value
+        if (
+            isinstance(value, dict)
+            and isinstance(old, dict)
+            and _path != ("grid",)
+            and (*_path, key) != ("report", "paper")  # another table's figures: all replaced
+            and not any(k in value and k in old and value[k] != old[k] for k in _IDENTITY)
+        ):
+            out[key] = merge(old, value, _path=(*_path, key))
+        else:
+            out[key] = value
     return out
 
 
