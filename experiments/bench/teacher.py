@@ -161,14 +161,14 @@ def worker(mode: str, s: Settings, out: Path) -> dict[str, Any]:
         seconds.append(time.perf_counter() - started)
         return metrics
 
-    half.aggregate = timed  # type: ignore[method-assign]
+    half.aggregate = timed  # type: ignore[method-assign,assignment]
     baseline = _status("VmRSS")
     fed.run()
     if engine.state != "finished" or engine.rounds_completed != s.rounds:
         raise RuntimeError(f"the engine ended {engine.state} after {engine.rounds_completed} rounds: {engine.error}")
     metrics = fed.records[-1]
     held = half.state_dict()
-    teacher = {k: v.clone() for k, v in half.teacher_model.state_dict().items()}
+    teacher = {k: v.clone() for k, v in half.teacher_model.state_dict().items()}  # type: ignore[attr-defined]
     torch.save(teacher, out)  # read back by the parent (weights_only), which wrote nothing else there
     store_bytes = _tensor_bytes({k: v for k, v in held.items() if k.startswith(("store/", "stream/"))})
     return {
