@@ -150,9 +150,7 @@ class NodeHalf(shared.LossTermNode):
         distill = shared.task_flag(task, "distill", node_id=self.node_id)
         if not distill or self.hp.gamma == 0.0:
             return None
-        teacher = task.scratch("fedgkd-teacher")
-        shared.load_group(task, "teacher", teacher, node_id=self.node_id)
-        teacher.eval()
+        teacher = shared.frozen_model(task, "fedgkd-teacher", "teacher", node_id=self.node_id)
         weight, tau = self.hp.kd_weight, self.hp.temperature
 
         def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

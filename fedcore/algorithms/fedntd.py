@@ -99,9 +99,7 @@ class NodeHalf(shared.LossTermNode):
     def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         if self.hp.beta == 0.0:
             return None
-        teacher = task.scratch("fedntd-global")  # the frozen global model w^t
-        shared.load_group(task, "model", teacher, node_id=self.node_id)
-        teacher.eval()
+        teacher = shared.frozen_model(task, "fedntd-global", "model", node_id=self.node_id)  # the global model w^t
         weight, tau = self.hp.kd_weight, self.hp.temperature
 
         def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from fedcore.algorithms import base, shared
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
 from fedcore.tensors import StateDict, cpu_copy
-from fedcore.training import LossFn, TrainSettings, TrainStats
+from fedcore.training import LossFn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,20 +102,10 @@ class NodeHalf(shared.LossTermNode):
 
         return objective
 
-    def fit(
-        self,
-        model: nn.Module,
-        data: TensorDataset,
-        settings: TrainSettings,
-        generator: torch.Generator,
-        objective: LossFn | None,
-    ) -> TrainStats:
-        stats = super().fit(model, data, settings, generator, objective)
-        if objective is not None:
-            # the model just trained is this node's newest previous model (FIFO of `previous_models`)
-            self.previous.append(cpu_copy(model.state_dict()))
-            del self.previous[: -self.hp.previous_models]
-        return stats
+    def trained(self, model: nn.Module) -> None:
+        # the model just trained is this node's newest previous model (FIFO of `previous_models`)
+        self.previous.append(cpu_copy(model.state_dict()))
+        del self.previous[: -self.hp.previous_models]
 
     def _frozen_models(self, task: base.TaskInput) -> list[nn.Module]:
         """The global model, then the previous local models, in the process's spare modules in eval

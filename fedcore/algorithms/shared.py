@@ -7,7 +7,7 @@
   `mean_reported_loss`. Methods that change only the local training reuse it as it is.
 - `LossTermNode`, the template of "FedAvg plus a loss term": the node loads the global model, trains
   with `local_sgd` on the method's objective and returns the model; a subclass gives the objective
-  (`LossTermNode.objective`) and nothing else, unless it keeps state (`LossTermNode.fit`).
+  (`LossTermNode.objective`), and a hook when it keeps state (`trained`) or trains otherwise (`fit`).
 - Small pieces of several methods: the trainable parameters and their accumulator dtypes (SCAFFOLD,
   FedDyn, FedAvgM), a checkpointed dict of tensors (`load_tensors`), the federation size N
   (SCAFFOLD, FedDyn), a node's label counts (FedLC, FedRS, FedVLS), `local_sgd`'s batch count
@@ -119,13 +119,17 @@ class AveragingCoordinator(base.CoordinatorHalf):
 
 class LossTermNode(base.NodeHalf):
     """FedAvg's local training on the method's own per-batch objective: load the global model, set
-    up the objective (`objective`), train (`fit`), return the model with the loss and step count."""
+    up the objective (`objective`), train (`fit`), keep what the method keeps (`trained`), return
+    the model with the loss and step count."""
 
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
         load_group(task, "model", model, node_id=self.node_id)
-        stats = self.fit(model, data, task.settings, generator, self.objective(task, model, data))
+        objective = self.objective(task, model, data)
+        stats = self.fit(model, data, task.settings, generator, objective)
+        if objective is not None:
+            self.trained(model)
         return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
 
     @abstractmethod
@@ -133,6 +137,10 @@ class LossTermNode(base.NodeHalf):
         """The loss of one mini-batch, ``loss(model, x, y)``, set up from the global model just loaded
         into `model` (anchors, teachers, label counts); None at the method's neutral setting, where the
         node then trains exactly as FedAvg does."""
+
+    def trained(self, model: nn.Module) -> None:
+        """Called with the trained `model` after training on the method's own objective (not at the
+        neutral setting): for a method that keeps something of it (MOON's previous models)."""
 
     def fit(
         self,
@@ -146,6 +154,15 @@ class LossTermNode(base.NodeHalf):
         if objective is None:
             return local_sgd(model, data, settings, generator)
         return local_sgd(model, data, settings, generator, loss_fn=objective)
+
+
+def frozen_model(task: base.TaskInput, key: str, group: str, *, node_id: str) -> nn.Module:
+    """The task's tensor group `group` (the global model, a teacher) in the process's spare module
+    `key` (`TaskInput.scratch`), in eval mode: a model the node runs without training it."""
+    module = task.scratch(key)
+    load_group(task, group, module, node_id=node_id)
+    module.eval()
+    return module
 
 
 # -- parameters and checkpointed tensors ----------------------------------------------------------
