@@ -1,15 +1,13 @@
 """FedAvgM's two halves in-process: the server momentum rule by hand, FedAvg at beta = 0 and eta = 1,
-the checkpointed velocity, determinism and bad hyperparameters."""
+determinism; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
 
 from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.errors import ConfigError
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, update
 
 SPEC = get_algorithm("fedavgm")
@@ -62,51 +60,3 @@ def test_fedavgm_training_is_deterministic_under_a_fixed_seed() -> None:
     assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
     assert not same_state(a.coordinator.model.state_dict(), Federation("fedavgm", seed=1).run(2))
     assert all(math.isfinite(m["train_loss"]) and m["velocity_norm"] > 0 for m in a.metrics)
-
-
-def test_fedavgm_state_round_trip_resumes_identically() -> None:
-    """A coordinator restored from the model and `state_dict` after round 0 aggregates round 1 as the original does."""
-    original = _coordinator(dampening=False)
-    _round(original, 0, (0.0, 2.0))
-    restored = _coordinator(dampening=False)
-    restored.model.load_state_dict(original.model.state_dict())
-    restored.load_state_dict({k: v.clone() for k, v in original.state_dict().items()})
-    assert _round(original, 1, (1.0, 2.0)) == _round(restored, 1, (1.0, 2.0)) == pytest.approx(2.4)
-    fresh = _coordinator(dampening=False)  # without the velocity the second round differs
-    fresh.model.load_state_dict(original.model.state_dict())
-    assert _round(fresh, 1, (1.0, 2.0)) != pytest.approx(2.4)
-
-
-def test_fedavgm_load_state_dict_with_wrong_entries_raises_value_error() -> None:
-    """A velocity that does not match the model is refused with the entries named."""
-    coordinator = _coordinator()
-    with pytest.raises(ValueError, match="missing"):
-        coordinator.load_state_dict({})
-    with pytest.raises(ValueError, match="unexpected"):
-        coordinator.load_state_dict({"velocity/weight": torch.zeros(1, 1), "velocity/bias": torch.zeros(1)})
-    with pytest.raises(ValueError, match="shape"):
-        coordinator.load_state_dict({"velocity/weight": torch.zeros(2)})
-
-
-def test_fedavgm_defaults_are_the_spec_values() -> None:
-    """Momentum 0.9, server lr 1.0 and KDIA's dampened rule by default."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.momentum, hp.server_lr, hp.dampening) == (0.9, 1.0, True)
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"momentum": 1.0}, "momentum"),
-        ({"momentum": -0.1}, "momentum"),
-        ({"momentum": float("nan")}, "momentum"),
-        ({"server_lr": 0}, "server_lr"),
-        ({"server_lr": float("inf")}, "server_lr"),
-        ({"dampening": "yes"}, "not a bool"),
-        ({"beta": 0.9}, "unknown hyperparameters"),
-    ],
-)
-def test_fedavgm_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors naming the problem."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

@@ -1,6 +1,6 @@
 """FedDecorr's two halves in-process: both forms of the decorrelation loss on hand-computed batches
 and the exact relation between them, the one-sample batch, FedAvg at beta = 0, the node actually
-decorrelating its features, determinism, a model without extract/classify and bad hyperparameters."""
+decorrelating its features, determinism, a model without extract/classify; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 from fedcore.algorithms import build_hyperparams, feddecorr
 from fedcore.algorithms.base import Payload, TaskInput
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.seeding import torch_generator
 from fedcore.training import TrainSettings
 from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, tiny_model
@@ -136,25 +136,3 @@ def test_feddecorr_model_without_extract_raises_algorithm_error() -> None:
     data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
     with pytest.raises(AlgorithmError, match=r"extract.*node n0, round 3"):
         half.train(task, model, data, torch_generator(0, "t"))
-
-
-def test_feddecorr_defaults_are_the_authors_code() -> None:
-    """beta 0.1 (run scripts) with the code's loss form."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.beta, hp.form) == (0.1, "code")
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"beta": -0.01}, "beta"),
-        ({"beta": float("inf")}, "beta"),
-        ({"form": "frobenius"}, "form"),
-        ({"form": True}, "not a str"),
-        ({"coef": 0.1}, "unknown"),
-    ],
-)
-def test_feddecorr_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors naming the problem."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

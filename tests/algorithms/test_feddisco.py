@@ -1,6 +1,6 @@
 """FedDisco's two halves in-process: the discrepancy and Eq. 8 by hand, FedAvg at a = b = 0, the
-normalisation switch, invalid discrepancies, the all-clipped fallback, the node's reported d_k and bad
-hyperparameters."""
+normalisation switch, invalid discrepancies, the all-clipped fallback, the node's reported d_k;
+hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from fedcore.algorithms import build_hyperparams, get_algorithm
 from fedcore.algorithms.base import Payload, TaskInput
 from fedcore.algorithms.feddisco import DISCREPANCY, disco_weights, label_discrepancy
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.seeding import torch_generator
 from tests.algorithms.common import (
     SETTINGS,
@@ -199,29 +199,3 @@ def test_node_with_empty_shard_raises_algorithm_error() -> None:
     )
     with pytest.raises(AlgorithmError, match="empty"):
         node.train(task, model, empty, torch_generator(0, "node-train", "node-000", 0))
-
-
-# -- hyperparameters ----------------------------------------------------------------------------
-
-
-def test_feddisco_defaults_are_the_paper_values() -> None:
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.a, hp.b, hp.normalize) == (0.5, 0.1, True)
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"a": -0.1}, "a must be"),
-        ({"b": -1}, "b must be"),
-        ({"a": float("nan")}, "a must be"),
-        ({"b": float("inf")}, "b must be"),
-        ({"normalize": "yes"}, "not a bool"),
-        ({"a": True}, "not a float"),
-        ({"alpha": 0.5}, "unknown hyperparameters"),
-    ],
-)
-def test_feddisco_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Negative, non-finite, mistyped and unknown hyperparameters are ConfigErrors naming the problem."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

@@ -1,8 +1,7 @@
 """FedDyn's two halves in-process: the regularised local steps and the gradient state by hand on a
 two-weight model (and across rounds), the server's h and theta by hand, m from the participation
-record, h = mean of the nodes' gradient states, the checkpointed h (a resumed run equals an
-uninterrupted one), the evaluated average, the update schema, FedAvg's first local step, determinism
-and bad hyperparameters."""
+record, h = mean of the nodes' gradient states, the evaluated average, the update schema, FedAvg's
+first local step, determinism; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from fedcore.algorithms.feddyn import (
     server_state_step,
 )
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.participation import ParticipationRecord
 from fedcore.seeding import torch_generator
 from fedcore.tensors import schema_mismatch
@@ -211,40 +210,6 @@ def test_h_is_the_mean_of_the_node_gradient_states_with_partial_participation() 
 # -- state, schema, determinism ------------------------------------------------------------------
 
 
-def test_state_round_trip_resumes_the_run_exactly() -> None:
-    """Two rounds in one go equal one round, a checkpoint (model + state_dict) into a fresh
-    coordinator, and a second round: h survives the resume."""
-    straight = Federation(SPEC)
-    expected = straight.run(2)
-    resumed = Federation(SPEC)
-    resumed.run(1)
-    saved_model = {k: v.clone() for k, v in resumed.coordinator.model.state_dict().items()}
-    saved_state = {k: v.clone() for k, v in resumed.coordinator.state_dict().items()}
-    assert saved_state.keys() == {f"h/{name}" for name, _ in tiny_model().named_parameters()}
-    fresh = SPEC.coordinator(build_hyperparams(SPEC, {}), model=tiny_model(5))
-    fresh.model.load_state_dict(saved_model)
-    fresh.load_state_dict(saved_state)
-    resumed.coordinator = fresh
-    assert same_state(resumed.run(1), expected)
-    assert same_state(fresh.state_dict(), straight.coordinator.state_dict())
-
-
-@pytest.mark.parametrize("bad", ["missing", "extra", "shape"])
-def test_load_state_dict_rejects_state_that_does_not_fit(bad: str) -> None:
-    """A checkpoint with a missing, unexpected or misshapen h tensor is a ValueError."""
-    coordinator = Federation(SPEC).coordinator
-    state = {k: v.clone() for k, v in coordinator.state_dict().items()}
-    key = sorted(state)[0]
-    if bad == "missing":
-        del state[key]
-    elif bad == "extra":
-        state["h/nope"] = torch.zeros(1)
-    else:
-        state[key] = torch.zeros(7)
-    with pytest.raises(ValueError, match="FedDyn"):
-        coordinator.load_state_dict(state)
-
-
 def test_update_schema_is_the_model_alone_and_rejects_bad_shapes() -> None:
     """The update carries the model only (grad_k stays on the node); a misshapen tensor is rejected."""
     fed = Federation(SPEC)
@@ -273,31 +238,3 @@ def test_node_without_model_in_task_raises_algorithm_error() -> None:
     with pytest.raises(AlgorithmError, match=r"no usable model.*node node-000, round 0"):
         fed.train("node-000", Payload(tensors={}))
     assert fed.nodes["node-000"].gradient is None
-
-
-# -- hyperparameters -----------------------------------------------------------------------------
-
-
-def test_feddyn_defaults() -> None:
-    """alpha = 0.01 (the authors' script; paper grid 0.1, 0.01, 0.001), plain mean, m from the record."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.alpha, hp.weighted, hp.num_nodes, hp.evaluate_average) == (0.01, False, 0, False)
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"alpha": 0.0}, "alpha"),
-        ({"alpha": -0.1}, "alpha"),
-        ({"alpha": float("nan")}, "alpha"),
-        ({"alpha": float("inf")}, "alpha"),
-        ({"alpha": "0.1"}, "not a float"),
-        ({"num_nodes": -3}, "num_nodes"),
-        ({"evaluate_average": 1}, "not a bool"),
-        ({"mu": 0.1}, "unknown"),
-    ],
-)
-def test_feddyn_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """A zero, negative or non-finite alpha, a negative m, wrong types and unknown keys are ConfigErrors."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

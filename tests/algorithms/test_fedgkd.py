@@ -1,5 +1,5 @@
 """FedGKD's two halves in-process: the KD term by hand, the buffer of global models and its
-average, FedAvg at gamma = 0, the checkpointed buffer, bad input, determinism and bad hyperparameters."""
+average, FedAvg at gamma = 0, the checkpointed buffer, bad input, determinism; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from fedcore.algorithms import build_hyperparams, fedgkd, get_algorithm
 from fedcore.algorithms.base import Payload
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, tiny_model, update
 
 SPEC = get_algorithm("fedgkd")
@@ -143,27 +143,3 @@ def test_fedgkd_node_with_bad_task_raises_algorithm_error(
     tensors = {g: tiny_model(0).state_dict() for g in groups}
     with pytest.raises(AlgorithmError, match=match):
         fed.train("node-000", Payload(tensors=tensors, meta=meta))
-
-
-def test_fedgkd_defaults_are_the_spec_values() -> None:
-    """gamma 0.2, temperature 2, a buffer of 5 global models, the paper's KD scale."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.gamma, hp.temperature, hp.buffer_size, hp.kd_scale) == (0.2, 2.0, 5, "paper")
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"gamma": -0.2}, "gamma"),
-        ({"gamma": float("nan")}, "gamma"),
-        ({"temperature": 0.0}, "temperature"),
-        ({"buffer_size": 0}, "buffer_size"),
-        ({"buffer_size": True}, "not a int"),
-        ({"kd_scale": "hinton"}, "kd_scale"),
-        ({"mu": 0.2}, "unknown"),
-    ],
-)
-def test_fedgkd_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

@@ -1,8 +1,8 @@
 """FedNH's two halves in-process: the initial prototypes (orthonormal, spread, seeded without the global
 RNG), the cosine logits and the smoothed prototype update by hand, the node's class means and its
 training with fixed prototypes, the coordinator's averaging of bodies and scale, the schema of what
-travels, the evaluation model, invalid wire values, the checkpointed state, determinism and bad
-hyperparameters."""
+travels, the evaluation model, invalid wire values, the checkpointed state, determinism;
+hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fedcore.aggregation import weighted_average
 from fedcore.algorithms import build_hyperparams, fednh
 from fedcore.algorithms.base import Payload, TaskInput
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.seeding import torch_generator
 from fedcore.tensors import non_finite, schema_mismatch
 from fedcore.training import TrainSettings
@@ -328,32 +328,3 @@ def test_fednh_state_round_trips_and_bad_state_is_refused() -> None:
     ):
         with pytest.raises(ValueError, match="FedNH state"):
             fresh.load_state_dict(bad)
-
-
-def test_fednh_defaults_are_the_authors_code() -> None:
-    """rho 0.9, learnt s from 1 (the CNN), orthogonal init, seed 0, sample-weighted bodies."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.smoothing, hp.scale, hp.learn_scale, hp.init, hp.prototype_seed, hp.weighted) == (
-        0.9, 1.0, True, "orthogonal", 0, True,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"smoothing": 1.5}, "smoothing"),
-        ({"smoothing": -0.1}, "smoothing"),
-        ({"smoothing": float("nan")}, "smoothing"),
-        ({"scale": 0.0}, "scale"),
-        ({"scale": float("inf")}, "scale"),
-        ({"init": "random"}, "init"),
-        ({"prototype_seed": 1.5}, "not a int"),
-        ({"prototype_seed": -1}, "prototype_seed"),
-        ({"learn_scale": 1}, "not a bool"),
-        ({"rho": 0.9}, "unknown"),
-    ],
-)
-def test_fednh_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors naming the problem."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

@@ -1,6 +1,6 @@
 """FedNTD's two halves in-process: the not-true logits and L_NTD by hand, its blindness to the true
 class, the KD scale option, FedAvg at beta = 0, the pull towards the global model's not-true
-distribution, determinism, a missing model and bad hyperparameters."""
+distribution, determinism, a missing model; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from fedcore.algorithms import build_hyperparams, fedntd
 from fedcore.algorithms.base import Payload
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from tests.algorithms.common import Federation, same_state, tiny_model
 
 SPEC = fedntd.SPEC
@@ -122,34 +122,3 @@ def test_fedntd_node_without_model_in_task_raises_algorithm_error() -> None:
     fed = Federation(SPEC)
     with pytest.raises(AlgorithmError, match=r"no usable model.*node node-000, round 0"):
         fed.train("node-000", Payload(tensors={}))
-
-
-def test_fedntd_state_round_trip_is_empty() -> None:
-    """The coordinator keeps no state beyond the model."""
-    coordinator = Federation(SPEC).coordinator
-    assert coordinator.state_dict() == {}
-    coordinator.load_state_dict({})
-
-
-def test_fedntd_defaults_are_the_published_configuration() -> None:
-    """beta 1 and tau 1 (config/fedntd.json), KL unscaled (the authors' criterion)."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.beta, hp.temperature, hp.kd_scale, hp.kd_weight) == (1.0, 1.0, "plain", 1.0)
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"beta": -0.1}, "beta"),
-        ({"beta": float("nan")}, "beta"),
-        ({"temperature": 0.0}, "temperature"),
-        ({"temperature": float("inf")}, "temperature"),
-        ({"kd_scale": "hinton"}, "kd_scale"),
-        ({"kd_scale": 2}, "not a str"),
-        ({"tau": 1.0}, "unknown"),
-    ],
-)
-def test_fedntd_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors naming the problem."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

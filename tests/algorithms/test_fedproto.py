@@ -1,7 +1,7 @@
 """FedProto's two halves in-process: the prototype regulariser and the global prototypes (count-weighted and the code's
 plain mean) by hand, the batches of the last epoch, both prototype passes, the nodes' own models kept
 between rounds, FedAvg at lambda = 0 with shared models, the nearest-prototype classifier, invalid wire
-values, the checkpointed prototypes, determinism and bad hyperparameters."""
+values, the checkpointed prototypes, determinism; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 from fedcore.aggregation import weighted_average
 from fedcore.algorithms import build_hyperparams, fedproto
 from fedcore.algorithms.base import NodeUpdate, Payload, TaskInput
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.seeding import torch_generator
 from fedcore.tensors import non_finite, schema_mismatch
 from fedcore.training import TrainSettings
@@ -288,28 +288,3 @@ def test_fedproto_state_round_trips_and_bad_state_is_refused() -> None:
     ):
         with pytest.raises(ValueError, match="FedProto state"):
             fresh.load_state_dict(bad)
-
-
-def test_fedproto_defaults() -> None:
-    """lambda 1 (the code's --ld), the paper's count weights, the code's last-epoch prototypes, the paper's local models."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.proto_weight, hp.weighting, hp.prototype_pass, hp.local_models, hp.evaluate_prototypes) == (
-        1.0, "counts", "train", True, False,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"proto_weight": -1.0}, "proto_weight"),
-        ({"proto_weight": float("nan")}, "proto_weight"),
-        ({"weighting": "samples"}, "weighting"),
-        ({"prototype_pass": "test"}, "prototype_pass"),
-        ({"local_models": "yes"}, "not a bool"),
-        ({"ld": 1.0}, "unknown"),
-    ],
-)
-def test_fedproto_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors naming the problem."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

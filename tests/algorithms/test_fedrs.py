@@ -1,6 +1,6 @@
 """FedRS's two halves in-process: the restriction scales (hard and proportional) and the restricted
 cross-entropy by hand, the restriction of the missing classes' classifier rows, FedAvg at alpha = 1,
-determinism, what the update carries and bad hyperparameters."""
+determinism, what the update carries; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 
 from fedcore.algorithms import build_hyperparams, fedrs
 from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.errors import ConfigError
 from fedcore.seeding import torch_generator
 from fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, same_state, shards, tiny_model
@@ -98,26 +97,3 @@ def test_fedrs_training_is_deterministic_and_sends_only_the_model(scaling: str) 
     out = a.train("node-001", Payload(tensors={"model": tiny_model().state_dict()}))
     assert set(out.payload.tensors) == {"model"} and set(out.payload.meta) == {"loss", "steps"}
     assert math.isfinite(out.payload.meta["loss"])
-
-
-def test_fedrs_defaults_are_the_fedvls_table_10_values() -> None:
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.alpha, hp.scaling) == (0.7, "hard")
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"alpha": -0.1}, "alpha"),
-        ({"alpha": 1.5}, "alpha"),
-        ({"alpha": float("nan")}, "alpha"),
-        ({"alpha": True}, "not a float"),
-        ({"scaling": "soft"}, "scaling"),
-        ({"scaling": 1}, "not a str"),
-        ({"restricted_strength": 0.5}, "unknown"),
-    ],
-)
-def test_fedrs_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

@@ -3,7 +3,7 @@ vacant-class distillation, the official and the paper's logit suppression) and a
 transcriptions of the authors' code, the invariants (no distillation for a node missing fewer than
 two classes, gradients of L_dis only on vacant logits, the paper form's guard), the teacher's
 BatchNorm mode, Algorithm 1's aggregation over the total data, FedAvg at the neutral setting,
-determinism, what the update carries, bad wire values and bad hyperparameters."""
+determinism, what the update carries, bad wire values; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from torch.nn import functional as F
 
 from fedcore.algorithms import build_hyperparams, fedvls
 from fedcore.algorithms.base import Payload
-from fedcore.errors import ConfigError
 from fedcore.participation import ParticipationRecord
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, tiny_model, update
 
@@ -283,42 +282,3 @@ def test_bad_reported_loss_is_left_out_of_the_train_loss(aggregation: str, bad: 
     rows = [("a", 1.0, 10, 0.5), ("b", 3.0, 30, bad)]
     _, metrics = _round(_coordinator(aggregation=aggregation), rows, {})
     assert metrics["train_loss"] == pytest.approx(0.5)
-
-
-# -- hyperparameters ----------------------------------------------------------------------------
-
-
-def test_fedvls_defaults_are_the_spec_recommendations() -> None:
-    """lam 0.1 (MNIST/CIFAR-10), the code's L_logit with its 0.005, Eq. 2 with eps 1e-9, train-mode
-    teacher BatchNorm, weights normalised over the participants."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.lam, hp.logit_suppression, hp.logit_scale, hp.calibration, hp.prior_eps) == (
-        0.1,
-        "official",
-        0.005,
-        "prior",
-        1e-9,
-    )
-    assert (hp.fedlc_tau, hp.teacher_bn, hp.aggregation) == (0.5, "batch", "participants")
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"lam": -0.1}, "lam"),
-        ({"lam": float("nan")}, "lam"),
-        ({"logit_scale": -1.0}, "logit_scale"),
-        ({"prior_eps": 0.0}, "prior_eps"),
-        ({"fedlc_tau": float("inf")}, "fedlc_tau"),
-        ({"logit_suppression": "lade"}, "logit_suppression"),
-        ({"calibration": "balanced"}, "calibration"),
-        ({"teacher_bn": "train"}, "teacher_bn"),
-        ({"aggregation": "all"}, "aggregation"),
-        ({"lam": "0.1"}, "not a float"),
-        ({"temperature": 2.0}, "unknown"),
-    ],
-)
-def test_fedvls_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, unknown-choice, mistyped and unknown hyperparameters are ConfigErrors."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

@@ -1,5 +1,5 @@
 """MOON's two halves in-process: the contrastive loss by hand, the previous models a node keeps,
-FedAvg at mu = 0, the projection head of "moon-cnn", determinism and bad hyperparameters."""
+FedAvg at mu = 0, the projection head of "moon-cnn", determinism; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from fedcore.algorithms import build_hyperparams, get_algorithm, moon
 from fedcore.algorithms.base import Payload, TaskInput
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.seeding import torch_generator
 from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, tiny_model
 
@@ -103,34 +103,3 @@ def test_moon_model_without_represent_raises_algorithm_error() -> None:
     data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
     with pytest.raises(AlgorithmError, match=r"represent.*node n0, round 2"):
         half.train(task, model, data, torch_generator(0, "t"))
-
-
-def test_moon_state_round_trip_is_empty() -> None:
-    """The coordinator keeps no state beyond the model (the previous models live on the nodes)."""
-    coordinator = Federation("moon").coordinator
-    assert coordinator.state_dict() == {}
-    coordinator.load_state_dict({})
-
-
-def test_moon_defaults_are_the_spec_values() -> None:
-    """mu 5, temperature 0.5, one previous model."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.mu, hp.temperature, hp.previous_models) == (5.0, 0.5, 1)
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"mu": -1.0}, "mu"),
-        ({"mu": float("nan")}, "mu"),
-        ({"temperature": 0.0}, "temperature"),
-        ({"temperature": float("inf")}, "temperature"),
-        ({"previous_models": 0}, "previous_models"),
-        ({"previous_models": 1.5}, "not a int"),
-        ({"tau": 0.5}, "unknown"),
-    ],
-)
-def test_moon_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Out-of-range, mistyped and unknown hyperparameters are ConfigErrors."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)

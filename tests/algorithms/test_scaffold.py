@@ -1,7 +1,7 @@
 """SCAFFOLD's two halves in-process: the corrected local step and options I, II and gradient_mean by
 hand on a two-weight model, the node's control variate across rounds, the server's x and c by hand,
-N from the participation record, the checkpointed c (a resumed run equals an uninterrupted one),
-the update schema, FedAvg at the first round, determinism, bad tasks and bad hyperparameters."""
+N from the participation record, the update schema, FedAvg at the first round, determinism, bad
+tasks; hyperparameters and checkpoints: test_contract.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from fedcore.algorithms.scaffold import (
     server_model_step,
 )
 from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError, ConfigError
+from fedcore.errors import AlgorithmError
 from fedcore.participation import ParticipationRecord
 from fedcore.seeding import torch_generator
 from fedcore.tensors import schema_mismatch
@@ -248,40 +248,6 @@ def test_server_control_is_the_mean_of_the_node_controls_with_partial_participat
 # -- state, schema, FedAvg, determinism ----------------------------------------------------------
 
 
-def test_state_round_trip_resumes_the_run_exactly() -> None:
-    """Two rounds in one go equal one round, a checkpoint (model + state_dict) into a fresh
-    coordinator, and a second round: c survives the resume."""
-    straight = Federation(SPEC)
-    expected = straight.run(2)
-    resumed = Federation(SPEC)
-    resumed.run(1)
-    saved_model = {k: v.clone() for k, v in resumed.coordinator.model.state_dict().items()}
-    saved_state = {k: v.clone() for k, v in resumed.coordinator.state_dict().items()}
-    assert saved_state.keys() == {f"control/{name}" for name, _ in tiny_model().named_parameters()}
-    fresh = SPEC.coordinator(build_hyperparams(SPEC, {}), model=tiny_model(5))
-    fresh.model.load_state_dict(saved_model)
-    fresh.load_state_dict(saved_state)
-    resumed.coordinator = fresh
-    assert same_state(resumed.run(1), expected)
-    assert same_state(fresh.state_dict(), straight.coordinator.state_dict())
-
-
-@pytest.mark.parametrize("bad", ["missing", "extra", "shape"])
-def test_load_state_dict_rejects_state_that_does_not_fit(bad: str) -> None:
-    """A checkpoint with a missing, unexpected or misshapen control tensor is a ValueError."""
-    coordinator = Federation(SPEC).coordinator
-    state = {k: v.clone() for k, v in coordinator.state_dict().items()}
-    key = sorted(state)[0]
-    if bad == "missing":
-        del state[key]
-    elif bad == "extra":
-        state["control/nope"] = torch.zeros(1)
-    else:
-        state[key] = torch.zeros(7)
-    with pytest.raises(ValueError, match="SCAFFOLD"):
-        coordinator.load_state_dict(state)
-
-
 def test_update_schema_declares_the_control_delta_and_rejects_bad_shapes() -> None:
     """A node's update fits the schema (model and control_delta); a delta of the wrong shape or
     dtype, or a missing tensor, is what the coordinator daemon rejects (schema_mismatch)."""
@@ -370,31 +336,3 @@ def test_node_without_local_steps_is_an_algorithm_error() -> None:
     )
     with pytest.raises(AlgorithmError, match="no local step"):
         fed.nodes["node-000"].train(task, tiny_model(3), empty, torch_generator(0, "t"))
-
-
-# -- hyperparameters -----------------------------------------------------------------------------
-
-
-def test_scaffold_defaults() -> None:
-    """eta_g = 1, option II, the paper's unweighted mean, N from the participation record."""
-    hp = build_hyperparams(SPEC, {})
-    assert (hp.server_lr, hp.control_update, hp.weighted, hp.num_nodes) == (1.0, "option_ii", False, 0)
-
-
-@pytest.mark.parametrize(
-    ("values", "match"),
-    [
-        ({"server_lr": 0.0}, "server_lr"),
-        ({"server_lr": -1.0}, "server_lr"),
-        ({"server_lr": float("nan")}, "server_lr"),
-        ({"control_update": "option_iii"}, "control_update must be one of"),
-        ({"num_nodes": -1}, "num_nodes"),
-        ({"num_nodes": 2.0}, "not a int"),
-        ({"weighted": "no"}, "not a bool"),
-        ({"eta_g": 1.0}, "unknown"),
-    ],
-)
-def test_scaffold_bad_hyperparameters_raise_config_error(values: dict[str, object], match: str) -> None:
-    """Non-positive or non-finite eta_g, an unknown option, a negative N, wrong types and unknown keys are ConfigErrors."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(SPEC, values)
