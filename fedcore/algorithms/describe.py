@@ -24,8 +24,8 @@ class Option:
 
 def summary(spec: AlgorithmSpec) -> str:
     """The first line of the method module's docstring."""
-    doc = inspect.getdoc(sys.modules[spec.hyperparams.__module__])  # every method module defines its own or ""
-    return doc.strip().splitlines()[0] if doc.strip() else spec.name
+    doc = (inspect.getdoc(sys.modules[spec.hyperparams.__module__]) or "").strip()
+    return doc.splitlines()[0] if doc else spec.name
 
 
 def options(spec: AlgorithmSpec) -> list[Option]:

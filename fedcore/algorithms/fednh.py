@@ -202,6 +202,8 @@ class PrototypeClassifier(nn.Module):
     """A FedModel's feature extractor followed by FedNH's cosine classifier with fixed prototypes:
     the network a node trains (s a parameter when it is learnt) and the one the coordinator evaluates."""
 
+    prototypes: torch.Tensor  # a buffer
+
     def __init__(self, body: nn.Module, prototypes: torch.Tensor, scale: torch.Tensor, *, learn_scale: bool) -> None:
         super().__init__()
         self.body = body
@@ -286,7 +288,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         return {
             "train_loss": shared.mean_reported_loss(valid, [float(u.num_samples) for u in valid]),
             "fednh_invalid": float(len(updates) - len(valid)),
-            "fednh_classes_seen": float((seen > 0).sum()),
+            "fednh_classes_seen": float(torch.as_tensor(seen > 0).sum()),
             "fednh_prototype_shift": shift,
             "fednh_scale": float(self.scale[0]),
         }

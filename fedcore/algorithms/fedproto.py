@@ -137,6 +137,9 @@ class NearestPrototype(nn.Module):
     """FedProto's inference on a model's representations: logits -||f(x) - C_bar^(j)||^2, classes
     without a prototype `ABSENT_MARGIN` below a row's lowest logit (never predicted, finite loss)."""
 
+    prototypes: torch.Tensor  # buffers
+    present: torch.Tensor
+
     def __init__(self, body: nn.Module, prototypes: torch.Tensor, present: torch.Tensor) -> None:
         super().__init__()
         self.body = body

@@ -490,7 +490,7 @@ def aggregator(
 class CoordinatorHalf(fedavg.CoordinatorHalf):
     """FedAvg's server with SA as its averaging step (FedSA = FedAvg + SA, paper section "SA")."""
 
-    hp: Hyperparams
+    hp: Hyperparams  # type: ignore[assignment]  # FedSA's own, which has FedAvg's `weighted` too
     sync_only = (
         "FedSA's skew-aware aggregator computes its dispersion statistics and clusters over one round's "
         "client models, and asynchronous aggregation folds stale updates with the 'mean' aggregator only"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ class AveragingCoordinator(base.CoordinatorHalf):
     ``ctx.folding`` (`next_model`) like a round's; every method that reuses this half inherits that
     unless it says otherwise."""
 
-    sync_only = None
+    sync_only: ClassVar[str | None] = None
 
     def configure_round(self, ctx: base.RoundContext) -> base.Payload:
         return base.Payload(tensors={"model": self.model.state_dict()})

@@ -302,7 +302,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         if self.hp.generator_heads == "teacher":
             heads, head_weights = [self.teacher_model.state_dict()], [1.0]
         else:
-            heads, head_weights = list(states), list(sizes)
+            heads, head_weights = [dict(s) for s in states], list(sizes)
         ensemble = HeadEnsemble(self.model, heads, head_weights, self.device)
         stats, optimizer_state = train_generator(
             generator,

@@ -196,7 +196,7 @@ def train_generator(
     generator.to(device).train()
     optimizer = torch.optim.Adam(generator.parameters(), lr=lr, weight_decay=weight_decay)
     if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+        optimizer.load_state_dict(dict(optimizer_state))
     started = time.perf_counter()
     pool = torch.randint(0, generator.num_classes, (batches_per_epoch * batch_size,), generator=rng)
     ce_sum = torch.zeros((), device=device)
