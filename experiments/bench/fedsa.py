@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from experiments.bench.common import MIB, BenchOptions, Report
+from experiments.bench.procs import self_status
 from fedcore.errors import ConfigError
 
 TITLE = "FedSA's skew-aware aggregation against the weighted mean, as the number of updates held grows"
@@ -90,14 +91,6 @@ def settings(options: BenchOptions) -> Settings:
     if not s.updates or min(s.updates) < 1 or s.repeats < 1 or s.params < 0 or s.threads < 1:
         raise ConfigError("updates, repeats and threads must be at least 1, and params non-negative")
     return s
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: the peak since the last reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _reset_peak() -> bool:
@@ -177,7 +170,7 @@ def worker(rule: str, k: int, s: Settings) -> dict[str, Any]:
         device_base = torch.cuda.memory_allocated()
     _trim()
     reset = _reset_peak()
-    baseline = _status("VmRSS")
+    baseline = self_status("VmRSS")
     seconds = []
     for _ in range(s.repeats):
         started = time.perf_counter()
@@ -186,7 +179,7 @@ def worker(rule: str, k: int, s: Settings) -> dict[str, Any]:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
         del result
-    peak_rss = _status("VmHWM") - baseline if reset else None
+    peak_rss = self_status("VmHWM") - baseline if reset else None
     metrics = aggregate.metrics if rule == "sa" else {}
     return {
         "rule": rule,

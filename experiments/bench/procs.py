@@ -29,6 +29,15 @@ def proc_stat(pid: int) -> ProcStat | None:
         return None
 
 
+def self_status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: the peak since start or the
+    last reset through /proc/self/clear_refs)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = defaultdict(list)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from experiments.bench.common import MIB, BenchOptions, Report
+from experiments.bench.procs import self_status
 from fedcore.errors import ConfigError
 
 TITLE = "KDIA's teacher modes with N registered nodes: memory and time a round against the exact teacher"
@@ -91,14 +92,6 @@ def settings(options: BenchOptions) -> Settings:
     if s.nodes < 1 or s.rounds < 1 or not 0 < s.fraction <= 1 or not s.modes:
         raise ConfigError("nodes and rounds must be at least 1, fraction in (0, 1], and modes not empty")
     return s
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: the peak)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _tensor_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -162,7 +155,7 @@ def worker(mode: str, s: Settings, out: Path) -> dict[str, Any]:
         return metrics
 
     half.aggregate = timed  # type: ignore[method-assign,assignment]
-    baseline = _status("VmRSS")
+    baseline = self_status("VmRSS")
     fed.run()
     if engine.state != "finished" or engine.rounds_completed != s.rounds:
         raise RuntimeError(f"the engine ended {engine.state} after {engine.rounds_completed} rounds: {engine.error}")
@@ -182,7 +175,7 @@ def worker(mode: str, s: Settings, out: Path) -> dict[str, Any]:
         "model_bytes": _tensor_bytes(template),
         "teacher_tensor_bytes_in_memory": store_bytes,
         "store_bytes_on_disk": sum(p.stat().st_size for p in Path(store_dir).glob("*")) if store_dir else 0,
-        "rss_growth_bytes": _status("VmHWM") - baseline,
+        "rss_growth_bytes": self_status("VmHWM") - baseline,
         "seconds_per_round_mean": float(np.mean(seconds)),
         "seconds_per_round_last10": float(np.mean(seconds[-10:])),
         "models_held": metrics["teacher_models_held"],
