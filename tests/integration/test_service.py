@@ -218,7 +218,8 @@ async def test_a_draining_node_abandons_a_task_whose_model_has_not_come(mosquitt
         await coordinator.subscribe(topics.node_status("node-000"), topics.update("node-000"), topics.ack("node-000"))
         serving = asyncio.create_task(node.serve())
         await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
-        assert node.connected.is_set()
+        # the announcement goes out from the connect hook, beside the subscription: it may arrive first
+        await asyncio.wait_for(node.connected.wait(), 10)
         task_id = os.urandom(16)
         meta: dict[str, Any] = {
             "task": task_id, "attempt": 0, "version": 0, "model_topic": topics.model(0), "deadline_s": 60,
