@@ -233,6 +233,17 @@ class CoordinatorHalf(ABC):
             f"update), but the folding holds only versions {known} and the current one is {ctx.version}"
         )
 
+    def partial_refusal(self) -> str | None:
+        """Why this half's aggregation cannot be done in parts, by site aggregators that each send one
+        update for their nodes (hierarchical mode), or None when `partial` makes such an update."""
+        return "the method has not declared that its aggregation can be done in parts by site aggregators"
+
+    def partial(self, updates: Sequence[NodeUpdate]) -> tuple[Payload, int]:
+        """Several nodes' updates as one update that speaks for them, and the sample count it claims:
+        `aggregate` over such partial updates gives what it gives over the nodes' own, within float
+        rounding. Only for a half whose `partial_refusal` is None."""
+        raise NotImplementedError(self.partial_refusal() or f"{type(self).__name__} has no partial aggregation")
+
     def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
         """The tensor groups an update must carry, with dtypes and shapes; anything else is rejected."""
         return {"model": schema_of(self.model.state_dict())}

@@ -61,6 +61,7 @@ class CoordinatorHalf(shared.AveragingCoordinator):
 
     hp: Hyperparams
     sync_only = None
+    aggregates_the_mean = True  # momentum on the sample-weighted mean: site aggregators may send partial means
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)

@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from fedcore.aggregation import weighted_average
 from fedcore.algorithms import base
 from fedcore.data import TensorDataset
 from fedcore.errors import AlgorithmError
@@ -92,6 +93,10 @@ def valid_updates(
 # -- FedAvg's server, and a node that adds a loss term to FedAvg's training -----------------------
 
 
+PROBE = (("a", 3), ("b", 5))
+"""Two updates' node ids and sample counts, to check that a half weights updates by their counts."""
+
+
 class AveragingCoordinator(base.CoordinatorHalf):
     """FedAvg's server: every selected node receives the global model, and the next global model is
     the average of the updates (``self.average``) weighted by `weights`, their sample counts.
@@ -116,6 +121,43 @@ class AveragingCoordinator(base.CoordinatorHalf):
         # w_{t+1} = sum_k (n_k / sum_j n_j) w^k_{t+1}, over the accepted updates only (async: ctx.folding)
         self.model.load_state_dict(self.next_model(ctx, updates, weights))
         return {"train_loss": mean_reported_loss(updates, weights)}
+
+    aggregates_the_mean: ClassVar[bool] = False
+    """A subclass with its own `aggregate` sets it when that `aggregate` sees the updates only through
+    their sample-weighted mean and mean reported loss (FedAvgM: momentum on the mean), so that site
+    aggregators may send partial means (`partial`)."""
+
+    def partial_refusal(self) -> str | None:
+        """Partial means add up to the flat one while the average is the weighted mean, the weights are
+        the sample counts, and `aggregate` is this class's (or says `aggregates_the_mean`)."""
+        name = f"{type(self).__module__}.{type(self).__qualname__}"
+        if self.average is not weighted_average:
+            return "its averaging rule (method.aggregator) is not the weighted mean, which partial means do not give"
+        own = next(c for c in type(self).__mro__ if "aggregate" in vars(c))
+        if own is not AveragingCoordinator and not self.aggregates_the_mean:
+            return f"{name} aggregates in its own way, not from the weighted mean of the updates alone"
+        probe = [base.NodeUpdate(node_id=n, round=0, num_samples=k, payload=base.Payload()) for n, k in PROBE]
+        if self.weights(probe) != [3.0, 5.0]:
+            return f"{name} does not weight updates by their sample counts (fedavg's weighted: false?)"
+        return None
+
+    def partial(self, updates: Sequence[base.NodeUpdate]) -> tuple[base.Payload, int]:
+        """The updates' sample-weighted mean, claiming the sum of their counts: the coordinator's
+        weighted mean of such partials is the weighted mean of all their updates. The reported loss
+        is averaged the same way (over the updates that reported one)."""
+        reason = self.partial_refusal()
+        if reason is not None:
+            raise NotImplementedError(reason)
+        if not updates:
+            raise ValueError("a partial aggregate needs at least one update")
+        weights = sample_weights(updates)
+        tensors = {
+            group: weighted_average([u.payload.tensors[group] for u in updates], weights)
+            for group in updates[0].payload.tensors
+        }
+        loss = mean_reported_loss(updates, weights)
+        meta = {"loss": loss} if loss == loss else {}  # NaN when none reported one
+        return base.Payload(tensors=tensors, meta=meta), sum(u.num_samples for u in updates)
 
 
 class LossTermNode(base.NodeHalf):

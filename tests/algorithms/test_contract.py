@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from fedcore.algorithms import ALGORITHMS, build_hyperparams, describe
+from fedcore.algorithms.base import NodeUpdate, Payload
 from fedcore.errors import ConfigError
-from tests.algorithms.common import Federation, clone, same_state, tiny_model
+from tests.algorithms.common import Federation, clone, context, same_state, tiny_model
 
 NAMES = sorted(ALGORITHMS)
 SMALL: dict[str, dict[str, Any]] = {
@@ -284,3 +285,42 @@ def test_checkpoint_that_does_not_fit_is_refused(name: str) -> None:
             coordinator.load_state_dict({k: v for k, v in state.items() if k != key})
         with pytest.raises(ValueError):
             coordinator.load_state_dict({**state, key: torch.zeros(7)})
+
+
+# -- aggregation in parts (hierarchical mode) ------------------------------------------------------
+
+PARTIAL = {"fedavg", "fedavgm", "feddecorr", "fedlc", "fedntd", "fedprox", "fedrcl", "fedrs", "moon", "noop"}
+"""The methods site aggregators may serve: their server is the sample-weighted mean (FedAvgM: with
+momentum on it). Every other one says why not, and a hierarchical experiment with it is refused."""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_aggregation_in_parts_equals_the_whole_or_is_refused(name: str) -> None:
+    """Two sites' partial updates (`partial`: each site's updates as one), aggregated, give the model
+    and the training loss that aggregating every node's update gives, within float32 rounding; a
+    method that cannot say so refuses in a sentence."""
+    whole = _federation(name)
+    reason = whole.coordinator.partial_refusal()
+    assert (reason is None) == (name in PARTIAL), reason
+    if reason is not None:
+        assert len(reason) > 20 and reason[0].islower()
+        with pytest.raises(NotImplementedError):
+            whole.coordinator.partial([])
+        return
+    whole.run(1)  # a round first, so that server state (FedAvgM's velocity) is not zero
+    payload = whole.coordinator.configure_round(context(1, whole.node_ids))
+    assert isinstance(payload, Payload)
+    updates = [whole.train(node, payload) for node in whole.node_ids]
+    parted = _federation(name)
+    parted.run(1)
+    partials = []
+    for site, members in enumerate((updates[:2], updates[2:])):
+        merged, samples = parted.coordinator.partial(members)
+        assert samples == sum(u.num_samples for u in members)
+        partials.append(NodeUpdate(node_id=f"site-{site}", round=1, num_samples=samples, payload=merged))
+    ctx = context(1, whole.node_ids)
+    flat = whole.coordinator.aggregate(ctx, updates, [])
+    tiered = parted.coordinator.aggregate(context(1, ("site-0", "site-1")), partials, [])
+    assert flat["train_loss"] == pytest.approx(tiered["train_loss"], rel=1e-6)
+    a, b = whole.coordinator.model.state_dict(), parted.coordinator.model.state_dict()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
