@@ -143,6 +143,17 @@ class Finish:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class RoundEnded:
+    """Hierarchical mode: a site round asked for by upstream closed, aggregated (its `Aggregate` made
+    the partial update that goes upstream) or with nothing to send (no live node, no update in time)."""
+
+    round: int
+    attempt: int
+    aggregated: bool
+    accepted: int
+
+
 Command = (
     Configure
     | SendTask
@@ -156,4 +167,5 @@ Command = (
     | Checkpoint
     | PublishStatus
     | Finish
+    | RoundEnded
 )

@@ -93,7 +93,38 @@ class Stop:
     reason: str = "stopped"
 
 
-Event = Start | NodeSeen | Acked | UpdateArrived | TaskUnsent | Tick | Configured | Aggregated | Evaluated | Stop
+@dataclass(frozen=True, slots=True)
+class RoundRequested:
+    """Hierarchical mode, at a site aggregator: upstream sent it a task, so run one site round for it
+    (`coordinator.engine.relay`)."""
+
+    round: int
+    attempt: int
+    settings: Mapping[str, Any]
+    """The upstream task's training settings (`TrainSettings.to_meta`), passed to the site's nodes as they are."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFinished:
+    """Hierarchical mode: the run upstream is over, so the site's run ends with it in `state`."""
+
+    state: str = "finished"
+
+
+Event = (
+    Start
+    | NodeSeen
+    | Acked
+    | UpdateArrived
+    | TaskUnsent
+    | Tick
+    | Configured
+    | Aggregated
+    | Evaluated
+    | Stop
+    | RoundRequested
+    | UpstreamFinished
+)
 
 __all__ = [
     "Acked",
@@ -102,11 +133,13 @@ __all__ = [
     "Evaluated",
     "Event",
     "NodeSeen",
+    "RoundRequested",
     "Start",
     "Stop",
     "TaskUnsent",
     "Tick",
     "UpdateArrived",
+    "UpstreamFinished",
 ]
 
 

@@ -25,7 +25,7 @@ from coordinator.engine import events as e
 from coordinator.engine.base import Engine
 from coordinator.errors import ProtocolError
 from coordinator.rounds import RoundOutcome, RoundState
-from coordinator.sampler import sample
+from coordinator.sampler import Selection, sample
 from coordinator.updates import check_base_version, parse_update
 from fedcore.algorithms.base import Failure, Folding, NodeUpdate
 
@@ -82,15 +82,7 @@ class SyncRounds(Engine):
             self._wait(out, 1, now)
             return
         self._attempt_started = now
-        selection = sample(
-            live,
-            fraction=self.policy.fraction,
-            over_selection=self.policy.over_selection,
-            seed=self.config.seed,
-            round=self.round,
-            attempt=self.attempt,
-            already=self._carried,
-        )
+        selection = self._select(live)
         ctx = self._context(self.round, selection.selected, "configure")
         task_id = self.new_id()
         self._selection = (selection.selected, selection.target, task_id)
@@ -98,6 +90,18 @@ class SyncRounds(Engine):
         tasks = tuple(c.TaskSpec(n, task_id, self.round, self.attempt, self.version) for n in selection.selected)
         self.phase = "configuring"
         out.append(c.Configure(self._configure_step, ctx, tasks, ctx.settings.to_meta(), self.policy.deadline_s))
+
+    def _select(self, live: list[str], stratum: str | None = None) -> Selection:
+        return sample(
+            live,
+            fraction=self.policy.fraction,
+            over_selection=self.policy.over_selection,
+            seed=self.config.seed,
+            round=self.round,
+            attempt=self.attempt,
+            already=self._carried,
+            stratum=stratum,
+        )
 
     def _configured(self, out: list[c.Command], event: e.Configured, now: float) -> None:
         if self.phase != "configuring" or event.step != self._configure_step or self._selection is None:
