@@ -99,6 +99,8 @@ class Coordinator:
         """The method, hyperparameters and model schema nodes must share: in every task and status."""
         self.run_dir = RunDir(config.out_dir)
         self.run_id = os.urandom(8).hex()
+        self.client_id = f"{config.federation}-coordinator"
+        """The MQTT client id (a broker lets one connection hold it at a time)."""
         self.event_log = EventLog(self.run_dir.root / EVENT_LOG)
         self.engine = make_engine(
             config, half.update_schema(), evaluates=test_data is not None, new_id=self.event_log.recording(new_task_id)
@@ -138,7 +140,7 @@ class Coordinator:
         will = Will(self.topics.coordinator_status, self._status_message("offline", {}))
         client = BusClient(
             self.bus_config,
-            client_id=f"{self.config.federation}-coordinator",
+            client_id=self.client_id,
             federation=self.config.federation,
             will=will,
             logger=logger.getChild("bus"),

@@ -48,6 +48,11 @@ class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         return f"[{(self.extra or {}).get('node_id')}] {msg}", kwargs
 
 
+class NoUpdate(Exception):
+    """The node has no update for a task, for a reason it reports to the coordinator (a site
+    aggregator whose nodes sent nothing): a failure of the round, not of the daemon."""
+
+
 class TaskError(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -83,6 +88,8 @@ class NodeDaemon:
         self.workspace = workspace
         self.topics = Topics(config.federation)
         self.node_id = config.node_id
+        self.client_id = f"{config.federation}-{config.node_id}"
+        """The MQTT client id (a broker lets one connection hold it at a time)."""
         self.log = _NodeLog(logger, {"node_id": self.node_id})
         self.fingerprint = fingerprint_of(half, workspace.schema)
         """The method, hyperparameters and model schema this node trains: announced, and checked in every task."""
@@ -113,7 +120,7 @@ class NodeDaemon:
         will = Will(self.topics.node_status(self.node_id), self._status("offline"))
         client = BusClient(
             self.bus_config,
-            client_id=f"{self.config.federation}-{self.node_id}",
+            client_id=self.client_id,
             federation=self.config.federation,
             will=will,
             on_connect=self._announce,
@@ -121,7 +128,7 @@ class NodeDaemon:
         )
         self._bus = client  # before connecting: the on-connect hook announces through it
         async with client as bus:
-            await bus.subscribe(*self.topics.node_inbox(self.node_id), self.topics.coordinator_state)
+            await bus.subscribe(*self._subscriptions())
             self.connected.set()
             if self.config.script.transitions:
                 self._spawn(self.player.play(started, self._on_transition), f"scenario-{self.node_id}")
@@ -156,6 +163,10 @@ class NodeDaemon:
                         )
                     except (BusError, TimeoutError) as exc:
                         self.log.warning("could not publish the offline status: %s", exc)
+
+    def _subscriptions(self) -> list[str]:
+        """The node's inbox (task, model, receipt) and the coordinator's state."""
+        return [*self.topics.node_inbox(self.node_id), self.topics.coordinator_state]
 
     def drain(self, reason: str) -> None:
         """Stop taking tasks and end `serve` once the task in hand is dealt with: a training job in
@@ -478,6 +489,11 @@ class NodeDaemon:
             return self._abandoned(task)
         try:
             frame, train_s = await self._produce(task, payload)
+        except NoUpdate as exc:
+            self.log.warning("round %d: no update to send: %s", task.round, exc)
+            if not spell.is_set():
+                await self._report_failure(task, str(exc))
+            return
         except Exception as exc:  # the round must not wait for an update that will never come
             if self._bus is not None:
                 self._bus.stats.rejected["training-error"] += 1

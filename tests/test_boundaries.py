@@ -42,6 +42,8 @@ ALLOWED: dict[str, set[str]] = {
         "tensorboard",
     },
     "fednode": {"fednode", "broker", "fedcore", "torch", "numpy", "aiohttp", "prometheus_client"},
+    # the site aggregator is a node upstream and a coordinator downstream: it composes the two daemons
+    "aggregator": {"aggregator", "coordinator", "fednode", "broker", "fedcore", "torch", "numpy"},
 }
 # only these modules may use the optional third-party pieces
 NARROW = {
@@ -93,11 +95,11 @@ def test_package_imports_only_what_its_layer_allows(package: str) -> None:
 
 
 def test_daemons_know_no_algorithm_by_name() -> None:
-    """coordinator/ and fednode/ reach algorithms only through fedcore.algorithms.base, and name the
+    """coordinator/, fednode/ and aggregator/ reach algorithms only through fedcore.algorithms.base, and name the
     half they were given only through fedcore.algorithms.fingerprint (which asks the registry)."""
     offenders = []
     generic = ("fedcore.algorithms.base", "fedcore.algorithms.fingerprint")
-    for package in ("coordinator", "fednode"):
+    for package in ("coordinator", "fednode", "aggregator"):
         for path in sources(package):
             for name in imports(path):
                 if name.startswith("fedcore.algorithms") and name not in generic:

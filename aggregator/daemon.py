@@ -1,0 +1,57 @@
+"""One site aggregator: its upstream node and its site coordinator, served together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from aggregator.site import SiteCoordinator
+from aggregator.upstream import UpstreamNode
+from coordinator.engine import events as e
+
+logger = logging.getLogger(__name__)
+
+
+class SiteAggregator:
+    """Serves the site first (its nodes' statuses make the upstream announcement), then upstream; when
+    upstream's run ends (or a drain or cancellation stops upstream), the site's run ends the same way."""
+
+    def __init__(self, upstream: UpstreamNode, site: SiteCoordinator) -> None:
+        self.upstream = upstream
+        self.site = site
+        site.watchers.append(self._watch)
+
+    @property
+    def name(self) -> str:
+        return self.upstream.node_id
+
+    def _watch(self, now: float, event: e.Event, commands: Any) -> None:
+        if isinstance(event, e.NodeSeen):
+            self.upstream.site_changed()
+
+    def drain(self, reason: str) -> None:
+        """Finish the site round in hand, send its partial, then stop (upstream and site)."""
+        self.upstream.drain(reason)
+
+    async def serve(self) -> str:
+        """Run until upstream's run ends (with `exit_when_done`), a drain, or cancellation; returns the
+        state the site's run ended in."""
+        site = asyncio.create_task(self.site.serve(), name=f"site-{self.name}")
+        connected = asyncio.create_task(self.site.connected.wait())
+        try:
+            await asyncio.wait({site, connected}, return_when=asyncio.FIRST_COMPLETED)
+            if site.done():
+                site.result()  # a site that could not start (its broker) ends the aggregator with the reason
+                return "failed"
+            await self.upstream.serve()
+            self.site.finish(self.upstream.upstream_state if self.upstream.draining is None else "stopped")
+            summary = await site
+            return summary.state
+        finally:
+            connected.cancel()
+            if not site.done():
+                site.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await site
