@@ -78,9 +78,11 @@ def site_run_id(federation: str) -> str:
 class SiteCoordinator(Coordinator):
     """The coordinator of a site's federation, driven by upstream's tasks (`request`)."""
 
-    def __init__(self, config: CoordinatorConfig, bus_config: BusConfig, half: CoordinatorHalf) -> None:
+    def __init__(self, config: CoordinatorConfig, bus_config: BusConfig, half: CoordinatorHalf, *, site: str) -> None:
         super().__init__(config, bus_config, half)
-        self.engine = RelayRounds(config, half.update_schema(), new_id=self.event_log.recording(new_task_id))
+        self.site = site
+        new_id = self.event_log.recording(new_task_id)
+        self.engine = RelayRounds(config, half.update_schema(), new_id=new_id, stratum=site)
         self._calls = self.relay = RelayCalls(half, config)
         self.run_id = site_run_id(config.federation)
         self._waiting: dict[tuple[int, int], asyncio.Future[Partial | None]] = {}

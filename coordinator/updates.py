@@ -66,6 +66,10 @@ def parse_update(
     train_seconds = meta.get("train_seconds", 0.0)
     if not isinstance(train_seconds, int | float) or not math.isfinite(train_seconds) or train_seconds < 0:
         raise ProtocolError("bad-update", f"train_seconds {train_seconds!r} is invalid", node_id=node)
+    site = meta.get("site", {"nodes": 0})  # a site aggregator's partial says how many nodes it holds
+    site_nodes = site.get("nodes") if isinstance(site, dict) else None
+    if not isinstance(site_nodes, int) or isinstance(site_nodes, bool) or not 0 <= site_nodes <= num_samples:
+        raise ProtocolError("bad-update", f"site {site!r} must say how many nodes' updates it holds", node_id=node)
     payload_meta = meta.get("payload", {})
     if not isinstance(payload_meta, dict):
         raise ProtocolError("bad-update", "payload meta must be a map", node_id=node)
@@ -91,6 +95,7 @@ def parse_update(
         train_seconds=float(train_seconds),
         rtt_seconds=max(received_at - sent_at, 0.0),
         base_version=version,
+        site_nodes=site_nodes,
     )
 
 

@@ -5,16 +5,20 @@ The only place where names in a config (dataset, model, method) become objects.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from aggregator import SiteAggregator, SiteCoordinator, UpstreamNode
 from broker import BusConfig
 from broker.credentials import COORDINATOR, Access, Credentials
+from broker.topics import check_id
 from coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
 from coordinator.daemon import Coordinator
+from coordinator.engine.relay import ENDLESS
 from experiments.config import ExperimentConfig
 from experiments.scenario import expand as expand_scenario
 from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
@@ -171,11 +175,20 @@ def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
     return half
 
 
+def round_policy(cfg: ExperimentConfig, **changes: object) -> RoundPolicy:
+    """The experiment's round policy, with `changes` (a hierarchy's levels)."""
+    derived = {"inline_model_bytes": inline_model_bytes(cfg), "min_nodes": cfg.policy.min_nodes or cfg.nodes}
+    fields = dict(cfg.policy) | derived | {"fraction": cfg.fraction, "deadline_s": cfg.deadline_s}
+    return RoundPolicy(**(fields | changes))  # type: ignore[arg-type]
+
+
 def coordinator_config(
     cfg: ExperimentConfig, out_dir: Path, *, federation: str | None = None, resume: bool = False
 ) -> CoordinatorConfig:
-    derived = {"inline_model_bytes": inline_model_bytes(cfg), "min_nodes": cfg.policy.min_nodes or cfg.nodes}
-    policy = RoundPolicy(fraction=cfg.fraction, deadline_s=cfg.deadline_s, **(dict(cfg.policy) | derived))
+    """The coordinator's settings. With sites, its nodes are the site aggregators: it gives every one a
+    task each round (each site samples its own nodes, with the experiment's fraction) and waits for all."""
+    sites = cfg.hierarchy.sites
+    policy = round_policy(cfg, fraction=1.0, over_selection=1.0, min_nodes=sites) if sites else round_policy(cfg)
     return CoordinatorConfig(
         federation=federation or federation_id(cfg),
         rounds=cfg.steps,
@@ -291,3 +304,95 @@ def build_nodes(
         bus = bus_config(cfg, url, access.for_identity(node_id) if access is not None else None)
         daemons.append(NodeDaemon(node_config, bus, spec.node(hp, node_id=node_id), data, workspace))
     return daemons
+
+
+def site_federation(federation: str, site: str) -> str:
+    """The federation id of a site's own nodes and aggregator (topics fedmq/FED.SITE/...)."""
+    try:
+        return check_id(f"{federation}.{site}", "site federation id (the federation id, a dot and the site name)")
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="federation") from None
+
+
+def site_config(cfg: ExperimentConfig, site: str, out_dir: Path, *, federation: str) -> CoordinatorConfig:
+    """A site aggregator's downstream settings: the experiment's fraction and round policy over the
+    site's nodes, closing at ``hierarchy.site_deadline`` of the deadline, never retrying or carrying
+    late updates (upstream decides those), rounds without end (upstream's run decides)."""
+    policy = round_policy(
+        cfg,
+        deadline_s=cfg.deadline_s * cfg.hierarchy.site_deadline,
+        min_nodes=1,
+        min_updates=1,
+        on_insufficient="skip",
+        late_updates="drop",
+    )
+    return CoordinatorConfig(
+        federation=site_federation(federation, site),
+        rounds=ENDLESS,
+        seed=cfg.seed,
+        out_dir=out_dir,
+        policy=policy,
+        train=train_settings(cfg),
+        method=cfg.method.name,
+    )
+
+
+def check_hierarchy(cfg: ExperimentConfig, half: CoordinatorHalf) -> None:
+    """A hierarchical experiment's method must aggregate in parts (ConfigError saying why not)."""
+    if cfg.hierarchy.sites:
+        reason = half.partial_refusal()
+        if reason is not None:
+            raise ConfigError(f"{cfg.method.name} cannot run with site aggregators: {reason}", field="hierarchy.sites")
+
+
+def build_site_aggregator(
+    cfg: ExperimentConfig,
+    url: str,
+    site: str,
+    out_dir: Path,
+    *,
+    federation: str | None = None,
+    upstream_url: str | None = None,
+    worker: int = 0,
+    exit_when_done: bool = False,
+) -> SiteAggregator:
+    """Site `site`'s aggregator: its nodes' coordinator on `url` (the site's broker), and one node of the
+    federation on `upstream_url` (by default the same broker, bridged to the central one). With
+    ``hierarchy.workers`` above 1, `worker` numbers this process among the site's."""
+    names = cfg.hierarchy.site_names()
+    if not names:
+        raise ConfigError("the experiment has no sites: set hierarchy.sites", field="hierarchy.sites")
+    if site not in names:
+        raise ConfigError(f"site {site!r} is not in this experiment ({', '.join(names)})", field="--site")
+    if not 0 <= worker < cfg.hierarchy.workers:
+        raise ConfigError(
+            f"worker {worker} is not one of the site's {cfg.hierarchy.workers} (hierarchy.workers)", field="--worker"
+        )
+    federation = federation or federation_id(cfg)
+    split = load_split(cfg)
+    half = coordinator_half(cfg, split)
+    check_hierarchy(cfg, half)
+    config = site_config(cfg, site, out_dir, federation=federation)
+    site_coordinator = SiteCoordinator(config, bus_config(cfg, url), half, site=site)
+    shared = cfg.hierarchy.workers > 1
+    upstream_bus = bus_config(cfg, upstream_url or url)
+    if shared:
+        site_coordinator.client_id += f"-{worker}"
+        # a worker's session ends with its connection, so that the broker stops handing it tasks
+        upstream_bus = dataclasses.replace(upstream_bus, persistent_session=False)
+    spec = get_algorithm(cfg.method.name)
+    node_config = NodeConfig(node_id=site, federation=federation, seed=cfg.seed, exit_when_done=exit_when_done)
+    expected = len(cfg.site_nodes()[site])
+    min_live = expected if cfg.policy.min_nodes is None else max(1, cfg.policy.min_nodes * expected // cfg.nodes)
+    upstream = UpstreamNode(
+        node_config,
+        upstream_bus,
+        spec.node(build_hyperparams(spec, cfg.method.hyperparams), node_id=site),
+        Workspace(make_model(cfg, split.train), torch.device("cpu")),
+        site_coordinator,
+        min_live=min_live,
+        share_group=f"fedmq-{federation}-{site}" if shared else None,
+    )
+    if shared:
+        upstream.client_id += f"-{worker}"
+    return SiteAggregator(upstream, site_coordinator)

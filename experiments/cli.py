@@ -34,6 +34,7 @@ fedmq: event-driven federated learning over MQTT.
   fedmq broker                       run a development broker (mosquitto if installed, else embedded)
   fedmq coordinator --broker URL --config EXP.yaml    the server daemon
   fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
+  fedmq aggregator --broker URL --config EXP.yaml --site site-0   a site aggregator (hierarchy.sites)
   fedmq report RUN_DIR               rebuild the tables and plots of a run from its saved metrics
   fedmq replay RUN_DIR [--set K=V]   replay a recorded run in process and check every model hash
                                      (with --set: the same availability and timing, something changed)
@@ -331,6 +332,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a federation provisioned into DIR by `fedmq provision`: TLS, its users and topic rules"
         " (its own address and port; --port and --host are ignored)",
     )
+    g = p.add_argument_group(
+        "site broker (hierarchical federations, docs/hierarchy.md)",
+        "A mosquitto for one site, bridged to the central broker: the site's nodes and aggregator connect here;"
+        " the bridge carries only the aggregator's topics (its tasks and models in, its status and updates out).",
+    )
+    g.add_argument(
+        "--bridge", metavar="URL", help="the central broker to bridge to, mqtt://HOST:PORT (needs mosquitto)"
+    )
+    g.add_argument("--site", help="the site this broker serves (its aggregator's node id), e.g. site-0")
+    g.add_argument("--federation", help="the federation id of the run (its topics are bridged)")
+    g.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the site broker keeps its config and its persistent sessions across restarts"
+        " (default runs/brokers/FEDERATION-SITE)",
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -434,6 +452,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_access(p)
     _add_common(p)
+
+    p = sub.add_parser(
+        "aggregator",
+        help="run a site aggregator daemon (hierarchical federations)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="One site of an experiment with hierarchy.sites: the coordinator of the site's nodes (on"
+        " --broker, the site's broker, federation FED.SITE) and, upstream, one node of the federation (node id"
+        " SITE) that sends one partial update a round for all of them. By default upstream is reached through"
+        " --broker, bridged to the central broker (`fedmq broker --bridge`); --upstream connects directly."
+        " Only methods whose aggregation splits into parts run this way (FedAvg and the methods that reuse its"
+        " server); docs/hierarchy.md.\n\n"
+        "  fedmq broker --port 1884 --bridge mqtt://central:1883 --site site-0 --config EXP.yaml\n"
+        "  fedmq aggregator --broker mqtt://127.0.0.1:1884 --site site-0 --config EXP.yaml\n"
+        "  fedmq node --broker mqtt://127.0.0.1:1884 --federation FED.site-0 --node-id node-000 ...",
+    )
+    p.add_argument("--broker", required=True, metavar="URL", help="the site's broker, where its nodes are")
+    p.add_argument("--site", required=True, metavar="SITE", help="the site, e.g. site-0 (hierarchy.sites names them)")
+    _add_experiment(p)
+    p.add_argument("--upstream", metavar="URL", help="reach the coordinator's broker directly, not through the bridge")
+    p.add_argument("--federation", help="topic namespace (default: the config's federation or name)")
+    p.add_argument(
+        "--worker",
+        type=int,
+        default=0,
+        metavar="N",
+        help="this process's number among the site's hierarchy.workers (0 ..), which share the site's rounds",
+    )
+    p.add_argument("--out", type=Path, help="the site's run directory (default runs/SITE)")
+    p.add_argument("--exit-when-done", action="store_true", help="exit when the coordinator finishes the run")
+    _add_service(p)
+    p.add_argument("--threads", type=_positive_int, help="torch threads")
+    _add_common(p)
     return parser
 
 
@@ -459,8 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.command == "broker":
             return _run_async(_broker(args))
-        if args.command in ("coordinator", "node"):
-            return _daemon(_coordinator if args.command == "coordinator" else _node, args)
+        if args.command in ("coordinator", "node", "aggregator"):
+            daemons = {"coordinator": _coordinator, "node": _node, "aggregator": _aggregator_daemon}
+            return _daemon(daemons[args.command], args)
         if args.command == "report":
             return _report(args)
         if args.command == "status":
@@ -781,6 +832,10 @@ async def _broker(args: argparse.Namespace) -> int:
             raise ConfigError("--secure DIR brings its own broker config; leave out --config")
         secure_amqtt, (host, port) = _provisioned(args.secure)
         config_file, scheme = args.secure / "mosquitto" / "mosquitto.conf", "mqtts"
+    if args.bridge is not None:
+        if args.config is not None or args.secure is not None:
+            raise ConfigError("--bridge writes the site broker's config itself; leave out --config and --secure")
+        config_file = _site_broker_config(args)
     if args.config is None:  # a mosquitto.conf of the user's says where it listens itself
         _check_free(host, port)
     if not args.embedded and find_mosquitto() is not None:
@@ -799,6 +854,48 @@ async def _broker(args: argparse.Namespace) -> int:
     print(f"embedded broker (amqtt, {version}) listening on {scheme}://{host}:{port}; Ctrl-C stops it", flush=True)
     await serve_embedded(host, port, secure=secure_amqtt)
     return EXIT_OK
+
+
+def _site_broker_config(args: argparse.Namespace) -> Path:
+    """`fedmq broker --bridge`: the site broker's mosquitto.conf, written into its state directory."""
+    import pwd
+
+    from broker.bridge import render_site_config
+    from broker.config import BusConfig
+    from broker.mosquitto import find_mosquitto
+    from broker.topics import check_id
+
+    if find_mosquitto() is None:
+        raise ConfigError(
+            "--bridge runs mosquitto's own bridge, but mosquitto is not installed (apt-get install mosquitto)"
+        )
+    if args.embedded:
+        raise ConfigError("--bridge needs mosquitto (the embedded broker has no bridge); leave out --embedded")
+    if not args.site or not args.federation:
+        raise ConfigError("--bridge needs --site (the site's aggregator node id) and --federation (the run's)")
+    try:
+        check_id(args.site, "--site")
+        check_id(args.federation, "--federation")
+        central = BusConfig.from_url(args.bridge)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if central.tls:
+        raise ConfigError("--bridge over TLS is not generated yet: bridge to an mqtt:// address (docs/hierarchy.md)")
+    state = args.state_dir or Path("runs") / "brokers" / f"{args.federation}-{args.site}"
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "mosquitto.conf"
+    path.write_text(
+        render_site_config(
+            port=args.port,
+            bind=args.host,
+            central=(central.host, central.port),
+            federation=args.federation,
+            site=args.site,
+            persistence_dir=state.resolve(),
+            user=pwd.getpwuid(os.geteuid()).pw_name,
+        )
+    )
+    return path
 
 
 def _check_free(host: str, port: int) -> None:
@@ -1002,6 +1099,34 @@ async def _node(args: argparse.Namespace, signals: Any) -> int:
               file=sys.stderr)  # fmt: skip
         return EXIT_BUS
     return EXIT_OK
+
+
+async def _aggregator_daemon(args: argparse.Namespace, signals: Any) -> int:
+    from broker.tuning import tune_process
+    from experiments.build import build_site_aggregator
+    from experiments.service import Notifier
+
+    cfg = _load(args)
+    notifier = Notifier()
+    signals.on_stop = notifier.stopping
+    _threads(args.threads)
+    aggregator = build_site_aggregator(
+        cfg,
+        args.broker,
+        args.site,
+        args.out or Path("runs") / args.site,
+        federation=args.federation,
+        upstream_url=args.upstream,
+        worker=args.worker,
+        exit_when_done=args.exit_when_done,
+    )
+    tune_process(aggregator.site.bus_config)
+    await _wait_for_broker(args, cfg, notifier)
+    signals.drain = lambda: aggregator.drain("SIGTERM")
+    connected = [aggregator.site.connected, aggregator.upstream.connected]
+    async with notifier.running(connected, lambda: f"site {args.site}: {aggregator.site.live} nodes live"):
+        state = await aggregator.serve()
+    return EXIT_OK if state in ("finished", "stopped") else EXIT_FAILED
 
 
 @contextlib.asynccontextmanager

@@ -491,6 +491,31 @@ class CompressionConfig(_Strict):
         return Compression(mode=self.mode, block=self.block, delta=self.delta)
 
 
+class HierarchyConfig(_Strict):
+    """Hierarchical aggregation (docs/hierarchy.md): the nodes are split into sites, each behind an
+    aggregator (`fedmq aggregator`) that sends the coordinator one partial update per round."""
+
+    sites: int = Field(0, ge=0, le=1000, description="sites the nodes are split among, in node order (0: flat)")
+    site_deadline: float = Field(
+        0.8,
+        gt=0,
+        lt=1,
+        description="a site round closes at this fraction of deadline_s, so that its partial reaches the"
+        " coordinator before the round does",
+    )
+    workers: int = Field(
+        1, ge=1, le=16, description="aggregator processes per site, sharing its rounds (MQTT v5 shared subscription)"
+    )
+    bridge: bool = Field(
+        True,
+        description="`fedmq run`: a mosquitto per site, bridged to the central one (nodes reach only their site's);"
+        " false: every site on the one broker",
+    )
+
+    def site_names(self) -> list[str]:
+        return [f"site-{i}" for i in range(self.sites)]
+
+
 DROP_LAST_REFUSED = {
     "kdia": "the generated labels of each batch",
     "fedacd": "the steps of an epoch for its estimate",
@@ -525,7 +550,10 @@ class ExperimentConfig(_Strict):
         CompressionConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
         description="update compression for thin links (default: none)",
     )
-    _added_later = ("engine", "scenario", "compression")
+    hierarchy: HierarchyConfig = Field(
+        HierarchyConfig(), description="site aggregators between the nodes and the coordinator (default: none)"
+    )
+    _added_later = ("engine", "scenario", "compression", "hierarchy")
 
     @field_validator("faults")
     @classmethod
@@ -554,6 +582,13 @@ class ExperimentConfig(_Strict):
                 f"train.drop_last: {self.method.name} counts local_sgd's batches itself"
                 f" ({DROP_LAST_REFUSED[self.method.name]}) and does not know drop_last yet; leave it false"
             )
+        if self.hierarchy.sites:
+            if self.hierarchy.sites > self.nodes:
+                raise ValueError(f"hierarchy.sites {self.hierarchy.sites} exceeds nodes {self.nodes}")
+            if self.compression.mode != "none":
+                raise ValueError(
+                    "hierarchy: site aggregators do not relay compressed updates yet; set compression.mode: none"
+                )
         if self.engine.kind == "async" or self.policy.late_updates == "carry":
             from fedcore.algorithms import async_refusal
 
@@ -575,6 +610,19 @@ class ExperimentConfig(_Strict):
     def node_ids(self) -> list[str]:
         width = max(3, len(str(self.nodes - 1)))
         return [f"node-{i:0{width}d}" for i in range(self.nodes)]
+
+    def site_nodes(self) -> dict[str, list[str]]:
+        """Each site's node ids (hierarchical mode): the nodes split evenly, in order; {} when flat."""
+        names = self.hierarchy.site_names()
+        if not names:
+            return {}
+        size, extra = divmod(self.nodes, len(names))
+        ids, out, start = self.node_ids(), {}, 0
+        for i, name in enumerate(names):
+            end = start + size + (1 if i < extra else 0)
+            out[name] = ids[start:end]
+            start = end
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

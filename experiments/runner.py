@@ -280,17 +280,29 @@ async def run_federation(
         elif broker is None:
             port = free_port()
             broker = f"mqtt://127.0.0.1:{port}"
-            proc = await children.start("broker", ["broker", "--embedded", "--port", str(port)], logs / "broker.log")
+            bridged = bool(cfg.hierarchy.sites and cfg.hierarchy.bridge)
+            kind = "mosquitto" if bridged else "embedded broker"
+            if bridged and find_mosquitto() is None:
+                raise ConfigError(
+                    "hierarchy.bridge: the site brokers are mosquitto bridges, but mosquitto is not installed"
+                    " (apt-get install mosquitto), or set hierarchy.bridge: false to run every site on one broker"
+                )
+            command = ["broker", "--port", str(port)] + ([] if bridged else ["--embedded"])
+            proc = await children.start("broker", command, logs / "broker.log")
             await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 20.0)
             if proc.returncode is not None:
-                raise BusError("the embedded broker exited at start; see logs/broker.log")
-            where = f"embedded broker on {broker}"
+                raise BusError(f"the {kind} exited at start; see logs/broker.log")
+            where = f"{kind} on {broker}"
         else:  # the user's broker: unreachable is exit 3 now, before any process starts
             await wait_for_broker(bus_config(cfg, broker), CONNECT_TIMEOUT_S, flag=None)
             where = f"broker {broker}"
         if not quiet:
+            hosts = f"{min(processes, cfg.nodes)} processes"
+            if cfg.hierarchy.sites:
+                behind = ", each with its broker bridged to the central one" if cfg.hierarchy.bridge else ""
+                hosts = f"{cfg.hierarchy.sites} sites{behind}"
             console.print(
-                f"[bold]fedmq run[/] {cfg.name}: {cfg.nodes} nodes in {min(processes, cfg.nodes)} processes,"
+                f"[bold]fedmq run[/] {cfg.name}: {cfg.nodes} nodes in {hosts},"
                 f" {_pace(cfg)}, {cfg.method.name} on {cfg.data.dataset}; {where}"
             )
             console.print(f"run directory: {out}")
@@ -316,23 +328,10 @@ async def run_federation(
             ],
             logs / "coordinator.out",
         )
-        for i, group in enumerate(split_evenly(cfg.node_ids(), processes)):
-            ids = [arg for node in group for arg in ("--node-id", node)]
-            await children.start(
-                f"nodes-{i}",
-                [
-                    "node",
-                    "--broker",
-                    broker,
-                    *ids,
-                    *common,
-                    *threads,
-                    "--exit-when-done",
-                    "--log-file",
-                    str(logs / f"nodes-{i}.log"),
-                ],
-                logs / f"nodes-{i}.out",
-            )
+        if cfg.hierarchy.sites:
+            await _start_sites(children, cfg, broker, out, config_path, processes, [*verbosity, *threads])
+        else:
+            await _start_node_hosts(children, broker, cfg.node_ids(), processes, [*common, *threads], logs, "nodes")
         monitor = asyncio.create_task(_monitor(cfg, broker, federation, console, quiet, monitor_access))
         try:
             await asyncio.wait_for(coordinator.wait(), timeout_s)
@@ -343,7 +342,7 @@ async def run_federation(
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError, BusError):
                 await monitor
-        node_names = [n for n in children.procs if n.startswith("nodes-")]
+        node_names = [n for n in children.procs if n.startswith(("nodes-", "aggregator-"))]
         try:
             await asyncio.wait_for(asyncio.gather(*(children.procs[n].wait() for n in node_names)), 15)
         except TimeoutError:
@@ -353,6 +352,54 @@ async def run_federation(
     finally:
         await asyncio.shield(children.stop())
     return _report(out, console, coordinator.returncode, time.monotonic() - started, quiet)
+
+
+async def _start_node_hosts(
+    children: Children, broker: str, node_ids: list[str], processes: int, args: list[str], logs: Path, name: str
+) -> None:
+    """`node_ids` split among `processes` node-host processes named NAME-0, NAME-1, ..."""
+    for i, group in enumerate(split_evenly(node_ids, processes)):
+        ids = [arg for node in group for arg in ("--node-id", node)]
+        log = logs / f"{name}-{i}.log"
+        command = ["node", "--broker", broker, *ids, *args, "--exit-when-done", "--log-file", str(log)]
+        await children.start(f"{name}-{i}", command, logs / f"{name}-{i}.out")
+
+
+async def _start_sites(
+    children: Children,
+    cfg: ExperimentConfig,
+    central: str,
+    out: Path,
+    config_path: Path,
+    processes: int,
+    args: list[str],
+) -> None:
+    """Each site of a hierarchical run: its broker bridged to `central` (or `central` itself without
+    hierarchy.bridge), its aggregator workers, and node hosts for its nodes (at least one a site)."""
+    federation = str(cfg.federation)
+    logs = out / "logs"
+    per_site = max(1, processes // cfg.hierarchy.sites)
+    for site, node_ids in cfg.site_nodes().items():
+        url = central
+        if cfg.hierarchy.bridge:
+            port = free_port()
+            url = f"mqtt://127.0.0.1:{port}"
+            command = ["broker", "--port", str(port), "--bridge", central, "--site", site, "--federation",
+                       federation, "--state-dir", str(out / "brokers" / site),
+                       "--log-file", str(logs / f"broker-{site}.log")]  # fmt: skip
+            proc = await children.start(f"broker-{site}", command, logs / f"broker-{site}.out")
+            await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 20.0)
+            if proc.returncode is not None:
+                raise BusError(f"the broker of {site} exited at start; see {logs / f'broker-{site}.out'}")
+        common = ["--config", str(config_path), *args]
+        for worker in range(cfg.hierarchy.workers):
+            name = site if cfg.hierarchy.workers == 1 else f"{site}-w{worker}"
+            command = ["aggregator", "--broker", url, "--site", site, "--worker", str(worker),
+                       "--federation", federation, "--out", str(out / "sites" / name), "--exit-when-done",
+                       *common, "--log-file", str(logs / f"aggregator-{name}.log")]  # fmt: skip
+            await children.start(f"aggregator-{name}", command, logs / f"aggregator-{name}.out")
+        site_args = [*common, "--federation", f"{federation}.{site}"]
+        await _start_node_hosts(children, url, node_ids, per_site, site_args, logs, f"nodes-{site}")
 
 
 def _provision_run(directory: Path, cfg: ExperimentConfig, federation: str) -> Provisioned:

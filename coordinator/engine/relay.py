@@ -32,9 +32,11 @@ ENDLESS = 2**31 - 1
 class RelayRounds(SyncRounds):
     """`SyncRounds`, but a round starts only when upstream asks for it, and ends in `RoundEnded`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stratum: str = "", **kwargs: Any) -> None:
+        """`stratum` names the site's sampling stream: the site's name, the same in every run of the experiment."""
         kwargs["evaluates"] = False
         super().__init__(*args, **kwargs)
+        self.stratum = stratum or self.config.federation
         self._requests: deque[e.RoundRequested] = deque()
         self._settings: Mapping[str, Any] = {}
 
@@ -86,7 +88,7 @@ class RelayRounds(SyncRounds):
 
     def _select(self, live: list[str], stratum: str | None = None) -> Selection:
         """A site's own sample: its own stream, C x live rounded at random (`coordinator.sampler`)."""
-        return super()._select(live, stratum=self.config.federation)
+        return super()._select(live, stratum=self.stratum)
 
     def _start_attempt(self, out: list[c.Command], now: float) -> None:
         """After a round: the next request, if one waits (never a retry of its own)."""

@@ -208,7 +208,8 @@ class SyncRounds(Engine):
         state = self._state_for(node, message.round, message.meta.get("task"))
         if state is None:
             raise ProtocolError("wrong-round", f"update for round {message.round} matches no task sent to {node}")
-        if state.answered(node) or node in state.carried or self._late_from.get(node) == (state.round, state.attempt):
+        late_from = {self._late_from.get(node), self._late_from.get(_partial_key(node, state.round))}
+        if state.answered(node) or node in state.carried or (state.round, state.attempt) in late_from:
             raise ProtocolError("duplicate-update", f"{node} already answered round {state.round}")
         if state.closed:
             self._late_update(out, state, event)
@@ -257,10 +258,12 @@ class SyncRounds(Engine):
             )
             return
         update = self._parse(state, event)
-        if node in self._late:
+        # a site's partial is kept by round: its nodes' work is not the work of its later partials
+        key = node if update.site_nodes == 0 else _partial_key(node, state.round)
+        if key in self._late:
             logger.info("%s's late update of round %d replaces its older late one", node, state.round)
-        self._late[node] = update
-        self._late_from[node] = (state.round, state.attempt)
+        self._late[key] = update
+        self._late_from[key] = (state.round, state.attempt)
         logger.info("late update from %s for round %d carried into the next aggregation", node, state.round)
         self._receipt(out, message, "received", "late: carried into the next aggregation")
 
@@ -368,7 +371,8 @@ class SyncRounds(Engine):
 
     def _late_for(self, updates: Mapping[str, NodeUpdate]) -> tuple[dict[str, NodeUpdate], list[str]]:
         """The carried late updates this aggregation folds, with their staleness; a node whose fresh
-        update is in the round supersedes its late one (named, never dropped silently)."""
+        update is in the round supersedes its late one (named, never dropped silently). A site's late
+        partial is never superseded (it is kept as SITE@ROUND): it speaks for other work than its fresh one."""
         superseded = sorted(n for n in self._late if n in updates)
         for node in superseded:
             logger.info("round %d: %s's fresh update supersedes its late one", self.round, node)
@@ -487,3 +491,8 @@ class SyncRounds(Engine):
 
     def summary_fields(self) -> dict[str, Any]:
         return super().summary_fields() | {"rounds": self.config.rounds, "rounds_completed": self.rounds_completed}
+
+
+def _partial_key(node: str, round: int) -> str:
+    """Where a site aggregator's late partial of `round` is kept (and named in the metrics: late_folded)."""
+    return f"{node}@{round}"

@@ -133,6 +133,9 @@ class NodeUpdate:
     """The model version the node trained from."""
     staleness: int = 0
     """Versions between `base_version` and the version it is folded into (filled by the engine); 0 in a sync round."""
+    site_nodes: int = 0
+    """0 for a node's own update; for a site aggregator's partial (hierarchical mode), how many of its
+    nodes' updates it holds."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ SETTINGS = {"local_epochs": 3, "batch_size": 8, "lr": 0.25}
 def _driver(**policy: object) -> Driver:
     d = Driver(config(rounds=ENDLESS, policy={"on_insufficient": "skip", **policy}), evaluates=False)
     ids = itertools.count()
-    d.engine = RelayRounds(d.engine.config, SCHEMA, new_id=lambda: next(ids).to_bytes(16, "big"))
+    d.engine = RelayRounds(d.engine.config, SCHEMA, new_id=lambda: next(ids).to_bytes(16, "big"), stratum="s0")
     return d
 
 
@@ -107,7 +107,7 @@ def test_a_site_samples_its_own_nodes_with_c_times_live_on_average() -> None:
     d = _driver(fraction=0.25)
     d.start(*live)
     configure = one(c.Configure, _ask(d, 0))
-    expected = sample(live, fraction=0.25, over_selection=1.0, seed=0, round=0, stratum="f")
+    expected = sample(live, fraction=0.25, over_selection=1.0, seed=0, round=0, stratum="s0")
     assert tuple(t.node for t in configure.tasks) == expected.selected
 
 

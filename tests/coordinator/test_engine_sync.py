@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator.engine import commands as c
@@ -203,6 +205,33 @@ def test_sync_late_update_is_carried_with_its_staleness_when_asked() -> None:
     record = one(c.Record, d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.4}))).record
     assert record["late_folded"] == ["c"] and record["superseded"] == ["b"]
     assert d.engine.participation.get("c").last_round == 1  # type: ignore[union-attr]
+
+
+def test_a_late_partial_of_a_site_is_carried_and_never_superseded() -> None:
+    """A site aggregator's partial (meta site: it speaks for 2 nodes) of round 0 comes during round 1:
+    carried, and folded beside the site's fresh partial of round 1, not replaced by it (its nodes' work
+    is other work); a second copy of it is a duplicate."""
+    d = Driver(config(policy={"late_updates": "carry"}))
+    d.start("s0", "s1")
+    round0 = {t.node: t for t in _round(d).tasks}
+    d.feed(update(round0["s1"], site={"nodes": 2}))
+    aggregate = one(c.Aggregate, d.tick(10.0))
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.3}))
+    round1 = {t.node: t for t in _round(d).tasks}
+    late = update(round0["s0"], value=3.0, site={"nodes": 2})
+    assert one(c.Receipt, d.feed(late)).status == "received"
+    assert one(c.Refused, d.feed(e.UpdateArrived(replace(late.message, message_id=b"x" * 16), 0.0))).reason == (
+        "duplicate-update"
+    )
+    d.feed(update(round1["s0"], site={"nodes": 2}))
+    aggregate = one(c.Aggregate, d.feed(update(round1["s1"], site={"nodes": 2})))
+    assert [(u.node_id, u.staleness, u.site_nodes) for u in aggregate.updates] == [
+        ("s0", 0, 2), ("s0", 1, 2), ("s1", 0, 2),
+    ]  # fmt: skip
+    d.feed(e.Aggregated(aggregate.step, {}))
+    record = one(c.Record, d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.4}))).record
+    assert record["late_folded"] == ["s0@0"] and record["superseded"] == []
 
 
 def test_sync_late_update_too_stale_to_carry_is_refused() -> None:
