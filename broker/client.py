@@ -16,7 +16,7 @@ import socket
 import ssl
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -123,6 +123,26 @@ class BusStats:
         }
 
 
+class _Batch:
+    """The acknowledgements `publish_many` waits for: `done` resolves when every message id came back."""
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.pending: set[int] = set()
+
+    def expect(self, mids: Mapping[int, str]) -> None:
+        self.pending.update(mids)
+        if not self.pending and not self.done.done():
+            self.done.set_result(None)
+
+    def acked(self, mid: int) -> None:
+        self.pending.discard(mid)
+        if not self.pending and not self.done.done():
+            self.done.set_result(None)
+
+
 class BusClient:
     """Reusable, not re-entrant: ``async with BusClient(...) as bus:`` connects, and exit disconnects."""
 
@@ -165,6 +185,7 @@ class BusClient:
         self._last_error = "no attempt yet"
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._publish_slots = asyncio.Semaphore(config.max_concurrent_publishes)
+        self._expiry_props: dict[int, Properties] = {}
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._tls = tls_context(config)
         self.max_message_bytes = config.max_message_bytes
@@ -392,7 +413,25 @@ class BusClient:
         )
         paho_fast.speed_up(client)
         self._record_connack(client)
+        self._hook_acks(client)
         return client
+
+    def _hook_acks(self, client: aiomqtt.Client) -> None:
+        """`publish_many`'s acknowledgements: paho's on_publish resolves its batches' waits, and hands
+        every other message id to aiomqtt's own callback."""
+        paho = client._client
+        forward = paho.on_publish
+        batches: dict[int, _Batch] = {}
+        paho._fedmq_batches = batches  # type: ignore[attr-defined]  # this connection's message ids
+
+        def on_publish(c: mqtt.Client, userdata: Any, mid: int, *rest: Any) -> None:
+            batch = batches.pop(mid, None)
+            if batch is not None:
+                batch.acked(mid)
+            elif forward is not None:
+                forward(c, userdata, mid, *rest)  # type: ignore[call-arg]
+
+        paho.on_publish = on_publish
 
     def _record_connack(self, client: aiomqtt.Client) -> None:
         """Keep the CONNACK's properties, which aiomqtt drops: the broker's Maximum Packet Size."""
@@ -555,6 +594,10 @@ class BusClient:
                 f"{len(payload)} bytes exceed the broker limit of {self.max_message_bytes}", topic=topic
             )
         async with self._publish_slots:
+            if qos == 1:  # paho's queue and one wait for the acknowledgement, not a task and two waits
+                if await self._publish_acked([topic], payload, retain=retain, expiry_s=expiry_s):
+                    raise BusError(f"publish failed: {self._last_error}", topic=topic)
+                return
             await self._with_connection(
                 "publish",
                 lambda c, t: c.publish(
@@ -566,11 +609,96 @@ class BusClient:
         self.stats.bytes_out += len(payload)
 
     def _props(self, expiry_s: float | None) -> Properties | None:
+        """A PUBLISH's message expiry (MQTT v5), one object per value: paho packs it on every send."""
         if expiry_s is None or self._protocol != aiomqtt.ProtocolVersion.V5:
             return None
-        props = Properties(PacketTypes.PUBLISH)
-        props.MessageExpiryInterval = max(1, int(expiry_s))
+        seconds = max(1, int(expiry_s))
+        props = self._expiry_props.get(seconds)
+        if props is None:
+            props = self._expiry_props[seconds] = Properties(PacketTypes.PUBLISH)
+            props.MessageExpiryInterval = seconds
         return props
+
+    async def publish_many(
+        self,
+        topics: Sequence[str],
+        frame: bytes | bytearray,
+        *,
+        round: int,
+        qos: int = 1,
+        expiry_s: float | None = None,
+    ) -> list[str]:
+        """One frame to many topics (a round's tasks, identical for all its nodes): every PUBLISH handed
+        to the connection at once and their acknowledgements awaited together, where `publish_frame`
+        would take a task and two waits each. Unacknowledged ones are sent again after a reconnection,
+        until `operation_timeout_s`. Returns the topics that could not be published."""
+        if not topics:
+            return []
+        if qos != 1 or len(frame) > self.chunk_bytes:  # chunks and QoS 0 take the general path
+            results = await asyncio.gather(
+                *(self.publish_frame(t, frame, round=round, qos=qos, expiry_s=expiry_s) for t in topics),
+                return_exceptions=True,
+            )
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, BusError):
+                    raise result
+            return [t for t, r in zip(topics, results, strict=True) if isinstance(r, BaseException)]
+        longest = max(len(t) for t in topics)
+        if len(frame) + longest + PUBLISH_OVERHEAD > self.max_message_bytes:
+            raise MessageTooLarge(f"{len(frame)} bytes exceed the broker limit of {self.max_message_bytes}")
+        return await self._publish_acked(topics, frame, retain=False, expiry_s=expiry_s)
+
+    async def _publish_acked(
+        self, topics: Sequence[str], frame: bytes | bytearray, *, retain: bool, expiry_s: float | None
+    ) -> list[str]:
+        """QoS 1 PUBLISHes of `frame` to `topics`, handed to paho at once and acknowledged together
+        (`_hook_acks`); what a lost connection left unacknowledged goes again on the next one, until
+        `operation_timeout_s`. The topics not published (BusError: refused by the broker)."""
+        deadline = time.monotonic() + self.config.operation_timeout_s
+        todo, generation = list(topics), 0
+        while todo:
+            live = self._client
+            if live is not None and self._generation > generation and self._fatal is None and not self._closing:
+                client, generation = live, self._generation  # connected: no wait, no lock
+            else:
+                try:
+                    client, generation = await asyncio.wait_for(
+                        self._wait_generation(generation), max(deadline - time.monotonic(), 0)
+                    )
+                except TimeoutError:
+                    self._log.warning("%d publishes failed: no connection (%s)", len(todo), self._last_error)
+                    return todo
+            lost = self._lost_future
+            assert lost is not None
+            batch = _Batch(asyncio.get_running_loop())
+            paho, props = client._client, self._props(expiry_s)
+            acks: dict[int, _Batch] = paho._fedmq_batches  # type: ignore[attr-defined]
+            sent: dict[int, str] = {}
+            for topic in todo:
+                info = paho.publish(topic, frame, 1, retain, props)
+                if info.rc in _CONNECTION_LOST_CODES:
+                    break  # the connection is going: the rest go after the reconnection
+                if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                    raise BusError(f"publish refused by the client: {mqtt.error_string(info.rc)}", topic=topic)
+                sent[info.mid] = topic
+                acks[info.mid] = batch
+            batch.expect(sent)
+            if sent:
+                await asyncio.wait({batch.done, lost}, timeout=max(deadline - time.monotonic(), 0),
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            else:
+                await asyncio.wait({lost}, timeout=max(deadline - time.monotonic(), 0))
+            for mid in batch.pending:
+                acks.pop(mid, None)
+            acked = len(sent) - len(batch.pending)
+            self.stats.published += acked
+            self.stats.bytes_out += acked * len(frame)
+            todo = [sent[m] for m in batch.pending] + todo[len(sent) :]
+            if todo and time.monotonic() >= deadline:
+                self._last_error = f"unacknowledged after {self.config.operation_timeout_s:g} s"
+                self._log.warning("%d publishes unacknowledged after %g s", len(todo), self.config.operation_timeout_s)
+                return todo
+        return []
 
     async def _with_connection(
         self, what: str, call: Callable[[aiomqtt.Client, float], Awaitable[object]], *, topic: str | None = None
@@ -624,10 +752,14 @@ class BusClient:
         """Validated messages in arrival order; one consumer per client."""
         if self._queue is None:
             raise RuntimeError("use the client inside `async with`")
+        queue = self._queue
         while True:
             if self._supervisor is None or self._supervisor.done():
                 raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
-            getter = asyncio.ensure_future(self._queue.get())
+            if not queue.empty():  # what has come already needs no waiting (and no task per message)
+                yield queue.get_nowait()
+                continue
+            getter = asyncio.ensure_future(queue.get())
             try:
                 done, _ = await asyncio.wait({getter, self._supervisor}, return_when=asyncio.FIRST_COMPLETED)
             finally:

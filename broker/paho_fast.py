@@ -20,7 +20,7 @@ import logging
 import ssl
 import struct
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import paho.mqtt
 import paho.mqtt.client as mqtt
@@ -28,6 +28,7 @@ from paho.mqtt import _packet
 from paho.mqtt.enums import MQTTErrorCode, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties, VariableByteIntegers
+from paho.mqtt.reasoncodes import ReasonCode
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,24 @@ SUPPORTED = ("2.1.", "2.2.")
 """paho-mqtt releases whose `_packet_read`, `_packet_queue` and `decode_publish` this mirrors."""
 
 _PUBLISH = 0x30
+_PROPERTIES: dict[bytes, Properties] = {}
+"""Received PUBLISH properties by their bytes: a round's tasks all carry the same expiry, and building a
+Properties costs more than decoding the rest of the packet. Shared, so read only (nothing writes them)."""
+_PROPERTIES_KEPT = 256
+
+
+def _publish_properties(packed: bytes) -> Properties:
+    """The properties of a PUBLISH from their bytes (the length prefix included), parsed once."""
+    properties = _PROPERTIES.get(packed)
+    if properties is None:
+        properties = Properties(PacketTypes.PUBLISH)
+        properties.unpack(packed)
+        if len(_PROPERTIES) >= _PROPERTIES_KEPT:
+            _PROPERTIES.clear()
+        _PROPERTIES[packed] = properties
+    return properties
+
+
 _original_decode_publish = _packet.decode_publish
 _local = threading.local()  # set while a FastClient handles a packet: only its PUBLISHes skip copies
 _warned = False
@@ -68,8 +87,7 @@ def decode_publish(header: int, packet: bytes | bytearray, protocol: MQTTProtoco
             end = pos + length_bytes + length
             if end > len(view):
                 raise _packet.MalformedPacket("properties overrun the packet")
-            properties = Properties(PacketTypes.PUBLISH)
-            properties.unpack(bytes(view[pos:end]))  # small: copied, so paho's parsers get bytes
+            properties = _publish_properties(bytes(view[pos:end]))  # small: copied, so paho's parsers get bytes
             pos = end
         return _packet.PublishPacket(
             dup=bool(header & 0x08),
@@ -111,6 +129,60 @@ class _Scatter:
         if self.pos < len(head):
             return [head[self.pos :], self.body]
         return [self.body[self.pos - len(head) :]]
+
+
+WRITE_BATCH = 256
+"""Buffers one sendmsg carries at most (Linux takes 1,024)."""
+WRITE_BATCH_BYTES = 4 * 2**20
+READ_AHEAD = 256 * 1024
+"""Bytes read at a time from a plain socket; whole packets are handled from them."""
+READS_PER_CALL = 16
+"""Socket reads in one call before the event loop gets its turn (whole packets read are handled first)."""
+_NO_PUBACK_PROPERTIES = Properties(PacketTypes.PUBACK)
+"""The properties paho hands on_publish for a written QoS 0 PUBLISH: none (read only)."""
+
+
+class _ReadAhead:
+    """Bytes read from the socket and not yet handled: `data[start:end]`."""
+
+    __slots__ = ("data", "end", "start", "view")
+
+    def __init__(self) -> None:
+        self.data = bytearray(READ_AHEAD)
+        self.view = memoryview(self.data)
+        self.start = self.end = 0
+
+    def fill(self, sock: Any) -> int:
+        """Read into the free space, moving what is left to the front first; bytes read (0: closed)."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.start:
+            size = self.end - self.start
+            self.data[:size] = self.data[self.start : self.end]
+            self.start, self.end = 0, size
+        n = int(sock.recv_into(self.view[self.end :]))
+        self.end += n
+        return n
+
+    def header(self) -> tuple[int, int, int] | Literal[False] | None:
+        """(command, remaining length, where the packet's body starts) of the next packet; None when its
+        fixed header is not all here; False for a remaining length of more than 4 bytes."""
+        data, pos, end = self.data, self.start, self.end
+        if end - pos < 2:
+            return None
+        command = data[pos]
+        length, mult, i = 0, 1, pos + 1
+        while True:
+            if i >= end:
+                return None
+            byte = data[i]
+            length += (byte & 127) * mult
+            mult *= 128
+            i += 1
+            if not byte & 128:
+                return command, length, i
+            if i - pos > 4:
+                return False
 
 
 class FastClient(mqtt.Client):
@@ -162,10 +234,76 @@ class FastClient(mqtt.Client):
             return super()._sock_send(b"".join(buf.buffers()))
         return int(sock.sendmsg(buf.buffers()))
 
+    def _packet_write(self) -> MQTTErrorCode:
+        """paho's loop over the queued packets, but up to `WRITE_BATCH` of them leave in one sendmsg: at a
+        thousand tasks and receipts a round, one system call each was a fifth of the coordinator's time."""
+        sock = self._sock
+        if sock is None or isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+            return super()._packet_write()
+        queue = self._out_packet
+        while queue:
+            if queue[0]["command"] & 0xF0 == mqtt.DISCONNECT:
+                return super()._packet_write()  # paho closes the connection after it: its own path
+            batch: list[Any] = []
+            buffers: list[Any] = []
+            size = 0
+            for packet in queue:
+                if packet["command"] & 0xF0 == mqtt.DISCONNECT or len(buffers) >= WRITE_BATCH:
+                    break
+                rest = packet["packet"][packet["pos"] :]
+                parts = rest.buffers() if isinstance(rest, _Scatter) else [rest]
+                if batch and size + len(rest) > WRITE_BATCH_BYTES:
+                    break
+                batch.append(packet)
+                buffers.extend(parts)
+                size += len(rest)
+            try:
+                sent = int(sock.sendmsg(buffers))
+            except BlockingIOError:
+                return MQTTErrorCode.MQTT_ERR_AGAIN
+            except OSError as err:
+                self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            partial = False
+            for packet in batch:
+                step = min(sent, packet["to_process"])
+                packet["to_process"] -= step
+                packet["pos"] += step
+                sent -= step
+                if packet["to_process"]:
+                    partial = True  # the socket took part of it: the rest when it is writable again
+                    break
+                queue.popleft()
+                if packet["command"] & 0xF0 == _PUBLISH and packet["qos"] == 0:
+                    self._published_qos0(packet)
+            if partial:
+                break
+        with self._msgtime_mutex:
+            self._last_msg_out = mqtt.time_func()
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def _published_qos0(self, packet: Any) -> None:
+        """What paho does once a QoS 0 PUBLISH is written: on_publish (callback API 2), then its info."""
+        with self._callback_mutex:
+            on_publish = self.on_publish
+        if on_publish:
+            with self._in_callback_mutex:
+                try:
+                    on_publish(
+                        self, self._userdata, packet["mid"], ReasonCode(PacketTypes.PUBACK), _NO_PUBACK_PROPERTIES
+                    )  # type: ignore[call-arg]
+                except Exception as err:
+                    self._easy_log(mqtt.MQTT_LOG_ERR, "Caught exception in on_publish: %s", err)
+                    if not self.suppress_exceptions:
+                        raise
+        packet["info"]._set_as_published()
+
     def _packet_read(self) -> MQTTErrorCode:
         sock = self._sock
         if sock is None or not hasattr(sock, "recv_into"):  # websockets: paho's own path
             return super()._packet_read()
+        if not isinstance(sock, ssl.SSLSocket):
+            return self._buffered_read(sock)
         inp: Any = self._in_packet
         if inp["command"] == 0 or inp["have_remaining"] == 0:
             rc = self._read_fixed_header(inp)
@@ -194,6 +332,124 @@ class FastClient(mqtt.Client):
             count -= 1
             if count == 0:
                 return MQTTErrorCode.MQTT_ERR_AGAIN
+        inp["pos"] = 0
+        _local.zero_copy = (inp["command"] & 0xF0) == _PUBLISH
+        try:
+            rc = self._packet_handle()
+        except _packet.MalformedPacket as exc:
+            self._easy_log(mqtt.MQTT_LOG_DEBUG, "Received malformed packet: %s", exc)
+            rc = MQTTErrorCode.MQTT_ERR_PROTOCOL
+        finally:
+            _local.zero_copy = False
+        self._in_packet = {
+            "command": 0,
+            "have_remaining": 0,
+            "remaining_count": [],
+            "remaining_mult": 1,
+            "remaining_length": 0,
+            "packet": bytearray(b""),
+            "to_process": 0,
+            "pos": 0,
+        }
+        with self._msgtime_mutex:
+            self._last_bytes_received = mqtt.time_func()
+        return rc
+
+    def _buffered_read(self, sock: Any) -> MQTTErrorCode:
+        """Plain sockets: read what has come in `READ_AHEAD` pieces and handle every whole packet in it,
+        where paho's path takes three system calls a packet (the command byte, each length byte, the
+        rest). A packet larger than what is buffered gets a buffer of its own, read into directly."""
+        inp: Any = self._in_packet
+        reads = 0
+        while True:
+            if self._sock is None:
+                return MQTTErrorCode.MQTT_ERR_NO_CONN
+            if inp["command"] != 0 and inp["to_process"] > 0:  # a large packet: straight into its buffer
+                if reads >= READS_PER_CALL:  # the event loop's turn; the socket is still readable
+                    return MQTTErrorCode.MQTT_ERR_SUCCESS
+                view = memoryview(inp["packet"])[inp["remaining_length"] - inp["to_process"] :]
+                try:
+                    n = sock.recv_into(view, inp["to_process"])
+                except BlockingIOError:
+                    return MQTTErrorCode.MQTT_ERR_AGAIN
+                except OSError as err:
+                    self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
+                    return MQTTErrorCode.MQTT_ERR_CONN_LOST
+                finally:
+                    view.release()
+                if n == 0:
+                    return MQTTErrorCode.MQTT_ERR_CONN_LOST
+                reads += 1
+                inp["to_process"] -= n
+                if inp["to_process"]:
+                    continue
+                rc = self._handle_read_packet()
+                if rc:
+                    return rc
+                inp = self._in_packet
+                continue
+            rc = self._handle_buffered()  # whole packets already read
+            if rc:
+                return rc
+            inp = self._in_packet
+            if inp["command"] != 0:
+                continue  # a large packet started in the buffer: read the rest into its own
+            if reads >= READS_PER_CALL:  # every whole packet read is handled; the rest is still in the socket
+                return MQTTErrorCode.MQTT_ERR_SUCCESS
+            buffer = self._read_ahead
+            if buffer is None:
+                buffer = self._read_ahead = _ReadAhead()
+            try:
+                n = buffer.fill(sock)
+            except BlockingIOError:
+                return MQTTErrorCode.MQTT_ERR_AGAIN
+            except OSError as err:
+                self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            if n == 0:
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            reads += 1
+            with self._msgtime_mutex:
+                self._last_bytes_received = mqtt.time_func()
+
+    _read_ahead: _ReadAhead | None = None
+
+    def _sock_close(self) -> None:
+        self._read_ahead = None  # bytes of a connection that is gone
+        super()._sock_close()
+
+    def _handle_buffered(self) -> MQTTErrorCode:
+        """Handle each whole packet in the read-ahead buffer; a packet that runs past it moves into a
+        buffer of its own (`_in_packet`), to be read into directly."""
+        buffer = self._read_ahead
+        while buffer is not None and self._sock is not None:
+            header = buffer.header()
+            if header is None:
+                return MQTTErrorCode.MQTT_ERR_SUCCESS  # a partial fixed header: more bytes first
+            if header is False:
+                return MQTTErrorCode.MQTT_ERR_PROTOCOL
+            command, length, start = header
+            inp: Any = self._in_packet
+            inp["command"], inp["remaining_length"], inp["have_remaining"] = command, length, 1
+            available = buffer.end - start
+            if available >= length:
+                inp["packet"] = bytearray(buffer.data[start : start + length])
+                inp["to_process"] = 0
+                buffer.start = start + length
+                rc = self._handle_read_packet()
+                if rc:
+                    return rc
+                continue
+            packet = bytearray(length)
+            packet[:available] = buffer.data[start : buffer.end]
+            inp["packet"], inp["to_process"] = packet, length - available
+            buffer.start = buffer.end = 0
+            return MQTTErrorCode.MQTT_ERR_SUCCESS
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def _handle_read_packet(self) -> MQTTErrorCode:
+        """A whole packet is in `_in_packet`: paho handles it (PUBLISH payloads as views on it), then a fresh one."""
+        inp: Any = self._in_packet
         inp["pos"] = 0
         _local.zero_copy = (inp["command"] & 0xF0) == _PUBLISH
         try:

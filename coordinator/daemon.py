@@ -34,7 +34,7 @@ from coordinator.halfcalls import HalfCalls
 from coordinator.lane import Lane
 from coordinator.persistence import Persistence
 from coordinator.registry import NodeRegistry
-from coordinator.reporting import Evaluator, outcome_fields, write_run_files
+from coordinator.reporting import MEASURED_FIELDS, Evaluator, outcome_fields, write_run_files
 from coordinator.run_dir import RunDir
 from fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
@@ -114,11 +114,15 @@ class Coordinator:
         """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
         latest broadcast step, whose model a late acknowledgement may still need)."""
         self._statuses: asyncio.Queue[Message] = asyncio.Queue()
+        self._outbox: list[tuple[str, bytes, int, bytearray]] = []
+        """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
+        round, frame)."""
         self._published_state: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._bus: BusClient | None = None
         self._extra_summary = dict(extra_summary or {})
         self._started = time.monotonic()
+        self._cpu_started = time.process_time()
         self._state = "starting"
         self.connected = asyncio.Event()
         """Set while the coordinator is connected and subscribed (readiness for supervisors and `/readyz`)."""
@@ -260,6 +264,11 @@ class Coordinator:
     async def _next_event(self) -> e.Event:
         """The next event, or a Tick when the engine's next deadline comes first."""
         deadline = self.engine.next_deadline()
+        if not self._events.empty() and (deadline is None or deadline > self.clock.now()):
+            item = self._events.get_nowait()  # no timer to arm for what is here already
+            if isinstance(item, _Failed):
+                raise CoordinatorError(str(item))
+            return item
         try:
             async with asyncio.timeout(None if deadline is None else max(deadline - self.clock.now(), 0)):
                 item = await self._events.get()
@@ -276,8 +285,18 @@ class Coordinator:
         self.event_log.event(now, event)
         commands = self.engine.handle(event, now)
         self.event_log.commands(commands)
+        if any(isinstance(x, c.Record) for x in commands):
+            # the process's CPU seconds so far (every thread), in the line the file, the API and the watchers get
+            cpu = round(time.process_time() - self._cpu_started, 4)
+            commands = [
+                c.Record({**x.record, MEASURED_FIELDS[0]: cpu}) if isinstance(x, c.Record) else x for x in commands
+            ]
         for command in commands:
+            if self._outbox and not isinstance(command, c.SendTask):
+                self._send_tasks()  # the tasks before whatever the engine asked for after them
             self._execute(command)
+        if self._outbox:
+            self._send_tasks()
         for watcher in list(self.watchers) if self.watchers else ():  # no copy per event when none watch
             try:
                 watcher(now, event, commands)
@@ -351,9 +370,16 @@ class Coordinator:
             inline = model is None or self._fits_in_task(model)
         else:  # one payload per node: each rides in its own task
             payloads, model, inline = payload, None, True
-        frames = {
-            t.node: encode(self._task_message(command, t, payloads[t.node] if inline else None)) for t in command.tasks
-        }
+        frames: dict[str, bytearray] = {}
+        shared: dict[tuple[bytes, int, int, int], bytearray] = {}
+        for t in command.tasks:
+            if isinstance(payload, Payload):  # one task for all: the same frame goes to each node's topic
+                key = (t.task, t.attempt, t.version, t.round)
+                if key not in shared:
+                    shared[key] = encode(self._task_message(command, t, payload if inline else None))
+                frames[t.node] = shared[key]
+            else:
+                frames[t.node] = encode(self._task_message(command, t, payloads[t.node]))
         prepared = _Prepared(frames, command.ctx.round, {t.node: t.task for t in command.tasks}, inline)
         if not inline:
             assert model is not None
@@ -432,24 +458,37 @@ class Coordinator:
     # -- publishing ------------------------------------------------------------------------
 
     def _send_task(self, command: c.SendTask) -> None:
+        """Queued: the tasks an event asks for go out together (`_send_tasks`), one publish call per frame."""
         prepared = self._prepared.get(command.step)
         frame = prepared.frames.pop(command.node, None) if prepared else None
         if prepared is None or frame is None:
             logger.error("no prepared task for %s in step %d", command.node, command.step)
             return
-        task_id = prepared.tasks.get(command.node, b"")
+        self._outbox.append((command.node, prepared.tasks.get(command.node, b""), prepared.round, frame))
         self._forget_if_sent(command.step)
 
-        async def send() -> None:
-            try:
-                await self._bus_or_fail().publish_frame(
-                    self.topics.task(command.node), frame, round=prepared.round, expiry_s=self._expiry()
-                )
-            except BusError as exc:
-                logger.warning("round %d: task to %s failed: %s", prepared.round, command.node, exc)
-                self._events.put_nowait(e.TaskUnsent(command.node, task_id))
+    def _send_tasks(self) -> None:
+        """Publish the queued tasks: the nodes that share a frame (a round's, identical for all) in one
+        `publish_many`; a node whose task could not be published is reported (TaskUnsent)."""
+        outbox, self._outbox = self._outbox, []
+        groups: dict[int, list[tuple[str, bytes, int, bytearray]]] = {}
+        for item in outbox:
+            groups.setdefault(id(item[3]), []).append(item)
+        for items in groups.values():
+            self._spawn(self._publish_tasks(items))
 
-        self._spawn(send())
+    async def _publish_tasks(self, items: list[tuple[str, bytes, int, bytearray]]) -> None:
+        round, frame = items[0][2], items[0][3]
+        topics = {self.topics.task(node): (node, task_id) for node, task_id, _, _ in items}
+        try:
+            failed = await self._bus_or_fail().publish_many(list(topics), frame, round=round, expiry_s=self._expiry())
+        except BusError as exc:
+            logger.warning("round %d: %d tasks failed: %s", round, len(topics), exc)
+            failed = list(topics)
+        for topic in failed:
+            node, task_id = topics[topic]
+            logger.warning("round %d: the task to %s could not be published", round, node)
+            self._events.put_nowait(e.TaskUnsent(node, task_id))
 
     def _expiry(self) -> float:
         return self.config.asynchronous.deadline_s if self.config.engine == "async" else self.config.policy.deadline_s

@@ -20,6 +20,10 @@ from fedcore.participation import ParticipationRecord
 from fedcore.tensors import model_sha256
 from fedcore.training import evaluate
 
+MEASURED_FIELDS = ("cpu_s",)
+"""Metrics-line fields the daemon measures of its own process (CPU seconds so far): no replay or
+in-process run reproduces them, so comparisons of metrics lines leave them out."""
+
 
 class Evaluator:
     """Test accuracy and loss of every model the half offers (the first unsuffixed), and their

@@ -57,9 +57,16 @@ class RoundState:
     model_published: bool = False
     closed: bool = False
 
+    def __post_init__(self) -> None:
+        # kept as nodes answer, so that each update costs O(1), not O(K), at K in the thousands
+        self._selected = frozenset(self.selected)
+        self._pending = set(self._selected) - self.accepted.keys() - self.failed.keys() - self.offline
+        self._unacked = self._pending - self.acked
+
     @property
     def pending(self) -> set[str]:
-        return set(self.selected) - self.accepted.keys() - self.failed.keys() - self.offline
+        """Selected nodes that have not answered and are not offline."""
+        return set(self._pending)
 
     @property
     def updates(self) -> dict[str, NodeUpdate]:
@@ -77,9 +84,15 @@ class RoundState:
 
     def on_ack(self, node_id: str) -> None:
         self.acked.add(node_id)
+        self._unacked.discard(node_id)
+
+    def _answered_now(self, node_id: str) -> None:
+        self._pending.discard(node_id)
+        self._unacked.discard(node_id)
 
     def on_accepted(self, update: NodeUpdate) -> None:
         self.accepted[update.node_id] = update
+        self._answered_now(update.node_id)
 
     def on_rejected(self, node_id: str, reason: str) -> None:
         """A message on the node's behalf was refused: noted, but the node may still answer."""
@@ -88,21 +101,22 @@ class RoundState:
     def on_failed(self, node_id: str, reason: str) -> None:
         """The node says its training failed: nothing will come, so the round does not wait for it."""
         self.failed[node_id] = reason
+        self._answered_now(node_id)
 
     def on_offline(self, node_id: str) -> None:
-        if node_id in self.selected and not self.answered(node_id):
+        if node_id in self._selected and not self.answered(node_id):
             self.offline.add(node_id)
+            self._answered_now(node_id)
 
     @property
     def acks_complete(self) -> bool:
         """Every selected node acknowledged, answered or left: the broadcast need wait no longer."""
-        answered = self.accepted.keys() | self.failed.keys()
-        return not (set(self.selected) - self.acked - self.offline - answered)
+        return not self._unacked
 
     @property
     def done(self) -> bool:
-        """K updates are in (carried ones included), or nobody is left to answer."""
-        return len(self.updates) >= self.target or not self.pending
+        """K updates are in (carried ones included, never asked again), or nobody is left to answer."""
+        return len(self.carried) + len(self.accepted) >= self.target or not self._pending
 
     def close(self, is_live: Callable[[str], bool]) -> RoundOutcome:
         self.closed = True

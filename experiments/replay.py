@@ -28,6 +28,7 @@ from coordinator.engine.commands import TaskSpec
 from coordinator.engine.replay import Entry, Replay, ReplayError, ReplayMismatch, ReplayReport, read_log
 from coordinator.eventlog import FILENAME as EVENT_LOG
 from coordinator.eventlog import EventLog, log_header
+from coordinator.reporting import MEASURED_FIELDS
 from coordinator.run_dir import RunDir
 from experiments.config import ExperimentConfig, apply_overrides, parse_config
 from experiments.local import build_local
@@ -122,7 +123,11 @@ def _final_checks(run: Run, fed: Replay) -> list[str]:
         notes.append(f"final model: sha256 {recorded} in summary.json, {fed.report.final_model_sha256} replayed")
     metrics = run.root / "metrics.jsonl"
     if metrics.exists():
-        theirs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        theirs = [
+            {k: v for k, v in json.loads(line).items() if k not in MEASURED_FIELDS}
+            for line in metrics.read_text().splitlines()
+            if line.strip()
+        ]
         ours = [json.loads(json.dumps(r, sort_keys=True)) for r in fed.records]
         for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
             if a != b:

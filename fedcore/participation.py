@@ -16,7 +16,7 @@ count as participations, and the repeat adds no interval (0 is not a gap between
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -53,12 +53,15 @@ class NodeParticipation:
         return self.interval_sum / self.interval_count if self.interval_count else None
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        # every field by name, not dataclasses.asdict: a checkpoint holds thousands of these each round
+        data = {name: getattr(self, name) for name in _NAMES}
+        data["intervals"] = list(self.intervals)
         data["mean_interval"] = self.mean_interval
         return data
 
 
-_FIELDS = {f.name for f in fields(NodeParticipation)}
+_NAMES = tuple(f.name for f in fields(NodeParticipation))
+_FIELDS = set(_NAMES)
 
 
 class ParticipationRecord:

@@ -84,14 +84,24 @@ def run_one(cfg: ExperimentConfig, url: str, out: Path, processes: int = 2) -> d
     if code != 0 or summary.get("state") != "finished":
         raise RuntimeError(f"the benchmark federation {cfg.name} failed (exit {code}); see {out / 'logs'}")
     times = round_times(out)
-    selected = [len(r["selected"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    selected = [len(r["selected"]) for r in records]
     return {
         "seconds_per_round": statistics.median(times),
         "rounds_timed": len(times),
         "selected_per_round": statistics.median(selected),
+        "cpu_ms_per_update": cpu_per_update(records) * 1e3,
         "wall_s": wall,
         "rejected": summary.get("bus", {}).get("rejected", {}),
     }
+
+
+def cpu_per_update(records: list[dict[str, Any]]) -> float:
+    """The coordinator's CPU seconds (all its threads) per accepted update, over the rounds after the
+    warm-up: the growth of the metrics' ``cpu_s`` over the updates those rounds accepted."""
+    timed = [r for r in records if r.get("aggregated") and "cpu_s" in r][WARMUP_ROUNDS:]
+    updates = sum(len(r["accepted"]) for r in timed[1:])
+    return (timed[-1]["cpu_s"] - timed[0]["cpu_s"]) / updates if len(timed) > 1 and updates else float("nan")
 
 
 def run(options: BenchOptions) -> Report:
@@ -129,6 +139,24 @@ def run(options: BenchOptions) -> Report:
                     note=f"{result['selected_per_round']:.0f} selected; {1 / seconds:.1f} rounds/s",
                     section="time per round",
                 )  # fmt: skip
+        by_selected = sorted(results.values(), key=lambda r: r["selected_per_round"])
+        smallest = by_selected[0] if by_selected else None
+        ordered = sorted(results.items(), key=lambda kv: kv[1]["selected_per_round"])
+        for (nodes, fraction), result in ordered:
+            assert smallest is not None
+            k = result["selected_per_round"]
+            report.add(
+                f"{k:.0f} selected ({nodes} nodes, C = {fraction:g})", result["seconds_per_round"] * 1e3, "ms",
+                ratio=result["seconds_per_round"] / smallest["seconds_per_round"],
+                ratio_means=f"the round with {smallest['selected_per_round']:.0f} selected",
+                note=f"{k / smallest['selected_per_round']:.0f}x the nodes", section="time per round by nodes selected",
+            )  # fmt: skip
+        for _, result in ordered:
+            k = result["selected_per_round"]
+            report.add(
+                f"coordinator CPU per accepted update, {k:.0f} selected", result["cpu_ms_per_update"], "ms",
+                section="the coordinator's CPU", note="its process, every thread, over the timed rounds",
+            )  # fmt: skip
     key = (100, 0.1)
     if key in results:
         ms = results[key]["seconds_per_round"] * 1e3
@@ -136,6 +164,15 @@ def run(options: BenchOptions) -> Report:
             "round overhead below 20 ms for 100 nodes at C = 0.1",
             f"{ms:.1f} ms ({ms / floor / 1e3:.0f}x the floor)",
             ms < 20,
+        )
+    by_k = {round(r["selected_per_round"]): r for r in results.values()}
+    if 10 in by_k and 1000 in by_k:
+        growth = by_k[1000]["seconds_per_round"] / by_k[10]["seconds_per_round"]
+        report.target("a round with 1,000 selected costs at most 10x one with 10", f"{growth:.1f}x", growth <= 10)
+    if 1000 in by_k:
+        cpu = by_k[1000]["cpu_ms_per_update"]
+        report.target(
+            "the coordinator's CPU per accepted update under 0.2 ms (1,000 selected)", f"{cpu:.3f} ms", cpu < 0.2
         )
     report.context["figures"] = {f"{n}-{c:g}": r for (n, c), r in results.items()}
     return report

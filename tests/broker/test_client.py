@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import subprocess
 
@@ -260,6 +261,81 @@ async def test_a_client_back_from_offline_gets_its_session_but_not_the_expired_m
             assert got.message.round == 2
             with pytest.raises(TimeoutError):
                 await next_message(node, timeout=1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_publish_many_sends_one_frame_to_every_topic_and_waits_for_their_acks(
+    broker_url: str, federation: str
+) -> None:
+    """300 topics, one frame (more than paho's 64 in flight): the call returns once the broker has
+    acknowledged all. The frame carries one message id, so a client subscribed to all 300 topics takes
+    it once and drops the rest as duplicates, while each node's own client (one topic) gets its copy.
+    A chunked frame takes the general path."""
+    t = Topics(federation)
+    topics = [t.task(f"n{i:03d}") for i in range(300)]
+    own = [0, 150, 299]
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(
+            BusClient(config(broker_url), client_id=f"{federation}-a", federation=federation)
+        )
+        b = await stack.enter_async_context(
+            BusClient(config(broker_url, chunk_bytes=4096), client_id=f"{federation}-b", federation=federation)
+        )
+        nodes = [
+            await stack.enter_async_context(BusClient(config(broker_url), client_id=f"{federation}-n{i}", federation=federation))
+            for i in own
+        ]  # fmt: skip
+        await a.subscribe(f"fedmq/{federation}/nodes/+/task")
+        for node, i in zip(nodes, own, strict=True):
+            await node.subscribe(topics[i])
+        frame = encode(update(federation, "coordinator", w=np.arange(8, dtype=np.float32)))
+        assert await b.publish_many(topics, frame, round=1) == []
+        assert b.stats.published == 300 and b.stats.bytes_out == 300 * len(frame)
+        for node, i in zip(nodes, own, strict=True):
+            assert (await next_message(node, timeout=20)).topic == topics[i]
+        assert (await next_message(a, timeout=20)).topic in topics
+        for _ in range(200):
+            if a.stats.duplicates == 299:
+                break
+            await asyncio.sleep(0.05)
+        assert a.stats.received == 300 and a.stats.duplicates == 299
+        big = encode(update(federation, "coordinator", w=np.zeros(5000, np.float32)))  # 20 KB: 5 chunks
+        assert await b.publish_many([topics[i] for i in own], big, round=2) == []
+        for node in nodes:
+            assert (await next_message(node, timeout=20)).size == len(big)
+
+
+async def test_publish_many_resends_what_a_lost_connection_left_unacknowledged(federation: str) -> None:
+    """The broker restarts while a batch waits: what it had not acknowledged goes out again on the
+    next connection, and the subscriber receives the frame."""
+    from broker.mosquitto import find_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    port = free_port()
+    proc = start_mosquitto(port)
+    t = Topics(federation)
+    cfg = BusConfig(port=port, reconnect_initial_s=0.1, reconnect_max_s=0.5, operation_timeout_s=30)
+    slow = cfg.with_(reconnect_initial_s=1.5, reconnect_max_s=1.5)
+    topics = [t.task(f"n{i:03d}") for i in range(200)]
+    try:
+        async with (
+            BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a,
+            BusClient(slow, client_id=f"{federation}-b", federation=federation) as b,
+        ):
+            await a.subscribe(topics[-1])
+            proc.terminate()
+            proc.wait(10)
+            frame = encode(update(federation, "coordinator"))
+            pending = asyncio.create_task(b.publish_many(topics, frame, round=1))
+            await asyncio.sleep(0.5)
+            assert not pending.done()
+            proc = start_mosquitto(port)
+            assert await asyncio.wait_for(pending, 25) == []
+            assert (await next_message(a, timeout=20)).topic == topics[-1]
+            assert b.stats.published == 200 and b.stats.reconnects >= 1
     finally:
         proc.terminate()
         proc.wait(10)

@@ -157,3 +157,103 @@ def test_a_large_publish_goes_out_as_the_same_bytes_paho_sends(protocol: int, qo
             client._sock = None
         wires.append(bytes(wire))
     assert wires[0] == wires[1]
+
+
+def _fast_client_on(sock: object) -> paho_fast.FastClient:
+    """A FastClient reading from and writing to `sock` (one end of a socket pair), as if connected."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.__class__ = paho_fast.FastClient
+    client._sock = sock  # type: ignore[assignment]
+    return client  # type: ignore[return-value]
+
+
+def _frame(command: int, body: bytes) -> bytes:
+    """An MQTT packet: its command byte, its remaining length (1 to 4 bytes), `body`."""
+    length, out = len(body), bytearray([command])
+    while True:
+        byte, length = length % 128, length // 128
+        out.append(byte | (128 if length else 0))
+        if not length:
+            return bytes(out) + body
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000, 10**6])
+def test_buffered_read_hands_paho_every_packet_whole_however_the_bytes_arrive(piece: int) -> None:
+    """Small packets many to a read, one split across reads, one larger than the read-ahead buffer
+    (read into its own), an empty one: paho handles each once, whole and in order, whatever size the
+    bytes come in (a thread sends them `piece` bytes at a time)."""
+    import socket
+    import threading
+    import time
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    client = _fast_client_on(a)
+    seen: list[tuple[int, bytes]] = []
+
+    def handle() -> mqtt.MQTTErrorCode:
+        seen.append((client._in_packet["command"], bytes(client._in_packet["packet"])))
+        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    client._packet_handle = handle  # type: ignore[method-assign]
+    packets = [(0x40, struct.pack("!H", i)) for i in range(500)]  # PUBACKs
+    packets += [(0x32, b"x" * 70_000), (0xD0, b""), (0x32, bytes(range(256)) * 2000), (0x40, b"\x00\x01")]
+    stream = b"".join(_frame(c, body) for c, body in packets)
+    sender = threading.Thread(target=lambda: [b.sendall(stream[i : i + piece]) for i in range(0, len(stream), piece)])
+    sender.start()
+    deadline = time.monotonic() + 60
+    while len(seen) < len(packets) and time.monotonic() < deadline:
+        assert client._packet_read() in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN)
+    sender.join()
+    assert seen == packets
+    assert client._packet_read() == mqtt.MQTTErrorCode.MQTT_ERR_AGAIN  # nothing left, nothing held back
+    a.close()
+    b.close()
+
+
+def test_buffered_read_refuses_a_remaining_length_of_five_bytes() -> None:
+    import socket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    client = _fast_client_on(a)
+    b.send(bytes([0x30, 0xFF, 0xFF, 0xFF, 0xFF, 0x7F]))
+    assert client._packet_read() == mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+    a.close()
+    b.close()
+
+
+def test_queued_packets_leave_in_one_write_in_order_and_qos0_publishes_count_as_sent() -> None:
+    """Forty packets queued (QoS 1 and QoS 0 PUBLISHes, a large scattered one among them) go out in one
+    sendmsg, in order, byte for byte; each QoS 0 PUBLISH then calls on_publish and is marked published."""
+    import socket
+
+    a, b = socket.socketpair()
+    client = _fast_client_on(a)
+    client._protocol = mqtt.MQTTv5
+    client.on_socket_register_write = lambda c, u, sock: None  # an event loop writes later, as aiomqtt's does
+    published: list[int] = []
+    client.on_publish = lambda c, u, mid, rc, props: published.append(mid)
+    expected, infos = b"", []
+    for i in range(40):
+        payload = bytes([i]) * (100_000 if i == 20 else 10)
+        qos = i % 2
+        info = mqtt.MQTTMessageInfo(i + 1)
+        infos.append((qos, info))
+        client._send_publish(i + 1, b"t/%d" % i, payload, qos, False, False, info, None)
+    for packet in client._out_packet:
+        rest = packet["packet"]
+        expected += b"".join(bytes(x) for x in rest.buffers()) if isinstance(rest, paho_fast._Scatter) else bytes(rest)
+    calls: list[int] = []
+    real = a.sendmsg
+    counting = {"sendmsg": lambda self, bufs: calls.append(len(bufs)) or real(bufs), "close": lambda self: None}
+    client._sock = type("S", (), counting)()  # type: ignore[assignment]
+    assert client._packet_write() == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    got = b""
+    while len(got) < len(expected):
+        got += b.recv(1 << 20)
+    assert got == expected and len(calls) == 1 and not client._out_packet
+    assert published == [i + 1 for i in range(40) if i % 2 == 0]
+    assert all(info.is_published() == (qos == 0) for qos, info in infos)
+    a.close()
+    b.close()
