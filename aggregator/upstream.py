@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from aggregator.site import SiteCoordinator
-from broker import BusConfig, Kind, Message, encode
+from broker import BusConfig, Message
 from fedcore.algorithms.base import NodeHalf, Payload
 from fedcore.data import TensorDataset
-from fedcore.tensors import flatten_groups
 from fednode.config import NodeConfig
 from fednode.daemon import NodeDaemon, NoUpdate, Task
 from fednode.workspace import Workspace
@@ -117,23 +116,9 @@ class UpstreamNode(NodeDaemon):
         partial = await self.site.request(task.round, task.attempt, task.settings.to_meta(), payload)
         if partial is None:
             raise NoUpdate(f"no update from the site's nodes in round {task.round} ({self.site.live} live)")
-        meta: dict[str, Any] = {
-            "task": task.task_id,
-            "num_samples": partial.num_samples,
-            "train_seconds": partial.train_seconds,
-            "payload": dict(partial.payload.meta),
-            "site": {"nodes": len(partial.nodes)},
-        }
-        if task.version is not None:
-            meta["base_version"] = task.version
-        update = Message(
-            kind=Kind.UPDATE,
-            federation=self.config.federation,
-            round=task.round,
-            sender=self.node_id,
-            meta=meta,
-            tensors=flatten_groups(partial.payload.tensors),
+        extra = {"site": {"nodes": len(partial.nodes)}}
+        frame = await asyncio.to_thread(
+            self._encode, task, partial.payload, partial.train_seconds, num_samples=partial.num_samples, extra=extra
         )
-        frame = await asyncio.to_thread(encode, update)
         self.partials_sent += 1
         return frame, time.perf_counter() - started

@@ -332,28 +332,7 @@ class FastClient(mqtt.Client):
             count -= 1
             if count == 0:
                 return MQTTErrorCode.MQTT_ERR_AGAIN
-        inp["pos"] = 0
-        _local.zero_copy = (inp["command"] & 0xF0) == _PUBLISH
-        try:
-            rc = self._packet_handle()
-        except _packet.MalformedPacket as exc:
-            self._easy_log(mqtt.MQTT_LOG_DEBUG, "Received malformed packet: %s", exc)
-            rc = MQTTErrorCode.MQTT_ERR_PROTOCOL
-        finally:
-            _local.zero_copy = False
-        self._in_packet = {
-            "command": 0,
-            "have_remaining": 0,
-            "remaining_count": [],
-            "remaining_mult": 1,
-            "remaining_length": 0,
-            "packet": bytearray(b""),
-            "to_process": 0,
-            "pos": 0,
-        }
-        with self._msgtime_mutex:
-            self._last_bytes_received = mqtt.time_func()
-        return rc
+        return self._handle_read_packet()
 
     def _buffered_read(self, sock: Any) -> MQTTErrorCode:
         """Plain sockets: read what has come in `READ_AHEAD` pieces and handle every whole packet in it,

@@ -40,8 +40,8 @@ fedmq: event-driven federated learning over MQTT.
                                      (with --set: the same availability and timing, something changed)
   fedmq simulate EXP.yaml [--scenario FILE]    the federation in one process on a virtual clock
   fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
-  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, train, async,
-                                     node, fedsa, teacher
+  fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, hierarchy,
+                                     train, async, node, fedsa, teacher
 
 Start with:  fedmq run experiments/quickstart.yaml
 """
@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  rounds     round overhead with no training, 10/100/1000 nodes at C = 0.1 and 1.0\n"
         "  flower     the same FedAvg federation in fedmq and in Flower (simulation and deployment)\n"
         "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
+        "  hierarchy  1,000 nodes flat vs in 10 bridged sites: bytes into the central broker, coordinator CPU\n"
         "  train      many simulated nodes trained together (vmap) vs one at a time\n"
         "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
         "  node       one node process: start-up time and memory, on the partition and on its own data (--data)\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -560,13 +561,24 @@ class NodeDaemon:
             scratch=self.workspace.scratch,
         )
 
-    def _encode(self, task: Task, result: Payload, train_s: float, *, received: Payload | None = None) -> bytearray:
-        """The update's frame, compressed as configured (`received`, the task's payload, is the base of a delta)."""
+    def _encode(
+        self,
+        task: Task,
+        result: Payload,
+        train_s: float,
+        *,
+        received: Payload | None = None,
+        num_samples: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> bytearray:
+        """The update's frame, compressed as configured (`received`, the task's payload, is the base of a
+        delta); it claims `num_samples` (by default the node's data) and carries `extra` meta fields."""
         meta: dict[str, Any] = {
             "task": task.task_id,
-            "num_samples": len(self.data),
+            "num_samples": len(self.data) if num_samples is None else num_samples,
             "train_seconds": train_s,
             "payload": dict(result.meta),
+            **(extra or {}),
         }
         if task.version is not None:
             meta["base_version"] = task.version

@@ -18,6 +18,7 @@ SUITES: dict[str, str] = {
     "rounds": "experiments.bench.rounds",
     "flower": "experiments.bench.flower",
     "scale": "experiments.bench.scale",
+    "hierarchy": "experiments.bench.hierarchy",
     "train": "experiments.bench.training",
     "async": "experiments.bench.asynchrony",
     "node": "experiments.bench.node",

@@ -39,8 +39,9 @@ def raise_fd_limit() -> int:
 
 
 @contextlib.contextmanager
-def running_broker(options: BenchOptions, *, kind: str | None = None) -> Iterator[str]:
-    """Yield the URL of a broker that lives for the block (a given URL is used as it is)."""
+def running_broker(options: BenchOptions, *, kind: str | None = None, extra: str = "") -> Iterator[str]:
+    """Yield the URL of a broker that lives for the block (a given URL is used as it is); `extra` lines
+    go into a mosquitto's config."""
     kind = kind or broker_kind(options)
     if kind == "url":
         yield options.broker
@@ -53,7 +54,7 @@ def running_broker(options: BenchOptions, *, kind: str | None = None) -> Iterato
             raise BusError("mosquitto is not installed (apt-get install mosquitto); or use --broker embedded")
         directory = Path(tempfile.mkdtemp(prefix="fedmq-bench-mosquitto-"))
         conf = directory / "mosquitto.conf"
-        conf.write_text(render_config(port=port) + "max_connections -1\n")
+        conf.write_text(render_config(port=port) + "max_connections -1\n" + extra)
         command = [binary, "-c", str(conf)]
     else:
         command = [sys.executable, "-m", "experiments", "broker", "--embedded", "--port", str(port)]

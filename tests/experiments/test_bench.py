@@ -105,6 +105,29 @@ def test_scale_suite_ramps_the_node_count_and_measures_memory(tmp_path: Path) ->
 
 
 @pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
+@pytest.mark.mosquitto
+def test_hierarchy_suite_runs_both_federations_and_reads_the_central_broker_s_bytes(tmp_path: Path) -> None:
+    """20 nodes flat and in 2 bridged sites (C = 1): the central broker counts fewer bytes for the sites'
+    run (2 partial updates a round instead of 20), and the two runs' accuracy is the same, round for round."""
+    from broker.mosquitto import find_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.skip("bridged sites need mosquitto")
+    report = run_suite("hierarchy", quick(tmp_path), log=lambda _: None)
+    rows = figures(report)
+    section = "20 nodes: flat, and in 2 sites"
+    flat, sites = (
+        rows[f"{section}: bytes into the central broker a round, flat"],
+        rows[f"{section}: bytes into the central broker a round, 2 sites"],
+    )
+    assert flat.value > 0 and sites.ratio == pytest.approx(sites.value / flat.value) and sites.ratio < 1
+    figures_ = report.context["figures"]
+    assert figures_["flat"]["accuracies"] == pytest.approx(figures_["sites"]["accuracies"], abs=1e-6)
+    assert [t.met for t in report.targets][1] is True  # accuracy equal
+    assert (tmp_path / "hierarchy").is_dir() and len(list((tmp_path / "hierarchy").iterdir())) == 2
+
+
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -123,6 +146,7 @@ def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
         "rounds",
         "flower",
         "scale",
+        "hierarchy",
         "train",
         "async",
         "node",
