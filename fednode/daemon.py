@@ -13,6 +13,7 @@ its modelled link and compute time around training.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -39,6 +40,9 @@ from fednode.workspace import Workspace
 logger = logging.getLogger(__name__)
 
 _FINAL_STATES = ("finished", "failed", "stopped")
+CONNECTS_AT_ONCE = 64
+"""Nodes of one process that connect to the broker at the same time (the rest wait their turn, and
+their connect timeout starts with it): 10,000 nodes in two processes all at once starved some."""
 
 
 class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -112,6 +116,8 @@ class NodeDaemon:
         """Set once the node is connected and subscribed, cleared when `serve` ends (readiness for supervisors)."""
         self._drain_asked = asyncio.Event()
         self._draining: str | None = None
+        self.connect_gate: asyncio.Semaphore | None = None
+        """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -128,8 +134,8 @@ class NodeDaemon:
             logger=logger.getChild("bus"),
         )
         self._bus = client  # before connecting: the on-connect hook announces through it
-        async with client as bus:
-            await bus.subscribe(*self._subscriptions())
+        async with contextlib.AsyncExitStack() as stack:
+            bus = await self._connect(stack, client)
             self.connected.set()
             if self.config.script.transitions:
                 self._spawn(self.player.play(started, self._on_transition), f"scenario-{self.node_id}")
@@ -164,6 +170,15 @@ class NodeDaemon:
                         )
                     except (BusError, TimeoutError) as exc:
                         self.log.warning("could not publish the offline status: %s", exc)
+
+    async def _connect(self, stack: contextlib.AsyncExitStack, client: BusClient) -> BusClient:
+        """Connect and subscribe, holding the process's connection gate (`serve_nodes`): thousands of
+        nodes of one process connecting at once kept its event loop too busy to start some of them
+        within their connect timeout."""
+        async with self.connect_gate or contextlib.nullcontext():
+            bus = await stack.enter_async_context(client)
+            await bus.subscribe(*self._subscriptions())
+        return bus
 
     def _subscriptions(self) -> list[str]:
         """The node's inbox (task, model, receipt) and the coordinator's state."""
@@ -633,6 +648,9 @@ async def serve_nodes(daemons: list[NodeDaemon]) -> list[str]:
     """Host several node daemons in one event loop; one failing does not stop the others. Returns the
     ids of those that stopped on a broker error (unreachable, refused), for the exit code."""
     failed: list[str] = []
+    gate = asyncio.Semaphore(CONNECTS_AT_ONCE)
+    for daemon in daemons:
+        daemon.connect_gate = gate
 
     async def guarded(daemon: NodeDaemon) -> None:
         try:
