@@ -39,6 +39,8 @@ def no_data() -> TensorDataset:
 
 
 class UpstreamNode(NodeDaemon):
+    """The node daemon whose training is its site's round (`SiteCoordinator.request`)."""
+
     def __init__(
         self,
         config: NodeConfig,

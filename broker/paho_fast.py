@@ -134,8 +134,10 @@ class _Scatter:
 WRITE_BATCH = 256
 """Buffers one sendmsg carries at most (Linux takes 1,024)."""
 WRITE_BATCH_BYTES = 4 * 2**20
-READ_AHEAD = 256 * 1024
-"""Bytes read at a time from a plain socket; whole packets are handled from them."""
+READ_AHEAD = 4096
+"""A connection's first read-ahead buffer: small, since a process may hold 10,000 connections."""
+READ_AHEAD_MAX = 256 * 1024
+"""The most it grows to, doubling each time a read fills it (a coordinator's one connection, busy)."""
 READS_PER_CALL = 16
 """Socket reads in one call before the event loop gets its turn (whole packets read are handled first)."""
 _NO_PUBACK_PROPERTIES = Properties(PacketTypes.PUBACK)
@@ -153,11 +155,18 @@ class _ReadAhead:
         self.start = self.end = 0
 
     def fill(self, sock: Any) -> int:
-        """Read into the free space, moving what is left to the front first; bytes read (0: closed)."""
-        if self.start == self.end:
+        """Read into the free space, moving what is left to the front first (into a buffer twice the
+        size when the last read filled it); bytes read (0: closed)."""
+        size = self.end - self.start
+        if self.end == len(self.data) and len(self.data) < READ_AHEAD_MAX:
+            grown = bytearray(len(self.data) * 2)
+            grown[:size] = self.data[self.start : self.end]
+            self.view.release()
+            self.data, self.view = grown, memoryview(grown)
+            self.start, self.end = 0, size
+        elif self.start == self.end:
             self.start = self.end = 0
         elif self.start:
-            size = self.end - self.start
             self.data[:size] = self.data[self.start : self.end]
             self.start, self.end = 0, size
         n = int(sock.recv_into(self.view[self.end :]))
@@ -311,28 +320,36 @@ class FastClient(mqtt.Client):
                 return rc
         count = 100  # as paho: do not stay in this loop forever on a huge message
         while inp["to_process"] > 0:
-            view = memoryview(inp["packet"])[inp["remaining_length"] - inp["to_process"] :]
-            try:
-                n = sock.recv_into(view, inp["to_process"])
-            except (BlockingIOError, ssl.SSLWantReadError):
-                return MQTTErrorCode.MQTT_ERR_AGAIN
-            except ssl.SSLWantWriteError:
-                self._call_socket_register_write()
-                return MQTTErrorCode.MQTT_ERR_AGAIN
-            except OSError as err:
-                self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
-                return MQTTErrorCode.MQTT_ERR_CONN_LOST
-            finally:
-                view.release()
-            if n == 0:
-                return MQTTErrorCode.MQTT_ERR_CONN_LOST
-            inp["to_process"] -= n
-            with self._msgtime_mutex:
-                self._last_bytes_received = mqtt.time_func()
+            rc = self._recv_into_packet(sock, inp)
+            if rc is not None:
+                return rc
             count -= 1
             if count == 0:
                 return MQTTErrorCode.MQTT_ERR_AGAIN
         return self._handle_read_packet()
+
+    def _recv_into_packet(self, sock: Any, inp: Any) -> MQTTErrorCode | None:
+        """Read the rest of a packet straight into its own buffer: None once some bytes came, else the
+        code to return (nothing there yet, the connection lost)."""
+        view = memoryview(inp["packet"])[inp["remaining_length"] - inp["to_process"] :]
+        try:
+            n = sock.recv_into(view, inp["to_process"])
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return MQTTErrorCode.MQTT_ERR_AGAIN
+        except ssl.SSLWantWriteError:
+            self._call_socket_register_write()
+            return MQTTErrorCode.MQTT_ERR_AGAIN
+        except OSError as err:
+            self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
+            return MQTTErrorCode.MQTT_ERR_CONN_LOST
+        finally:
+            view.release()
+        if n == 0:
+            return MQTTErrorCode.MQTT_ERR_CONN_LOST
+        inp["to_process"] -= n
+        with self._msgtime_mutex:
+            self._last_bytes_received = mqtt.time_func()
+        return None
 
     def _buffered_read(self, sock: Any) -> MQTTErrorCode:
         """Plain sockets: read what has come in `READ_AHEAD` pieces and handle every whole packet in it,
@@ -346,20 +363,10 @@ class FastClient(mqtt.Client):
             if inp["command"] != 0 and inp["to_process"] > 0:  # a large packet: straight into its buffer
                 if reads >= READS_PER_CALL:  # the event loop's turn; the socket is still readable
                     return MQTTErrorCode.MQTT_ERR_SUCCESS
-                view = memoryview(inp["packet"])[inp["remaining_length"] - inp["to_process"] :]
-                try:
-                    n = sock.recv_into(view, inp["to_process"])
-                except BlockingIOError:
-                    return MQTTErrorCode.MQTT_ERR_AGAIN
-                except OSError as err:
-                    self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
-                    return MQTTErrorCode.MQTT_ERR_CONN_LOST
-                finally:
-                    view.release()
-                if n == 0:
-                    return MQTTErrorCode.MQTT_ERR_CONN_LOST
+                rc = self._recv_into_packet(sock, inp)
+                if rc is not None:
+                    return rc
                 reads += 1
-                inp["to_process"] -= n
                 if inp["to_process"]:
                     continue
                 rc = self._handle_read_packet()
