@@ -174,3 +174,19 @@ def test_a_method_that_cannot_aggregate_in_parts_is_refused(tmp_path: Path) -> N
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "scaffold cannot run with site aggregators" in proc.stderr
+
+
+def test_sites_on_one_embedded_broker_without_bridges(tmp_path: Path) -> None:
+    """hierarchy.bridge: false on the embedded broker (no mosquitto, no bridge): every site's
+    federation and the coordinator's share the one broker, and the aggregators still send one partial
+    a round each; five rounds of the two-site quickstart finish with both sites in every round."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
+         "--set", "hierarchy.bridge=false", "--set", "rounds=5", "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 5 and all(m["accepted"] == ["site-0", "site-1"] for m in metrics)
+    assert not (out / "brokers").exists() and (out / "sites" / "site-1" / "metrics.jsonl").exists()
