@@ -493,9 +493,13 @@ def ingest(report: Report, options: BenchOptions, s: Settings, url: str, kind: s
         folded = sum(len(r["folded"]) for r in run.lines[warm + 1 :])
         rate = folded / span if span > 0 else math.nan
         busy = run.cpu.busy("coordinator", span) if run.cpu is not None else math.nan
+        cpu_ms = busy * span / folded * 1e3 if folded else math.nan  # the coordinator's CPU per folded update
         staleness = max(r["staleness_max"] for r in run.lines)
         backlog = int(run.summary.get("buffered_at_end", 0))
-        note = f"{folded} folded in {span:.2f} s; coordinator {busy:.0%} of a core; staleness up to {staleness}"
+        note = (
+            f"{folded} folded in {span:.2f} s; coordinator {busy:.0%} of a core, {cpu_ms:.2f} ms of CPU an update;"
+            f" staleness up to {staleness}"
+        )
         if backlog:
             note += f"; {backlog} accepted updates still buffered at the end"
         label = "FedBuff" if k > 1 else "FedAsync"
@@ -512,6 +516,7 @@ def ingest(report: Report, options: BenchOptions, s: Settings, url: str, kind: s
             "max_staleness_seen": staleness,
             "buffered_at_end": backlog,
             "coordinator_cpu_share": busy,
+            "coordinator_cpu_ms_per_update": cpu_ms,
             "cpu_s": run.cpu_s,
             "wall_s": run.wall_s,
         }
