@@ -190,3 +190,20 @@ def test_sites_on_one_embedded_broker_without_bridges(tmp_path: Path) -> None:
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 5 and all(m["accepted"] == ["site-0", "site-1"] for m in metrics)
     assert not (out / "brokers").exists() and (out / "sites" / "site-1" / "metrics.jsonl").exists()
+
+
+def test_an_asynchronous_coordinator_folds_the_sites_partials(tmp_path: Path) -> None:
+    """engine.kind async (FedBuff, K = 2) over two bridged sites: each task to a site becomes a site
+    round at its model version, and every version folds partials, each holding its site's updates."""
+    out = tmp_path / "run"
+    overrides = ["engine.kind=async", "engine.aggregations=6", "engine.buffer=2", "engine.concurrency=2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
+         *(a for o in overrides for a in ("--set", o)), "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    versions = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(versions) == 6 and all(set(v["folded"]) <= {"site-0", "site-1"} and v["folded"] for v in versions)
+    partials = [u for u in _events(out, "UpdateArrived") if "failed" not in u["meta"]]
+    assert partials and all(u["meta"]["site"]["nodes"] >= 1 for u in partials)
