@@ -164,21 +164,25 @@ async def test_client_connect_to_nothing_fails_with_advice() -> None:
             pass
 
 
-async def test_client_reconnects_and_resubscribes_after_broker_restart(federation: str) -> None:
-    """mosquitto restarts on the same port: the client reconnects, resubscribes, and a publish made
-    during the outage completes once the broker is back."""
-    pytest.importorskip("aiomqtt")
+def _restartable_mosquitto(slow_s: float) -> tuple[int, subprocess.Popen[bytes], BusConfig, BusConfig]:
+    """A mosquitto of a test's own (to restart), a quick client's config and a slow one's: the publisher
+    retries later than the subscriber, so that the restarted broker (which keeps no sessions) has the
+    subscription back before the held publish goes out."""
     from broker.mosquitto import find_mosquitto
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
     port = free_port()
     proc = start_mosquitto(port)
-    t = Topics(federation)
     cfg = BusConfig(port=port, reconnect_initial_s=0.1, reconnect_max_s=0.5, operation_timeout_s=30)
-    # the publisher retries later than the subscriber, so that the restarted broker (which keeps no
-    # sessions) has the subscription back before the held publish goes out
-    slow = cfg.with_(reconnect_initial_s=2.0, reconnect_max_s=2.0)
+    return port, proc, cfg, cfg.with_(reconnect_initial_s=slow_s, reconnect_max_s=slow_s)
+
+
+async def test_client_reconnects_and_resubscribes_after_broker_restart(federation: str) -> None:
+    """mosquitto restarts on the same port: the client reconnects, resubscribes, and a publish made
+    during the outage completes once the broker is back."""
+    port, proc, cfg, slow = _restartable_mosquitto(slow_s=2.0)
+    t = Topics(federation)
     try:
         async with (
             BusClient(cfg, client_id=f"{federation}-a", federation=federation) as a,
@@ -310,15 +314,8 @@ async def test_publish_many_sends_one_frame_to_every_topic_and_waits_for_their_a
 async def test_publish_many_resends_what_a_lost_connection_left_unacknowledged(federation: str) -> None:
     """The broker restarts while a batch waits: what it had not acknowledged goes out again on the
     next connection, and the subscriber receives the frame."""
-    from broker.mosquitto import find_mosquitto
-
-    if find_mosquitto() is None:
-        pytest.skip("mosquitto is not installed")
-    port = free_port()
-    proc = start_mosquitto(port)
+    port, proc, cfg, slow = _restartable_mosquitto(slow_s=1.5)
     t = Topics(federation)
-    cfg = BusConfig(port=port, reconnect_initial_s=0.1, reconnect_max_s=0.5, operation_timeout_s=30)
-    slow = cfg.with_(reconnect_initial_s=1.5, reconnect_max_s=1.5)
     topics = [t.task(f"n{i:03d}") for i in range(200)]
     try:
         async with (
