@@ -4,6 +4,7 @@ node hosts as processes. Nodes reach only their site's broker."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -110,10 +111,10 @@ def test_site_broker_restart_mid_round_loses_no_accepted_update(tmp_path: Path) 
     fed = _hierarchy(tmp_path, cfg, {"site-0": ["node-000", "node-001"], "site-1": ["node-002", "node-003"]})
     try:
         deadline = time.monotonic() + 120
-        while len(fed.site_metrics("site-0")) < 2:  # round 2 has begun at the site
+        while "[node-001] round 2: trained" not in fed.log("nodes-site-0.log"):  # its round-2 update is sent
             assert time.monotonic() < deadline, fed.log("aggregator-site-0-0.log")
             time.sleep(0.05)
-        time.sleep(1.0)  # node-001's round-2 update is in; node-000 is still "training"
+        time.sleep(0.3)  # and taken by the site; node-000 is still "training" (3 s)
         fed.restart_site_broker("site-0", down_s=0.5)
         assert fed.wait(180) == 0, fed.log("coordinator.log") + fed.log("aggregator-site-0-0.log")
     finally:
@@ -140,7 +141,8 @@ def test_site_broker_restart_mid_round_loses_no_accepted_update(tmp_path: Path) 
 def test_a_dead_aggregator_is_replaced_by_another_of_its_shared_group(tmp_path: Path) -> None:
     """site-0 has two aggregator workers sharing its task topic ($share/...): the broker hands each
     round's task to one of them. One is killed (SIGKILL) after round 1; the other takes every round
-    after that, and the run finishes with both sites in every round but at most the one the kill hit."""
+    after that, and the run finishes with both sites in every round but the one the kill hit (and the
+    next, when it starts before the survivor has announced the site again)."""
     cfg = base_config(nodes=4, rounds=8, deadline_s=8, hierarchy={"sites": 2, "workers": 2})
     fed = Hierarchy(tmp_path, cfg)
     fed.start_coordinator()
@@ -156,8 +158,10 @@ def test_a_dead_aggregator_is_replaced_by_another_of_its_shared_group(tmp_path: 
         fed.stop()
     metrics = fed.metrics()
     assert len(metrics) == 8 and all(m["aggregated"] for m in metrics)
+    # the round the kill hit, and the next one if it starts before the survivor's announcement lands
     missing = [m["round"] for m in metrics if "site-0" not in m["accepted"]]
-    assert len(missing) <= 1, metrics
+    consecutive = all(b == a + 1 for a, b in itertools.pairwise(missing))
+    assert len(missing) <= 2 and consecutive, metrics
     survivor = fed.site_metrics(f"site-0-w{1 - victim}")
     assert {r["round"] for r in survivor} >= {m["round"] for m in metrics[-4:]}
     assert served[0] + served[1] >= 2  # the two shared the first rounds between them
