@@ -464,8 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
         " --broker, bridged to the central broker (`fedmq broker --bridge`); --upstream connects directly."
         " Only methods whose aggregation splits into parts run this way (FedAvg and the methods that reuse its"
         " server); docs/hierarchy.md.\n\n"
-        "  fedmq broker --port 1884 --bridge mqtt://central:1883 --site site-0 --config EXP.yaml\n"
-        "  fedmq aggregator --broker mqtt://127.0.0.1:1884 --site site-0 --config EXP.yaml\n"
+        "  fedmq broker --port 1884 --bridge mqtt://central:1883 --federation FED --site site-0\n"
+        "  fedmq aggregator --broker mqtt://127.0.0.1:1884 --site site-0 --config EXP.yaml --federation FED\n"
         "  fedmq node --broker mqtt://127.0.0.1:1884 --federation FED.site-0 --node-id node-000 ...",
     )
     p.add_argument("--broker", required=True, metavar="URL", help="the site's broker, where its nodes are")
