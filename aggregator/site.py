@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.daemon import Coordinator
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
-from coordinator.engine.base import new_task_id
+from coordinator.engine.base import Engine, new_task_id
 from coordinator.engine.relay import RelayRounds
 from coordinator.halfcalls import HalfCalls, Records
 from fedcore.algorithms.base import CoordinatorHalf, Payload
@@ -46,16 +46,15 @@ class RelayCalls(HalfCalls):
 
     def __init__(self, half: CoordinatorHalf, config: CoordinatorConfig) -> None:
         super().__init__(half, config)
-        self.models: dict[int, Payload] = {}
-        """Upstream's payload by site round, set before the round is requested (read in the lane)."""
+        self.model: tuple[int, Payload] | None = None
+        """Upstream's payload and the site round it is for, set before the round is requested (read in the lane)."""
         self.partial: Partial | None = None
         """The last round's partial (written in the lane, read on the loop once the round has ended)."""
 
     def configure(self, command: c.Configure) -> Payload:
-        payload = self.models.get(command.ctx.round)
-        if payload is None:
+        if self.model is None or self.model[0] != command.ctx.round:
             raise RuntimeError(f"site round {command.ctx.round} has no model from upstream")
-        return payload
+        return self.model[1]
 
     def aggregate(self, command: c.Aggregate) -> tuple[e.Aggregated, Records]:
         updates = command.updates
@@ -79,13 +78,18 @@ class SiteCoordinator(Coordinator):
     """The coordinator of a site's federation, driven by upstream's tasks (`request`)."""
 
     def __init__(self, config: CoordinatorConfig, bus_config: BusConfig, half: CoordinatorHalf, *, site: str) -> None:
+        self.site = site  # before the coordinator's own setup, which builds the engine and calls below
+        self.relay = RelayCalls(half, config)
         super().__init__(config, bus_config, half)
-        self.site = site
-        new_id = self.event_log.recording(new_task_id)
-        self.engine = RelayRounds(config, half.update_schema(), new_id=new_id, stratum=site)
-        self._calls = self.relay = RelayCalls(half, config)
         self.run_id = site_run_id(config.federation)
         self._waiting: dict[tuple[int, int], asyncio.Future[Partial | None]] = {}
+
+    def _new_engine(self, *, evaluates: bool) -> Engine:
+        new_id = self.event_log.recording(new_task_id)
+        return RelayRounds(self.config, self.half.update_schema(), new_id=new_id, stratum=self.site)
+
+    def _new_calls(self) -> HalfCalls:
+        return self.relay
 
     @property
     def capacity(self) -> int:
@@ -106,7 +110,7 @@ class SiteCoordinator(Coordinator):
             old.set_result(None)  # the same task twice (a redelivery): the newer request answers
         future: asyncio.Future[Partial | None] = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
-        self.relay.models = {round: model}
+        self.relay.model = (round, model)
         self._events.put_nowait(e.RoundRequested(round, attempt, dict(settings)))
         return future
 

@@ -657,17 +657,11 @@ class BusClient:
         deadline = time.monotonic() + self.config.operation_timeout_s
         todo, generation = list(topics), 0
         while todo:
-            live = self._client
-            if live is not None and self._generation > generation and self._fatal is None and not self._closing:
-                client, generation = live, self._generation  # connected: no wait, no lock
-            else:
-                try:
-                    client, generation = await asyncio.wait_for(
-                        self._wait_generation(generation), max(deadline - time.monotonic(), 0)
-                    )
-                except TimeoutError:
-                    self._log.warning("%d publishes failed: no connection (%s)", len(todo), self._last_error)
-                    return todo
+            try:
+                client, generation = await self._connection(generation, deadline)
+            except TimeoutError:
+                self._log.warning("%d publishes failed: no connection (%s)", len(todo), self._last_error)
+                return todo
             lost = self._lost_future
             assert lost is not None
             batch = _Batch(asyncio.get_running_loop())
@@ -700,6 +694,13 @@ class BusClient:
                 return todo
         return []
 
+    async def _connection(self, newer_than: int, deadline: float) -> tuple[aiomqtt.Client, int]:
+        """A live connection newer than `newer_than`, and its generation; TimeoutError past `deadline`."""
+        live = self._client
+        if live is not None and self._generation > newer_than and self._fatal is None and not self._closing:
+            return live, self._generation  # connected: no wait, no lock
+        return await asyncio.wait_for(self._wait_generation(newer_than), max(deadline - time.monotonic(), 0))
+
     async def _with_connection(
         self, what: str, call: Callable[[aiomqtt.Client, float], Awaitable[object]], *, topic: str | None = None
     ) -> None:
@@ -710,17 +711,10 @@ class BusClient:
         deadline = time.monotonic() + self.config.operation_timeout_s
         generation = 0
         while True:
-            remaining = deadline - time.monotonic()
-            live = self._client
-            if live is not None and self._generation > generation and self._fatal is None and not self._closing:
-                client, generation = live, self._generation  # connected: no wait, no lock
-            else:
-                try:
-                    client, generation = await asyncio.wait_for(self._wait_generation(generation), max(remaining, 0))
-                except TimeoutError:
-                    raise BusError(
-                        f"{what} timed out waiting for the broker ({self._last_error})", topic=topic
-                    ) from None
+            try:
+                client, generation = await self._connection(generation, deadline)
+            except TimeoutError:
+                raise BusError(f"{what} timed out waiting for the broker ({self._last_error})", topic=topic) from None
             lost = self._lost_future
             assert lost is not None
             attempt = asyncio.ensure_future(call(client, max(deadline - time.monotonic(), 0.001)))

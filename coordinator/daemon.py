@@ -22,9 +22,9 @@ from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, 
 from broker.codec import encoded_size
 from broker.errors import BusError
 from coordinator.config import CoordinatorConfig
+from coordinator.engine import Engine, make_engine
 from coordinator.engine import commands as c
 from coordinator.engine import events as e
-from coordinator.engine import make_engine
 from coordinator.engine.base import new_task_id
 from coordinator.engine.clock import Clock, MonotonicClock
 from coordinator.errors import CoordinatorError, ProtocolError
@@ -102,14 +102,12 @@ class Coordinator:
         self.client_id = f"{config.federation}-coordinator"
         """The MQTT client id (a broker lets one connection hold it at a time)."""
         self.event_log = EventLog(self.run_dir.root / EVENT_LOG)
-        self.engine = make_engine(
-            config, half.update_schema(), evaluates=test_data is not None, new_id=self.event_log.recording(new_task_id)
-        )
+        self.engine = self._new_engine(evaluates=test_data is not None)
         self.evaluator = Evaluator(half, test_data, val_data, config.eval_device)
         self.persistence = Persistence(self.run_dir, half)
         self._lane = Lane()
         self._events: asyncio.Queue[e.Event | _Failed] = asyncio.Queue()
-        self._calls = HalfCalls(half, config)
+        self._calls = self._new_calls()
         self._prepared: dict[int, _Prepared] = {}
         """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
         latest broadcast step, whose model a late acknowledgement may still need)."""
@@ -129,6 +127,16 @@ class Coordinator:
         self.watchers: list[Watcher] = []
         """Called after each event with its commands (metrics, the HTTP API); one that raises is logged
         and removed, never the daemon's end."""
+
+    def _new_engine(self, *, evaluates: bool) -> Engine:
+        """The round policy the config names, its task ids recorded in the event log."""
+        return make_engine(
+            self.config, self.half.update_schema(), evaluates=evaluates, new_id=self.event_log.recording(new_task_id)
+        )
+
+    def _new_calls(self) -> HalfCalls:
+        """How the half's heavy calls are made (a site aggregator relays instead)."""
+        return HalfCalls(self.half, self.config)
 
     @property
     def participation(self) -> ParticipationRecord:
@@ -370,16 +378,14 @@ class Coordinator:
             inline = model is None or self._fits_in_task(model)
         else:  # one payload per node: each rides in its own task
             payloads, model, inline = payload, None, True
-        frames: dict[str, bytearray] = {}
-        shared: dict[tuple[bytes, int, int, int], bytearray] = {}
-        for t in command.tasks:
-            if isinstance(payload, Payload):  # one task for all: the same frame goes to each node's topic
-                key = (t.task, t.attempt, t.version, t.round)
-                if key not in shared:
-                    shared[key] = encode(self._task_message(command, t, payload if inline else None))
-                frames[t.node] = shared[key]
-            else:
-                frames[t.node] = encode(self._task_message(command, t, payloads[t.node]))
+        if isinstance(payload, Payload):  # one payload: each task (a sync round has one) encoded once, its frame shared
+            by_task: dict[bytes, bytearray] = {}
+            for t in command.tasks:
+                if t.task not in by_task:
+                    by_task[t.task] = encode(self._task_message(command, t, payload if inline else None))
+            frames = {t.node: by_task[t.task] for t in command.tasks}
+        else:
+            frames = {t.node: encode(self._task_message(command, t, payloads[t.node])) for t in command.tasks}
         prepared = _Prepared(frames, command.ctx.round, {t.node: t.task for t in command.tasks}, inline)
         if not inline:
             assert model is not None

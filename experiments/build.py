@@ -151,6 +151,8 @@ def preflight(cfg: ExperimentConfig) -> None:
     build_hyperparams(get_algorithm(cfg.method.name), cfg.method.hyperparams)
     build_aggregator(cfg.method.aggregator.name, cfg.method.aggregator.options)
     train_settings(cfg)
+    if cfg.hierarchy.sites:
+        check_hierarchy(cfg, coordinator_half(cfg, split))
 
 
 def train_settings(cfg: ExperimentConfig) -> TrainSettings:
@@ -217,6 +219,7 @@ def build_coordinator(
 ) -> Coordinator:
     split = load_split(cfg)
     half = coordinator_half(cfg, split)
+    check_hierarchy(cfg, half)  # its sites' aggregators would refuse the method: say so here, not after a wait
     config = coordinator_config(cfg, out_dir, federation=federation, resume=resume)
     extra = {
         "experiment": cfg.name,

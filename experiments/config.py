@@ -614,18 +614,22 @@ class ExperimentConfig(_Strict):
     def site_nodes(self) -> dict[str, list[str]]:
         """Each site's node ids (hierarchical mode): the nodes split evenly, in order; {} when flat."""
         names = self.hierarchy.site_names()
-        if not names:
-            return {}
-        size, extra = divmod(self.nodes, len(names))
-        ids, out, start = self.node_ids(), {}, 0
-        for i, name in enumerate(names):
-            end = start + size + (1 if i < extra else 0)
-            out[name] = ids[start:end]
-            start = end
-        return out
+        return dict(zip(names, split_evenly(self.node_ids(), len(names)), strict=True)) if names else {}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def split_evenly(items: list[str], parts: int) -> list[list[str]]:
+    """`items` in order, in at most `parts` runs whose sizes differ by one at most (node hosts, sites)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
 
 
 def _tagged(annotation: Any) -> dict[str, Any]:

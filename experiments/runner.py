@@ -32,8 +32,8 @@ from broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from broker.provision import Provisioned, provision
 from coordinator.run_dir import write_json
 from experiments.broker_flags import access_flags, broker_access
-from experiments.build import bus_config, federation_id, preflight
-from experiments.config import ExperimentConfig
+from experiments.build import bus_config, federation_id, preflight, site_federation
+from experiments.config import ExperimentConfig, split_evenly
 from experiments.grid import Grid, cell_is_done, load_experiment
 from experiments.report import write_report
 from experiments.service import PARENT_ENV, wait_for_broker
@@ -98,17 +98,6 @@ def git_revision() -> str | None:
         return out.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         return None
-
-
-def split_evenly(items: list[str], parts: int) -> list[list[str]]:
-    parts = max(1, min(parts, len(items)))
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 async def run_from_cli(args: argparse.Namespace) -> int:
@@ -245,6 +234,8 @@ async def run_federation(
     # topics), so only an anonymous run gets a fresh id that keeps it apart from earlier runs' retained state
     federation = cfg.federation or (federation_id(cfg) if access else f"{cfg.name}-{os.urandom(3).hex()}")
     cfg = cfg.model_copy(update={"federation": federation})
+    for site in cfg.hierarchy.site_names():  # a site's federation id too long for a topic level: exit 2 now
+        site_federation(federation, site)
     config_path = out / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     write_json(
@@ -398,7 +389,7 @@ async def _start_sites(
                        "--federation", federation, "--out", str(out / "sites" / name), "--exit-when-done",
                        *common, "--log-file", str(logs / f"aggregator-{name}.log")]  # fmt: skip
             await children.start(f"aggregator-{name}", command, logs / f"aggregator-{name}.out")
-        site_args = [*common, "--federation", f"{federation}.{site}"]
+        site_args = [*common, "--federation", site_federation(federation, site)]
         await _start_node_hosts(children, url, node_ids, per_site, site_args, logs, f"nodes-{site}")
 
 

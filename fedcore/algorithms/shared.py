@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
@@ -137,7 +138,7 @@ class AveragingCoordinator(base.CoordinatorHalf):
         if own is not AveragingCoordinator and not self.aggregates_the_mean:
             return f"{name} aggregates in its own way, not from the weighted mean of the updates alone"
         probe = [base.NodeUpdate(node_id=n, round=0, num_samples=k, payload=base.Payload()) for n, k in PROBE]
-        if self.weights(probe) != [3.0, 5.0]:
+        if self.weights(probe) != [float(k) for _, k in PROBE]:
             return f"{name} does not weight updates by their sample counts (fedavg's weighted: false?)"
         return None
 
@@ -156,7 +157,7 @@ class AveragingCoordinator(base.CoordinatorHalf):
             for group in updates[0].payload.tensors
         }
         loss = mean_reported_loss(updates, weights)
-        meta = {"loss": loss} if loss == loss else {}  # NaN when none reported one
+        meta = {} if math.isnan(loss) else {"loss": loss}  # NaN when none reported one
         return base.Payload(tensors=tensors, meta=meta), sum(u.num_samples for u in updates)
 
 

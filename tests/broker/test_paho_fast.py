@@ -257,3 +257,25 @@ def test_queued_packets_leave_in_one_write_in_order_and_qos0_publishes_count_as_
     assert all(info.is_published() == (qos == 0) for qos, info in infos)
     a.close()
     b.close()
+
+
+def test_the_read_ahead_buffer_starts_small_and_grows_while_reads_fill_it() -> None:
+    """A connection's buffer starts at READ_AHEAD bytes (10,000 of them in one process must stay
+    small) and doubles, up to READ_AHEAD_MAX, each time a read fills it: 5,000 PUBACKs sent at once
+    are read in a few large pieces, every one handled."""
+    import socket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    client = _fast_client_on(a)
+    seen: list[bytes] = []
+    client._packet_handle = lambda: (
+        seen.append(bytes(client._in_packet["packet"])) or mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    )  # type: ignore[method-assign]
+    b.sendall(b"".join(_frame(0x40, struct.pack("!H", i % 65536)) for i in range(5000)))
+    while len(seen) < 5000:
+        assert client._packet_read() in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN)
+    assert seen == [struct.pack("!H", i) for i in range(5000)]
+    assert paho_fast.READ_AHEAD < len(client._read_ahead.data) <= paho_fast.READ_AHEAD_MAX
+    a.close()
+    b.close()

@@ -84,6 +84,8 @@ def test_rounds_suite_runs_real_federations_and_times_their_rounds(tmp_path: Pat
     assert all(f.value > 0 and math.isfinite(f.value) for f in rows)
     floor, round_ = rows
     assert "2 selected" in round_.note and round_.ratio == pytest.approx(round_.value / floor.value)
+    cpu = [f for f in report.figures if f.section == "the coordinator's CPU"]
+    assert len(cpu) == 1 and cpu[0].value > 0 and math.isfinite(cpu[0].value)  # from the lines' cpu_s
     runs = sorted((tmp_path / "rounds").iterdir())
     metrics = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 5 and all(m["aggregated"] and m["accepted"] == m["selected"] for m in metrics)

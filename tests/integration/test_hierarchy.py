@@ -167,17 +167,24 @@ def test_a_dead_aggregator_is_replaced_by_another_of_its_shared_group(tmp_path: 
     assert served[0] + served[1] >= 2  # the two shared the first rounds between them
 
 
-def test_a_method_that_cannot_aggregate_in_parts_is_refused(tmp_path: Path) -> None:
-    """`fedmq aggregator` with SCAFFOLD (control variates per node) exits 2 saying why, before connecting."""
+@pytest.mark.parametrize("command", ["aggregator", "coordinator", "run"])
+def test_a_method_that_cannot_aggregate_in_parts_is_refused(tmp_path: Path, command: str) -> None:
+    """SCAFFOLD (control variates per node) with sites: `fedmq aggregator`, `fedmq coordinator` and
+    `fedmq run` each exit 2 saying why, before connecting to anything (the coordinator does not wait
+    for sites that would never come)."""
     path = tmp_path / "exp.yaml"
     path.write_text(json.dumps(base_config(nodes=4, hierarchy={"sites": 2}, method={"name": "scaffold"})))
+    args = {
+        "aggregator": ["--broker", "mqtt://127.0.0.1:1", "--site", "site-0", "--config", str(path)],
+        "coordinator": ["--broker", "mqtt://127.0.0.1:1", "--config", str(path)],
+        "run": [str(path), "--quiet"],
+    }[command]
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments", "aggregator", "--broker", "mqtt://127.0.0.1:1", "--site", "site-0",
-         "--config", str(path), "--out", str(tmp_path / "site")],
+        [sys.executable, "-m", "experiments", command, *args, "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "scaffold cannot run with site aggregators" in proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "scaffold cannot run with site aggregators" in proc.stdout + proc.stderr
 
 
 def test_sites_on_one_embedded_broker_without_bridges(tmp_path: Path) -> None:

@@ -150,3 +150,22 @@ def test_task_messages_decode_with_their_sent_at() -> None:
 
     message = _task("f", 1, sent_at=1234.5, deadline_s=30)
     assert decode(bytes(encode(message))).sent_at == 1234.5
+
+
+async def test_a_node_connects_only_with_a_turn_at_its_process_s_connection_gate(broker_url: str) -> None:
+    """The nodes of one process connect a few at a time (`serve_nodes`' gate): a node whose gate has
+    no free turn neither connects nor announces itself, however long it waits, and its connect timeout
+    starts only with its turn; given one, it connects and goes online."""
+    federation = f"t{os.urandom(4).hex()}"
+    node = _node(broker_url, federation, protocol="auto")
+    node.bus_config = BusConfig.from_url(broker_url, connect_timeout_s=1.0)
+    node.connect_gate = asyncio.Semaphore(0)
+    async with BusClient(BusConfig.from_url(broker_url), client_id=f"{federation}-c", federation=federation) as bus:
+        await bus.subscribe(Topics(federation).node_status("node-000"))
+        serving = asyncio.create_task(node.serve())
+        await asyncio.sleep(2.0)  # past its 1 s connect timeout, had the clock started
+        assert not node.connected.is_set() and not serving.done() and bus.stats.received == 0
+        node.connect_gate.release()
+        await _until(bus, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
