@@ -6,8 +6,8 @@ go upstream as one partial update, so the coordinator and the central broker see
 instead of one per node. Methods whose aggregation cannot be split into parts are refused.
 """
 
-from aggregator.daemon import SiteAggregator
-from aggregator.site import Partial, SiteCoordinator
-from aggregator.upstream import UpstreamNode
+from fedmq.aggregator.daemon import SiteAggregator
+from fedmq.aggregator.site import Partial, SiteCoordinator
+from fedmq.aggregator.upstream import UpstreamNode
 
 __all__ = ["Partial", "SiteAggregator", "SiteCoordinator", "UpstreamNode"]

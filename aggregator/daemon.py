@@ -7,9 +7,9 @@ import contextlib
 import logging
 from typing import Any
 
-from aggregator.site import SiteCoordinator
-from aggregator.upstream import UpstreamNode
-from coordinator.engine import events as e
+from fedmq.aggregator.site import SiteCoordinator
+from fedmq.aggregator.upstream import UpstreamNode
+from fedmq.coordinator.engine import events as e
 
 logger = logging.getLogger(__name__)
 

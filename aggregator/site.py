@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from broker import BusConfig
-from coordinator.config import CoordinatorConfig
-from coordinator.daemon import Coordinator
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.base import Engine, new_task_id
-from coordinator.engine.relay import RelayRounds
-from coordinator.halfcalls import HalfCalls, Records
-from fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedmq.broker import BusConfig
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.base import Engine, new_task_id
+from fedmq.coordinator.engine.relay import RelayRounds
+from fedmq.coordinator.halfcalls import HalfCalls, Records
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from aggregator.site import SiteCoordinator
-from broker import BusConfig, Message
-from fedcore.algorithms.base import NodeHalf, Payload
-from fedcore.data import TensorDataset
-from fednode.config import NodeConfig
-from fednode.daemon import NodeDaemon, NoUpdate, Task
-from fednode.workspace import Workspace
+from fedmq.aggregator.site import SiteCoordinator
+from fedmq.broker import BusConfig, Message
+from fedmq.fedcore.algorithms.base import NodeHalf, Payload
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.daemon import NodeDaemon, NoUpdate, Task
+from fedmq.fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

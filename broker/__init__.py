@@ -1,11 +1,11 @@
 """The bus: topics, the wire codec, chunking and an asyncio MQTT client. Knows nothing of learning."""
 
-from broker.client import BusClient, BusStats, Envelope, Will
-from broker.codec import BFLOAT16, decode, encode
-from broker.config import BusConfig
-from broker.errors import BusError, CodecError, MessageTooLarge
-from broker.message import Kind, Message
-from broker.topics import Topics, check_id
+from fedmq.broker.client import BusClient, BusStats, Envelope, Will
+from fedmq.broker.codec import BFLOAT16, decode, encode
+from fedmq.broker.config import BusConfig
+from fedmq.broker.errors import BusError, CodecError, MessageTooLarge
+from fedmq.broker.message import Kind, Message
+from fedmq.broker.topics import Topics, check_id
 
 __all__ = [
     "BFLOAT16",

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.config import MQTT_MAX_PACKET
-from broker.mosquitto import tuning
-from broker.topics import Topics
+from fedmq.broker.config import MQTT_MAX_PACKET
+from fedmq.broker.mosquitto import tuning
+from fedmq.broker.topics import Topics
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker.errors import CodecError
-from broker.message import Kind, Message
+from fedmq.broker.errors import CodecError
+from fedmq.broker.message import Kind, Message
 
 logger = logging.getLogger(__name__)
 

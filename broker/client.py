@@ -27,12 +27,12 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from broker import paho_fast
-from broker.chunking import Reassembler, split
-from broker.codec import decode, encode
-from broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
-from broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
-from broker.message import Kind, Message, new_message_id
+from fedmq.broker import paho_fast
+from fedmq.broker.chunking import Reassembler, split
+from fedmq.broker.codec import decode, encode
+from fedmq.broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
+from fedmq.broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
+from fedmq.broker.message import Kind, Message, new_message_id
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from broker.errors import CodecError
-from broker.message import MESSAGE_ID_BYTES, Kind, Message
+from fedmq.broker.errors import CodecError
+from fedmq.broker.message import MESSAGE_ID_BYTES, Kind, Message
 
 MAGIC = b"FMQ"
 FORMAT_VERSION = 2

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from broker.errors import CredentialsError
+from fedmq.broker.errors import CredentialsError
 
 COORDINATOR = "coordinator"
 MONITOR = "monitor"

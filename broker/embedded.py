@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from broker.errors import CredentialsError
+from fedmq.broker.errors import CredentialsError
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker import allocator
-from broker.config import MQTT_MAX_PACKET
-from broker.errors import BusError
+from fedmq.broker import allocator
+from fedmq.broker.config import MQTT_MAX_PACKET
+from fedmq.broker.errors import BusError
 
 
 def find_mosquitto() -> str | None:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from broker.client import BusStats
+from fedmq.broker.client import BusStats
 
 BUS_COUNTERS = (
     ("received", "fedmq_bus_received_messages", "Messages received from the broker (decoded frames)."),

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.config import MQTT_MAX_PACKET
-from broker.credentials import COORDINATOR, MONITOR
-from broker.mosquitto import tuning
-from broker.topics import Topics, check_id
+from fedmq.broker.config import MQTT_MAX_PACKET
+from fedmq.broker.credentials import COORDINATOR, MONITOR
+from fedmq.broker.mosquitto import tuning
+from fedmq.broker.topics import Topics, check_id
 
 RESERVED = (COORDINATOR, MONITOR)
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")

@@ -8,8 +8,8 @@ builds a `BusClient` without calling this gets correct but slower transfers.
 
 from __future__ import annotations
 
-from broker import allocator, paho_fast
-from broker.config import BusConfig
+from fedmq.broker import allocator, paho_fast
+from fedmq.broker.config import BusConfig
 
 
 def tune_process(config: BusConfig) -> None:

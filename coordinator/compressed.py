@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from broker import Message
-from coordinator.errors import ProtocolError
-from fedcore.algorithms.base import NodeUpdate, Payload
-from fedcore.compression import DELTA_GROUP, SCALES, Compression, CompressionError, add_base, decompress
-from fedcore.errors import AlgorithmError
-from fedcore.tensors import StateDict, TensorSpec
+from fedmq.broker import Message
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.fedcore.compression import DELTA_GROUP, SCALES, Compression, CompressionError, add_base, decompress
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.tensors import StateDict, TensorSpec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

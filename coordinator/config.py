@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from broker.fields import Bounds, check_fields
-from fedcore.compression import Compression
-from fedcore.staleness import Staleness
-from fedcore.training import TrainSettings
+from fedmq.broker.fields import Bounds, check_fields
+from fedmq.fedcore.compression import Compression
+from fedmq.fedcore.staleness import Staleness
+from fedmq.fedcore.training import TrainSettings
 
 INLINE_MODEL_BYTES = 64 * 1024
 """The default `RoundPolicy.inline_model_bytes`."""

@@ -18,29 +18,29 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
-from broker.codec import encoded_size
-from broker.errors import BusError
-from coordinator.config import CoordinatorConfig
-from coordinator.engine import Engine, make_engine
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.base import new_task_id
-from coordinator.engine.clock import Clock, MonotonicClock
-from coordinator.errors import CoordinatorError, ProtocolError
-from coordinator.eventlog import FILENAME as EVENT_LOG
-from coordinator.eventlog import EventLog, log_header
-from coordinator.halfcalls import HalfCalls
-from coordinator.lane import Lane
-from coordinator.persistence import Persistence
-from coordinator.registry import NodeRegistry
-from coordinator.reporting import MEASURED_FIELDS, Evaluator, outcome_fields, write_run_files
-from coordinator.run_dir import RunDir
-from fedcore.algorithms.base import CoordinatorHalf, Payload
-from fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
-from fedcore.data import TensorDataset
-from fedcore.participation import ParticipationRecord
-from fedcore.tensors import flatten_groups, schema_of
+from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
+from fedmq.broker.codec import encoded_size
+from fedmq.broker.errors import BusError
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import Engine, make_engine
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.base import new_task_id
+from fedmq.coordinator.engine.clock import Clock, MonotonicClock
+from fedmq.coordinator.errors import CoordinatorError, ProtocolError
+from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.eventlog import EventLog, log_header
+from fedmq.coordinator.halfcalls import HalfCalls
+from fedmq.coordinator.lane import Lane
+from fedmq.coordinator.persistence import Persistence
+from fedmq.coordinator.registry import NodeRegistry
+from fedmq.coordinator.reporting import MEASURED_FIELDS, Evaluator, outcome_fields, write_run_files
+from fedmq.coordinator.run_dir import RunDir
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.tensors import flatten_groups, schema_of
 
 logger = logging.getLogger(__name__)
 

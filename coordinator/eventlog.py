@@ -18,10 +18,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from coordinator.config import CoordinatorConfig
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from fedcore.tensors import arrays_sha256
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.fedcore.tensors import arrays_sha256
 
 logger = logging.getLogger(__name__)
 

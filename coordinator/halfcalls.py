@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from coordinator.compressed import check_one_model, restore
-from coordinator.config import CoordinatorConfig
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.versions import ModelVersions
-from fedcore.algorithms.base import CoordinatorHalf, Payload
-from fedcore.tensors import model_sha256
+from fedmq.coordinator.compressed import check_one_model, restore
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.versions import ModelVersions
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedmq.fedcore.tensors import model_sha256
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
 """The half's `round_records`, by log name."""

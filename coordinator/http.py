@@ -27,10 +27,10 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.daemon import Coordinator
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.errors import CoordinatorError
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.errors import CoordinatorError
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ class CoordinatorAPI:
         return await handler(request)
 
     async def _dashboard(self, _: web.Request) -> web.Response:
-        page = resources.files("coordinator").joinpath("dashboard.html").read_text()
+        page = resources.files("fedmq.coordinator").joinpath("dashboard.html").read_text()
         return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def _healthz(self, _: web.Request) -> web.Response:

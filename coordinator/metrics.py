@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 
-from broker.client import BusStats
-from broker.prometheus import bus_families
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.base import Engine
-from coordinator.engine.buffered import BufferedAsync
-from coordinator.engine.sync import SyncRounds
+from fedmq.broker.client import BusStats
+from fedmq.broker.prometheus import bus_families
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.engine.buffered import BufferedAsync
+from fedmq.coordinator.engine.sync import SyncRounds
 
 if TYPE_CHECKING:
-    from coordinator.daemon import Coordinator
+    from fedmq.coordinator.daemon import Coordinator
 
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 100)

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from coordinator.checkpoints import CheckpointWriter
-from coordinator.errors import CoordinatorError
-from coordinator.run_dir import RunDir
-from fedcore.algorithms.base import CoordinatorHalf
+from fedmq.coordinator.checkpoints import CheckpointWriter
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.coordinator.run_dir import RunDir
+from fedmq.fedcore.algorithms.base import CoordinatorHalf
 
 logger = logging.getLogger(__name__)
 

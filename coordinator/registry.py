@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.errors import ProtocolError
+from fedmq.coordinator.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from coordinator.engine.base import Engine
-from coordinator.registry import NodeRegistry
-from coordinator.run_dir import RunDir
-from fedcore.algorithms.base import CoordinatorHalf
-from fedcore.data import TensorDataset
-from fedcore.participation import ParticipationRecord
-from fedcore.tensors import model_sha256
-from fedcore.training import evaluate
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.registry import NodeRegistry
+from fedmq.coordinator.run_dir import RunDir
+from fedmq.fedcore.algorithms.base import CoordinatorHalf
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.tensors import model_sha256
+from fedmq.fedcore.training import evaluate
 
 MEASURED_FIELDS = ("cpu_s",)
 """Metrics-line fields the daemon measures of its own process (CPU seconds so far): no replay or

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from fedcore.algorithms.base import NodeUpdate, Payload
-from fedcore.tensors import TensorSpec
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.fedcore.tensors import TensorSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from coordinator.errors import CoordinatorError
-from coordinator.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
 
 CHECKPOINT = "checkpoint.safetensors"
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from fedcore.seeding import stream
+from fedmq.fedcore.seeding import stream
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from fedcore.errors import ConfigError
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.fedcore.errors import ConfigError
 
 INSTALL_HINT = "pip install 'fedmq[tensorboard]'"
 

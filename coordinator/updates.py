@@ -7,13 +7,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from broker import Message
-from coordinator.compressed import decoded, payload_of
-from coordinator.errors import ProtocolError
-from fedcore.algorithms.base import NodeUpdate
-from fedcore.compression import Compression
-from fedcore.errors import AlgorithmError
-from fedcore.tensors import StateDict, TensorSpec, non_finite, schema_mismatch, split_groups
+from fedmq.broker import Message
+from fedmq.coordinator.compressed import decoded, payload_of
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.fedcore.algorithms.base import NodeUpdate
+from fedmq.fedcore.compression import Compression
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.tensors import StateDict, TensorSpec, non_finite, schema_mismatch, split_groups
 
 MAX_SAMPLES = 10**12
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from coordinator.engine.commands import Aggregate
-from coordinator.errors import CoordinatorError
-from fedcore.algorithms.base import CoordinatorHalf, Payload, RoundContext
-from fedcore.tensors import StateDict, cpu_copy
+from fedmq.coordinator.engine.commands import Aggregate
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload, RoundContext
+from fedmq.fedcore.tensors import StateDict, cpu_copy
 
 
 class ModelVersions:

@@ -1,3 +1,3 @@
-from experiments.cli import main
+from fedmq.experiments.cli import main
 
 raise SystemExit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from broker.errors import CredentialsError
+from fedmq.broker.errors import CredentialsError
 
 
 def add_access(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_access(p: argparse.ArgumentParser) -> None:
 
 def broker_access(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The Access the broker-access flags describe."""
-    from broker.credentials import Access, Credentials, read_password_file
+    from fedmq.broker.credentials import Access, Credentials, read_password_file
 
     def path(value: Path | None) -> str | None:
         if value is not None and not value.is_file():

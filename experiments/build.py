@@ -12,28 +12,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aggregator import SiteAggregator, SiteCoordinator, UpstreamNode
-from broker import BusConfig
-from broker.credentials import COORDINATOR, Access, Credentials
-from broker.topics import check_id
-from coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
-from coordinator.daemon import Coordinator
-from coordinator.engine.relay import ENDLESS
-from experiments.config import ExperimentConfig
-from experiments.scenario import expand as expand_scenario
-from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
-from fedcore.algorithms.base import CoordinatorHalf
-from fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local, pooled_resplit
-from fedcore.errors import ConfigError
-from fedcore.models import build_model
-from fedcore.partition import label_histograms, partition
-from fedcore.seeding import torch_seed
-from fedcore.staleness import Staleness
-from fedcore.training import TrainSettings, best_device
-from fednode.config import Faults, NodeConfig
-from fednode.daemon import NodeDaemon
-from fednode.scenario import NodeScript
-from fednode.workspace import Workspace
+from fedmq.aggregator import SiteAggregator, SiteCoordinator, UpstreamNode
+from fedmq.broker import BusConfig
+from fedmq.broker.credentials import COORDINATOR, Access, Credentials
+from fedmq.broker.topics import check_id
+from fedmq.coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.engine.relay import ENDLESS
+from fedmq.experiments.config import ExperimentConfig
+from fedmq.experiments.scenario import expand as expand_scenario
+from fedmq.fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import CoordinatorHalf
+from fedmq.fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local, pooled_resplit
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.partition import label_histograms, partition
+from fedmq.fedcore.seeding import torch_seed
+from fedmq.fedcore.staleness import Staleness
+from fedmq.fedcore.training import TrainSettings, best_device
+from fedmq.fednode.config import Faults, NodeConfig
+from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.scenario import NodeScript
+from fedmq.fednode.workspace import Workspace
 
 
 def bus_config(cfg: ExperimentConfig, url: str, credentials: Credentials | None = None) -> BusConfig:

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from broker.errors import BusError, CredentialsError
-from experiments.broker_flags import add_access, broker_access
-from experiments.service import die_with_parent
-from fedcore.errors import ConfigError, DataError
+from fedmq.broker.errors import BusError, CredentialsError
+from fedmq.experiments.broker_flags import add_access, broker_access
+from fedmq.experiments.service import die_with_parent
+from fedmq.fedcore.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ def _add_service(p: argparse.ArgumentParser) -> None:
 
 
 def _http_address(text: str) -> tuple[str, int]:
-    from coordinator.errors import CoordinatorError
-    from coordinator.http import parse_address
+    from fedmq.coordinator.errors import CoordinatorError
+    from fedmq.coordinator.http import parse_address
 
     try:
         return parse_address(text)
@@ -491,8 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     die_with_parent()
-    from coordinator.errors import CoordinatorError
-    from experiments import logs
+    from fedmq.coordinator.errors import CoordinatorError
+    from fedmq.experiments import logs
 
     def say(text: str) -> None:
         print(logs.line(text, args.log_format), file=sys.stderr, flush=True)
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             return _replay(args)
         if args.command == "simulate":
             return _simulate(args)
-        from experiments.runner import run_from_cli
+        from fedmq.experiments.runner import run_from_cli
 
         return _run_async(run_from_cli(args))
     except ConfigError as exc:
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _daemon(command: Callable[[argparse.Namespace, Any], Coroutine[Any, Any, int]], args: argparse.Namespace) -> int:
     """A daemon command: SIGTERM drains it (exit 0), SIGINT interrupts it (130); `experiments.service`."""
-    from experiments.service import Signals
+    from fedmq.experiments.service import Signals
 
     signals = Signals(drains=True, drain_s=args.drain_timeout, forced_exit=EXIT_INTERRUPTED)
     return _run_async(command(args, signals), signals)
@@ -563,7 +563,7 @@ def _daemon(command: Callable[[argparse.Namespace, Any], Coroutine[Any, Any, int
 def _run_async(coro: Coroutine[Any, Any, int], signals: Any = None) -> int:
     """Run `coro` until it returns its exit code. SIGINT cancels it (exit 130), and so does SIGTERM,
     except for a daemon (`signals`, an `experiments.service.Signals`), which SIGTERM drains (exit 0)."""
-    from experiments.service import Signals
+    from fedmq.experiments.service import Signals
 
     signals = signals or Signals(drains=False, forced_exit=EXIT_INTERRUPTED)
 
@@ -598,7 +598,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from experiments.config import load_config
+    from fedmq.experiments.config import load_config
 
     return load_config(args.config, args.overrides)
 
@@ -611,8 +611,8 @@ def _threads(n: int | None) -> None:
 
 
 def _methods(args: argparse.Namespace) -> int:
-    from fedcore.algorithms import AGGREGATORS, ALGORITHMS, get_algorithm
-    from fedcore.algorithms.describe import options, summary
+    from fedmq.fedcore.algorithms import AGGREGATORS, ALGORITHMS, get_algorithm
+    from fedmq.fedcore.algorithms.describe import options, summary
 
     if args.name is None:
         width = max(map(len, ALGORITHMS))
@@ -641,8 +641,8 @@ def _methods(args: argparse.Namespace) -> int:
 def _aggregator(name: str) -> int:
     import inspect
 
-    from fedcore.algorithms import AGGREGATORS, async_refusal
-    from fedcore.algorithms.describe import class_options
+    from fedmq.fedcore.algorithms import AGGREGATORS, async_refusal
+    from fedmq.fedcore.algorithms.describe import class_options
 
     hyperparams, _ = AGGREGATORS[name]
     print(f"{name}: an averaging rule for method.aggregator.name\n")
@@ -658,8 +658,8 @@ def _aggregator(name: str) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from experiments.bench import SUITES, run_suite
-    from experiments.bench.common import BenchOptions, write_results
+    from fedmq.experiments.bench import SUITES, run_suite
+    from fedmq.experiments.bench.common import BenchOptions, write_results
 
     names = list(SUITES) if "all" in args.suites else args.suites
     unknown = [n for n in names if n not in SUITES]
@@ -694,7 +694,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     import torch
 
-    from experiments.replay import ReplayError, counterfactual, replay_run
+    from fedmq.experiments.replay import ReplayError, counterfactual, replay_run
 
     device = torch.device(args.device) if args.device else None
     try:
@@ -715,7 +715,7 @@ def _replay(args: argparse.Namespace) -> int:
         f" {r.aggregations} aggregated models, {r.evaluations} evaluations and {r.commands} engine decisions matched"
     )
     if args.out is not None:
-        from experiments.replay import write_replay
+        from fedmq.experiments.replay import write_replay
 
         write_replay(args.out, outcome)
     if outcome.mismatch is not None:
@@ -735,16 +735,16 @@ def _simulate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from experiments.config import parse_config, read_yaml
-    from experiments.simulate import simulate
+    from fedmq.experiments.config import parse_config, read_yaml
+    from fedmq.experiments.simulate import simulate
 
     data = read_yaml(args.config)
     if args.overrides:
-        from experiments.config import apply_overrides
+        from fedmq.experiments.config import apply_overrides
 
         data = apply_overrides(data, args.overrides)
     if args.scenario is not None:
-        from experiments.scenario import resolve_scenario
+        from fedmq.experiments.scenario import resolve_scenario
 
         data["scenario"] = resolve_scenario(str(args.scenario), Path.cwd())
     if "grid" in data:
@@ -761,8 +761,8 @@ def _simulate(args: argparse.Namespace) -> int:
 def _simulate_grid(args: argparse.Namespace, data: dict[str, Any]) -> int:
     from datetime import datetime
 
-    from experiments.grid import expand
-    from experiments.simulate_grid import simulate_grid
+    from fedmq.experiments.grid import expand
+    from fedmq.experiments.simulate_grid import simulate_grid
 
     grid = expand(data, source=str(args.config))
     first = grid.cells[0].config
@@ -776,9 +776,9 @@ def _status(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from coordinator.errors import CoordinatorError
-    from coordinator.http import read_token
-    from experiments.status import Unreachable, render, resolve_url, snapshot
+    from fedmq.coordinator.errors import CoordinatorError
+    from fedmq.coordinator.http import read_token
+    from fedmq.experiments.status import Unreachable, render, resolve_url, snapshot
 
     try:
         token = read_token(args.token_file) if args.token_file else None
@@ -810,7 +810,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from experiments.report import write_report
+    from fedmq.experiments.report import write_report
 
     if not args.run_dir.is_dir():
         raise ConfigError(f"{args.run_dir} is not a directory; give the --out of a `fedmq run`")
@@ -823,8 +823,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 async def _broker(args: argparse.Namespace) -> int:
-    from broker.embedded import serve_embedded
-    from broker.mosquitto import find_mosquitto, start_mosquitto
+    from fedmq.broker.embedded import serve_embedded
+    from fedmq.broker.mosquitto import find_mosquitto, start_mosquitto
 
     config_file, secure_amqtt, host, port = args.config, None, args.host, args.port
     scheme = "mqtt"
@@ -861,10 +861,10 @@ def _site_broker_config(args: argparse.Namespace) -> Path:
     """`fedmq broker --bridge`: the site broker's mosquitto.conf, written into its state directory."""
     import pwd
 
-    from broker.bridge import render_site_config
-    from broker.config import BusConfig
-    from broker.mosquitto import find_mosquitto
-    from broker.topics import check_id
+    from fedmq.broker.bridge import render_site_config
+    from fedmq.broker.config import BusConfig
+    from fedmq.broker.mosquitto import find_mosquitto
+    from fedmq.broker.topics import check_id
 
     if find_mosquitto() is None:
         raise ConfigError(
@@ -916,7 +916,7 @@ def _check_free(host: str, port: int) -> None:
 def _provisioned(directory: Path) -> tuple[Path, tuple[str, int]]:
     """A provisioned folder's embedded-broker config (checked as the embedded broker reads it) and the
     address both brokers listen on."""
-    from broker.embedded import secure_amqtt_config
+    from fedmq.broker.embedded import secure_amqtt_config
 
     path = directory / "amqtt" / "amqtt.json"
     if not path.is_file():
@@ -928,8 +928,8 @@ def _provisioned(directory: Path) -> tuple[Path, tuple[str, int]]:
 
 
 def _provision(args: argparse.Namespace) -> int:
-    from broker.provision import DEFAULT_HOSTS, provision
-    from experiments.build import federation_id
+    from fedmq.broker.provision import DEFAULT_HOSTS, provision
+    from fedmq.experiments.build import federation_id
 
     cfg = _load(args)
     try:
@@ -950,14 +950,14 @@ def _provision(args: argparse.Namespace) -> int:
 
 
 async def _coordinator(args: argparse.Namespace, signals: Any) -> int:
-    from broker.tuning import tune_process
-    from coordinator.run_dir import write_json
-    from experiments.build import build_coordinator, load_split, partition_report
-    from experiments.plots import partition_png
-    from experiments.service import Notifier, coordinator_status
+    from fedmq.broker.tuning import tune_process
+    from fedmq.coordinator.run_dir import write_json
+    from fedmq.experiments.build import build_coordinator, load_split, partition_report
+    from fedmq.experiments.plots import partition_png
+    from fedmq.experiments.service import Notifier, coordinator_status
 
     if args.tensorboard is not None:
-        from coordinator.tensorboard import check_installed
+        from fedmq.coordinator.tensorboard import check_installed
 
         check_installed()  # before loading anything: exit 2 saying what to install
     cfg = _load(args)
@@ -998,7 +998,7 @@ def _tensorboard(args: argparse.Namespace, coordinator: Any) -> Iterator[None]:
     if args.tensorboard is None:
         yield
         return
-    from coordinator.tensorboard import TensorBoardScalars
+    from fedmq.coordinator.tensorboard import TensorBoardScalars
 
     scalars = TensorBoardScalars(args.out / "tensorboard" if args.tensorboard is True else args.tensorboard)
     coordinator.watchers.append(scalars)
@@ -1016,9 +1016,9 @@ async def _http_api(args: argparse.Namespace, coordinator: Any, cfg: Any) -> Asy
         return
     import yaml
 
-    from coordinator.errors import CoordinatorError
-    from coordinator.http import CoordinatorAPI, read_token
-    from coordinator.metrics import CoordinatorMetrics
+    from fedmq.coordinator.errors import CoordinatorError
+    from fedmq.coordinator.http import CoordinatorAPI, read_token
+    from fedmq.coordinator.metrics import CoordinatorMetrics
 
     try:
         token = read_token(args.http_token_file) if args.http_token_file else None
@@ -1037,8 +1037,8 @@ async def _http_api(args: argparse.Namespace, coordinator: Any, cfg: Any) -> Asy
 async def _wait_for_broker(args: argparse.Namespace, cfg: Any, notifier: Any) -> None:
     """`--connect-timeout`: once what can be checked locally is (config, data, node ids: exit 2), a
     daemon waits for its broker, and exits 3 naming it if it does not come."""
-    from experiments.build import bus_config
-    from experiments.service import wait_for_broker
+    from fedmq.experiments.build import bus_config
+    from fedmq.experiments.service import wait_for_broker
 
     config = bus_config(cfg, args.broker)
     notifier.status(f"connecting to the broker {config.url}")
@@ -1052,7 +1052,7 @@ async def _wait_for_broker(args: argparse.Namespace, cfg: Any, notifier: Any) ->
 def _resume_or_start(out: Path) -> None:
     """`--resume` without a checkpoint starts from the beginning: the records of an attempt that
     stopped before its first checkpoint go, as on a resume those after the checkpoint do."""
-    from coordinator.run_dir import CHECKPOINT, RunDir
+    from fedmq.coordinator.run_dir import CHECKPOINT, RunDir
 
     if not (out / CHECKPOINT).exists():
         logger.info("--resume: no checkpoint in %s yet; starting from the beginning", out)
@@ -1062,10 +1062,10 @@ def _resume_or_start(out: Path) -> None:
 async def _node(args: argparse.Namespace, signals: Any) -> int:
     import torch
 
-    from broker.tuning import tune_process
-    from experiments.build import build_nodes
-    from experiments.service import Notifier, nodes_status
-    from fednode.daemon import serve_nodes
+    from fedmq.broker.tuning import tune_process
+    from fedmq.experiments.build import build_nodes
+    from fedmq.experiments.service import Notifier, nodes_status
+    from fedmq.fednode.daemon import serve_nodes
 
     cfg = _load(args)
     notifier = Notifier()
@@ -1103,9 +1103,9 @@ async def _node(args: argparse.Namespace, signals: Any) -> int:
 
 
 async def _aggregator_daemon(args: argparse.Namespace, signals: Any) -> int:
-    from broker.tuning import tune_process
-    from experiments.build import build_site_aggregator
-    from experiments.service import Notifier
+    from fedmq.broker.tuning import tune_process
+    from fedmq.experiments.build import build_site_aggregator
+    from fedmq.experiments.service import Notifier
 
     cfg = _load(args)
     notifier = Notifier()
@@ -1136,7 +1136,7 @@ async def _node_metrics(args: argparse.Namespace, daemons: list[Any]) -> AsyncIt
     if args.metrics is None:
         yield
         return
-    from fednode.metrics import NodeHostMetrics, serve_metrics
+    from fedmq.fednode.metrics import NodeHostMetrics, serve_metrics
 
     host, port = args.metrics
     async with contextlib.AsyncExitStack() as stack:

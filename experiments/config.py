@@ -36,13 +36,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from broker.config import BusConfig
-from broker.fields import Bounds, field_bounds, unannotated
-from coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
-from experiments.scenario import ScenarioConfig, resolve_scenario
-from fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
-from fedcore.errors import ConfigError
-from fednode.config import Faults
+from fedmq.broker.config import BusConfig
+from fedmq.broker.fields import Bounds, field_bounds, unannotated
+from fedmq.coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
+from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario
+from fedmq.fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fednode.config import Faults
 
 
 class _Strict(BaseModel):
@@ -590,7 +590,7 @@ class ExperimentConfig(_Strict):
                     "hierarchy: site aggregators do not relay compressed updates yet; set compression.mode: none"
                 )
         if self.engine.kind == "async" or self.policy.late_updates == "carry":
-            from fedcore.algorithms import async_refusal
+            from fedmq.fedcore.algorithms import async_refusal
 
             reason = async_refusal(self.method.name, self.method.aggregator.name)
             what = "engine.kind async" if self.engine.kind == "async" else "policy.late_updates carry"

@@ -32,8 +32,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml, set_path
-from fedcore.errors import ConfigError
+from fedmq.experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml, set_path
+from fedmq.fedcore.errors import ConfigError
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
 

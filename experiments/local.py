@@ -15,17 +15,17 @@ from typing import Any
 
 import torch
 
-from coordinator.engine import make_engine
-from coordinator.engine.commands import TaskSpec
-from coordinator.engine.local import ComputeTime, LocalFederation, LocalNode
-from coordinator.eventlog import EventLog
-from coordinator.reporting import Evaluator
-from experiments.build import coordinator_config, coordinator_half, load_split, make_model, shards
-from experiments.config import ExperimentConfig
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.seeding import stream
-from fedcore.training import best_device
-from fednode.workspace import Workspace
+from fedmq.coordinator.engine import make_engine
+from fedmq.coordinator.engine.commands import TaskSpec
+from fedmq.coordinator.engine.local import ComputeTime, LocalFederation, LocalNode
+from fedmq.coordinator.eventlog import EventLog
+from fedmq.coordinator.reporting import Evaluator
+from fedmq.experiments.build import coordinator_config, coordinator_half, load_split, make_model, shards
+from fedmq.experiments.config import ExperimentConfig
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.seeding import stream
+from fedmq.fedcore.training import best_device
+from fedmq.fednode.workspace import Workspace
 
 
 def fault_delays(cfg: ExperimentConfig) -> ComputeTime:

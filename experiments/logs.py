@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from fedcore.errors import ConfigError
+from fedmq.fedcore.errors import ConfigError
 
 FORMATS = ("text", "json")
 
@@ -91,9 +91,9 @@ def default_config(
             # third-party chatter: amqtt logs every connection, paho every packet
             "amqtt": {"level": "WARNING"},
             "transitions": {"level": "WARNING"},
-            "broker.client.mqtt": {"level": "WARNING"},
-            "coordinator.daemon.bus.mqtt": {"level": "WARNING"},
-            "fednode.daemon.bus.mqtt": {"level": "WARNING"},
+            "fedmq.broker.client.mqtt": {"level": "WARNING"},
+            "fedmq.coordinator.daemon.bus.mqtt": {"level": "WARNING"},
+            "fedmq.fednode.daemon.bus.mqtt": {"level": "WARNING"},
         },
     }
 

@@ -23,17 +23,17 @@ from typing import Any
 import torch
 import yaml
 
-from coordinator.engine import events as e
-from coordinator.engine.commands import TaskSpec
-from coordinator.engine.replay import Entry, Replay, ReplayError, ReplayMismatch, ReplayReport, read_log
-from coordinator.eventlog import FILENAME as EVENT_LOG
-from coordinator.eventlog import EventLog, log_header
-from coordinator.reporting import MEASURED_FIELDS
-from coordinator.run_dir import RunDir
-from experiments.config import ExperimentConfig, apply_overrides, parse_config
-from experiments.local import build_local
-from fedcore.errors import ConfigError
-from fedcore.training import torch_threads
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.commands import TaskSpec
+from fedmq.coordinator.engine.replay import Entry, Replay, ReplayError, ReplayMismatch, ReplayReport, read_log
+from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.eventlog import EventLog, log_header
+from fedmq.coordinator.reporting import MEASURED_FIELDS
+from fedmq.coordinator.run_dir import RunDir
+from fedmq.experiments.config import ExperimentConfig, apply_overrides, parse_config
+from fedmq.experiments.local import build_local
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.training import torch_threads
 
 __all__ = ["ReplayError", "ReplayMismatch", "Trace", "counterfactual", "load_run", "replay_run", "trace_of"]
 
@@ -252,7 +252,7 @@ def counterfactual(
             fed.run()
         finally:
             log.close()
-    from experiments.simulate import write_local_run
+    from fedmq.experiments.simulate import write_local_run
 
     summary = write_local_run(
         out, cfg, fed, wall_s=time.perf_counter() - started, extra={"counterfactual_of": str(root)}

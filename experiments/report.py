@@ -18,8 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.run_dir import write_json
-from experiments.grid import ReportConfig, slug
+from fedmq.coordinator.run_dir import write_json
+from fedmq.experiments.grid import ReportConfig, slug
 
 logger = logging.getLogger(__name__)
 

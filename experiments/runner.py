@@ -25,19 +25,19 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from broker import BusClient, BusConfig, Kind, Topics
-from broker.credentials import COORDINATOR, MONITOR, Access
-from broker.errors import BusError
-from broker.mosquitto import find_mosquitto, free_port, wait_for_port
-from broker.provision import Provisioned, provision
-from coordinator.run_dir import write_json
-from experiments.broker_flags import access_flags, broker_access
-from experiments.build import bus_config, federation_id, preflight, site_federation
-from experiments.config import ExperimentConfig, split_evenly
-from experiments.grid import Grid, cell_is_done, load_experiment
-from experiments.report import write_report
-from experiments.service import PARENT_ENV, wait_for_broker
-from fedcore.errors import ConfigError
+from fedmq.broker import BusClient, BusConfig, Kind, Topics
+from fedmq.broker.credentials import COORDINATOR, MONITOR, Access
+from fedmq.broker.errors import BusError
+from fedmq.broker.mosquitto import find_mosquitto, free_port, wait_for_port
+from fedmq.broker.provision import Provisioned, provision
+from fedmq.coordinator.run_dir import write_json
+from fedmq.experiments.broker_flags import access_flags, broker_access
+from fedmq.experiments.build import bus_config, federation_id, preflight, site_federation
+from fedmq.experiments.config import ExperimentConfig, split_evenly
+from fedmq.experiments.grid import Grid, cell_is_done, load_experiment
+from fedmq.experiments.report import write_report
+from fedmq.experiments.service import PARENT_ENV, wait_for_broker
+from fedmq.fedcore.errors import ConfigError
 
 EXIT_OK, EXIT_CONFIG, EXIT_BUS, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 CONNECT_TIMEOUT_S = 10.0
@@ -56,7 +56,7 @@ class Children:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "experiments",
+                "fedmq",
                 *args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -136,7 +136,7 @@ def coordinator_flags(args: argparse.Namespace) -> list[str]:
     if args.http_token_file is not None:
         flags += ["--http-token-file", str(args.http_token_file)]
     if args.tensorboard:
-        from coordinator.tensorboard import check_installed
+        from fedmq.coordinator.tensorboard import check_installed
 
         check_installed()  # before starting anything: exit 2 saying what to install
         flags.append("--tensorboard")  # into each run directory's tensorboard/

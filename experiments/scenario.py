@@ -33,9 +33,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from fedcore.errors import ConfigError
-from fedcore.seeding import seed_sequence, stream
-from fednode.scenario import NodeScript, Transition
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.seeding import seed_sequence, stream
+from fedmq.fednode.scenario import NodeScript, Transition
 
 MAX_TRANSITIONS = 100_000
 """Per node: a scenario whose on/off process or repeated windows would script more is refused."""

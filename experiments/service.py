@@ -28,8 +28,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
-from broker import BusConfig
-from broker.errors import BusError
+from fedmq.broker import BusConfig
+from fedmq.broker.errors import BusError
 
 logger = logging.getLogger(__name__)
 

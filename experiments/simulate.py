@@ -19,18 +19,18 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from coordinator.engine import events as e
-from coordinator.engine.commands import TaskSpec
-from coordinator.engine.local import ComputeTime, LocalFederation
-from coordinator.eventlog import FILENAME as EVENT_LOG
-from coordinator.eventlog import EventLog, log_header
-from coordinator.registry import NodeRegistry
-from coordinator.reporting import Evaluator, outcome_fields, write_run_files
-from coordinator.run_dir import RunDir
-from experiments.build import node_scripts
-from experiments.config import ExperimentConfig
-from experiments.local import build_local, fault_delays
-from fednode.scenario import NodeScript
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.commands import TaskSpec
+from fedmq.coordinator.engine.local import ComputeTime, LocalFederation
+from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.eventlog import EventLog, log_header
+from fedmq.coordinator.registry import NodeRegistry
+from fedmq.coordinator.reporting import Evaluator, outcome_fields, write_run_files
+from fedmq.coordinator.run_dir import RunDir
+from fedmq.experiments.build import node_scripts
+from fedmq.experiments.config import ExperimentConfig
+from fedmq.experiments.local import build_local, fault_delays
+from fedmq.fednode.scenario import NodeScript
 
 
 def scripted_compute(

@@ -19,10 +19,10 @@ from typing import Any
 
 from rich.console import Console
 
-from coordinator.run_dir import write_json
-from experiments.build import preflight
-from experiments.grid import Cell, Grid, cell_is_done
-from experiments.report import write_report
+from fedmq.coordinator.run_dir import write_json
+from fedmq.experiments.build import preflight
+from fedmq.experiments.grid import Cell, Grid, cell_is_done
+from fedmq.experiments.report import write_report
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -31,8 +31,8 @@ def simulate_cell(config: dict[str, Any], out: str, device: str | None, threads:
     """One cell in a worker process: the config as its JSON dump (what crosses the process boundary)."""
     import torch
 
-    from experiments.config import parse_config
-    from experiments.simulate import simulate
+    from fedmq.experiments.config import parse_config
+    from fedmq.experiments.simulate import simulate
 
     torch.set_num_threads(threads)
     cfg = parse_config(config, source=out)

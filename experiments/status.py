@@ -11,8 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from broker.errors import BusError
-from fedcore.errors import ConfigError
+from fedmq.broker.errors import BusError
+from fedmq.fedcore.errors import ConfigError
 
 
 class Unreachable(BusError):

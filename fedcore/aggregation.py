@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fedcore.tensors import StateDict
+from fedmq.fedcore.tensors import StateDict
 
 Aggregator = Callable[[Sequence[StateDict], Sequence[float]], StateDict]
 """(client models, their weights) -> one model: the step FedSA replaces in any averaging method."""

@@ -42,8 +42,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from fedcore.errors import ConfigError
-from fedcore.tensors import BFLOAT16, StateDict, TensorSpec, flatten_groups, from_numpy, to_numpy
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.tensors import BFLOAT16, StateDict, TensorSpec, flatten_groups, from_numpy, to_numpy
 
 MODES = ("none", "float16", "bfloat16", "int8", "int8-block")
 Mode = Literal["none", "float16", "bfloat16", "int8", "int8-block"]

@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcore.datasets.cache import Arrays
-from fedcore.datasets.cifar import load_cifar
-from fedcore.datasets.download import TORCHVISION, fetch
-from fedcore.datasets.folders import load_cinic10, load_tiny_imagenet
-from fedcore.datasets.local import Schema, read_local
-from fedcore.datasets.mnist import load_idx_dataset
-from fedcore.errors import ConfigError, DataError
-from fedcore.seeding import stream
-from fedcore.transforms import Augment, BatchTransform, pipelines
+from fedmq.fedcore.datasets.cache import Arrays
+from fedmq.fedcore.datasets.cifar import load_cifar
+from fedmq.fedcore.datasets.download import TORCHVISION, fetch
+from fedmq.fedcore.datasets.folders import load_cinic10, load_tiny_imagenet
+from fedmq.fedcore.datasets.local import Schema, read_local
+from fedmq.fedcore.datasets.mnist import load_idx_dataset
+from fedmq.fedcore.errors import ConfigError, DataError
+from fedmq.fedcore.seeding import stream
+from fedmq.fedcore.transforms import Augment, BatchTransform, pipelines
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.errors import ConfigError
-from fedcore.seeding import stream
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.seeding import stream
 
 
 def _check(labels: np.ndarray, num_nodes: int) -> np.ndarray:

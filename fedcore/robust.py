@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.tensors import StateDict
+from fedmq.fedcore.tensors import StateDict
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcore.errors import AlgorithmError
+from fedmq.fedcore.errors import AlgorithmError
 
 StateDict = dict[str, torch.Tensor]
 

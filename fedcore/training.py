@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.data import TensorDataset
-from fedcore.errors import ConfigError
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import ConfigError
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

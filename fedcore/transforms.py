@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from fedcore.errors import ConfigError
+from fedmq.fedcore.errors import ConfigError
 
 
 class BatchTransform(Protocol):

@@ -47,10 +47,10 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from fedcore.data import TensorDataset
-from fedcore.tensors import StateDict
-from fedcore.training import TrainSettings, TrainStats
-from fedcore.transforms import (
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.tensors import StateDict
+from fedmq.fedcore.training import TrainSettings, TrainStats
+from fedmq.fedcore.transforms import (
     BatchTransform,
     Compose,
     Normalize,

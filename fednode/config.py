@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from broker.fields import Bounds, check_fields
-from fedcore.compression import Compression
-from fednode.scenario import NodeScript
+from fedmq.broker.fields import Bounds, check_fields
+from fedmq.fedcore.compression import Compression
+from fedmq.fednode.scenario import NodeScript
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

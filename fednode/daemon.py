@@ -22,20 +22,20 @@ from typing import Any
 
 import torch
 
-from broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
-from broker.errors import BusError
-from fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
-from fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
-from fedcore.compression import compress_update
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError, ConfigError
-from fedcore.seeding import torch_generator
-from fedcore.tensors import flatten_groups, schema_mismatch, split_groups
-from fedcore.training import TrainSettings
-from fednode.config import NodeConfig
-from fednode.scenario import Transition
-from fednode.scripted import ScriptPlayer
-from fednode.workspace import Workspace
+from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
+from fedmq.broker.errors import BusError
+from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
+from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
+from fedmq.fedcore.compression import compress_update
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError, ConfigError
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import flatten_groups, schema_mismatch, split_groups
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.scenario import Transition
+from fedmq.fednode.scripted import ScriptPlayer
+from fedmq.fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fedcore.algorithms.base import GroupMember, NodeHalf, Payload
+from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from broker.prometheus import bus_families
-from fednode.daemon import NodeDaemon
+from fedmq.broker.prometheus import bus_families
+from fedmq.fednode.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 

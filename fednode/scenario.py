@@ -14,7 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from fedcore.seeding import stream
+from fedmq.fedcore.seeding import stream
 
 
 @dataclass(frozen=True, slots=True)

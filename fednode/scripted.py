@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from fednode.scenario import NodeScript, Transition
+from fedmq.fednode.scenario import NodeScript, Transition
 
 logger = logging.getLogger(__name__)
 

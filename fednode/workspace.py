@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fedcore.tensors import TensorSpec, schema_of
-from fednode.groups import GroupTrainer
+from fedmq.fedcore.tensors import TensorSpec, schema_of
+from fedmq.fednode.groups import GroupTrainer
 
 
 @dataclass(eq=False)

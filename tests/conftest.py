@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from broker import BusConfig
-from broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
-from broker.tuning import tune_process
+from fedmq.broker import BusConfig
+from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+from fedmq.broker.tuning import tune_process
 
 BROKERS = ["embedded", "mosquitto"]
 
@@ -30,7 +30,7 @@ def _start_embedded(log: Path) -> tuple[subprocess.Popen[bytes], int]:
             [
                 sys.executable,
                 "-m",
-                "experiments",
+                "fedmq",
                 "broker",
                 "--embedded",
                 "--port",

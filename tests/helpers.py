@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import aiomqtt
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import BusClient, Envelope
+from fedmq.broker import BusClient, Envelope
 
 
 async def next_message(bus: BusClient, timeout: float = 10.0) -> Envelope:

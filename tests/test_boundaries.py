@@ -1,7 +1,8 @@
 """Package boundaries (STYLE.md section 1), checked by parsing every import.
 
 broker/ knows nothing of learning; fedcore/ nothing of transport; the daemons use the bus and the
-core's interfaces and know no algorithm by name; nothing imports pickle or torchvision.
+core's interfaces and know no algorithm by name; nothing imports pickle or torchvision. Every
+first-party import goes through the one import name, `fedmq` (`fedmq.broker`, never `broker`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,16 @@ NARROW = {
 EXCEPTIONS = {"torchvision": {"fedcore/datasets/download.py"}}
 
 
-def imports(path: Path) -> set[str]:
+FIRST_PARTY = {"broker", "coordinator", "fednode", "aggregator", "fedcore", "experiments"}
+
+
+def layer(name: str) -> str:
+    """`fedmq.broker.codec` -> `broker.codec`: our modules named by their folder, others as they are."""
+    return name.removeprefix("fedmq.") if name.startswith("fedmq.") else name
+
+
+def raw_imports(path: Path) -> set[str]:
+    """The absolute imports of `path`, as written."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -76,8 +86,33 @@ def imports(path: Path) -> set[str]:
     return names
 
 
+def imports(path: Path) -> set[str]:
+    """The imports of `path`, ours named by their folder (`broker.codec` for `fedmq.broker.codec`)."""
+    return {layer(name) for name in raw_imports(path)}
+
+
 def sources(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_first_party_imports_go_through_fedmq() -> None:
+    """A bare `import broker` would find whatever `broker` comes first on sys.path: a user's own
+    folder of that name, or another distribution's package. Ours are reached as `fedmq.broker`."""
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for folder in (*FIRST_PARTY, "tests", "fedmq")
+        for path in sources(folder)
+        for name in raw_imports(path)
+        if name.split(".")[0] in FIRST_PARTY
+    ]
+    assert not offenders, "first-party imports without the fedmq prefix:\n" + "\n".join(offenders)
+
+
+def test_fedmq_links_the_design_card_folders() -> None:
+    """fedmq/ holds the links through which the folders at the top of the repository are its subpackages."""
+    links = {path.name: path for path in (ROOT / "fedmq").iterdir() if path.is_symlink()}
+    assert set(links) == FIRST_PARTY
+    assert all(links[name].resolve() == (ROOT / name).resolve() for name in links)
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -161,9 +196,9 @@ def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
     def visit(body: list[ast.stmt]) -> None:
         for node in body:
             if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
+                found.update(layer(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
+                base = layer(node.module or "") if node.level == 0 else node.module or ""
                 if node.level:
                     package = name.split(".")[: len(name.split(".")) - node.level + (path.name == "__init__.py")]
                     base = ".".join([*package, base] if base else package)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.config import CoordinatorConfig
-from coordinator.engine.base import Engine, Schema
-from coordinator.engine.buffered import BufferedAsync
-from coordinator.engine.sync import SyncRounds
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine.base import Engine, Schema
+from fedmq.coordinator.engine.buffered import BufferedAsync
+from fedmq.coordinator.engine.sync import SyncRounds
 
 
 def make_engine(config: CoordinatorConfig, schema: Schema, **kwargs: Any) -> Engine:

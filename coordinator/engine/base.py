@@ -15,16 +15,16 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker import Message
-from coordinator.config import CoordinatorConfig
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.errors import ProtocolError
-from coordinator.updates import check_samples
-from fedcore.algorithms.base import Folding, NodeUpdate, RoundContext
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
-from fedcore.tensors import TensorSpec
+from fedmq.broker import Message
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.coordinator.updates import check_samples
+from fedmq.fedcore.algorithms.base import Folding, NodeUpdate, RoundContext
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)
 

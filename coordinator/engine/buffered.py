@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.base import Engine
-from coordinator.errors import ProtocolError
-from coordinator.updates import check_base_version, parse_update
-from fedcore.algorithms.base import Failure, Folding, NodeUpdate
-from fedcore.seeding import stream
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.coordinator.updates import check_base_version, parse_update
+from fedmq.fedcore.algorithms.base import Failure, Folding, NodeUpdate
+from fedmq.fedcore.seeding import stream
 
 logger = logging.getLogger(__name__)
 

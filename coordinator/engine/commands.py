@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.algorithms.base import Failure, NodeUpdate, RoundContext
+from fedmq.fedcore.algorithms.base import Failure, NodeUpdate, RoundContext
 
 
 @dataclass(frozen=True, slots=True)

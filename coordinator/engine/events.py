@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker import Message
+from fedmq.broker import Message
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,19 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from broker import Kind, Message
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.base import Engine
-from coordinator.engine.clock import FakeClock
-from coordinator.eventlog import EventLog
-from coordinator.halfcalls import HalfCalls
-from fedcore.algorithms.base import CoordinatorHalf, NodeHalf, Payload, TaskInput
-from fedcore.compression import compress_update
-from fedcore.data import TensorDataset
-from fedcore.seeding import torch_generator
-from fedcore.tensors import flatten_groups
-from fedcore.training import TrainSettings
+from fedmq.broker import Kind, Message
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.engine.clock import FakeClock
+from fedmq.coordinator.eventlog import EventLog
+from fedmq.coordinator.halfcalls import HalfCalls
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeHalf, Payload, TaskInput
+from fedmq.fedcore.compression import compress_update
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import flatten_groups
+from fedmq.fedcore.training import TrainSettings
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.sync import SyncRounds
-from coordinator.sampler import Selection
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.sync import SyncRounds
+from fedmq.coordinator.sampler import Selection
 
 logger = logging.getLogger(__name__)
 

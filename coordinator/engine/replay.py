@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker import Kind, Message
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.local import LocalFederation, _clone
-from coordinator.eventlog import FORMAT, encode_command, tagged, untagged
-from fedcore.algorithms.base import Payload
-from fedcore.tensors import arrays_sha256, model_sha256
-from fedcore.training import TrainSettings
+from fedmq.broker import Kind, Message
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.local import LocalFederation, _clone
+from fedmq.coordinator.eventlog import FORMAT, encode_command, tagged, untagged
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.tensors import arrays_sha256, model_sha256
+from fedmq.fedcore.training import TrainSettings
 
 CACHED_UPDATES = 256
 """Recomputed updates kept for duplicates (a node's update delivered twice)."""

@@ -20,14 +20,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.base import Engine
-from coordinator.errors import ProtocolError
-from coordinator.rounds import RoundOutcome, RoundState
-from coordinator.sampler import Selection, sample
-from coordinator.updates import check_base_version, parse_update
-from fedcore.algorithms.base import Failure, Folding, NodeUpdate
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.coordinator.rounds import RoundOutcome, RoundState
+from fedmq.coordinator.sampler import Selection, sample
+from fedmq.coordinator.updates import check_base_version, parse_update
+from fedmq.fedcore.algorithms.base import Failure, Folding, NodeUpdate
 
 logger = logging.getLogger(__name__)
 

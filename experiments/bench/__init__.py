@@ -10,20 +10,20 @@ import importlib
 import time
 from collections.abc import Callable
 
-from experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.common import BenchOptions, Report
 
 SUITES: dict[str, str] = {
-    "codec": "experiments.bench.codec",
-    "transport": "experiments.bench.transport",
-    "rounds": "experiments.bench.rounds",
-    "flower": "experiments.bench.flower",
-    "scale": "experiments.bench.scale",
-    "hierarchy": "experiments.bench.hierarchy",
-    "train": "experiments.bench.training",
-    "async": "experiments.bench.asynchrony",
-    "node": "experiments.bench.node",
-    "fedsa": "experiments.bench.fedsa",
-    "teacher": "experiments.bench.teacher",
+    "codec": "fedmq.experiments.bench.codec",
+    "transport": "fedmq.experiments.bench.transport",
+    "rounds": "fedmq.experiments.bench.rounds",
+    "flower": "fedmq.experiments.bench.flower",
+    "scale": "fedmq.experiments.bench.scale",
+    "hierarchy": "fedmq.experiments.bench.hierarchy",
+    "train": "fedmq.experiments.bench.training",
+    "async": "fedmq.experiments.bench.asynchrony",
+    "node": "fedmq.experiments.bench.node",
+    "fedsa": "fedmq.experiments.bench.fedsa",
+    "teacher": "fedmq.experiments.bench.teacher",
 }
 """Suite name -> module, in the order `all` runs them."""
 

@@ -73,12 +73,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
-from experiments.bench.common import BenchOptions, Report, machine
-from experiments.bench.procs import descendants, role
-from experiments.bench.rounds import round_times
-from experiments.bench.rounds import workload as noop_workload
-from experiments.config import ExperimentConfig, parse_config
+from fedmq.experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
+from fedmq.experiments.bench.common import BenchOptions, Report, machine
+from fedmq.experiments.bench.procs import descendants, role
+from fedmq.experiments.bench.rounds import round_times
+from fedmq.experiments.bench.rounds import workload as noop_workload
+from fedmq.experiments.config import ExperimentConfig, parse_config
 
 TITLE = "asynchronous aggregation (FedAsync, FedBuff) against synchronous FedAvg under heterogeneous speeds"
 
@@ -150,7 +150,7 @@ def settings(options: BenchOptions) -> Settings:
 
 def node_delays(node_ids: list[str], s: Settings) -> dict[str, float]:
     """Seconds of compute per task for each node: lognormal, a seeded `slow_share` of them x slow_factor."""
-    from fedcore.seeding import stream
+    from fedmq.fedcore.seeding import stream
 
     rng = stream(s.seed, "bench-async-speeds", len(node_ids))
     delays = s.median_s * rng.lognormal(0.0, s.sigma, size=len(node_ids))
@@ -287,7 +287,7 @@ class Outcome:
 
 def run_real(cfg: ExperimentConfig, url: str, out: Path, label: str, *, processes: int = 2) -> Outcome:
     """`fedmq run`'s processes: the broker at `url`, the coordinator, `processes` node hosts."""
-    from experiments.runner import run_federation
+    from fedmq.experiments.runner import run_federation
 
     started = time.monotonic()
     with CpuSampler() as cpu:
@@ -305,11 +305,11 @@ def run_virtual(cfg: ExperimentConfig, label: str) -> Outcome:
     """The same experiment on the engine's in-process driver, the fault delays as compute times."""
     import torch
 
-    from experiments.local import build_local, fault_delays
+    from fedmq.experiments.local import build_local, fault_delays
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each node host and the coordinator of `fedmq run` train
-    quiet = logging.getLogger("coordinator")
+    quiet = logging.getLogger("fedmq.coordinator")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # late and stale updates are expected here, by the hundred
     try:

@@ -11,10 +11,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from broker import allocator
-from broker.errors import BusError
-from broker.mosquitto import find_mosquitto, free_port, render_config, wait_for_port
-from experiments.bench.common import BenchOptions
+from fedmq.broker import allocator
+from fedmq.broker.errors import BusError
+from fedmq.broker.mosquitto import find_mosquitto, free_port, render_config, wait_for_port
+from fedmq.experiments.bench.common import BenchOptions
 
 
 def broker_kind(options: BenchOptions) -> str:
@@ -57,7 +57,7 @@ def running_broker(options: BenchOptions, *, kind: str | None = None, extra: str
         conf.write_text(render_config(port=port) + "max_connections -1\n" + extra)
         command = [binary, "-c", str(conf)]
     else:
-        command = [sys.executable, "-m", "experiments", "broker", "--embedded", "--port", str(port)]
+        command = [sys.executable, "-m", "fedmq", "broker", "--embedded", "--port", str(port)]
     env = allocator.child_env(dict(os.environ)) if kind == "mosquitto" else os.environ.copy()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:

@@ -15,10 +15,10 @@ import msgpack
 import numpy as np
 import torch
 
-from broker.codec import decode, encode
-from broker.message import Kind, Message
-from experiments.bench.common import MIB, BenchOptions, Report, measure, throughput
-from fedcore.tensors import flatten_groups
+from fedmq.broker.codec import decode, encode
+from fedmq.broker.message import Kind, Message
+from fedmq.experiments.bench.common import MIB, BenchOptions, Report, measure, throughput
+from fedmq.fedcore.tensors import flatten_groups
 
 TITLE = "encode and decode of a ResNet-18-sized model against memcpy, torch.save and safetensors"
 
@@ -28,7 +28,7 @@ def resnet18_state(quick: bool) -> dict[str, torch.Tensor]:
     if quick:
         gen = torch.Generator().manual_seed(0)
         return {f"layer{i}.weight": torch.randn(64, 1024, generator=gen) for i in range(4)}
-    from fedcore.models import build_model
+    from fedmq.fedcore.models import build_model
 
     model = build_model("resnet18", (3, 32, 32), 10, seed=0)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

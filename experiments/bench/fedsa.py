@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from experiments.bench.common import MIB, BenchOptions, Report
-from experiments.bench.procs import self_status
-from fedcore.errors import ConfigError
+from fedmq.experiments.bench.common import MIB, BenchOptions, Report
+from fedmq.experiments.bench.procs import self_status
+from fedmq.fedcore.errors import ConfigError
 
 TITLE = "FedSA's skew-aware aggregation against the weighted mean, as the number of updates held grows"
 
@@ -117,7 +117,7 @@ def template(s: Settings) -> dict[str, torch.Tensor]:
         sizes.append(n - sum(sizes))
         gen = torch.Generator().manual_seed(0)
         return {f"layer{i}.weight": 0.05 * torch.randn(size, generator=gen) for i, size in enumerate(sizes) if size}
-    from fedcore.models import build_model
+    from fedmq.fedcore.models import build_model
 
     options: dict[str, Any] = {"norm": "gn"} if s.model.startswith("resnet") else {}
     model = build_model(s.model, s.input_shape, 10, seed=0, **options)
@@ -144,8 +144,8 @@ def updates(state: dict[str, torch.Tensor], k: int, noise: float) -> list[dict[s
 
 def worker(rule: str, k: int, s: Settings) -> dict[str, Any]:
     """One rule at one K in this process: the time per call and the peak memory above the inputs."""
-    from fedcore.aggregation import weighted_average
-    from fedcore.algorithms import fedsa
+    from fedmq.fedcore.aggregation import weighted_average
+    from fedmq.fedcore.algorithms import fedsa
 
     torch.set_num_threads(s.threads)
     device = torch.device(s.device)

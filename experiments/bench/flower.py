@@ -32,14 +32,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from broker import BusClient, BusConfig, Kind, Topics
-from experiments.bench.brokers import broker_kind, running_broker
-from experiments.bench.common import BenchOptions, Report
-from experiments.bench.flower_runtime import Runtime, flower_env
-from experiments.bench.flower_workload import WorkloadSpec, experiment, mnist_available, shared_data_root
-from experiments.build import preflight
-from experiments.config import ExperimentConfig
-from fedcore.errors import ConfigError
+from fedmq.broker import BusClient, BusConfig, Kind, Topics
+from fedmq.experiments.bench.brokers import broker_kind, running_broker
+from fedmq.experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.flower_runtime import Runtime, flower_env
+from fedmq.experiments.bench.flower_workload import WorkloadSpec, experiment, mnist_available, shared_data_root
+from fedmq.experiments.build import preflight
+from fedmq.experiments.config import ExperimentConfig
+from fedmq.fedcore.errors import ConfigError
 
 TITLE = "end to end against Flower (simulation and deployment runtime): same FedAvg, wall time, accuracy"
 
@@ -165,7 +165,7 @@ def measure_fedmq(cfg: ExperimentConfig, out: Path, url: str, *, timeout_s: floa
 
 
 async def _fedmq(cfg: ExperimentConfig, out: Path, url: str, timeout_s: float) -> Measured:
-    from experiments.runner import run_federation
+    from fedmq.experiments.runner import run_federation
 
     assert cfg.federation is not None
     ends: dict[int, float] = {}

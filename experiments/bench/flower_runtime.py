@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from broker.errors import BusError
-from broker.mosquitto import free_port, wait_for_port
-from experiments.bench.procs import descendants, proc_stat
+from fedmq.broker.errors import BusError
+from fedmq.broker.mosquitto import free_port, wait_for_port
+from fedmq.experiments.bench.procs import descendants, proc_stat
 
 FLWR_REQUIREMENT = "flwr[simulation]>=1.20,<2"
 """Kept equal to the ``bench`` extra in pyproject.toml (a test checks)."""

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from experiments.build import coordinator_half, load_split, make_model, shards, train_settings
-from experiments.config import ExperimentConfig, load_config
-from fedcore.algorithms import base, build_hyperparams, get_algorithm
-from fedcore.data import Split
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
-from fedcore.training import evaluate
+from fedmq.experiments.build import coordinator_half, load_split, make_model, shards, train_settings
+from fedmq.experiments.config import ExperimentConfig, load_config
+from fedmq.fedcore.algorithms import base, build_hyperparams, get_algorithm
+from fedmq.fedcore.data import Split
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import evaluate
 
 StateDict = dict[str, torch.Tensor]
 

@@ -22,11 +22,11 @@ from urllib.parse import urlsplit
 
 import aiomqtt
 
-from experiments.bench.brokers import raise_fd_limit, running_broker
-from experiments.bench.common import BenchOptions, Report
-from experiments.bench.rounds import WARMUP_ROUNDS, round_times
-from experiments.bench.rounds import workload as rounds_workload
-from experiments.config import ExperimentConfig, merge, parse_config
+from fedmq.experiments.bench.brokers import raise_fd_limit, running_broker
+from fedmq.experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.rounds import WARMUP_ROUNDS, round_times
+from fedmq.experiments.bench.rounds import workload as rounds_workload
+from fedmq.experiments.config import ExperimentConfig, merge, parse_config
 
 TITLE = "hierarchical aggregation over bridged brokers vs flat: bytes into the central broker, coordinator CPU"
 
@@ -69,7 +69,7 @@ async def broker_bytes_received(url: str) -> int:
 
 
 def run_one(cfg: ExperimentConfig, url: str, out: Path, processes: int) -> dict[str, Any]:
-    from experiments.runner import run_federation
+    from fedmq.experiments.runner import run_federation
 
     before = asyncio.run(broker_bytes_received(url))
     started = time.monotonic()

@@ -28,14 +28,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker import BusClient, BusConfig, Kind, Topics
-from experiments.bench.brokers import broker_kind, running_broker
-from experiments.bench.common import MIB, BenchOptions, Report
-from experiments.build import load_split, save_shard
-from experiments.config import ExperimentConfig, load_config
-from experiments.grid import load_experiment
-from fedcore.data import DATASETS
-from fedcore.errors import ConfigError, DataError
+from fedmq.broker import BusClient, BusConfig, Kind, Topics
+from fedmq.experiments.bench.brokers import broker_kind, running_broker
+from fedmq.experiments.bench.common import MIB, BenchOptions, Report
+from fedmq.experiments.build import load_split, save_shard
+from fedmq.experiments.config import ExperimentConfig, load_config
+from fedmq.experiments.grid import load_experiment
+from fedmq.fedcore.data import DATASETS
+from fedmq.fedcore.errors import ConfigError, DataError
 
 TITLE = "one node process: start-up time and memory, on the partition and on its own data (--data)"
 
@@ -101,7 +101,7 @@ async def _start_node(url: str, protocol: str, config: Path, extra: list[str], e
     bus_config = BusConfig.from_url(url, protocol=protocol)  # type: ignore[arg-type]
     async with BusClient(bus_config, client_id=f"{federation}-watch", federation=federation) as bus:
         await bus.subscribe(topics.node_status(NODE))
-        args = ["-m", "experiments", "node", "--broker", url, "--config", str(config), "--node-id", NODE,
+        args = ["-m", "fedmq", "node", "--broker", url, "--config", str(config), "--node-id", NODE,
                 "--federation", federation, "--threads", "1", "--device", "cpu", *extra]  # fmt: skip
         with log.open("ab") as out:
             started = time.monotonic()

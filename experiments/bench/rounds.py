@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
-from experiments.bench.common import BenchOptions, Report
-from experiments.bench.transport import bus_round_trip
-from experiments.config import ExperimentConfig, parse_config
+from fedmq.experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
+from fedmq.experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.transport import bus_round_trip
+from fedmq.experiments.config import ExperimentConfig, parse_config
 
 TITLE = "round overhead without training: 10, 100 and 1000 nodes at C = 0.1 and C = 1.0"
 
@@ -75,7 +75,7 @@ def round_times(run_dir: Path) -> list[float]:
 
 
 def run_one(cfg: ExperimentConfig, url: str, out: Path, processes: int = 2) -> dict[str, Any]:
-    from experiments.runner import run_federation
+    from fedmq.experiments.runner import run_federation
 
     started = time.monotonic()
     code = asyncio.run(run_federation(cfg, out, broker=url, processes=processes, quiet=True))

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
-from experiments.bench.common import MIB, BenchOptions, Report
-from experiments.bench.procs import MemorySampler
-from experiments.bench.rounds import run_one, workload
+from fedmq.experiments.bench.brokers import broker_kind, raise_fd_limit, running_broker
+from fedmq.experiments.bench.common import MIB, BenchOptions, Report
+from fedmq.experiments.bench.procs import MemorySampler
+from fedmq.experiments.bench.rounds import run_one, workload
 
 TITLE = "the most node daemons on one broker, memory per idle node, rounds at 1% participation"
 

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.bench.common import MIB, BenchOptions, Report
-from experiments.bench.procs import self_status
-from fedcore.errors import ConfigError
+from fedmq.experiments.bench.common import MIB, BenchOptions, Report
+from fedmq.experiments.bench.procs import self_status
+from fedmq.fedcore.errors import ConfigError
 
 TITLE = "KDIA's teacher modes with N registered nodes: memory and time a round against the exact teacher"
 
@@ -103,14 +103,14 @@ def worker(mode: str, s: Settings, out: Path) -> dict[str, Any]:
     by the coordinator's engine (`SyncRounds` on the in-process driver: it samples each round's
     cohort, keeps the participation record and calls `aggregate`, as the daemon does). The teacher
     is saved to `out` for the parent to compare with the exact one."""
-    from coordinator.config import CoordinatorConfig, RoundPolicy
-    from coordinator.engine import SyncRounds
-    from coordinator.engine.local import LocalFederation, LocalNode
-    from fedcore.algorithms import build_hyperparams, get_algorithm
-    from fedcore.algorithms.base import NodeHalf, Payload, TaskInput
-    from fedcore.data import TensorDataset
-    from fedcore.models import build_model
-    from fedcore.training import TrainSettings
+    from fedmq.coordinator.config import CoordinatorConfig, RoundPolicy
+    from fedmq.coordinator.engine import SyncRounds
+    from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+    from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+    from fedmq.fedcore.algorithms.base import NodeHalf, Payload, TaskInput
+    from fedmq.fedcore.data import TensorDataset
+    from fedmq.fedcore.models import build_model
+    from fedmq.fedcore.training import TrainSettings
 
     class SyntheticNode(NodeHalf):
         """Trains nothing: its update is the template model plus noise from the task's own stream (the
@@ -185,7 +185,7 @@ def worker(mode: str, s: Settings, out: Path) -> dict[str, Any]:
 
 def _sized(n: int) -> Any:
     """A dataset of `n` samples that holds nothing: a node's data only tells the driver its size."""
-    from fedcore.data import TensorDataset
+    from fedmq.fedcore.data import TensorDataset
 
     return TensorDataset(torch.zeros(1, 0).expand(n, 0), torch.zeros(1, dtype=torch.long).expand(n), 10)
 

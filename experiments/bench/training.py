@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from experiments.bench.common import BenchOptions, Report, Timing, measure
-from fedcore.data import Augment, Split, TensorDataset, load_dataset, load_synthetic, with_transforms
-from fedcore.models import build_model, count_parameters
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, local_sgd, torch_threads
-from fedcore.vectorized import train_vectorized
+from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
+from fedmq.fedcore.data import Augment, Split, TensorDataset, load_dataset, load_synthetic, with_transforms
+from fedmq.fedcore.models import build_model, count_parameters
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, local_sgd, torch_threads
+from fedmq.fedcore.vectorized import train_vectorized
 
 TITLE = "K simulated nodes of one process: local_sgd one by one against one vectorised computation"
 

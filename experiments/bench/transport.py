@@ -27,13 +27,13 @@ from typing import Any
 import aiomqtt
 import numpy as np
 
-from broker import BusClient, BusConfig, allocator
-from broker.client import quiet_pending_publishes
-from broker.codec import encode
-from broker.message import Kind, Message
-from broker.tuning import tune_process
-from experiments.bench.brokers import broker_kind, running_broker
-from experiments.bench.common import MIB, BenchOptions, Report, throughput
+from fedmq.broker import BusClient, BusConfig, allocator
+from fedmq.broker.client import quiet_pending_publishes
+from fedmq.broker.codec import encode
+from fedmq.broker.message import Kind, Message
+from fedmq.broker.tuning import tune_process
+from fedmq.experiments.bench.brokers import broker_kind, running_broker
+from fedmq.experiments.bench.common import MIB, BenchOptions, Report, throughput
 
 TITLE = "45 MB to 1 and 10 nodes through the broker against a raw TCP socket; small-message round trips"
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedcore import robust
-from fedcore.aggregation import Aggregator, weighted_average
-from fedcore.algorithms import (
+from fedmq.fedcore import robust
+from fedmq.fedcore.aggregation import Aggregator, weighted_average
+from fedmq.fedcore.algorithms import (
     fedacd,
     fedavg,
     fedavgm,
@@ -35,8 +35,8 @@ from fedcore.algorithms import (
     noop,
     scaffold,
 )
-from fedcore.algorithms.base import AlgorithmSpec
-from fedcore.errors import ConfigError
+from fedmq.fedcore.algorithms.base import AlgorithmSpec
+from fedmq.fedcore.errors import ConfigError
 
 ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
     {

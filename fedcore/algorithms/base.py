@@ -25,12 +25,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from fedcore.aggregation import Aggregator, fedasync_step, fedbuff_step, weighted_average
-from fedcore.data import TensorDataset
-from fedcore.participation import ParticipationRecord
-from fedcore.staleness import CONSTANT, Staleness
-from fedcore.tensors import StateDict, TensorSpec, schema_of
-from fedcore.training import TrainSettings
+from fedmq.fedcore.aggregation import Aggregator, fedasync_step, fedbuff_step, weighted_average
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.staleness import CONSTANT, Staleness
+from fedmq.fedcore.tensors import StateDict, TensorSpec, schema_of
+from fedmq.fedcore.training import TrainSettings
 
 
 def require_non_negative(hp: object, *names: str) -> None:

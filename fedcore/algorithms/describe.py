@@ -11,7 +11,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-from fedcore.algorithms.base import AlgorithmSpec
+from fedmq.fedcore.algorithms.base import AlgorithmSpec
 
 
 @dataclass(frozen=True, slots=True)

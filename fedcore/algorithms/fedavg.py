@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.training import local_sgd
-from fedcore.vectorized import train_vectorized, unsupported
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.vectorized import train_vectorized, unsupported
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg, shared
+from fedmq.fedcore.algorithms import base, fedavg, shared
 
 VELOCITY = "velocity/"
 """Prefix of the velocity's entries in `CoordinatorHalf.state_dict`."""

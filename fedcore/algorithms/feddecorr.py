@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.training import LossFn
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.training import LossFn
 
 FORMS = ("code", "paper")
 TensorFn = Callable[[torch.Tensor], torch.Tensor]

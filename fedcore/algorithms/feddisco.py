@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
+from fedmq.fedcore.algorithms import base, fedavg, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
 
 logger = logging.getLogger(__name__)
 

@@ -59,10 +59,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.training import local_sgd
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.training import local_sgd
 
 STATE_PREFIX = "h/"
 """Prefix of h's entries in `CoordinatorHalf.state_dict`."""

@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.aggregation import weighted_average
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.tensors import StateDict, cpu_copy
-from fedcore.training import LossFn
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.tensors import StateDict, cpu_copy
+from fedmq.fedcore.training import LossFn
 
 BUFFER = "buffer/"
 """Prefix of the buffered models in `CoordinatorHalf.state_dict`: ``buffer/{i}/{name}``, oldest first."""

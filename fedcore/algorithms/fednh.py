@@ -67,12 +67,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
-from fedcore.tensors import TensorSpec, schema_of
-from fedcore.training import local_sgd
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import TensorSpec, schema_of
+from fedmq.fedcore.training import local_sgd
 
 logger = logging.getLogger(__name__)
 

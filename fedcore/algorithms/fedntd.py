@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.training import LossFn
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.training import LossFn
 
 KD_SCALES = ("plain", "tau2")
 

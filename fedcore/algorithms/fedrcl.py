@@ -78,10 +78,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, fedavg, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
+from fedmq.fedcore.algorithms import base, fedavg, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
 
 RCL_VARIANTS = ("official", "paper")
 TAP_CHOICES = ("auto", "all")

@@ -74,8 +74,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg
-from fedcore.tensors import StateDict
+from fedmq.fedcore.algorithms import base, fedavg
+from fedmq.fedcore.tensors import StateDict
 
 logger = logging.getLogger(__name__)
 

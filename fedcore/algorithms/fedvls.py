@@ -64,10 +64,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, shared
-from fedcore.algorithms.fedlc import calibrated_cross_entropy, fedlc_offsets
-from fedcore.data import TensorDataset
-from fedcore.training import LossFn
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.algorithms.fedlc import calibrated_cross_entropy, fedlc_offsets
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.training import LossFn
 
 LOGIT_SUPPRESSIONS = ("official", "paper")
 CALIBRATIONS = ("prior", "fedlc", "none")

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from fedcore.algorithms import ALGORITHMS
-from fedcore.algorithms.base import CoordinatorHalf, NodeHalf
-from fedcore.tensors import TensorSpec
+from fedmq.fedcore.algorithms import ALGORITHMS
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeHalf
+from fedmq.fedcore.tensors import TensorSpec
 
 MAX_DESCRIPTION = 500
 """Characters of a description put in a log line or a refusal (a peer's description is untrusted)."""

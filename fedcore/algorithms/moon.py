@@ -38,11 +38,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, shared
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.tensors import StateDict, cpu_copy
-from fedcore.training import LossFn
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.tensors import StateDict, cpu_copy
+from fedmq.fedcore.training import LossFn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcore.algorithms import base, fedavg, shared
-from fedcore.data import TensorDataset
+from fedmq.fedcore.algorithms import base, fedavg, shared
+from fedmq.fedcore.data import TensorDataset
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

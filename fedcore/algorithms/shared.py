@@ -26,11 +26,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from fedcore.aggregation import weighted_average
-from fedcore.algorithms import base
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.algorithms import base
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.datasets.cache import Arrays, cached
-from fedcore.datasets.images import decode_blobs
-from fedcore.datasets.layout import first_existing, missing
-from fedcore.datasets.safe_unpickle import UnpicklingError, loads
-from fedcore.errors import DataError
+from fedmq.fedcore.datasets.cache import Arrays, cached
+from fedmq.fedcore.datasets.images import decode_blobs
+from fedmq.fedcore.datasets.layout import first_existing, missing
+from fedmq.fedcore.datasets.safe_unpickle import UnpicklingError, loads
+from fedmq.fedcore.errors import DataError
 
 SHAPE = (3, 32, 32)
 _DECODER_VERSION = 1

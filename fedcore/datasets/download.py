@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from fedcore.errors import DataError
+from fedmq.fedcore.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.datasets.cache import Arrays, cached
-from fedcore.datasets.images import read_images
-from fedcore.datasets.layout import first_existing, missing
-from fedcore.errors import DataError
+from fedmq.fedcore.datasets.cache import Arrays, cached
+from fedmq.fedcore.datasets.images import read_images
+from fedmq.fedcore.datasets.layout import first_existing, missing
+from fedmq.fedcore.errors import DataError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 _DECODER_VERSION = 1

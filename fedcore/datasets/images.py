@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fedcore.errors import DataError
+from fedmq.fedcore.errors import DataError
 
 
 def _into(out: np.ndarray, i: int, image: Image.Image, mode: str, where: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedcore.errors import DataError
+from fedmq.fedcore.errors import DataError
 
 ROOT_ENV = "FEDMQ_DATA_ROOT"
 HOW_TO_SET = (

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.datasets.folders import image_files
-from fedcore.datasets.images import read_images
-from fedcore.errors import DataError
+from fedmq.fedcore.datasets.folders import image_files
+from fedmq.fedcore.datasets.images import read_images
+from fedmq.fedcore.errors import DataError
 
 
 @dataclass(frozen=True, slots=True)

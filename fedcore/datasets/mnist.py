@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.datasets.cache import Arrays, cached
-from fedcore.datasets.layout import first_existing, missing
-from fedcore.errors import DataError
+from fedmq.fedcore.datasets.cache import Arrays, cached
+from fedmq.fedcore.datasets.layout import first_existing, missing
+from fedmq.fedcore.errors import DataError
 
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),

@@ -52,12 +52,12 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from fedcore.errors import ConfigError
-from fedcore.models.base import FedModel
-from fedcore.models.cnn import Conv2Cifar, FedAvgCNN, MoonCNN
-from fedcore.models.mobilenet import MobileNetV2
-from fedcore.models.resnet import ResNet, resnet18, resnet32, resnet34
-from fedcore.models.small import MLP, SmallCNN, dnn
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.models.base import FedModel
+from fedmq.fedcore.models.cnn import Conv2Cifar, FedAvgCNN, MoonCNN
+from fedmq.fedcore.models.mobilenet import MobileNetV2
+from fedmq.fedcore.models.resnet import ResNet, resnet18, resnet32, resnet34
+from fedmq.fedcore.models.small import MLP, SmallCNN, dnn
 
 __all__ = [
     "MLP",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.models.base import FedModel, Taps, flag, image_shape, positive_int, record, spatial_after
+from fedmq.fedcore.models.base import FedModel, Taps, flag, image_shape, positive_int, record, spatial_after
 
 
 class MoonCNN(FedModel):

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fedcore.models.base import FedModel, Taps, choice, image_shape, positive_int, record
+from fedmq.fedcore.models.base import FedModel, Taps, choice, image_shape, positive_int, record
 
 CIFAR_STAGES = (
     (1, 16, 1, 1),

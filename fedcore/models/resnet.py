@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.models.base import FedModel, Taps, choice, flag, image_shape, positive_int, record
+from fedmq.fedcore.models.base import FedModel, Taps, choice, flag, image_shape, positive_int, record
 
 Norm = Callable[[int], nn.Module]
 

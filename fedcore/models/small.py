@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fedcore.models.base import FedModel, Taps, image_shape, positive_int, positive_ints, record
+from fedmq.fedcore.models.base import FedModel, Taps, image_shape, positive_int, positive_ints, record
 
 
 class MLP(FedModel):

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordinator.config import CoordinatorConfig, RoundPolicy
-from coordinator.engine import SyncRounds
-from coordinator.engine import events as e
-from coordinator.engine.local import LocalFederation, LocalNode
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import (
+from fedmq.coordinator.config import CoordinatorConfig, RoundPolicy
+from fedmq.coordinator.engine import SyncRounds
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import (
     AlgorithmSpec,
     CoordinatorHalf,
     NodeHalf,
@@ -26,12 +26,12 @@ from fedcore.algorithms.base import (
     RoundContext,
     TaskInput,
 )
-from fedcore.data import TensorDataset, load_dataset
-from fedcore.models import build_model
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
-from fedcore.tensors import StateDict
-from fedcore.training import TrainSettings
+from fedmq.fedcore.data import TensorDataset, load_dataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import StateDict
+from fedmq.fedcore.training import TrainSettings
 
 SETTINGS = TrainSettings(local_epochs=2, batch_size=8, lr=0.1, momentum=0.5)
 INPUT_SHAPE = (4,)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.aggregation import fedasync_step, fedbuff_step, weighted_average
-from fedcore.algorithms import ALGORITHMS, async_refusal, build_hyperparams, get_algorithm
-from fedcore.algorithms.base import Failure, Folding, NodeUpdate, Payload, RoundContext
-from fedcore.algorithms.kdia.teacher import uploads_from_record
-from fedcore.errors import ConfigError
-from fedcore.participation import ParticipationRecord
-from fedcore.staleness import CONSTANT, Staleness
-from fedcore.tensors import StateDict
+from fedmq.fedcore.aggregation import fedasync_step, fedbuff_step, weighted_average
+from fedmq.fedcore.algorithms import ALGORITHMS, async_refusal, build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import Failure, Folding, NodeUpdate, Payload, RoundContext
+from fedmq.fedcore.algorithms.kdia.teacher import uploads_from_record
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.staleness import CONSTANT, Staleness
+from fedmq.fedcore.tensors import StateDict
 from tests.algorithms.common import Federation, clone, context, same_state, scalar_model, scalar_state, update
 
 POLY1 = Staleness(fn="polynomial", a=1.0)

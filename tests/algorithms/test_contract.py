@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from fedcore.algorithms import ALGORITHMS, build_hyperparams, describe
-from fedcore.algorithms.base import NodeUpdate, Payload
-from fedcore.errors import ConfigError
+from fedmq.fedcore.algorithms import ALGORITHMS, build_hyperparams, describe
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.fedcore.errors import ConfigError
 from tests.algorithms.common import Federation, clone, context, same_state, tiny_model
 
 NAMES = sorted(ALGORITHMS)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedcore.algorithms import build_hyperparams, fedacd
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
+from fedmq.fedcore.algorithms import build_hyperparams, fedacd
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
 from tests.algorithms.common import (
     SETTINGS,
     Federation,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, update
 
 SPEC = get_algorithm("fedavgm")

@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.algorithms.feddisco import DISCREPANCY, disco_weights, label_discrepancy
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.algorithms.feddisco import DISCREPANCY, disco_weights, label_discrepancy
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
 from tests.algorithms.common import (
     SETTINGS,
     Federation,

@@ -11,21 +11,21 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.algorithms.feddyn import (
+from fedmq.fedcore.algorithms import build_hyperparams
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.algorithms.feddyn import (
     SPEC,
     gradient_state_step,
     regulariser_gradient,
     server_model,
     server_state_step,
 )
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
-from fedcore.tensors import schema_mismatch
-from fedcore.training import TrainSettings
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import schema_mismatch
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import (
     Federation,
     context,

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fedcore.algorithms import build_hyperparams, fedgkd, get_algorithm
-from fedcore.algorithms.base import Payload
-from fedcore.errors import AlgorithmError
+from fedmq.fedcore.algorithms import build_hyperparams, fedgkd, get_algorithm
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.errors import AlgorithmError
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, tiny_model, update
 
 SPEC = get_algorithm("fedgkd")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedcore.algorithms import build_hyperparams, fedlc
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
+from fedmq.fedcore.algorithms import build_hyperparams, fedlc
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
 from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, shards, tiny_model
 
 SPEC = fedlc.SPEC

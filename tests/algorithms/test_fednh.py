@@ -13,14 +13,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.aggregation import weighted_average
-from fedcore.algorithms import build_hyperparams, fednh
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
-from fedcore.tensors import non_finite, schema_mismatch
-from fedcore.training import TrainSettings
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.algorithms import build_hyperparams, fednh
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import non_finite, schema_mismatch
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import SETTINGS, Federation, Scratch, context, same_state, shards, tiny_model
 
 SPEC = fednh.SPEC

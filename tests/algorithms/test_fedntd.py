@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from fedcore.algorithms import build_hyperparams, fedntd
-from fedcore.algorithms.base import Payload
-from fedcore.errors import AlgorithmError
+from fedmq.fedcore.algorithms import build_hyperparams, fedntd
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.errors import AlgorithmError
 from tests.algorithms.common import Federation, same_state, tiny_model
 
 SPEC = fedntd.SPEC

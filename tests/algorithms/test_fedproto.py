@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.aggregation import weighted_average
-from fedcore.algorithms import build_hyperparams, fedproto
-from fedcore.algorithms.base import NodeUpdate, Payload, TaskInput
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
-from fedcore.tensors import non_finite, schema_mismatch
-from fedcore.training import TrainSettings
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.algorithms import build_hyperparams, fedproto
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload, TaskInput
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import non_finite, schema_mismatch
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, context, same_state, shards, tiny_model
 
 SPEC = fedproto.SPEC

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.algorithms.fedprox import proximal_term
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.algorithms.fedprox import proximal_term
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, same_state, shards, tiny_model
 
 SPEC = get_algorithm("fedprox")

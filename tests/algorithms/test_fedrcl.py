@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams, fedrcl
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.models import build_model
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.algorithms import build_hyperparams, fedrcl
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, local_sgd
 from tests.algorithms.common import (
     SETTINGS,
     Federation,

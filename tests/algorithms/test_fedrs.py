@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams, fedrs
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings
+from fedmq.fedcore.algorithms import build_hyperparams, fedrs
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, same_state, shards, tiny_model
 
 SPEC = fedrs.SPEC

@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.aggregation import weighted_average
-from fedcore.algorithms import fedsa
-from fedcore.algorithms.fedsa import (
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.algorithms import fedsa
+from fedmq.fedcore.algorithms.fedsa import (
     Hyperparams,
     agreement_counts,
     cluster_weights,

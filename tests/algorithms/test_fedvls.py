@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import build_hyperparams, fedvls
-from fedcore.algorithms.base import Payload
-from fedcore.participation import ParticipationRecord
+from fedmq.fedcore.algorithms import build_hyperparams, fedvls
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.participation import ParticipationRecord
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, tiny_model, update
 
 SPEC = fedvls.SPEC

@@ -37,11 +37,11 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams, fedvls, shared
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.data import TensorDataset
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, TrainStats
+from fedmq.fedcore.algorithms import build_hyperparams, fedvls, shared
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, TrainStats
 from tests.algorithms.common import Scratch
 
 CLASSES = 7

@@ -12,21 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.algorithms import build_hyperparams, get_algorithm, kdia
-from fedcore.algorithms.base import Payload, RoundContext, TaskInput
-from fedcore.algorithms.kdia.generator import (
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm, kdia
+from fedmq.fedcore.algorithms.base import Payload, RoundContext, TaskInput
+from fedmq.fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
     build_generator,
     diversity_loss,
     train_generator,
 )
-from fedcore.algorithms.kdia.teacher import weights_from_record
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.models import build_model
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings
+from fedmq.fedcore.algorithms.kdia.teacher import weights_from_record
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, Scratch, context, same_state
 
 SPEC = get_algorithm("kdia")

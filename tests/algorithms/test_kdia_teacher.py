@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.algorithms.kdia.teacher import (
+from fedmq.fedcore.algorithms.kdia.teacher import (
     DiskStore,
     MemoryStore,
     StoreTeacher,
@@ -30,8 +30,8 @@ from fedcore.algorithms.kdia.teacher import (
     uploads_from_record,
     weights_from_record,
 )
-from fedcore.participation import ParticipationRecord
-from fedcore.tensors import StateDict
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.tensors import StateDict
 
 # -- the spec's unit-test vector (kdia.md 1.3): N=4, K=2, t=2; S_0={A,B}, S_1={B,D}, S_2={A,D} ----
 

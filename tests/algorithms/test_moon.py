@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams, get_algorithm, moon
-from fedcore.algorithms.base import Payload, TaskInput
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm, moon
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
 from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, tiny_model
 
 SPEC = get_algorithm("moon")

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams
-from fedcore.algorithms.base import NodeUpdate, Payload, RoundContext, TaskInput
-from fedcore.algorithms.scaffold import (
+from fedmq.fedcore.algorithms import build_hyperparams
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload, RoundContext, TaskInput
+from fedmq.fedcore.algorithms.scaffold import (
     CONTROL,
     CONTROL_DELTA,
     SPEC,
@@ -24,12 +24,12 @@ from fedcore.algorithms.scaffold import (
     server_control_step,
     server_model_step,
 )
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
-from fedcore.tensors import schema_mismatch
-from fedcore.training import TrainSettings
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import schema_mismatch
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import Federation, context, same_state, scalar_model, shards, tiny_model
 
 G0 = (0.25, -0.25)
@@ -218,7 +218,7 @@ def test_federation_size_comes_from_the_participation_record_by_default() -> Non
 
 def test_too_small_num_nodes_logs_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """num_nodes = 1 with two updates: N = 2, and the misconfiguration is logged."""
-    with caplog.at_level(logging.WARNING, logger="fedcore.algorithms.shared"):
+    with caplog.at_level(logging.WARNING, logger="fedmq.fedcore.algorithms.shared"):
         metrics = _aggregate(_coordinator(num_nodes=1), [(1.0, 0.4, 10), (3.0, 0.8, 30)])
     assert metrics["federation_size"] == 2.0
     assert "num_nodes = 1" in caplog.text

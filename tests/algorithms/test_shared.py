@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.algorithms import fedavg, fedprox, shared
-from fedcore.algorithms.base import NodeUpdate, Payload
-from fedcore.errors import AlgorithmError
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.algorithms import fedavg, fedprox, shared
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, local_sgd
 from tests.algorithms.common import Federation, same_state, shards, tiny_model, update
 
 

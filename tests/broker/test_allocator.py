@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import allocator
+from fedmq.broker import allocator
 
 
 def test_child_env_sets_both_thresholds_and_keeps_what_the_user_set() -> None:
@@ -36,7 +36,7 @@ def _in_a_fresh_interpreter(*lines: str) -> None:
 @GLIBC
 def test_tune_applies_once_per_process_and_only_raises() -> None:
     _in_a_fresh_interpreter(
-        "from broker import allocator as a",
+        "from fedmq.broker import allocator as a",
         "assert a.applied() is None",
         "assert a.tune(2**20)",
         "assert a.applied() == (4 * 2**20, 64 * 2**20), a.applied()",
@@ -54,8 +54,8 @@ def test_a_bus_client_changes_nothing_process_wide_and_the_entry_point_tunes_as_
     _in_a_fresh_interpreter(
         "import paho.mqtt._packet as p",
         "original = p.decode_publish",
-        "from broker import BusClient, BusConfig, allocator, paho_fast",
-        "from broker.tuning import tune_process",
+        "from fedmq.broker import BusClient, BusConfig, allocator, paho_fast",
+        "from fedmq.broker.tuning import tune_process",
         "BusClient(BusConfig(chunk_bytes=2**16), client_id='a', federation='f')",
         "assert allocator.applied() is None and p.decode_publish is original",
         "tune_process(BusConfig(chunk_bytes=2**16, tune_allocator=False))",
@@ -66,7 +66,7 @@ def test_a_bus_client_changes_nothing_process_wide_and_the_entry_point_tunes_as_
 
 
 def test_the_mosquitto_fedmq_starts_gets_the_settings_and_yours_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    from broker.mosquitto import find_mosquitto, free_port, start_mosquitto
+    from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")

@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from broker.chunking import Reassembler, split
-from broker.codec import decode, encode
-from broker.errors import CodecError
-from broker.message import Kind, Message
+from fedmq.broker.chunking import Reassembler, split
+from fedmq.broker.codec import decode, encode
+from fedmq.broker.errors import CodecError
+from fedmq.broker.message import Kind, Message
 
 
 class Clock:

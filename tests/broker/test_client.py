@@ -10,8 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from broker import BusClient, BusConfig, BusError, Kind, Message, Topics, Will, encode
-from broker.mosquitto import free_port, start_mosquitto
+from fedmq.broker import BusClient, BusConfig, BusError, Kind, Message, Topics, Will, encode
+from fedmq.broker.mosquitto import free_port, start_mosquitto
 from tests.helpers import next_message, raw_client
 
 
@@ -122,7 +122,7 @@ async def test_client_bad_input_is_counted_and_the_client_goes_on(broker_url: st
 
 async def test_client_incomplete_transfer_is_abandoned(broker_url: str, federation: str) -> None:
     """Chunks of a transfer that never completes are dropped at the transfer timeout and counted."""
-    from broker.chunking import split
+    from fedmq.broker.chunking import split
 
     t = Topics(federation)
     cfg = config(broker_url, transfer_timeout_s=0.5)
@@ -168,7 +168,7 @@ def _restartable_mosquitto(slow_s: float) -> tuple[int, subprocess.Popen[bytes],
     """A mosquitto of a test's own (to restart), a quick client's config and a slow one's: the publisher
     retries later than the subscriber, so that the restarted broker (which keeps no sessions) has the
     subscription back before the held publish goes out."""
-    from broker.mosquitto import find_mosquitto
+    from fedmq.broker.mosquitto import find_mosquitto
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
@@ -209,7 +209,7 @@ async def test_client_reconnects_and_resubscribes_after_broker_restart(federatio
 
 
 def _mosquitto_with(extra: str) -> tuple[subprocess.Popen[bytes], int]:
-    from broker.mosquitto import find_mosquitto, render_config
+    from fedmq.broker.mosquitto import find_mosquitto, render_config
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker.codec import (
+from fedmq.broker.codec import (
     ALIGN,
     BFLOAT16,
     FORMAT_VERSION,
@@ -24,8 +24,8 @@ from broker.codec import (
     encode,
     encoded_size,
 )
-from broker.errors import CodecError
-from broker.message import Kind, Message
+from fedmq.broker.errors import CodecError
+from fedmq.broker.message import Kind, Message
 
 DTYPES = ["float32", "float16", "int64", "int32", "uint8", "bool", "float64", "int16", "int8"]
 
@@ -221,7 +221,7 @@ def test_blockwise_hashing_gives_the_one_pass_checksum_for_every_layout() -> Non
     """Large tensors are copied and hashed in blocks; the prefix must still hold XXH3 of the whole
     frame, for contiguous, strided and big-endian tensors on either side of the block size, in a new
     buffer and in a reused one that was larger before."""
-    from broker.codec import _HASH_BLOCK, PREFIX, checksum
+    from fedmq.broker.codec import _HASH_BLOCK, PREFIX, checksum
 
     rng = np.random.default_rng(5)
     big = rng.standard_normal(_HASH_BLOCK // 4 * 3 + 7).astype(np.float32)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from broker import BusConfig
-from broker.credentials import Access, Credentials, from_environment, read_credentials_file
-from broker.errors import CredentialsError
+from fedmq.broker import BusConfig
+from fedmq.broker.credentials import Access, Credentials, from_environment, read_credentials_file
+from fedmq.broker.errors import CredentialsError
 
 
 def _write(path: Path, data: object) -> Path:

@@ -14,7 +14,7 @@ from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from broker import BusClient, BusConfig, Kind, Message, Topics, paho_fast
+from fedmq.broker import BusClient, BusConfig, Kind, Message, Topics, paho_fast
 from tests.helpers import next_message
 
 V311, V5 = MQTTProtocolVersion.MQTTv311, MQTTProtocolVersion.MQTTv5

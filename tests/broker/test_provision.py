@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.provision import mosquitto_hash, provision, topic_rules
-from broker.topics import Topics
+from fedmq.broker.provision import mosquitto_hash, provision, topic_rules
+from fedmq.broker.topics import Topics
 
 
 def test_provision_writes_a_ca_a_server_certificate_and_one_credential_per_identity(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.config import BusConfig
-from broker.topics import Route, Topics, check_id
+from fedmq.broker.config import BusConfig
+from fedmq.broker.topics import Route, Topics, check_id
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "a+b", "x#", " node", "-lead", "n" * 65, "é"])

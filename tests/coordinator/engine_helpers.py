@@ -10,15 +10,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from broker import Kind, Message
-from coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine import make_engine
-from coordinator.engine.base import Engine
-from coordinator.engine.clock import FakeClock
-from fedcore.staleness import Staleness
-from fedcore.tensors import TensorSpec
+from fedmq.broker import Kind, Message
+from fedmq.coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine import make_engine
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.engine.clock import FakeClock
+from fedmq.fedcore.staleness import Staleness
+from fedmq.fedcore.tensors import TensorSpec
 
 SCHEMA = {"model": {"w": TensorSpec(torch.float32, (2,))}}
 SAMPLES = 100

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from broker import Kind, Message
-from coordinator.compressed import DeltaPayload, restore
-from coordinator.config import CoordinatorConfig
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine import make_engine
-from coordinator.engine.local import LocalFederation, LocalNode
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import Payload
-from fedcore.compression import SCALES, Compression, compress
+from fedmq.broker import Kind, Message
+from fedmq.coordinator.compressed import DeltaPayload, restore
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine import make_engine
+from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.compression import SCALES, Compression, compress
 from tests.algorithms.common import SETTINGS, shards, tiny_model
 from tests.coordinator.engine_helpers import Driver, config, of, one
 

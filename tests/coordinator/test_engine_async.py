@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.buffered import BufferedAsync
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.buffered import BufferedAsync
 from tests.coordinator.engine_helpers import SAMPLES, Driver, config, failure, of, one, update
 
 NODES = ("a", "b", "c", "d", "e")

@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.relay import ENDLESS, RelayRounds
-from coordinator.sampler import cohort_size, sample
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.relay import ENDLESS, RelayRounds
+from fedmq.coordinator.sampler import cohort_size, sample
 from tests.coordinator.engine_helpers import SCHEMA, Driver, config, of, one, update
 
 SETTINGS = {"local_epochs": 3, "batch_size": 8, "lr": 0.25}

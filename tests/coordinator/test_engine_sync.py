@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.sync import SyncRounds
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.sync import SyncRounds
 from tests.coordinator.engine_helpers import SAMPLES, Driver, config, failure, of, one, seen, update
 
 NODES = ("a", "b", "c")

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.errors import CoordinatorError
-from coordinator.http import STREAM_QUEUE, LiveState, TeacherTail, is_loopback, parse_address, read_token
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.coordinator.http import STREAM_QUEUE, LiveState, TeacherTail, is_loopback, parse_address, read_token
 
 
 @pytest.mark.parametrize(

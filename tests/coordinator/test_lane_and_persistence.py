@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.errors import CoordinatorError
-from coordinator.lane import Lane
-from coordinator.persistence import Persistence
-from coordinator.run_dir import RunDir
-from fedcore.algorithms.fedavg import CoordinatorHalf, Hyperparams
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.coordinator.lane import Lane
+from fedmq.coordinator.persistence import Persistence
+from fedmq.coordinator.run_dir import RunDir
+from fedmq.fedcore.algorithms.fedavg import CoordinatorHalf, Hyperparams
 
 
 async def test_lane_runs_calls_one_at_a_time_in_order_off_the_event_loop() -> None:

@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from coordinator.config import CoordinatorConfig
-from coordinator.engine import make_engine
-from coordinator.engine.commands import TaskSpec
-from coordinator.engine.local import LocalFederation, LocalNode
-from fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import make_engine
+from fedmq.coordinator.engine.commands import TaskSpec
+from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from tests.algorithms.common import SETTINGS, same_state, shards, tiny_model
 from tests.coordinator.engine_helpers import config
 

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from broker import BusConfig, Kind, Message
-from broker.client import BusStats
-from coordinator.daemon import Coordinator
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.engine.buffered import BufferedAsync
-from coordinator.metrics import CoordinatorMetrics
-from fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.broker import BusConfig, Kind, Message
+from fedmq.broker.client import BusStats
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.engine.buffered import BufferedAsync
+from fedmq.coordinator.metrics import CoordinatorMetrics
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
 from tests.coordinator.engine_helpers import Driver, config, of, one, seen, update
 from tests.coordinator.test_payloads import PerNode, _model
 from tests.helpers import Samples, parse_metrics, value

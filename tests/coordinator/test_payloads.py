@@ -11,16 +11,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from broker import BusConfig, decode
-from coordinator.daemon import Coordinator
-from coordinator.engine import commands as c
-from coordinator.engine import make_engine
-from coordinator.engine.base import Engine
-from coordinator.engine.local import LocalFederation, LocalNode
-from fedcore.algorithms import base
-from fedcore.data import TensorDataset
-from fedcore.participation import ParticipationRecord
-from fedcore.training import TrainSettings
+from fedmq.broker import BusConfig, decode
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import make_engine
+from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+from fedmq.fedcore.algorithms import base
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.training import TrainSettings
 from tests.coordinator.engine_helpers import config
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coordinator.errors import CoordinatorError
-from coordinator.run_dir import CHECKPOINT, RunDir
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.coordinator.run_dir import CHECKPOINT, RunDir
 
 
 def test_checkpoint_round_trip_is_plain_safetensors(tmp_path: Path) -> None:

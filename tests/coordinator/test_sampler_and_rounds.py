@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.errors import ProtocolError
-from coordinator.registry import NodeRegistry, parse_announcement
-from coordinator.rounds import RoundState
-from coordinator.sampler import cohort_size, sample
-from fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.coordinator.registry import NodeRegistry, parse_announcement
+from fedmq.coordinator.rounds import RoundState
+from fedmq.coordinator.sampler import cohort_size, sample
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
 
 LIVE = [f"node-{i:03d}" for i in range(100)]
 

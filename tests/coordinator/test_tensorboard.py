@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine import commands as c
-from coordinator.engine import events as e
-from coordinator.tensorboard import check_installed, scalars
-from fedcore.errors import ConfigError
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.tensorboard import check_installed, scalars
+from fedmq.fedcore.errors import ConfigError
 
 SYNC = [
     {"round": 0, "attempt": 0, "selected": list("abc"), "accepted": list("abc"), "carried": [], "late": [],
@@ -49,7 +49,7 @@ def test_tensorboard_watcher_writes_each_line_at_its_round_or_version(tmp_path: 
     pytest.importorskip("tensorboard", reason="pip install 'fedmq[tensorboard]' for this test")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from coordinator.tensorboard import TensorBoardScalars
+    from fedmq.coordinator.tensorboard import TensorBoardScalars
 
     def read(path: Path) -> dict[str, list[tuple[int, float]]]:
         events = EventAccumulator(str(path))

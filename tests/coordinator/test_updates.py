@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from broker import Kind, Message
-from coordinator.errors import ProtocolError
-from coordinator.updates import check_base_version, parse_update
-from fedcore.tensors import TensorSpec, flatten_groups
+from fedmq.broker import Kind, Message
+from fedmq.coordinator.errors import ProtocolError
+from fedmq.coordinator.updates import check_base_version, parse_update
+from fedmq.fedcore.tensors import TensorSpec, flatten_groups
 
 SCHEMA = {"model": {"w": TensorSpec(torch.float32, (3,)), "h": TensorSpec(torch.float16, (2,))}}
 

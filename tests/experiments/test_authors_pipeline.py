@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.build import load_split, shards
-from experiments.config import parse_config
-from experiments.grid import load_experiment
-from fedcore.data import pooled_indices
-from fedcore.errors import ConfigError
+from fedmq.experiments.build import load_split, shards
+from fedmq.experiments.config import parse_config
+from fedmq.experiments.grid import load_experiment
+from fedmq.fedcore.data import pooled_indices
+from fedmq.fedcore.errors import ConfigError
 
 PAPERS = Path(__file__).resolve().parents[2] / "experiments" / "papers"
 AUTHORS = {"kind": "pooled", "test_fraction": 0.25, "seed": 1, "evaluate_on": "train_part"}

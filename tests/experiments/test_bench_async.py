@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import SUITES, run_suite
-from experiments.bench.asynchrony import (
+from fedmq.experiments.bench import SUITES, run_suite
+from fedmq.experiments.bench.asynchrony import (
     FEDASYNC,
     FEDBUFF,
     QUICK,
@@ -23,7 +23,7 @@ from experiments.bench.asynchrony import (
     node_delays,
     settings,
 )
-from experiments.bench.common import BenchOptions, Figure, Report
+from fedmq.experiments.bench.common import BenchOptions, Figure, Report
 
 
 def rows(report: Report, section: str) -> dict[str, Figure]:

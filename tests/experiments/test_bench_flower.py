@@ -21,15 +21,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experiments.bench import flower
-from experiments.bench.common import BenchOptions
-from experiments.bench.flower_runtime import APP_DIR, FLWR_REQUIREMENT, FlowerEnv, Processes
-from experiments.bench.flower_workload import Workload, WorkloadSpec, experiment
-from experiments.bench.procs import descendants
-from experiments.build import load_split, make_model, shards
-from experiments.config import load_config
-from experiments.local import build_local
-from fedcore.errors import ConfigError
+from fedmq.experiments.bench import flower
+from fedmq.experiments.bench.common import BenchOptions
+from fedmq.experiments.bench.flower_runtime import APP_DIR, FLWR_REQUIREMENT, FlowerEnv, Processes
+from fedmq.experiments.bench.flower_workload import Workload, WorkloadSpec, experiment
+from fedmq.experiments.bench.procs import descendants
+from fedmq.experiments.build import load_split, make_model, shards
+from fedmq.experiments.config import load_config
+from fedmq.experiments.local import build_local
+from fedmq.fedcore.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = WorkloadSpec(dataset="digits", nodes=3, rounds=2, hidden=(16,))
@@ -207,7 +207,7 @@ FLOWER_ROUND = """
 import sys
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from safetensors.torch import save_file
-from experiments.bench.flower_workload import Workload
+from fedmq.experiments.bench.flower_workload import Workload
 from fedmq_flower_app.client_app import train
 from fedmq_flower_app.server_app import FedmqFedAvg
 from flwr.supercore.task_identity import TaskIdentity

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments.bench import run_suite
-from experiments.bench.common import BenchOptions
-from experiments.cli import build_parser
+from fedmq.experiments.bench import run_suite
+from fedmq.experiments.bench.common import BenchOptions
+from fedmq.experiments.cli import build_parser
 
 
 @pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training

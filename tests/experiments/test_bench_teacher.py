@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from experiments.bench import run_suite
-from experiments.bench.common import BenchOptions
-from experiments.bench.teacher import MODES, QUICK, Settings, report, settings
-from fedcore.errors import ConfigError
+from fedmq.experiments.bench import run_suite
+from fedmq.experiments.bench.common import BenchOptions
+from fedmq.experiments.bench.teacher import MODES, QUICK, Settings, report, settings
+from fedmq.fedcore.errors import ConfigError
 
 
 @pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.bench.common import BenchOptions
-from experiments.bench.training import run
+from fedmq.experiments.bench.common import BenchOptions
+from fedmq.experiments.bench.training import run
 
 
 @pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.config import apply_overrides, parse_config, read_yaml
-from experiments.replay import replay_run
-from experiments.scenario import resolve_scenario
-from experiments.simulate import simulate
-from fedcore.compression import Compression
-from fedcore.errors import ConfigError
+from fedmq.experiments.config import apply_overrides, parse_config, read_yaml
+from fedmq.experiments.replay import replay_run
+from fedmq.experiments.scenario import resolve_scenario
+from fedmq.experiments.simulate import simulate
+from fedmq.fedcore.compression import Compression
+from fedmq.fedcore.errors import ConfigError
 from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train

@@ -8,11 +8,11 @@ from typing import get_type_hints
 
 import pytest
 
-from broker.config import BusConfig
-from broker.fields import field_bounds
-from coordinator.config import AsyncPolicy, RoundPolicy
-from experiments.build import bus_config, coordinator_config, node_faults
-from experiments.config import (
+from fedmq.broker.config import BusConfig
+from fedmq.broker.fields import field_bounds
+from fedmq.coordinator.config import AsyncPolicy, RoundPolicy
+from fedmq.experiments.build import bus_config, coordinator_config, node_faults
+from fedmq.experiments.config import (
     BusSettings,
     EngineConfig,
     FaultConfig,
@@ -21,8 +21,8 @@ from experiments.config import (
     parse_config,
     read_yaml,
 )
-from fedcore.errors import ConfigError
-from fednode.config import Faults
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fednode.config import Faults
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "t", "nodes": 4, "rounds": 2}
@@ -150,7 +150,7 @@ def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path: Path) -> No
 
 def test_fields_added_later_stay_out_of_a_dump_at_their_defaults() -> None:
     """So that a finished grid cell made before they existed still matches its config."""
-    from experiments.build import inline_model_bytes
+    from fedmq.experiments.build import inline_model_bytes
 
     cfg = parse_config(MINIMAL, source="exp.yaml")
     dumped = cfg.model_dump()

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.build import cache_dir, data_root, load_split
-from experiments.config import AugmentConfig, NormalizeConfig, parse_config
-from fedcore.errors import ConfigError, DataError
-from fedcore.transforms import Compose, Normalize, RandomCrop, RandomRotation
+from fedmq.experiments.build import cache_dir, data_root, load_split
+from fedmq.experiments.config import AugmentConfig, NormalizeConfig, parse_config
+from fedmq.fedcore.errors import ConfigError, DataError
+from fedmq.fedcore.transforms import Compose, Normalize, RandomCrop, RandomRotation
 
 
 def config(**data: object) -> object:

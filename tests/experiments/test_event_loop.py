@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from experiments.cli import _run_async, event_loop_factory
-from fedcore.errors import ConfigError
+from fedmq.experiments.cli import _run_async, event_loop_factory
+from fedmq.fedcore.errors import ConfigError
 
 
 async def _loop_module() -> int:

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from experiments.grid import expand
-from experiments.report import load, write_report
-from fedcore.errors import ConfigError
+from fedmq.experiments.grid import expand
+from fedmq.experiments.report import load, write_report
+from fedmq.fedcore.errors import ConfigError
 
 BASE: dict[str, Any] = {
     "name": "g",

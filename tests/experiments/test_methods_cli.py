@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.cli import main
-from fedcore.algorithms import ALGORITHMS
-from fedcore.algorithms.describe import options
+from fedmq.experiments.cli import main
+from fedmq.fedcore.algorithms import ALGORITHMS
+from fedmq.fedcore.algorithms.describe import options
 
 
 def test_methods_lists_every_registered_method(capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,8 +41,8 @@ def test_methods_say_which_run_asynchronously(capsys: pytest.CaptureFixture[str]
 
 
 def test_methods_list_the_averaging_rules_and_each_rules_options(capsys: pytest.CaptureFixture[str]) -> None:
-    from fedcore.algorithms import AGGREGATORS
-    from fedcore.algorithms.describe import class_options
+    from fedmq.fedcore.algorithms import AGGREGATORS
+    from fedmq.fedcore.algorithms.describe import class_options
 
     assert main(["methods"]) == 0
     assert f"method.aggregator.name): {', '.join(sorted(AGGREGATORS))}" in capsys.readouterr().out

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import read_yaml
-from experiments.grid import load_experiment
-from fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
+from fedmq.experiments.config import read_yaml
+from fedmq.experiments.grid import load_experiment
+from fedmq.fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
 
 PAPERS = Path(__file__).resolve().parents[2] / "experiments" / "papers"
 COMPANIONS = {

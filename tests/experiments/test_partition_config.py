@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import yaml
 
-from experiments.build import partition_report, shards
-from experiments.config import PARTITION_KINDS, DirichletPartition, load_config, parse_config
-from experiments.plots import partition_heatmap, partition_png
-from fedcore.data import load_dataset
-from fedcore.errors import ConfigError
-from fedcore.partition import PARTITIONERS
+from fedmq.experiments.build import partition_report, shards
+from fedmq.experiments.config import PARTITION_KINDS, DirichletPartition, load_config, parse_config
+from fedmq.experiments.plots import partition_heatmap, partition_png
+from fedmq.fedcore.data import load_dataset
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.partition import PARTITIONERS
 
 MINIMAL = {"name": "t", "nodes": 10, "rounds": 1, "data": {"dataset": "synthetic"}}
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.engine.replay import ReplayError, read_log
-from experiments.cli import EXIT_MISMATCH, EXIT_OK, main
-from experiments.config import apply_overrides, parse_config, read_yaml
-from experiments.replay import counterfactual, replay_run, trace_of
-from experiments.scenario import resolve_scenario
-from experiments.simulate import simulate
+from fedmq.coordinator.engine.replay import ReplayError, read_log
+from fedmq.experiments.cli import EXIT_MISMATCH, EXIT_OK, main
+from fedmq.experiments.config import apply_overrides, parse_config, read_yaml
+from fedmq.experiments.replay import counterfactual, replay_run, trace_of
+from fedmq.experiments.scenario import resolve_scenario
+from fedmq.experiments.simulate import simulate
 from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train

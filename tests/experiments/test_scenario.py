@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import yaml
 
-from experiments.config import load_config, parse_config
-from experiments.scenario import ScenarioConfig, expand, load_scenario, load_trace, parse_scenario
-from fedcore.errors import ConfigError
-from fednode.scenario import NodeScript, Transition
+from fedmq.experiments.config import load_config, parse_config
+from fedmq.experiments.scenario import ScenarioConfig, expand, load_scenario, load_trace, parse_scenario
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fednode.scenario import NodeScript, Transition
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "experiments" / "scenarios").glob("*.yaml"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import main
+from fedmq.experiments.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "experiments" / "quickstart.yaml")

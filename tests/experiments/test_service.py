@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from broker import BusConfig
-from broker.errors import BusError
-from broker.mosquitto import free_port
-from experiments import logs
-from experiments.service import Notifier, wait_for_broker
-from fedcore.errors import ConfigError
+from fedmq.broker import BusConfig
+from fedmq.broker.errors import BusError
+from fedmq.broker.mosquitto import free_port
+from fedmq.experiments import logs
+from fedmq.experiments.service import Notifier, wait_for_broker
+from fedmq.fedcore.errors import ConfigError
 
 
 @pytest.fixture

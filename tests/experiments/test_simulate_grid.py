@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from experiments.cli import EXIT_OK, main
+from fedmq.experiments.cli import EXIT_OK, main
 
 ROOT = Path(__file__).resolve().parents[2]
 

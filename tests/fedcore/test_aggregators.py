@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from experiments.config import parse_config
-from fedcore.aggregation import weighted_average
-from fedcore.algorithms import AGGREGATORS, build_aggregator
-from fedcore.errors import ConfigError
+from fedmq.experiments.config import parse_config
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.algorithms import AGGREGATORS, build_aggregator
+from fedmq.fedcore.errors import ConfigError
 
 
 def test_the_default_rule_is_the_weighted_mean() -> None:
@@ -55,8 +55,8 @@ def test_fedsa_options_are_validated_and_buffers_stay_plain_means() -> None:
 
 def test_an_experiment_puts_the_rule_in_place_of_the_methods_mean(tmp_path) -> None:
     """`build_coordinator` gives FedProx's server FedSA's rule; without `aggregator` it keeps the mean."""
-    from experiments.build import build_coordinator
-    from fedcore.algorithms.fedsa import SkewAwareAggregator
+    from fedmq.experiments.build import build_coordinator
+    from fedmq.fedcore.algorithms.fedsa import SkewAwareAggregator
 
     def coordinator(method: dict) -> object:
         cfg = parse_config(

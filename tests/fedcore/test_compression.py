@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.compression import (
+from fedmq.fedcore.compression import (
     MODES,
     SCALES,
     Compression,
@@ -19,8 +19,8 @@ from fedcore.compression import (
     compress_update,
     decompress,
 )
-from fedcore.errors import ConfigError
-from fedcore.tensors import TensorSpec, flatten_groups, schema_of, split_groups, to_numpy
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.tensors import TensorSpec, flatten_groups, schema_of, split_groups, to_numpy
 
 Arrays = dict[str, np.ndarray]
 
@@ -276,7 +276,7 @@ def test_a_short_last_block_decodes_whatever_memory_its_padding_held(monkeypatch
     """The last block of a tensor whose size is not a multiple of the block is padded for the multiply;
     fresh memory may hold NaN there (the full suite once warned 'invalid value' on it), so the padding
     is zeroed. Simulated here by fresh memory that is all signalling NaN (which the multiply flags)."""
-    import fedcore.compression as module
+    import fedmq.fedcore.compression as module
 
     def nan_empty(shape: int, dtype: type = np.float64) -> np.ndarray:
         bits = {np.dtype(np.float32): (np.uint32, 0x7F800001), np.dtype(np.float64): (np.uint64, 0x7FF0000000000001)}

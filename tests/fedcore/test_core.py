@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.aggregation import weighted_average
-from fedcore.data import TensorDataset
-from fedcore.models import build_model, count_parameters
-from fedcore.participation import MAX_INTERVALS, ParticipationRecord
-from fedcore.seeding import stream, torch_generator
-from fedcore.tensors import flatten_groups, non_finite, schema_mismatch, schema_of, split_groups
-from fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.aggregation import weighted_average
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model, count_parameters
+from fedmq.fedcore.participation import MAX_INTERVALS, ParticipationRecord
+from fedmq.fedcore.seeding import stream, torch_generator
+from fedmq.fedcore.tensors import flatten_groups, non_finite, schema_mismatch, schema_of, split_groups
+from fedmq.fedcore.training import TrainSettings, local_sgd
 
 
 def test_streams_are_reproducible_and_independent() -> None:

@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from fedcore.data import DATASETS, Split, load_dataset
-from fedcore.datasets import cifar, folders, mnist
-from fedcore.datasets.mnist import read_idx
-from fedcore.errors import ConfigError, DataError
+from fedmq.fedcore.data import DATASETS, Split, load_dataset
+from fedmq.fedcore.datasets import cifar, folders, mnist
+from fedmq.fedcore.datasets.mnist import read_idx
+from fedmq.fedcore.errors import ConfigError, DataError
 from tests.fedcore.py2pickle import dumps_py2
 
 # sha256 of the decoded uint8 arrays N x 3 x 32 x 32, C order (shared/data/README.md)

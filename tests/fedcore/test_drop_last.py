@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 
-from fedcore.data import load_dataset
-from fedcore.errors import ConfigError
-from fedcore.models import build_model
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, local_sgd
-from fedcore.vectorized import steps_per_epoch, train_vectorized
+from fedmq.fedcore.data import load_dataset
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.vectorized import steps_per_epoch, train_vectorized
 
 SETTINGS = TrainSettings(local_epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3, drop_last=True)
 SIZES = (40, 17, 1, 33, 64, 9)

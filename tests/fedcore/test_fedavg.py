@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import NodeUpdate, Payload, RoundContext, TaskInput
-from fedcore.data import load_dataset
-from fedcore.errors import AlgorithmError, ConfigError
-from fedcore.models import build_model
-from fedcore.participation import ParticipationRecord
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, evaluate
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import NodeUpdate, Payload, RoundContext, TaskInput
+from fedmq.fedcore.data import load_dataset
+from fedmq.fedcore.errors import AlgorithmError, ConfigError
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, evaluate
 
 SPEC = get_algorithm("fedavg")
 SETTINGS = TrainSettings(local_epochs=1, batch_size=16, lr=0.05)

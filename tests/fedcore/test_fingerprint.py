@@ -9,11 +9,11 @@ from typing import ClassVar
 import pytest
 import torch
 
-from broker import Kind, Message, decode, encode
-from fedcore.algorithms import ALGORITHMS, build_hyperparams, get_algorithm
-from fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of, method_fingerprint
-from fedcore.models import build_model
-from fedcore.tensors import schema_of
+from fedmq.broker import Kind, Message, decode, encode
+from fedmq.fedcore.algorithms import ALGORITHMS, build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of, method_fingerprint
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.tensors import schema_of
 
 SCHEMA = schema_of(build_model("mlp", (64,), 10, seed=0).state_dict())
 

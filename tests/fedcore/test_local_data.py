@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fedcore.data import DATASETS, dataset_schema, load_dataset, load_local
-from fedcore.datasets.local import Schema
-from fedcore.errors import ConfigError, DataError
+from fedmq.fedcore.data import DATASETS, dataset_schema, load_dataset, load_local
+from fedmq.fedcore.datasets.local import Schema
+from fedmq.fedcore.errors import ConfigError, DataError
 
 
 def _images(n: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedcore.errors import ConfigError
-from fedcore.models import MODELS, FedModel, build_model, count_parameters, model_options
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.models import MODELS, FedModel, build_model, count_parameters, model_options
 
 # (name, input shape, classes, options, expected taps {name: width}, feature_shape): every registered
 # model on the input shapes its papers use

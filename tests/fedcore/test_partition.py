@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedcore.errors import ConfigError
-from fedcore.partition import (
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.partition import (
     PARTITIONERS,
     _weighted_class_counts,
     classes,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcore.data import load_dataset
-from fedcore.errors import ConfigError
+from fedmq.fedcore.data import load_dataset
+from fedmq.fedcore.errors import ConfigError
 
 
 def test_digits_split_shapes_and_labels() -> None:
@@ -27,7 +27,7 @@ def test_unknown_dataset_lists_the_available_ones() -> None:
 
 def test_validation_hold_out_is_stratified_disjoint_and_seeded() -> None:
     """A 10% validation split leaves the test set alone, takes ~10% of every class, and is reproducible."""
-    from fedcore.data import hold_out_validation, load_digits
+    from fedmq.fedcore.data import hold_out_validation, load_digits
 
     split = load_digits(seed=0)
     a, b = hold_out_validation(split, 0.1, seed=3), hold_out_validation(split, 0.1, seed=3)

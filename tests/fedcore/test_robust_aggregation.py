@@ -14,12 +14,19 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.config import parse_config
-from fedcore.algorithms import AGGREGATORS, async_refusal, build_aggregator, build_hyperparams, fedavg, get_algorithm
-from fedcore.algorithms.base import Payload
-from fedcore.errors import ConfigError
-from fedcore.robust import NormClip, clipped_mean, coordinate_median, trimmed_mean, update_norm
-from fedcore.tensors import StateDict
+from fedmq.experiments.config import parse_config
+from fedmq.fedcore.algorithms import (
+    AGGREGATORS,
+    async_refusal,
+    build_aggregator,
+    build_hyperparams,
+    fedavg,
+    get_algorithm,
+)
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.robust import NormClip, clipped_mean, coordinate_median, trimmed_mean, update_norm
+from fedmq.fedcore.tensors import StateDict
 from tests.algorithms.common import context, update
 
 HONEST = 9
@@ -310,7 +317,7 @@ class NoisyNode(fedavg.NodeHalf):
 def poisoned_digits_accuracy(aggregator: dict) -> float:
     """FedAvg on sklearn digits, 10 IID nodes all training each round, an MLP, 4 rounds, node-003
     poisoned: the last round's test accuracy."""
-    from experiments.local import build_local
+    from fedmq.experiments.local import build_local
 
     cfg = parse_config(
         {

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcore.datasets.safe_unpickle import RefusedPickleError, UnpicklingError, loads
+from fedmq.fedcore.datasets.safe_unpickle import RefusedPickleError, UnpicklingError, loads
 from tests.fedcore.py2pickle import dumps_py2
 
 

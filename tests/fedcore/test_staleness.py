@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fedcore.staleness import CONSTANT, STALENESS_FUNCTIONS, Staleness
+from fedmq.fedcore.staleness import CONSTANT, STALENESS_FUNCTIONS, Staleness
 
 
 @pytest.mark.parametrize(

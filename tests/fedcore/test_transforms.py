@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcore.data import TensorDataset
-from fedcore.errors import ConfigError
-from fedcore.transforms import (
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.transforms import (
     Augment,
     Normalize,
     RandomCrop,

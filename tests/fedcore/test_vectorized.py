@@ -22,14 +22,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import GroupMember, Payload, TaskInput
-from fedcore.data import TensorDataset, load_dataset
-from fedcore.errors import AlgorithmError
-from fedcore.models import build_model
-from fedcore.seeding import torch_generator
-from fedcore.training import TrainSettings, TrainStats, local_sgd
-from fedcore.vectorized import (
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import GroupMember, Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset, load_dataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings, TrainStats, local_sgd
+from fedmq.fedcore.vectorized import (
     VectorizeError,
     augment_nodes,
     known_steps,

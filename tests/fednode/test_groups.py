@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.algorithms import build_hyperparams, get_algorithm
-from fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
-from fedcore.data import TensorDataset
-from fedcore.models import build_model
-from fedcore.training import TrainSettings
-from fednode.groups import GroupTrainer
-from fednode.workspace import Workspace
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.groups import GroupTrainer
+from fedmq.fednode.workspace import Workspace
 
 KEY = (3, 0, b"t" * 16, TrainSettings())
 DATA = TensorDataset(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 3)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from broker.client import BusStats
-from experiments.build import build_nodes
-from experiments.config import parse_config
-from fednode.daemon import NodeDaemon
-from fednode.metrics import NodeHostMetrics, serve_metrics
+from fedmq.broker.client import BusStats
+from fedmq.experiments.build import build_nodes
+from fedmq.experiments.config import parse_config
+from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.metrics import NodeHostMetrics, serve_metrics
 from tests.helpers import parse_metrics, value
 from tests.integration.federation import base_config
 

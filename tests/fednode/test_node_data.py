@@ -10,11 +10,11 @@ import pytest
 import torch
 import yaml
 
-import experiments.build
-from experiments.build import build_nodes, load_split, save_shard, shards
-from experiments.cli import main
-from experiments.config import parse_config
-from fedcore.errors import ConfigError
+import fedmq.experiments.build
+from fedmq.experiments.build import build_nodes, load_split, save_shard, shards
+from fedmq.experiments.cli import main
+from fedmq.experiments.config import parse_config
+from fedmq.fedcore.errors import ConfigError
 
 URL = "mqtt://127.0.0.1:1"  # never connected to: the daemons are only built
 
@@ -36,8 +36,8 @@ def no_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the dataset was loaded")
 
-    monkeypatch.setattr(experiments.build, "load_split", refuse)
-    monkeypatch.setattr(experiments.build, "shards", refuse)
+    monkeypatch.setattr(fedmq.experiments.build, "load_split", refuse)
+    monkeypatch.setattr(fedmq.experiments.build, "shards", refuse)
 
 
 def test_node_with_data_is_built_from_its_file_with_no_dataset_on_the_machine(tmp_path: Path, no_dataset: None) -> None:

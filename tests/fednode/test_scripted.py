@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from broker import BusConfig, Kind, Message, Topics, decode
-from fedcore.algorithms.base import Payload
-from fedcore.algorithms.fedavg import Hyperparams, NodeHalf
-from fedcore.data import TensorDataset
-from fedcore.models import build_model
-from fedcore.training import TrainSettings
-from fednode.config import NodeConfig
-from fednode.daemon import NodeDaemon
-from fednode.scenario import NodeScript, Transition
-from fednode.scripted import ScriptPlayer
-from fednode.workspace import Workspace
+from fedmq.broker import BusConfig, Kind, Message, Topics, decode
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.algorithms.fedavg import Hyperparams, NodeHalf
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.scenario import NodeScript, Transition
+from fedmq.fednode.scripted import ScriptPlayer
+from fedmq.fednode.workspace import Workspace
 
 
 def _daemon(script: NodeScript, *, group_wait_s: float | None = None) -> NodeDaemon:

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-from broker import BusConfig, Kind, Message, Topics
-from fedcore.algorithms.fedavg import Hyperparams, NodeHalf
-from fedcore.data import TensorDataset
-from fedcore.models import build_model
-from fedcore.tensors import flatten_groups
-from fedcore.training import TrainSettings
-from fednode.config import NodeConfig
-from fednode.daemon import NodeDaemon, TaskError
-from fednode.workspace import Workspace
+from fedmq.broker import BusConfig, Kind, Message, Topics
+from fedmq.fedcore.algorithms.fedavg import Hyperparams, NodeHalf
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.tensors import flatten_groups
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.daemon import NodeDaemon, TaskError
+from fedmq.fednode.workspace import Workspace
 
 
 class _Bus:

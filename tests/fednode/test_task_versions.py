@@ -7,15 +7,15 @@ import os
 import pytest
 import torch
 
-from broker import BusConfig, Kind, Message, Topics, decode
-from fedcore.algorithms.base import Payload
-from fedcore.algorithms.fedavg import Hyperparams, NodeHalf
-from fedcore.data import TensorDataset
-from fedcore.models import build_model
-from fedcore.training import TrainSettings
-from fednode.config import NodeConfig
-from fednode.daemon import NodeDaemon, TaskError
-from fednode.workspace import Workspace
+from fedmq.broker import BusConfig, Kind, Message, Topics, decode
+from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.algorithms.fedavg import Hyperparams, NodeHalf
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.daemon import NodeDaemon, TaskError
+from fedmq.fednode.workspace import Workspace
 
 
 def _daemon() -> NodeDaemon:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedcore.models import build_model
-from fednode.workspace import Workspace
+from fedmq.fedcore.models import build_model
+from fedmq.fednode.workspace import Workspace
 
 
 def test_workspace_scratch_is_one_module_per_key_of_the_models_architecture() -> None:

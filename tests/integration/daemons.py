@@ -15,7 +15,7 @@ QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 
 def fedmq(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "experiments", *args],
+        [sys.executable, "-m", "fedmq", *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=os.environ | (env or {}),
     )  # fmt: skip
 
@@ -24,7 +24,7 @@ def start(*args: str, log: Path, env: dict[str, str] | None = None) -> subproces
     """`fedmq ARGS` in the background, its output (stdout and stderr) in `log`."""
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "experiments", *args],
+            [sys.executable, "-m", "fedmq", *args],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
             env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}),
         )  # fmt: skip

@@ -30,7 +30,7 @@ class Federation:
         config_path = str(config or self.config_path)
         with (self.dir / log).open("ab") as fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "experiments", *args, "--config", config_path, "--threads", "1", "-v"],
+                [sys.executable, "-m", "fedmq", *args, "--config", config_path, "--threads", "1", "-v"],
                 stdout=fh, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
             )  # fmt: skip
         self.procs.append(proc)
@@ -131,7 +131,7 @@ class Hierarchy(Federation):
     mosquitto bridged to it (`broker.bridge`), its aggregator worker(s) and one node host for its nodes."""
 
     def __init__(self, tmp_path: Path, config: dict[str, Any]) -> None:
-        from broker.mosquitto import free_port, render_config, start_mosquitto
+        from fedmq.broker.mosquitto import free_port, render_config, start_mosquitto
 
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.central_port = free_port()
@@ -145,8 +145,8 @@ class Hierarchy(Federation):
         self.site_configs: dict[str, Path] = {}
 
     def start_site_broker(self, site: str) -> str:
-        from broker.bridge import render_site_config
-        from broker.mosquitto import free_port, start_mosquitto
+        from fedmq.broker.bridge import render_site_config
+        from fedmq.broker.mosquitto import free_port, start_mosquitto
 
         port = self.site_ports.setdefault(site, free_port())
         state = self.dir / "brokers" / site
@@ -163,7 +163,7 @@ class Hierarchy(Federation):
 
     def restart_site_broker(self, site: str, down_s: float = 0.5) -> None:
         """SIGTERM (mosquitto saves its sessions and queues), a pause, the same config again."""
-        from broker.mosquitto import start_mosquitto
+        from fedmq.broker.mosquitto import start_mosquitto
 
         proc = self.brokers[site]
         proc.terminate()

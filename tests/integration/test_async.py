@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import CodecError, Kind, Topics, decode, encode
+from fedmq.broker import CodecError, Kind, Topics, decode, encode
 from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 
@@ -41,7 +41,7 @@ def test_run_async_quickstart_end_to_end(tmp_path: Path, broker_url: str) -> Non
     record counting exactly the folded updates, accuracy well above chance, nothing rejected."""
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "experiments", "run", str(ASYNC_QUICKSTART), "--out", str(out), "--broker", broker_url,
+        [sys.executable, "-m", "fedmq", "run", str(ASYNC_QUICKSTART), "--out", str(out), "--broker", broker_url,
          "--set", "engine.aggregations=16", "--processes", "2"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker import CodecError, Kind, Message, Topics, decode, encode
+from fedmq.broker import CodecError, Kind, Message, Topics, decode, encode
 from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from broker import BusClient, BusConfig
-from broker.mosquitto import find_mosquitto, free_port, wait_for_port
+from fedmq.broker import BusClient, BusConfig
+from fedmq.broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 
 def fedmq(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "fedmq", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
 
 
@@ -99,7 +99,7 @@ async def test_broker_command_serves_until_terminated(embedded: bool) -> None:
     port = free_port()
     args = ["broker", "--port", str(port)] + (["--embedded"] if embedded else [])
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "experiments", *args, stdout=asyncio.subprocess.PIPE, cwd=ROOT
+        sys.executable, "-m", "fedmq", *args, stdout=asyncio.subprocess.PIPE, cwd=ROOT
     )
     try:
         await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 30)
@@ -178,7 +178,7 @@ def test_run_stopped_or_killed_leaves_no_process_behind(tmp_path: Path, sig: sig
     nodes with it, so no daemon is orphaned."""
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--out", str(out), "--set", "rounds=500",
+        [sys.executable, "-m", "fedmq", "run", str(QUICKSTART), "--out", str(out), "--set", "rounds=500",
          "--processes", "2", "--quiet"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -22,7 +22,7 @@ MODEL_BYTES = 38_282 * 4
 def _fedmq(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+        [sys.executable, "-m", "fedmq", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
 
 

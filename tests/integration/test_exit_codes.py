@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from broker import BusClient, BusConfig, Kind, Topics
-from broker.mosquitto import find_mosquitto, free_port
+from fedmq.broker import BusClient, BusConfig, Kind, Topics
+from fedmq.broker.mosquitto import find_mosquitto, free_port
 from tests.helpers import next_message
 from tests.integration.daemons import QUICKSTART, NotifySocket, fedmq, start, tail
 

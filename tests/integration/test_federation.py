@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker import Topics, decode
-from broker.codec import encoded_size
-from broker.message import Kind, Message
+from fedmq.broker import Topics, decode
+from fedmq.broker.codec import encoded_size
+from fedmq.broker.message import Kind, Message
 from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from broker.mosquitto import find_mosquitto
+from fedmq.broker.mosquitto import find_mosquitto
 from tests.integration.federation import Federation, Hierarchy, base_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.mosquitto]
@@ -82,7 +82,7 @@ def test_bridged_two_site_quickstart_reaches_its_accuracy(tmp_path: Path) -> Non
     own nodes, about 5 a round as the flat run does); the coordinator sees two updates a round."""
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
+        [sys.executable, "-m", "fedmq", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
          "--out", str(out), "--quiet"],
         capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -180,7 +180,7 @@ def test_a_method_that_cannot_aggregate_in_parts_is_refused(tmp_path: Path, comm
         "run": [str(path), "--quiet"],
     }[command]
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments", command, *args, "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "fedmq", command, *args, "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -193,7 +193,7 @@ def test_sites_on_one_embedded_broker_without_bridges(tmp_path: Path) -> None:
     a round each; five rounds of the two-site quickstart finish with both sites in every round."""
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
+        [sys.executable, "-m", "fedmq", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
          "--set", "hierarchy.bridge=false", "--set", "rounds=5", "--out", str(out), "--quiet"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -209,7 +209,7 @@ def test_an_asynchronous_coordinator_folds_the_sites_partials(tmp_path: Path) ->
     out = tmp_path / "run"
     overrides = ["engine.kind=async", "engine.aggregations=6", "engine.buffer=2", "engine.concurrency=2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
+        [sys.executable, "-m", "fedmq", "run", str(ROOT / "experiments" / "quickstart-sites.yaml"),
          *(a for o in overrides for a in ("--set", o)), "--out", str(out), "--quiet"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

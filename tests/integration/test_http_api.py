@@ -217,5 +217,5 @@ async def test_the_dashboard_shows_the_nodes_and_a_growing_curve_in_a_browser(
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "fedmq", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import experiments.build
-from experiments.config import load_config
-from experiments.local import build_local
+import fedmq.experiments.build
+from fedmq.experiments.config import load_config
+from fedmq.experiments.local import build_local
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def test_quickstart_in_process_equals_the_daemons_round_for_round(
     """Eight quickstart rounds: the same 5 nodes selected, the same train_loss and accuracy, bit for bit
     (both on the CPU: the daemons' nodes see no GPU, and the in-process evaluation runs on the CPU)."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--set", f"rounds={ROUNDS}"]
+    command = [sys.executable, "-m", "fedmq", "run", str(QUICKSTART), "--set", f"rounds={ROUNDS}"]
     command += ["--broker", embedded_broker, "--out", str(out), "--processes", "2", "--quiet"]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""}
@@ -37,7 +37,7 @@ def test_quickstart_in_process_equals_the_daemons_round_for_round(
     assert done.returncode == 0, done.stdout + done.stderr
     daemons = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))  # the evaluation's device
+    monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))  # the evaluation's device
     fed = build_local(load_config(QUICKSTART, [f"rounds={ROUNDS}"]), device=torch.device("cpu"))
     local = fed.run()
 

@@ -18,15 +18,15 @@ import pytest
 import torch
 import yaml
 
-import experiments.build
-from coordinator.engine import commands as c
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.tensorboard import INSTALL_HINT
-from experiments.build import build_coordinator, build_nodes
-from experiments.cli import main
-from experiments.config import parse_config
-from fednode.daemon import serve_nodes
-from fednode.metrics import NodeHostMetrics, serve_metrics
+import fedmq.experiments.build
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.metrics import CoordinatorMetrics
+from fedmq.coordinator.tensorboard import INSTALL_HINT
+from fedmq.experiments.build import build_coordinator, build_nodes
+from fedmq.experiments.cli import main
+from fedmq.experiments.config import parse_config
+from fedmq.fednode.daemon import serve_nodes
+from fedmq.fednode.metrics import NodeHostMetrics, serve_metrics
 from tests.helpers import Samples, parse_metrics, value
 from tests.integration.federation import base_config
 
@@ -60,7 +60,7 @@ async def test_metrics_scraped_during_a_run_grow_and_agree_with_the_metrics_line
     """After each metrics line, scrape the coordinator and the node host: rounds completed only grow,
     the nodes have sent at least what the coordinator received; at the end every counter equals what
     metrics.jsonl and summary.json say."""
-    monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))
     cfg = parse_config(base_config(nodes=4, **ENGINES[engine]))
     federation = f"it-{os.urandom(4).hex()}"
     coordinator = build_coordinator(cfg, broker_url, tmp_path / "run", federation=federation)
@@ -167,7 +167,7 @@ def _start_node_host(log: Path, broker: str, config: Path, *node_ids: str) -> su
     ids = [arg for node in node_ids for arg in ("--node-id", node)]
     with log.open("wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "experiments", "node", "--broker", broker, "--config", str(config), *ids,
+            [sys.executable, "-m", "fedmq", "node", "--broker", broker, "--config", str(config), *ids,
              "--metrics", "127.0.0.1:0", "--threads", "1"],
             stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT,
         )  # fmt: skip
@@ -235,7 +235,7 @@ def test_run_with_tensorboard_writes_each_round_into_the_run_directory(tmp_path:
 
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--set", "rounds=3", "--processes", "1",
+        [sys.executable, "-m", "fedmq", "run", str(QUICKSTART), "--set", "rounds=3", "--processes", "1",
          "--quiet", "--tensorboard", "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )  # fmt: skip
@@ -277,8 +277,8 @@ def test_tensorboard_flag_without_tensorboard_exits_2_before_starting_anything(
 def test_coordinator_tensorboard_flag_defaults_to_the_run_directory() -> None:
     """Bare --tensorboard is OUT/tensorboard (what `fedmq run --tensorboard` passes on); with DIR, DIR."""
     pytest.importorskip("tensorboard", reason="coordinator_flags checks it is installed")
-    from experiments.cli import build_parser
-    from experiments.runner import coordinator_flags
+    from fedmq.experiments.cli import build_parser
+    from fedmq.experiments.runner import coordinator_flags
 
     base = ["coordinator", "--broker", "mqtt://x:1", "--config", "e.yaml"]
     parser = build_parser()

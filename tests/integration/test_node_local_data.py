@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.build import save_shard
-from experiments.config import parse_config
+from fedmq.experiments.build import save_shard
+from fedmq.experiments.config import parse_config
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ def _run(fed: Federation, nodes: dict[str, list[str]], env: dict[str, str]) -> d
     """The coordinator, then one node process per id with its extra arguments and this environment."""
     fed.start_coordinator()
     for node_id, extra in nodes.items():
-        command = [sys.executable, "-m", "experiments", "node", "--broker", fed.url, "--config", str(fed.config_path),
+        command = [sys.executable, "-m", "fedmq", "node", "--broker", fed.url, "--config", str(fed.config_path),
                    "--node-id", node_id, "--exit-when-done", "--threads", "1", "--device", "cpu", "-v", *extra]  # fmt: skip
         with (fed.dir / f"{node_id}.log").open("ab") as log:
             fed.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from broker import BusClient, BusConfig, Kind, Message, Topics, decode
-from fedcore.algorithms.fedavg import Hyperparams, NodeHalf
-from fedcore.data import TensorDataset
-from fedcore.models import build_model
-from fedcore.tensors import flatten_groups
-from fedcore.training import TrainSettings
-from fednode.config import NodeConfig
-from fednode.daemon import NodeDaemon
-from fednode.workspace import Workspace
+from fedmq.broker import BusClient, BusConfig, Kind, Message, Topics, decode
+from fedmq.fedcore.algorithms.fedavg import Hyperparams, NodeHalf
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.tensors import flatten_groups
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.workspace import Workspace
 from tests.helpers import next_message
 
 pytestmark = pytest.mark.slow
@@ -146,7 +146,7 @@ async def _trained(node: NodeDaemon, timeout_s: float = 5.0) -> int:
 
 def test_task_messages_decode_with_their_sent_at() -> None:
     """The node measures a task's age from the sent_at it carries, which survives the codec."""
-    from broker import encode
+    from fedmq.broker import encode
 
     message = _task("f", 1, sent_at=1234.5, deadline_s=30)
     assert decode(bytes(encode(message))).sent_at == 1234.5

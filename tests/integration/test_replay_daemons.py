@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine.replay import read_log
-from experiments.replay import trace_of
+from fedmq.coordinator.engine.replay import read_log
+from fedmq.experiments.replay import trace_of
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ RUNS = {
 def _fedmq(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "experiments", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+        [sys.executable, "-m", "fedmq", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
 
 

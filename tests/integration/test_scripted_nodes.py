@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-import experiments.build
-from broker import Topics, decode
-from coordinator.daemon import Coordinator
-from experiments.build import build_coordinator, build_nodes, node_scripts
-from experiments.config import parse_config
-from fednode.daemon import NodeDaemon, serve_nodes
-from fednode.scenario import NodeScript, Transition
+import fedmq.experiments.build
+from fedmq.broker import Topics, decode
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.experiments.build import build_coordinator, build_nodes, node_scripts
+from fedmq.experiments.config import parse_config
+from fedmq.fednode.daemon import NodeDaemon, serve_nodes
+from fedmq.fednode.scenario import NodeScript, Transition
 from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 
@@ -34,8 +34,8 @@ def _build(
 ) -> tuple[Coordinator, list[NodeDaemon]]:
     cfg = parse_config(base_config(nodes=3, **changes))
     federation = f"it-{os.urandom(4).hex()}"
-    monkeypatch.setattr(experiments.build, "node_scripts", lambda _cfg: scripts)
-    monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(fedmq.experiments.build, "node_scripts", lambda _cfg: scripts)
+    monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))
     coordinator = build_coordinator(cfg, url, tmp_path / "run", federation=federation)
     nodes = build_nodes(cfg, url, cfg.node_ids(), federation=federation, exit_when_done=True)
     assert [n.config.script for n in nodes] == [scripts.get(n.node_id, NodeScript()) for n in nodes]

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import experiments.build
-from broker import BusClient, BusConfig, BusError, Kind, Message, Topics
-from broker.credentials import Access
-from broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
-from broker.provision import Provisioned, provision
-from experiments.config import load_config
-from experiments.local import build_local
+import fedmq.experiments.build
+from fedmq.broker import BusClient, BusConfig, BusError, Kind, Message, Topics
+from fedmq.broker.credentials import Access
+from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+from fedmq.broker.provision import Provisioned, provision
+from fedmq.experiments.config import load_config
+from fedmq.experiments.local import build_local
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
@@ -48,7 +48,7 @@ def secure_broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             pytest.skip("mosquitto is not installed")
         proc = start_mosquitto(provisioned.port, config_file=provisioned.mosquitto_conf)
     else:
-        command = [sys.executable, "-m", "experiments", "broker", "--embedded", "--secure", str(provisioned.directory)]
+        command = [sys.executable, "-m", "fedmq", "broker", "--embedded", "--secure", str(provisioned.directory)]
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_for_port("127.0.0.1", provisioned.port, 30.0, proc)
     yield provisioned
@@ -152,7 +152,7 @@ def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
     engine in process with no broker at all."""
     rounds = 8
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "experiments", "run", str(QUICKSTART), "--set", f"rounds={rounds}", "--secure"]
+    command = [sys.executable, "-m", "fedmq", "run", str(QUICKSTART), "--set", f"rounds={rounds}", "--secure"]
     command += ["--out", str(out), "--processes", "2", "--quiet"]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""}
@@ -162,7 +162,7 @@ def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
     assert "listening on mqtts://" in (out / "logs" / "broker.out").read_text()
     daemons = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    monkeypatch.setattr(experiments.build, "best_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))
     local = build_local(load_config(QUICKSTART, [f"rounds={rounds}"]), device=torch.device("cpu")).run()
     assert [(r["selected"], r["train_loss"], r["accuracy"]) for r in daemons] == [
         (r["selected"], r["train_loss"], r["accuracy"]) for r in local
@@ -180,7 +180,7 @@ def test_run_against_a_provisioned_embedded_broker(tmp_path: Path, given: str) -
     out = tmp_path / "run"
     secure = tmp_path / "secure"
     port = free_port()
-    argv = [sys.executable, "-m", "experiments"]
+    argv = [sys.executable, "-m", "fedmq"]
     setup = [*argv, "provision", str(secure), "--config", str(QUICKSTART), "--port", str(port)]
     assert subprocess.run(setup, capture_output=True, timeout=60, cwd=ROOT).returncode == 0
     if given == "folder":

@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 import torch
 
-from broker import BusClient, BusConfig, Kind, Message, Topics
-from broker.mosquitto import free_port, wait_for_port
-from experiments.cli import build_parser
-from fedcore.algorithms.fedavg import Hyperparams, NodeHalf
-from fedcore.data import TensorDataset
-from fedcore.models import build_model
-from fedcore.training import TrainSettings
-from fednode.config import NodeConfig
-from fednode.daemon import NodeDaemon
-from fednode.workspace import Workspace
+from fedmq.broker import BusClient, BusConfig, Kind, Message, Topics
+from fedmq.broker.mosquitto import free_port, wait_for_port
+from fedmq.experiments.cli import build_parser
+from fedmq.fedcore.algorithms.fedavg import Hyperparams, NodeHalf
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model
+from fedmq.fedcore.training import TrainSettings
+from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.workspace import Workspace
 from tests.helpers import next_message
 from tests.integration.daemons import QUICKSTART, ROOT, NotifySocket, fedmq, start, tail, wait_for_line
 from tests.integration.federation import Federation, base_config

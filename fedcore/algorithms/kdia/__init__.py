@@ -36,15 +36,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.algorithms import base, shared
-from fedcore.algorithms.kdia.generator import (
+from fedmq.fedcore.algorithms import base, shared
+from fedmq.fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
     build_generator,
     generator_state,
     train_generator,
 )
-from fedcore.algorithms.kdia.teacher import (
+from fedmq.fedcore.algorithms.kdia.teacher import (
     TEACHER_MODES,
     WEIGHTINGS,
     DiskStore,
@@ -56,11 +56,11 @@ from fedcore.algorithms.kdia.teacher import (
     uploads_from_record,
     weights_from_record,
 )
-from fedcore.data import TensorDataset
-from fedcore.errors import AlgorithmError
-from fedcore.models.base import FedModel
-from fedcore.tensors import cpu_copy
-from fedcore.training import local_sgd
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.models.base import FedModel
+from fedmq.fedcore.tensors import cpu_copy
+from fedmq.fedcore.training import local_sgd
 
 KD_DIRECTIONS = ("forward", "reverse")
 STORES = ("memory", "disk")

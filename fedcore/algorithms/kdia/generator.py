@@ -21,8 +21,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from fedcore.models.base import FedModel
-from fedcore.tensors import StateDict
+from fedmq.fedcore.models.base import FedModel
+from fedmq.fedcore.tensors import StateDict
 
 LEAKY_SLOPE = 0.2
 DIVERSITY_EPS = 1e-5

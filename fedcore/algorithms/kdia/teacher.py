@@ -44,8 +44,8 @@ import safetensors
 import safetensors.torch
 import torch
 
-from fedcore.participation import ParticipationRecord
-from fedcore.tensors import StateDict, cpu_copy
+from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.tensors import StateDict, cpu_copy
 
 logger = logging.getLogger(__name__)
 

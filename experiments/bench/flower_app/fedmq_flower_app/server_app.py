@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from experiments.bench.flower_workload import NodeResult, Workload
+from fedmq.experiments.bench.flower_workload import NodeResult, Workload
 from fedmq_flower_app.task import workload
 
 app = ServerApp()

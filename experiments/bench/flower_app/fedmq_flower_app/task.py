@@ -6,7 +6,7 @@ from functools import cache
 
 import torch
 
-from experiments.bench.flower_workload import Workload
+from fedmq.experiments.bench.flower_workload import Workload
 
 
 @cache
