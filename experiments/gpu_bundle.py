@@ -94,18 +94,19 @@ GPU_PRESENT = (
     "typer",
     "six",
 )
-# The GPU machine's Python: 3.12 on x86-64 Linux (glibc 2.39). pip matches manylinux tags exactly,
-# so every level a wheel on PyPI is commonly tagged with is named.
+# The GPU machine's Python: 3.12 on x86-64 Linux. pip matches manylinux tags exactly and prefers
+# them in the order given, so the glibc levels its image certainly has come first (2.28 and below),
+# the newer ones only as fallbacks for a package that publishes nothing older.
 PIP_PLATFORMS = (
-    "manylinux_2_35_x86_64",
-    "manylinux_2_34_x86_64",
-    "manylinux_2_31_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_24_x86_64",
     "manylinux_2_17_x86_64",
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_35_x86_64",
 )
 PIP_PYTHON_VERSION = "3.12"
 

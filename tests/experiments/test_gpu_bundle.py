@@ -223,6 +223,7 @@ def test_pip_download_command_fetches_binary_cp312_manylinux_wheels_only(tmp_pat
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("--implementation") + 1] == "cp"
     platforms = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--platform"]
     assert "manylinux2014_x86_64" in platforms and all(p.endswith("x86_64") for p in platforms)
+    assert platforms[0] == "manylinux_2_28_x86_64"  # pip prefers the first: a glibc the image surely has
     assert cmd[-4:] == ["-d", str(tmp_path), "cffi==2.1.1", "pydantic==2.14.4"]
 
 
