@@ -40,6 +40,8 @@ computation can reproduce node by node.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -418,6 +420,37 @@ def _adam(
 # -- the round ----------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Buffers:
+    """One step's slice of the plan, at fixed addresses (what a captured graph reads)."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+    count: torch.Tensor
+    draws: list[torch.Tensor]
+    inputs: torch.Tensor | None
+
+    @classmethod
+    def first_of(cls, plan: _Plan) -> _Buffers:
+        return cls(
+            rows=plan.rows[0].clone(),
+            weight=plan.weight[0].clone(),
+            count=plan.count[0].clone(),
+            draws=[d[0].clone() for d in plan.draws],
+            inputs=plan.inputs[0].clone() if plan.inputs is not None else None,
+        )
+
+    def load(self, plan: _Plan, s: int) -> None:
+        """Step `s`'s slice of the plan into the buffers (device to device, no host sync)."""
+        self.rows.copy_(plan.rows[s])
+        self.weight.copy_(plan.weight[s])
+        self.count.copy_(plan.count[s])
+        for buf, d in zip(self.draws, plan.draws, strict=True):
+            buf.copy_(d[s])
+        if self.inputs is not None and plan.inputs is not None:
+            self.inputs.copy_(plan.inputs[s])
+
+
 class _Round:
     """The K nodes' local training as S identical steps over static buffers: each step copies its slice
     of the plan into the buffers (device to device) and runs, eagerly or as one replay of a CUDA graph
@@ -468,46 +501,34 @@ class _Round:
             return objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs))
 
         self.losses_of = vmap(node_loss)
-        # the static buffers every step reads
-        self.cur = {
-            "rows": plan.rows[0].clone(),
-            "weight": plan.weight[0].clone(),
-            "count": plan.count[0].clone(),
-            "draws": [d[0].clone() for d in plan.draws],
-            "inputs": plan.inputs[0].clone() if plan.inputs is not None else None,
-        }
+        self.cur = _Buffers.first_of(plan)
+        """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
         self.seen = torch.zeros(k, dtype=torch.float64, device=device)
 
     def load(self, s: int) -> None:
-        cur, plan = self.cur, self.plan
-        cur["rows"].copy_(plan.rows[s])
-        cur["weight"].copy_(plan.weight[s])
-        cur["count"].copy_(plan.count[s])
-        for buf, d in zip(cur["draws"], plan.draws, strict=True):
-            buf.copy_(d[s])
-        if plan.inputs is not None:
-            cur["inputs"].copy_(plan.inputs[s])
+        self.cur.load(self.plan, s)
 
     def batch(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
         cur = self.cur
-        rows = cur["rows"][:a]
+        rows = cur.rows[:a]
         y = self.y[rows.reshape(-1)].view(rows.shape)
-        if cur["inputs"] is not None:
-            return cur["inputs"][:a], y
-        x = self.x[rows.reshape(-1)]  # type: ignore[index]
+        if cur.inputs is not None:
+            return cur.inputs[:a], y
+        assert self.x is not None  # the plan holds the inputs exactly when the data is not kept
+        x = self.x[rows.reshape(-1)]
         if self.steps:
-            x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur["draws"]], self.normalize)
+            x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.normalize)
         return x.view(*rows.shape, *x.shape[1:]), y
 
     def step(self, a: int) -> None:
         """One optimizer step of the first `a` nodes (all K under a CUDA graph; inactive ones masked)."""
         x, y = self.batch(a)
-        count = self.cur["count"][:a]
+        count = self.cur.count[:a]
         active = (count > 0).to(count.dtype)
         params, state, steps = self.stack.head(a)
         inputs = {n: t[:a] for n, t in self.inputs.items()}
-        grads, losses = _gradients(self.losses_of, params, x, y, self.cur["weight"][:a], count.clamp(min=1), inputs)
+        grads, losses = _gradients(self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs)
         settings = self.settings
         if settings.max_grad_norm is not None:
             _clip(grads, settings.max_grad_norm)
@@ -552,6 +573,21 @@ def _run(round_: _Round, active: Sequence[int], graphs: bool) -> None:
         graph.replay()
 
 
+GRAPHS: ContextVar[str] = ContextVar("fedmq_vectorized_graphs", default="auto")
+"""The CUDA graph mode of `train_vectorized` calls that do not give one (`graph_mode`): a simulation sets
+it for the method's `train_group`, which does not pass it through."""
+
+
+@contextmanager
+def graph_mode(mode: str) -> Iterator[None]:
+    """Run the block with `train_vectorized`'s default `graphs` set to `mode` (auto, on, off)."""
+    token = GRAPHS.set(mode)
+    try:
+        yield
+    finally:
+        GRAPHS.reset(token)
+
+
 def use_graphs(device: torch.device, mode: str = "auto") -> bool:
     """Whether to capture the step as a CUDA graph: `mode` "on" or "off", or "auto" (on a CUDA device)."""
     if mode not in ("auto", "on", "off"):
@@ -567,7 +603,7 @@ def train_vectorized(
     *,
     objective: GroupObjective = cross_entropy_objective,
     inputs: Mapping[str, torch.Tensor] | None = None,
-    graphs: str = "auto",
+    graphs: str | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -575,7 +611,7 @@ def train_vectorized(
     Every draw of the round (each epoch's permutation, each batch's augmentation) is made first, node
     by node from its own generator in `local_sgd`'s order; the steps then run on the device with no
     host synchronisation, and on a CUDA device as replays of one captured graph (`graphs`: auto, on,
-    off). `inputs` holds each node's own tensors for the objective, stacked along dimension 0.
+    off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked along dimension 0.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -604,7 +640,7 @@ def train_vectorized(
             plan = _plan(ordered, settings, [generators[k] for k in order], known, offsets, num_steps, dtype, device)
             round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
-            _run(round_, active, use_graphs(device, graphs))
+            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
         else:
             stack = _Stack.of(model, len(order), settings, device)

@@ -268,7 +268,7 @@ def test_methods_with_their_own_training_refuse_group_training(method: str, reas
     spec = get_algorithm(method)
     half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
     assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
-    with pytest.raises((NotImplementedError, AlgorithmError), match="group|vectorised|overrides"):
+    with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
         half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
 
 
