@@ -156,6 +156,7 @@ def write_local_run(
         "vectorized": fed.vectorize,
         "groups_trained": fed.groups_trained,
         "train_seconds": round(fed.train_seconds, 3),
+        "images_trained": fed.images_trained,
         "train_share": round(fed.train_seconds / wall_s, 3) if wall_s > 0 else None,
     }
     write_run_files(run_dir, summary, fed.engine.participation, NodeRegistry())

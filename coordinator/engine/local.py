@@ -113,6 +113,8 @@ class LocalFederation:
     """CUDA graphs for vectorised steps (fedcore.vectorized.train_vectorized's `graphs`)."""
     groups_trained: int = 0
     """Groups of nodes trained as one computation."""
+    images_trained: int = 0
+    """Node-training images: each trained task's local epochs times its shard."""
     train_seconds: float = 0.0
     """Wall seconds spent training the nodes (the share of a simulation's time its training takes)."""
 
@@ -275,6 +277,7 @@ class LocalFederation:
         grouped = self._train_group(work) if self.vectorize and len(work) > 1 else {}
         self.train_seconds += time.perf_counter() - started
         for spec, payload, settings in work:
+            self.images_trained += settings.local_epochs * len(self.nodes[spec.node].data)
             compute = self.compute_s(spec.node, spec) if self.compute_s is not None else 0.0
             if compute is None:
                 self.dropped += 1
