@@ -42,7 +42,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -181,6 +182,8 @@ class NodeBatch:
     weight: torch.Tensor
     count: torch.Tensor
     inputs: dict[str, torch.Tensor]
+    step: dict[str, torch.Tensor] = field(default_factory=dict)
+    """This node's values drawn for this step (`StepDraws`), one row per sample of the batch."""
 
     def logits(self) -> torch.Tensor:
         """The node's model on its batch."""
@@ -191,8 +194,24 @@ class NodeBatch:
         return (per_sample * self.weight).sum() / self.count
 
 
-GroupObjective = Callable[[NodeBatch], torch.Tensor]
-"""A node's mini-batch loss as a pure function of its `NodeBatch` (see there)."""
+GroupObjective = Callable[[NodeBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+"""A node's mini-batch loss as a pure function of its `NodeBatch` (see there); with a dict of named
+terms beside it, each term is averaged over the node's steps (`TrainStats.terms`)."""
+
+
+class StepDraws(Protocol):
+    """Random values a method's objective draws from the node's generator, besides the batches: once
+    before training (`first`) and with each batch, after its augmentation (`step`). They are drawn into
+    the plan in that order, so they are the values the node's own training draws."""
+
+    def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
+        """What the node draws before its first batch (KDIA: the labels of its generated features)."""
+
+    def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """What step `s` draws for its batch of `rows` samples: tensors of `rows` rows (KDIA: noise, labels)."""
+
+    def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """On the device, every step at once, (S, K, B, ...): what the steps read (KDIA: the features)."""
 
 
 def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -225,6 +244,8 @@ class _Plan:
     """Per random value of the transform (a crop's tops, its lefts, a flip, an angle): (S, K, B)."""
     inputs: torch.Tensor | None
     """(S, K, B, ...) the transformed inputs, for a transform the step does not know how to apply."""
+    step_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """(S, K, B, ...) the objective's own draws (`StepDraws`), prepared on the device."""
 
 
 def _draws_of(
@@ -259,6 +280,7 @@ def _plan(
     num_steps: int,
     dtype: torch.dtype,
     device: torch.device,
+    extra: StepDraws | None = None,
 ) -> _Plan:
     k, b = len(datasets), settings.batch_size
     rows = torch.zeros((num_steps, k, b), dtype=torch.long)
@@ -266,8 +288,10 @@ def _plan(
     count = torch.zeros((num_steps, k), dtype=dtype)
     draws: list[torch.Tensor] = []
     inputs: torch.Tensor | None = None
+    drawn: dict[str, torch.Tensor] = {}
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
     for node, (data, generator) in enumerate(zip(datasets, generators, strict=True)):
+        state = extra.first(data, settings, generator) if extra is not None else None
         for s, idx in enumerate(node_indices(data, settings, generator)):
             m = len(idx)
             idx = idx.cpu()
@@ -281,17 +305,25 @@ def _plan(
                     inputs = torch.zeros((num_steps, k, b, *x.shape[1:]), dtype=x.dtype, device=device)
                 inputs[s, node, :m] = x.to(device)
                 inputs[s, node, m:] = x[:1].to(device)
-                continue
-            for j, values in enumerate(_draws_of(steps, generator, m, shape)):  # type: ignore[arg-type]
-                if j == len(draws):
-                    draws.append(torch.zeros((num_steps, k, b), dtype=values.dtype))
-                draws[j][s, node, :m] = values.cpu()
+            else:
+                for j, values in enumerate(_draws_of(steps, generator, m, shape)):  # type: ignore[arg-type]
+                    if j == len(draws):
+                        draws.append(torch.zeros((num_steps, k, b), dtype=values.dtype))
+                    draws[j][s, node, :m] = values.cpu()
+            if extra is not None:  # the objective's draws come after the batch's, as in its own training
+                for name, values in extra.step(state, s, m, generator).items():
+                    if name not in drawn:
+                        drawn[name] = torch.zeros((num_steps, k, b, *values.shape[1:]), dtype=values.dtype)
+                    drawn[name][s, node, :m] = values.cpu()
+                    drawn[name][s, node, m:] = values[:1].cpu()
+    prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
     return _Plan(
         rows=rows.to(device),
         weight=weight.to(device),
         count=count.to(device),
         draws=[d.to(device) for d in draws],
         inputs=inputs,
+        step_inputs=prepared,
     )
 
 
@@ -357,17 +389,19 @@ def _per_node(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _gradients(
-    losses_of: Callable[..., torch.Tensor], params: dict[str, torch.Tensor], *batch: object
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Each node's gradient and loss. Node k's loss depends on its own slice of the stack only, so the
-    gradient of the sum of the losses is, slice by slice, each node's own gradient; plain autograd
-    through the vmapped forward gives it (torch.func.grad would too, but imports torch._dynamo,
+    losses_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    params: dict[str, torch.Tensor],
+    *batch: object,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """Each node's gradient, loss and named terms. Node k's loss depends on its own slice of the stack
+    only, so the gradient of the sum of the losses is, slice by slice, each node's own gradient; plain
+    autograd through the vmapped forward gives it (torch.func.grad would too, but imports torch._dynamo,
     seconds of start-up)."""
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
-        losses = losses_of(leaves, *batch)
+        losses, terms = losses_of(leaves, *batch)
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
-    return dict(zip(leaves, grads, strict=True)), losses.detach()
+    return dict(zip(leaves, grads, strict=True)), losses.detach(), {n: t.detach() for n, t in terms.items()}
 
 
 def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
@@ -429,6 +463,7 @@ class _Buffers:
     count: torch.Tensor
     draws: list[torch.Tensor]
     inputs: torch.Tensor | None
+    step_inputs: dict[str, torch.Tensor]
 
     @classmethod
     def first_of(cls, plan: _Plan) -> _Buffers:
@@ -438,6 +473,7 @@ class _Buffers:
             count=plan.count[0].clone(),
             draws=[d[0].clone() for d in plan.draws],
             inputs=plan.inputs[0].clone() if plan.inputs is not None else None,
+            step_inputs={n: t[0].clone() for n, t in plan.step_inputs.items()},
         )
 
     def load(self, plan: _Plan, s: int) -> None:
@@ -449,6 +485,8 @@ class _Buffers:
             buf.copy_(d[s])
         if self.inputs is not None and plan.inputs is not None:
             self.inputs.copy_(plan.inputs[s])
+        for name, buf in self.step_inputs.items():
+            buf.copy_(plan.step_inputs[name][s])
 
 
 class _Round:
@@ -497,14 +535,18 @@ class _Round:
             weight: torch.Tensor,
             count: torch.Tensor,
             node_inputs: dict[str, torch.Tensor],
-        ) -> torch.Tensor:
-            return objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs))
+            step: dict[str, torch.Tensor],
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            out = objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step))
+            return out if isinstance(out, tuple) else (out, {})
 
         self.losses_of = vmap(node_loss)
         self.cur = _Buffers.first_of(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
         self.seen = torch.zeros(k, dtype=torch.float64, device=device)
+        self.terms: dict[str, torch.Tensor] = {}
+        """Each named term of the objective, summed over each node's steps."""
 
     def load(self, s: int) -> None:
         self.cur.load(self.plan, s)
@@ -528,7 +570,10 @@ class _Round:
         active = (count > 0).to(count.dtype)
         params, state, steps = self.stack.head(a)
         inputs = {n: t[:a] for n, t in self.inputs.items()}
-        grads, losses = _gradients(self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs)
+        step_inputs = {n: t[:a] for n, t in self.cur.step_inputs.items()}
+        grads, losses, terms = _gradients(
+            self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs
+        )
         settings = self.settings
         if settings.max_grad_norm is not None:
             _clip(grads, settings.max_grad_norm)
@@ -541,6 +586,10 @@ class _Round:
                     _sgd(p, grads[name], state[name], active, settings)
             self.totals[:a] += losses.double() * count.double()
             self.seen[:a] += count.double()
+            for name, value in terms.items():
+                if name not in self.terms:  # created by the first (eager) step, before any graph is captured
+                    self.terms[name] = torch.zeros_like(self.totals)
+                self.terms[name][:a] += value.double() * active.double()
 
 
 WARMUP_STEPS = 3
@@ -603,6 +652,7 @@ def train_vectorized(
     *,
     objective: GroupObjective = cross_entropy_objective,
     inputs: Mapping[str, torch.Tensor] | None = None,
+    draws: StepDraws | None = None,
     graphs: str | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
@@ -611,7 +661,8 @@ def train_vectorized(
     Every draw of the round (each epoch's permutation, each batch's augmentation) is made first, node
     by node from its own generator in `local_sgd`'s order; the steps then run on the device with no
     host synchronisation, and on a CUDA device as replays of one captured graph (`graphs`: auto, on,
-    off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked along dimension 0.
+    off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked
+    along dimension 0; `draws`, what the objective draws from the node's generator besides the batches.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -637,18 +688,21 @@ def train_vectorized(
     model.train()
     try:
         if num_steps > 0:
-            plan = _plan(ordered, settings, [generators[k] for k in order], known, offsets, num_steps, dtype, device)
+            gens = [generators[k] for k in order]
+            plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
+            terms = {name: t.cpu() for name, t in round_.terms.items()}
         else:
+            terms = {}
             stack = _Stack.of(model, len(order), settings, device)
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
-    return _results(model, stack, frozen, order, steps, totals, seen)
+    return _results(model, stack, frozen, order, steps, totals, seen, terms)
 
 
 def _results(
@@ -659,6 +713,7 @@ def _results(
     steps: list[int],
     totals: torch.Tensor,
     seen: torch.Tensor,
+    terms: Mapping[str, torch.Tensor],
 ) -> list[tuple[StateDict, TrainStats]]:
     """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order."""
     keys = list(model.state_dict())
@@ -666,5 +721,7 @@ def _results(
     for pos, k in enumerate(order):
         state = {name: stack.params[name][pos] if name in stack.params else frozen[name] for name in keys}
         n = float(seen[pos])
-        by_node[k] = (state, TrainStats(loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n)))
+        own = {name: float(t[pos]) / steps[k] for name, t in terms.items()} if steps[k] else {}
+        stats = TrainStats(loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own)
+        by_node[k] = (state, stats)
     return [by_node[k] for k in range(len(order))]

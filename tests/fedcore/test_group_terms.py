@@ -30,6 +30,7 @@ CASES: dict[str, dict[str, Any]] = {
     "fedrs": {"alpha": 0.5},
     "fedntd": {"beta": 1.0, "temperature": 2.0},
     "fedgkd": {"gamma": 0.5},
+    "kdia": {"lambda_kd": 0.5, "lambda_gen": 0.5, "kd_direction": "reverse", "noise_dim": 8},
 }
 
 
@@ -56,14 +57,25 @@ def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset
     model = build_model("cnn", datasets[0].input_shape, 10, seed=5).double()
     tensors = {"model": model.state_dict()}
     meta: dict[str, Any] = {}
-    if method == "fedgkd":  # a teacher other than the model, as the buffer's mean would be
+    if method in ("fedgkd", "kdia"):  # a teacher other than the model, as the buffer's mean would be
         tensors["teacher"] = build_model("cnn", datasets[0].input_shape, 10, seed=9).double().state_dict()
         meta["distill"] = True
-    scratch = {}
+    if method == "kdia":  # and a trained generator's weights, with running statistics of its own
+        from fedmq.fedcore.algorithms.kdia.generator import build_generator
+
+        generator = build_generator(params.noise_dim, model).double()
+        with torch.no_grad():
+            for name, t in generator.named_buffers():
+                if name.endswith("running_mean"):
+                    t.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        tensors["generator"] = generator.state_dict()
+        meta["generate"] = True
+    scratch: dict[str, torch.nn.Module] = {}
 
     def spare(key: str, build: Any = None) -> torch.nn.Module:
         if key not in scratch:
-            scratch[key] = build_model("cnn", datasets[0].input_shape, 10, seed=0).double()
+            module = build() if build is not None else build_model("cnn", datasets[0].input_shape, 10, seed=0)
+            scratch[key] = module.double()
         return scratch[key]
 
     return [
@@ -99,7 +111,10 @@ def test_group_term_trains_each_node_as_its_own_objective(digits: TensorDataset,
     moved = []
     for member, payload, baseline in zip(members(method, CASES[method], datasets), grouped, fedavg, strict=True):
         alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
-        assert payload.meta["steps"] == alone.meta["steps"]
+        assert payload.meta["steps"] == alone.meta["steps"] and set(payload.meta) == set(alone.meta)
+        for term in ("kd_loss", "gen_loss"):
+            if term in alone.meta:
+                assert payload.meta[term] == pytest.approx(alone.meta[term], rel=1e-9)
         assert payload.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
         assert difference(payload.tensors["model"], alone.tensors["model"]) < EXACT
         moved.append(difference(payload.tensors["model"], baseline.tensors["model"]))
@@ -109,7 +124,7 @@ def test_group_term_trains_each_node_as_its_own_objective(digits: TensorDataset,
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_group_term_at_the_neutral_setting_is_fedavg(digits: TensorDataset, method: str) -> None:
     neutral = {"fedprox": {"mu": 0.0}, "fedlc": {"tau": 0.0}, "fedrs": {"alpha": 1.0}, "fedntd": {"beta": 0.0},
-               "fedgkd": {"gamma": 0.0}}[method]  # fmt: skip
+               "fedgkd": {"gamma": 0.0}, "kdia": {"lambda_kd": 0.0, "lambda_gen": 0.0}}[method]  # fmt: skip
     datasets = shards(digits)
     group = members(method, neutral, datasets)
     workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
