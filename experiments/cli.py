@@ -290,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
         "  hierarchy  1,000 nodes flat vs in 10 bridged sites: bytes into the central broker, coordinator CPU\n"
         "  train      many simulated nodes trained together (vmap) vs one at a time\n"
+        "  sim        the simulator's node training vs bare PyTorch (eager, CUDA graph, vmap); simulate's share\n"
         "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
         "  node       one node process: start-up time and memory, on the partition and on its own data (--data)\n"
         "  fedsa      FedSA's skew-aware aggregation vs the weighted mean, K = 5 to 50 updates of ResNet-18\n"

@@ -448,6 +448,29 @@ class HostingConfig(_Strict):
     _added_later = ("vectorize", "vectorize_wait_s")
 
 
+class SimulationConfig(_Strict):
+    """How `fedmq simulate` (and `fedmq replay`) trains a round's nodes in its one process."""
+
+    vectorize: Literal["auto"] | bool = Field(
+        "auto",
+        description="train each round's selected nodes (each async wave's) as one vectorised computation where"
+        " the method allows (fedcore.vectorized; equal to one by one within float tolerance): true, false, or"
+        " auto (true with a CUDA device, where it is several times faster; false on a CPU, where one by one is"
+        " as fast and bitwise equal to the daemons)",
+    )
+    graphs: Literal["auto"] | bool = Field(
+        "auto", description="capture each vectorised step as a CUDA graph: auto (with a CUDA device), true, false"
+    )
+
+    def vectorizes(self, device_type: str) -> bool:
+        """Whether nodes train vectorised on a device of this type ("cuda", "cpu")."""
+        return device_type == "cuda" if self.vectorize == "auto" else bool(self.vectorize)
+
+    def graph_mode(self) -> str:
+        """`graphs` as fedcore.vectorized.train_vectorized takes it."""
+        return "auto" if self.graphs == "auto" else ("on" if self.graphs else "off")
+
+
 class StalenessConfig(_Strict):
     """s(tau), the weight of an update tau model versions old (`fedcore.staleness`)."""
 
@@ -553,7 +576,11 @@ class ExperimentConfig(_Strict):
     hierarchy: HierarchyConfig = Field(
         HierarchyConfig(), description="site aggregators between the nodes and the coordinator (default: none)"
     )
-    _added_later = ("engine", "scenario", "compression", "hierarchy")
+    simulation: SimulationConfig = Field(
+        SimulationConfig(),
+        description="how `fedmq simulate` trains the nodes of a round (default: vectorised on a GPU)",
+    )
+    _added_later = ("engine", "scenario", "compression", "hierarchy", "simulation")
 
     @field_validator("faults")
     @classmethod

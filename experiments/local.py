@@ -86,5 +86,7 @@ def build_local(
         compute_s=compute_s or fault_delays(cfg),
         scratch=workspace.scratch,
         event_log=event_log,
+        vectorize=cfg.simulation.vectorizes(device.type),
+        graphs=cfg.simulation.graph_mode(),
         **extra,
     )

@@ -153,6 +153,11 @@ def write_local_run(
         "simulated_per_wall_second": round(simulated / wall_s, 1) if wall_s > 0 else None,
         "tasks_dropped": fed.dropped,
         "updates_lost_in_flight": fed.lost_in_flight,
+        "vectorized": fed.vectorize,
+        "groups_trained": fed.groups_trained,
+        "train_seconds": round(fed.train_seconds, 3),
+        "images_trained": fed.images_trained,
+        "train_share": round(fed.train_seconds / wall_s, 3) if wall_s > 0 else None,
     }
     write_run_files(run_dir, summary, fed.engine.participation, NodeRegistry())
     return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -77,6 +77,8 @@ class TrainStats:
     loss: float
     steps: int
     samples_seen: int
+    terms: dict[str, float] = field(default_factory=dict)
+    """A method's own loss terms, each averaged over the steps (KDIA's kd_loss and gen_loss)."""
 
 
 def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:

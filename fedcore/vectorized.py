@@ -39,8 +39,11 @@ computation can reproduce node by node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -160,13 +163,204 @@ def augment_nodes(
     return x
 
 
+# -- what a node's loss sees inside the vectorised step --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeBatch:
+    """One node's view of a step, inside the map over nodes: its parameters, its padded batch (weight
+    1 for a real sample, 0 for padding), the model every node of the group started from, and the
+    node's own tensors (`inputs`, e.g. its label counts). A `GroupObjective` turns it into the node's
+    mini-batch loss with tensor operations only (no Python branching on values), so that one function
+    serves every node and the whole step can be captured as a CUDA graph."""
+
+    forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+    params: dict[str, torch.Tensor]
+    start: dict[str, torch.Tensor]
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: torch.Tensor
+    count: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    step: dict[str, torch.Tensor] = field(default_factory=dict)
+    """This node's values drawn for this step (`StepDraws`), one row per sample of the batch."""
+
+    def logits(self) -> torch.Tensor:
+        """The node's model on its batch."""
+        return self.forward(self.params, self.x)
+
+    def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-sample quantity over the node's real samples (what F.cross_entropy's mean is)."""
+        return (per_sample * self.weight).sum() / self.count
+
+
+GroupObjective = Callable[[NodeBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+"""A node's mini-batch loss as a pure function of its `NodeBatch` (see there); with a dict of named
+terms beside it, each term is averaged over the node's steps (`TrainStats.terms`)."""
+
+
+class StepDraws(Protocol):
+    """Random values a method's objective draws from the node's generator, besides the batches: once
+    before training (`first`) and with each batch, after its augmentation (`step`). They are drawn into
+    the plan in that order, so they are the values the node's own training draws."""
+
+    def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
+        """What the node draws before its first batch (KDIA: the labels of its generated features)."""
+
+    def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """What step `s` draws for its batch of `rows` samples: tensors of `rows` rows (KDIA: noise, labels)."""
+
+    def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """On the device, every step at once, (S, K, B, ...): what the steps read (KDIA: the features)."""
+
+
+def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-sample cross-entropy, written out: under vmap F.cross_entropy runs a Python decomposition that
+    imports sympy on first use (seconds); the values are the same."""
+    return -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def cross_entropy_objective(batch: NodeBatch) -> torch.Tensor:
+    """FedAvg's objective: the mean cross-entropy over the node's real samples."""
+    return batch.mean(nll(batch.logits(), batch.y))
+
+
+# -- the plan: every draw of the round made before its first step ----------------------------------
+
+
+@dataclass
+class _Plan:
+    """K nodes' batches for all S steps, drawn node by node in `local_sgd`'s order (the epoch's
+    permutation, then each batch's augmentation) and padded to the static shape (S, K, B), so that the
+    steps themselves read nothing from the host."""
+
+    rows: torch.Tensor
+    """(S, K, B) rows of the nodes' concatenated data; padding repeats the node's first row of the batch."""
+    weight: torch.Tensor
+    """(S, K, B): 1 for a real sample, 0 for padding (and for every row of a node with no batch left)."""
+    count: torch.Tensor
+    """(S, K): each node's real samples at each step; 0 once it has no batch left."""
+    draws: list[torch.Tensor]
+    """Per random value of the transform (a crop's tops, its lefts, a flip, an angle): (S, K, B)."""
+    inputs: torch.Tensor | None
+    """(S, K, B, ...) the transformed inputs, for a transform the step does not know how to apply."""
+    step_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """(S, K, B, ...) the objective's own draws (`StepDraws`), prepared on the device."""
+
+
+def _draws_of(
+    steps: Sequence[BatchTransform], generator: torch.Generator, n: int, shape: tuple[int, int]
+) -> list[torch.Tensor]:
+    """The random values a batch of `n` images of `shape` (H, W) takes from `generator` through `steps`,
+    in the order the transforms draw them, on the generator's device."""
+    out: list[torch.Tensor] = []
+    h, w = shape
+    device = generator.device
+    for step in steps:
+        if isinstance(step, RandomCrop):
+            hp, wp = h + 2 * step.padding, w + 2 * step.padding
+            if hp < step.size or wp < step.size:
+                raise ValueError(f"a {step.size}-pixel crop of {hp} x {wp} padded images")
+            out.append((_draw(generator, n, device) * (hp - step.size + 1)).long().clamp_(max=hp - step.size))
+            out.append((_draw(generator, n, device) * (wp - step.size + 1)).long().clamp_(max=wp - step.size))
+            h = w = step.size
+        elif isinstance(step, RandomHorizontalFlip):
+            out.append(_draw(generator, n, device) < step.p)
+        elif isinstance(step, RandomRotation) and step.degrees != 0:
+            out.append((_draw(generator, n, device) * 2 - 1) * step.degrees)
+    return out
+
+
+def _plan(
+    datasets: Sequence[TensorDataset],
+    settings: TrainSettings,
+    generators: Sequence[torch.Generator],
+    steps: Sequence[BatchTransform] | None,
+    offsets: Sequence[int],
+    num_steps: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    extra: StepDraws | None = None,
+) -> _Plan:
+    k, b = len(datasets), settings.batch_size
+    rows = torch.zeros((num_steps, k, b), dtype=torch.long)
+    weight = torch.zeros((num_steps, k, b), dtype=dtype)
+    count = torch.zeros((num_steps, k), dtype=dtype)
+    draws: list[torch.Tensor] = []
+    inputs: torch.Tensor | None = None
+    drawn: dict[str, torch.Tensor] = {}
+    shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
+    for node, (data, generator) in enumerate(zip(datasets, generators, strict=True)):
+        state = extra.first(data, settings, generator) if extra is not None else None
+        for s, idx in enumerate(node_indices(data, settings, generator)):
+            m = len(idx)
+            idx = idx.cpu()
+            rows[s, node, :m] = idx + offsets[node]
+            rows[s, node, m:] = int(idx[0]) + offsets[node]
+            weight[s, node, :m] = 1
+            count[s, node] = m
+            if steps is None:  # a transform of its own: applied here, in the order the node draws
+                x = data.train_batch(idx.to(data.x.device), generator)[0]
+                if inputs is None:
+                    inputs = torch.zeros((num_steps, k, b, *x.shape[1:]), dtype=x.dtype, device=device)
+                inputs[s, node, :m] = x.to(device)
+                inputs[s, node, m:] = x[:1].to(device)
+            else:
+                for j, values in enumerate(_draws_of(steps, generator, m, shape)):  # type: ignore[arg-type]
+                    if j == len(draws):
+                        draws.append(torch.zeros((num_steps, k, b), dtype=values.dtype))
+                    draws[j][s, node, :m] = values.cpu()
+            if extra is not None:  # the objective's draws come after the batch's, as in its own training
+                for name, values in extra.step(state, s, m, generator).items():
+                    if name not in drawn:
+                        drawn[name] = torch.zeros((num_steps, k, b, *values.shape[1:]), dtype=values.dtype)
+                    drawn[name][s, node, :m] = values.cpu()
+                    drawn[name][s, node, m:] = values[:1].cpu()
+    prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
+    return _Plan(
+        rows=rows.to(device),
+        weight=weight.to(device),
+        count=count.to(device),
+        draws=[d.to(device) for d in draws],
+        inputs=inputs,
+        step_inputs=prepared,
+    )
+
+
+def _apply_steps(
+    x: torch.Tensor, steps: Sequence[BatchTransform], draws: Sequence[torch.Tensor], normalize: dict[int, tuple]
+) -> torch.Tensor:
+    """The transform's steps on a flat batch with the values drawn beforehand (`_draws_of`'s order):
+    what each node's own call gives, bitwise, with no draw and no host tensor inside (capturable)."""
+    values = iter(draws)
+    for i, step in enumerate(steps):
+        if isinstance(step, RandomCrop):
+            x = crop_at(pad(x, step.padding, step.padding_mode), next(values), next(values), step.size)
+        elif isinstance(step, RandomHorizontalFlip):
+            x = torch.where(next(values).view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
+        elif isinstance(step, RandomRotation):
+            if step.degrees != 0:
+                x = rotate(x, next(values))
+        elif isinstance(step, Normalize):
+            mean, std = normalize[i]
+            x = (x - mean.to(x.dtype)) / std.to(x.dtype)
+        else:
+            x = step(x, None)  # ToFloat
+    return x
+
+
+# -- the stacked nodes and their optimizer -----------------------------------------------------------
+
+
 @dataclass
 class _Stack:
-    """K nodes' trainable parameters and optimizer state, stacked along dimension 0, longest-training first."""
+    """K nodes' trainable parameters and optimizer state, stacked along dimension 0."""
 
     params: dict[str, torch.Tensor]
     state: dict[str, list[torch.Tensor]]
     """SGD: [momentum buffer]; Adam: [exp_avg, exp_avg_sq]."""
+    step: torch.Tensor
+    """(K,) optimizer steps taken by each node (Adam's bias correction)."""
 
     @classmethod
     def of(cls, model: nn.Module, k: int, settings: TrainSettings, device: torch.device) -> _Stack:
@@ -176,91 +370,38 @@ class _Stack:
             if p.requires_grad
         }
         slots = 2 if settings.optimizer == "adam" else int(settings.momentum != 0)
-        return cls(params, {name: [torch.zeros_like(t) for _ in range(slots)] for name, t in params.items()})
+        state = {name: [torch.zeros_like(t) for _ in range(slots)] for name, t in params.items()}
+        dtype = next(iter(params.values())).dtype if params else torch.float32
+        return cls(params, state, torch.zeros(k, dtype=dtype, device=device))
 
-    def head(self, a: int) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    def head(self, a: int) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]], torch.Tensor]:
         """Views of the first `a` nodes: updating them in place updates the stack."""
-        return {n: t[:a] for n, t in self.params.items()}, {n: [s[:a] for s in v] for n, v in self.state.items()}
+        return (
+            {n: t[:a] for n, t in self.params.items()},
+            {n: [s[:a] for s in v] for n, v in self.state.items()},
+            self.step[:a],
+        )
 
 
-def _loss_fn(model: nn.Module, frozen: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """One node's mean cross-entropy over its real samples (`mask` 1) of a padded batch."""
-
-    def loss(
-        params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor
-    ) -> torch.Tensor:
-        logits = functional_call(model, {**params, **frozen}, (x,))
-        # cross_entropy(reduction="none") written out: under vmap F.cross_entropy runs a Python
-        # decomposition that imports sympy on first use (seconds); the values are the same
-        nll = -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        return (nll * mask).sum() / count
-
-    return loss
+def _per_node(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A (K,) tensor shaped to broadcast over a stacked (K, ...) parameter."""
+    return v.view(-1, *([1] * (like.dim() - 1)))
 
 
 def _gradients(
-    losses_of: Callable[..., torch.Tensor], params: dict[str, torch.Tensor], *batch: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Each node's gradient and loss. Node k's loss depends on its own slice of the stack only, so the
-    gradient of the sum of the losses is, slice by slice, each node's own gradient; plain autograd
-    through the vmapped forward gives it (torch.func.grad would too, but imports torch._dynamo,
+    losses_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    params: dict[str, torch.Tensor],
+    *batch: object,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """Each node's gradient, loss and named terms. Node k's loss depends on its own slice of the stack
+    only, so the gradient of the sum of the losses is, slice by slice, each node's own gradient; plain
+    autograd through the vmapped forward gives it (torch.func.grad would too, but imports torch._dynamo,
     seconds of start-up)."""
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
-        losses = losses_of(leaves, *batch)
+        losses, terms = losses_of(leaves, *batch)
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
-    return dict(zip(leaves, grads, strict=True)), losses.detach()
-
-
-def _concat(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The parts concatenated on `device`. From CPU data to a GPU they are gathered in pinned memory
-    and copied asynchronously (the caching host allocator keeps the buffer until the copy is done)."""
-    first = parts[0]
-    if first.device == device:
-        return torch.cat(list(parts))
-    pin = first.device.type == "cpu" and device.type == "cuda"
-    rows = sum(len(p) for p in parts)
-    out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device, pin_memory=pin)
-    torch.cat(list(parts), out=out)
-    return out.to(device, non_blocking=True)
-
-
-class _Batcher:
-    """Each step's batch of the nodes still training: drawn node by node as `local_sgd` draws it,
-    augmented in one pass when the nodes share a transform `augment_nodes` knows, and padded to
-    ``(nodes, rows, ...)`` with copies of each node's first sample."""
-
-    def __init__(
-        self,
-        datasets: Sequence[TensorDataset],
-        settings: TrainSettings,
-        generators: Sequence[torch.Generator],
-        device: torch.device,
-    ) -> None:
-        self.datasets, self.generators, self.device = datasets, generators, device
-        self.indices = [node_indices(d, settings, g) for d, g in zip(datasets, generators, strict=True)]
-        transform = datasets[0].train_transform
-        plain = all(type(d) is TensorDataset and d.train_transform is transform for d in datasets)
-        self.steps = (known_steps(transform) if transform is not None else []) if plain else None
-        """The shared transform's steps, [] for none; None: each node transforms its own batch."""
-
-    def next(self, active: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The next padded (x, y) of the first `active` nodes, and each one's number of real samples."""
-        nodes = range(active)
-        idx = [next(self.indices[i]) for i in nodes]
-        sizes = [len(i) for i in idx]
-        y = _concat([self.datasets[i].y[idx[i]] for i in nodes], self.device)
-        if self.steps is None:
-            parts = [self.datasets[i].train_batch(idx[i], self.generators[i])[0] for i in nodes]
-            x = _concat(parts, self.device)
-        else:
-            x = _concat([self.datasets[i].x[idx[i]] for i in nodes], self.device)
-            x = augment_nodes(x, sizes, self.steps, self.generators[:active]) if self.steps else x
-        rows = max(sizes)
-        offsets = torch.tensor([0, *sizes[:-1]]).cumsum(0).unsqueeze(1)
-        j = torch.arange(rows).unsqueeze(0)
-        pos = (torch.where(j < torch.tensor(sizes).unsqueeze(1), j, 0) + offsets).to(x.device)
-        return x[pos], y[pos], sizes
+    return dict(zip(leaves, grads, strict=True)), losses.detach(), {n: t.detach() for n, t in terms.items()}
 
 
 def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
@@ -268,30 +409,239 @@ def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
     norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()], dim=1)
     coef = (max_norm / (torch.linalg.vector_norm(norms, dim=1) + _CLIP_EPS)).clamp(max=1.0)
     for g in grads.values():
-        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+        g.mul_(_per_node(coef, g))
 
 
-def _sgd(p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], settings: TrainSettings) -> None:
-    """torch.optim.SGD's step (dampening 0, no Nesterov); a zero buffer makes the first step buf = g exactly."""
+def _sgd(
+    p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], active: torch.Tensor, settings: TrainSettings
+) -> None:
+    """torch.optim.SGD's step (dampening 0, no Nesterov) for the active nodes; the others keep their
+    weights and momentum. A zero buffer makes the first step buf = g exactly, as torch's does."""
+    on = _per_node(active, p)
     if settings.weight_decay != 0:
         g = g.add(p, alpha=settings.weight_decay)
     if settings.momentum != 0:
-        g = state[0].mul_(settings.momentum).add_(g)
-    p.add_(g, alpha=-settings.lr)
+        buf = state[0]
+        buf.copy_(torch.where(on > 0, buf * settings.momentum + g, buf))
+        g = buf
+    p.add_(g * (on * -settings.lr))
 
 
-def _adam(p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], settings: TrainSettings, step: int) -> None:
-    """torch.optim.Adam's step with the default betas and eps, in its single-tensor form (the CPU default; on
-    a GPU torch's foreach form arranges the same arithmetic differently, within rounding); `step` counts from 1."""
+def _adam(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: list[torch.Tensor],
+    active: torch.Tensor,
+    step: torch.Tensor,
+    settings: TrainSettings,
+) -> None:
+    """torch.optim.Adam's step with the default betas and eps, in its single-tensor form, for the active
+    nodes (`step` counts each node's steps from 1; the others keep everything)."""
     beta1, beta2 = _ADAM_BETAS
     exp_avg, exp_avg_sq = state
+    on = _per_node(active, p) > 0
     if settings.weight_decay != 0:
         g = g.add(p, alpha=settings.weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step_size = settings.lr / (1 - beta1**step)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(_ADAM_EPS)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    exp_avg.copy_(torch.where(on, exp_avg.lerp(g, 1 - beta1), exp_avg))
+    exp_avg_sq.copy_(torch.where(on, exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2), exp_avg_sq))
+    # the bias corrections in float64, as torch computes them from its Python step count
+    t = _per_node(step.clamp(min=1).double(), p)
+    step_size = (settings.lr / (1 - beta1**t)).to(p.dtype)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**t).sqrt().to(p.dtype)).add_(_ADAM_EPS)
+    p.copy_(torch.where(on, p.addcmul(exp_avg / denom, -step_size), p))
+
+
+# -- the round ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Buffers:
+    """One step's slice of the plan, at fixed addresses (what a captured graph reads)."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+    count: torch.Tensor
+    draws: list[torch.Tensor]
+    inputs: torch.Tensor | None
+    step_inputs: dict[str, torch.Tensor]
+
+    @classmethod
+    def first_of(cls, plan: _Plan) -> _Buffers:
+        return cls(
+            rows=plan.rows[0].clone(),
+            weight=plan.weight[0].clone(),
+            count=plan.count[0].clone(),
+            draws=[d[0].clone() for d in plan.draws],
+            inputs=plan.inputs[0].clone() if plan.inputs is not None else None,
+            step_inputs={n: t[0].clone() for n, t in plan.step_inputs.items()},
+        )
+
+    def load(self, plan: _Plan, s: int) -> None:
+        """Step `s`'s slice of the plan into the buffers (device to device, no host sync)."""
+        self.rows.copy_(plan.rows[s])
+        self.weight.copy_(plan.weight[s])
+        self.count.copy_(plan.count[s])
+        for buf, d in zip(self.draws, plan.draws, strict=True):
+            buf.copy_(d[s])
+        if self.inputs is not None and plan.inputs is not None:
+            self.inputs.copy_(plan.inputs[s])
+        for name, buf in self.step_inputs.items():
+            buf.copy_(plan.step_inputs[name][s])
+
+
+class _Round:
+    """The K nodes' local training as S identical steps over static buffers: each step copies its slice
+    of the plan into the buffers (device to device) and runs, eagerly or as one replay of a CUDA graph
+    captured from the first steps; losses accumulate on the device."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        datasets: Sequence[TensorDataset],
+        settings: TrainSettings,
+        plan: _Plan,
+        steps: Sequence[BatchTransform] | None,
+        objective: GroupObjective,
+        inputs: dict[str, torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.settings, self.plan, self.steps = settings, plan, steps
+        k = len(datasets)
+        self.stack = _Stack.of(model, k, settings, device)
+        self.frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        self.start = {n: p[0].clone() for n, p in self.stack.params.items()}
+        self.x = torch.cat([d.x.to(device) for d in datasets]) if plan.inputs is None else None
+        self.y = torch.cat([d.y.to(device) for d in datasets])
+        self.inputs = inputs
+        self.normalize = {
+            i: (
+                torch.tensor(step.mean, device=device).view(1, -1, 1, 1),
+                torch.tensor(step.std, device=device).view(1, -1, 1, 1),
+            )
+            for i, step in enumerate(steps or [])
+            if isinstance(step, Normalize)
+        }
+        frozen = self.frozen
+
+        def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, {**params, **frozen}, (x,))
+
+        start = self.start
+
+        def node_loss(
+            params: dict[str, torch.Tensor],
+            x: torch.Tensor,
+            y: torch.Tensor,
+            weight: torch.Tensor,
+            count: torch.Tensor,
+            node_inputs: dict[str, torch.Tensor],
+            step: dict[str, torch.Tensor],
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            out = objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step))
+            return out if isinstance(out, tuple) else (out, {})
+
+        self.losses_of = vmap(node_loss)
+        self.cur = _Buffers.first_of(plan)
+        """The static buffers every step reads."""
+        self.totals = torch.zeros(k, dtype=torch.float64, device=device)
+        self.seen = torch.zeros(k, dtype=torch.float64, device=device)
+        self.terms: dict[str, torch.Tensor] = {}
+        """Each named term of the objective, summed over each node's steps."""
+
+    def load(self, s: int) -> None:
+        self.cur.load(self.plan, s)
+
+    def batch(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cur = self.cur
+        rows = cur.rows[:a]
+        y = self.y[rows.reshape(-1)].view(rows.shape)
+        if cur.inputs is not None:
+            return cur.inputs[:a], y
+        assert self.x is not None  # the plan holds the inputs exactly when the data is not kept
+        x = self.x[rows.reshape(-1)]
+        if self.steps:
+            x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.normalize)
+        return x.view(*rows.shape, *x.shape[1:]), y
+
+    def step(self, a: int) -> None:
+        """One optimizer step of the first `a` nodes (all K under a CUDA graph; inactive ones masked)."""
+        x, y = self.batch(a)
+        count = self.cur.count[:a]
+        active = (count > 0).to(count.dtype)
+        params, state, steps = self.stack.head(a)
+        inputs = {n: t[:a] for n, t in self.inputs.items()}
+        step_inputs = {n: t[:a] for n, t in self.cur.step_inputs.items()}
+        grads, losses, terms = _gradients(
+            self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs
+        )
+        settings = self.settings
+        if settings.max_grad_norm is not None:
+            _clip(grads, settings.max_grad_norm)
+        with torch.no_grad():
+            steps.add_(active)
+            for name, p in params.items():
+                if settings.optimizer == "adam":
+                    _adam(p, grads[name], state[name], active, steps, settings)
+                else:
+                    _sgd(p, grads[name], state[name], active, settings)
+            self.totals[:a] += losses.double() * count.double()
+            self.seen[:a] += count.double()
+            for name, value in terms.items():
+                if name not in self.terms:  # created by the first (eager) step, before any graph is captured
+                    self.terms[name] = torch.zeros_like(self.totals)
+                self.terms[name][:a] += value.double() * active.double()
+
+
+WARMUP_STEPS = 3
+"""Eager steps before a CUDA graph is captured (on a side stream, as torch.cuda.graphs asks), which
+are real steps of the round."""
+
+
+def _run(round_: _Round, active: Sequence[int], graphs: bool) -> None:
+    """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s."""
+    total = len(active)
+    k = len(round_.totals)
+    if not graphs or total <= WARMUP_STEPS + 1:
+        for s in range(total):
+            round_.load(s)
+            round_.step(active[s])
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in range(WARMUP_STEPS):
+            round_.load(s)
+            round_.step(k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    round_.load(WARMUP_STEPS)
+    with torch.cuda.graph(graph):
+        round_.step(k)  # recorded, not run
+    for s in range(WARMUP_STEPS, total):
+        round_.load(s)
+        graph.replay()
+
+
+GRAPHS: ContextVar[str] = ContextVar("fedmq_vectorized_graphs", default="auto")
+"""The CUDA graph mode of `train_vectorized` calls that do not give one (`graph_mode`): a simulation sets
+it for the method's `train_group`, which does not pass it through."""
+
+
+@contextmanager
+def graph_mode(mode: str) -> Iterator[None]:
+    """Run the block with `train_vectorized`'s default `graphs` set to `mode` (auto, on, off)."""
+    token = GRAPHS.set(mode)
+    try:
+        yield
+    finally:
+        GRAPHS.reset(token)
+
+
+def use_graphs(device: torch.device, mode: str = "auto") -> bool:
+    """Whether to capture the step as a CUDA graph: `mode` "on" or "off", or "auto" (on a CUDA device)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"graphs must be auto, on or off, not {mode!r}")
+    return device.type == "cuda" and mode != "off"
 
 
 def train_vectorized(
@@ -299,9 +649,20 @@ def train_vectorized(
     datasets: Sequence[TensorDataset],
     settings: TrainSettings,
     generators: Sequence[torch.Generator],
+    *,
+    objective: GroupObjective = cross_entropy_objective,
+    inputs: Mapping[str, torch.Tensor] | None = None,
+    draws: StepDraws | None = None,
+    graphs: str | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
-    (within float tolerance), as one vectorised computation; `model` itself is left unchanged.
+    on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
+
+    Every draw of the round (each epoch's permutation, each batch's augmentation) is made first, node
+    by node from its own generator in `local_sgd`'s order; the steps then run on the device with no
+    host synchronisation, and on a CUDA device as replays of one captured graph (`graphs`: auto, on,
+    off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked
+    along dimension 0; `draws`, what the objective draws from the node's generator besides the batches.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -315,35 +676,33 @@ def train_vectorized(
     device, dtype = first.device, first.dtype
     steps = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size, settings.drop_last) for d in datasets]
     order = sorted(range(len(datasets)), key=lambda k: -steps[k])  # stable: longest first, then as given
-    stack = _Stack.of(model, len(order), settings, device)
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    losses_of = vmap(_loss_fn(model, frozen))
-    batches = _Batcher([datasets[k] for k in order], settings, [generators[k] for k in order], device)
-    totals = torch.zeros(len(order), dtype=torch.float64, device=device)
-    seen = torch.zeros(len(order), dtype=torch.float64, device=device)
+    ordered = [datasets[k] for k in order]
+    transform = ordered[0].train_transform
+    plain = all(type(d) is TensorDataset and d.train_transform is transform for d in ordered)
+    known = (known_steps(transform) if transform is not None else []) if plain else None
+    sizes = [len(d) for d in ordered]
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
+    num_steps = max(steps)
+    stacked = {name: t[torch.tensor(order, device=t.device)].to(device) for name, t in (inputs or {}).items()}
     was_training = model.training
     model.train()
     try:
-        for s in range(max(steps)):
-            active = sum(1 for k in order if steps[k] > s)
-            x, y, counts = batches.next(active)
-            sizes = torch.tensor(counts, dtype=torch.float64)
-            mask = (torch.arange(x.shape[1]).unsqueeze(0) < sizes.unsqueeze(1)).to(device, dtype)
-            params, state = stack.head(active)
-            grads, losses = _gradients(losses_of, params, x, y, mask, sizes.to(device, dtype))
-            if settings.max_grad_norm is not None:
-                _clip(grads, settings.max_grad_norm)
-            with torch.no_grad():
-                for name, p in params.items():
-                    if settings.optimizer == "adam":
-                        _adam(p, grads[name], state[name], settings, s + 1)
-                    else:
-                        _sgd(p, grads[name], state[name], settings)
-            totals[:active] += losses.detach().double() * sizes.to(device)
-            seen[:active] += sizes.to(device)
+        if num_steps > 0:
+            gens = [generators[k] for k in order]
+            plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
+            round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device)
+            active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
+            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
+            stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
+            terms = {name: t.cpu() for name, t in round_.terms.items()}
+        else:
+            terms = {}
+            stack = _Stack.of(model, len(order), settings, device)
+            frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+            totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
-    return _results(model, stack, frozen, order, steps, totals.cpu(), seen.cpu())
+    return _results(model, stack, frozen, order, steps, totals, seen, terms)
 
 
 def _results(
@@ -354,6 +713,7 @@ def _results(
     steps: list[int],
     totals: torch.Tensor,
     seen: torch.Tensor,
+    terms: Mapping[str, torch.Tensor],
 ) -> list[tuple[StateDict, TrainStats]]:
     """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order."""
     keys = list(model.state_dict())
@@ -361,5 +721,7 @@ def _results(
     for pos, k in enumerate(order):
         state = {name: stack.params[name][pos] if name in stack.params else frozen[name] for name in keys}
         n = float(seen[pos])
-        by_node[k] = (state, TrainStats(loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n)))
+        own = {name: float(t[pos]) / steps[k] for name, t in terms.items()} if steps[k] else {}
+        stats = TrainStats(loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own)
+        by_node[k] = (state, stats)
     return [by_node[k] for k in range(len(order))]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -31,12 +32,13 @@ from fedmq.coordinator.engine.base import Engine
 from fedmq.coordinator.engine.clock import FakeClock
 from fedmq.coordinator.eventlog import EventLog
 from fedmq.coordinator.halfcalls import HalfCalls
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeHalf, Payload, TaskInput
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, GroupMember, NodeHalf, Payload, TaskInput
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
+from fedmq.fedcore.vectorized import graph_mode
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,17 @@ class LocalFederation:
     """Updates that never arrived because their node went offline (or crashed) first."""
     dropped: int = 0
     """Tasks the nodes dropped (`compute_s` said None)."""
+    vectorize: bool = False
+    """Train the nodes a step sends one model to as one vectorised computation (`NodeHalf.train_group`)
+    where their method allows; the others, and every node of a group whose training fails, one by one."""
+    graphs: str = "auto"
+    """CUDA graphs for vectorised steps (fedcore.vectorized.train_vectorized's `graphs`)."""
+    groups_trained: int = 0
+    """Groups of nodes trained as one computation."""
+    images_trained: int = 0
+    """Node-training images: each trained task's local epochs times its shard."""
+    train_seconds: float = 0.0
+    """Wall seconds spent training the nodes (the share of a simulation's time its training takes)."""
 
     def __post_init__(self) -> None:
         self._queue: list[tuple[float, int, e.Event | _Arrival]] = []
@@ -113,6 +126,7 @@ class LocalFederation:
         self._started = False
         self._online: set[str] = set()
         self._epochs: Counter[str] = Counter()
+        self._refusals: dict[type, str | None] = {}
 
     # -- the outside world ---------------------------------------------------------------------------
 
@@ -185,8 +199,17 @@ class LocalFederation:
         commands = self.engine.handle(event, now)
         if self.event_log is not None:
             self.event_log.commands(commands)
+        tasks: list[c.SendTask] = []  # a step's tasks, trained together where they can be
         for command in commands:
+            if isinstance(command, c.SendTask):
+                tasks.append(command)
+                continue
+            if tasks:
+                self._train_all(tasks)
+                tasks = []
             self._execute(command)
+        if tasks:
+            self._train_all(tasks)
 
     @property
     def _calls(self) -> HalfCalls:
@@ -234,34 +257,107 @@ class LocalFederation:
 
     def _train(self, command: c.SendTask) -> None:
         """The node trains now on what it was sent; its update arrives after its compute time."""
+        self._train_all([command])
+
+    def _take(self, command: c.SendTask) -> tuple[c.TaskSpec, Payload, TrainSettings]:
         step = self._steps[command.step]
         spec = step.tasks.pop(command.node)
         payload = step.payloads.pop(command.node)
         if not step.tasks:
             del self._steps[command.step]
-        compute = self.compute_s(spec.node, spec) if self.compute_s is not None else 0.0
-        if compute is None:
-            self.dropped += 1
-            return
-        message = self.produce(spec, payload, step.settings, compute)
-        arrives = self.clock.now() + compute
-        event = e.UpdateArrived(message, arrives)
-        self.at(arrives, _Arrival(event, spec.node, self._epochs[spec.node]))
+        return spec, payload, step.settings
 
-    def produce(self, spec: c.TaskSpec, payload: Payload, settings: TrainSettings, compute: float) -> Message:
-        """The update `spec.node` sends for `spec` (or its report that training failed)."""
-        node = self.nodes[spec.node]
-        task = TaskInput(
+    def _train_all(self, commands: list[c.SendTask]) -> None:
+        """Each commanded node trains on what it was sent; each update arrives after its node's compute
+        time, scheduled in the order of the commands. With `vectorize`, the tasks of one engine answer
+        train as one group, those the nodes then drop included: the group (and so the rounding of its
+        sums) is what the engine sent, which a replay of the event log can rebuild."""
+        started = time.perf_counter()
+        work = [self._take(command) for command in commands]
+        grouped = self._train_group(work) if self.vectorize and len(work) > 1 else {}
+        self.train_seconds += time.perf_counter() - started
+        for spec, payload, settings in work:
+            self.images_trained += settings.local_epochs * len(self.nodes[spec.node].data)
+            compute = self.compute_s(spec.node, spec) if self.compute_s is not None else 0.0
+            if compute is None:
+                self.dropped += 1
+                continue
+            started = time.perf_counter()
+            message = self.produce(spec, payload, settings, compute, trained=grouped.get(spec.node))
+            self.train_seconds += time.perf_counter() - started
+            arrives = self.clock.now() + compute
+            event = e.UpdateArrived(message, arrives)
+            self.at(arrives, _Arrival(event, spec.node, self._epochs[spec.node]))
+
+    def _task(self, spec: c.TaskSpec, payload: Payload, settings: TrainSettings) -> TaskInput:
+        return TaskInput(
             node_id=spec.node,
             round=spec.round,
             payload=payload,
             settings=settings,
             **({"scratch": self.scratch} if self.scratch is not None else {}),
         )
-        generator = torch_generator(self.seed, "node-train", spec.node, spec.round, spec.attempt)
+
+    def _generator(self, spec: c.TaskSpec) -> torch.Generator:
+        return torch_generator(self.seed, "node-train", spec.node, spec.round, spec.attempt)
+
+    def _groupable(self, half: NodeHalf) -> bool:
+        """Whether nodes of this half's class train in groups with the workspace model (why not: logged once)."""
+        kind = type(half)
+        if kind not in self._refusals:
+            reason = self._refusals[kind] = half.group_refusal(self.workspace)
+            if reason is not None:
+                logger.warning("simulation.vectorize: nodes train one by one: %s", reason)
+        return self._refusals[kind] is None
+
+    def _train_group(self, work: list[tuple[c.TaskSpec, Payload, TrainSettings]]) -> dict[str, Payload]:
+        """The outputs of the nodes that share one model, method and settings, trained as one group;
+        {} when they cannot be (each then trains alone)."""
+        spec, payload, settings = work[0]
+        half = self.nodes[spec.node].half
+        same = all(
+            p is payload and s == settings and type(self.nodes[t.node].half) is type(half) for t, p, s in work
+        )  # a step sends its nodes one shared payload unless the method personalises them
+        if not same or not self._groupable(half):
+            return {}
+        members = [
+            GroupMember(
+                half=self.nodes[t.node].half,
+                task=self._task(t, p, s),
+                data=self.nodes[t.node].data,
+                generator=self._generator(t),
+            )
+            for t, p, s in work
+        ]
+        try:
+            with graph_mode(self.graphs):
+                updates = half.train_group(members, self.workspace)
+        except Exception as exc:  # as the daemons' group trainer: every member then trains alone
+            logger.error("training a group of %d failed, each trains alone: %r", len(members), exc, exc_info=exc)
+            return {}
+        self.groups_trained += 1
+        return {t.node: u for (t, _, _), u in zip(work, updates, strict=True)}
+
+    def produce(
+        self,
+        spec: c.TaskSpec,
+        payload: Payload,
+        settings: TrainSettings,
+        compute: float,
+        *,
+        trained: Payload | None = None,
+    ) -> Message:
+        """The update `spec.node` sends for `spec` (or its report that training failed); `trained`: its
+        training's output when its group trained it already."""
+        node = self.nodes[spec.node]
+        task = self._task(spec, payload, settings)
         compression = self.engine.config.compression  # the nodes compress as the coordinator expects
         try:
-            out = node.half.train(task, self.workspace, node.data, generator)
+            out = (
+                trained
+                if trained is not None
+                else node.half.train(task, self.workspace, node.data, self._generator(spec))
+            )
             arrays = compress_update(flatten_groups(out.tensors), compression, payload.tensors)
         except Exception as exc:  # the node reports it, as the daemon's node does
             logger.warning("%s's training for round %d failed: %r", spec.node, spec.round, exc)

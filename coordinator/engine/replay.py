@@ -73,6 +73,7 @@ class _Sent:
     spec: c.TaskSpec
     payload: Payload
     settings: TrainSettings
+    step: int
 
 
 @dataclass
@@ -180,6 +181,12 @@ class Replay(LocalFederation):
         self._configured: set[int] = set()
         self._results: dict[int, e.Aggregated | e.Evaluated] = {}
         self._cache: OrderedDict[tuple[bytes, str], tuple[str, dict[str, Any], Message]] = OrderedDict()
+        self._group_of: dict[tuple[bytes, str], list[tuple[bytes, str]]] = {}
+        """With `vectorize`: each sent task's group, the tasks of one engine answer (as the run trained them)."""
+        self._trained_ahead: dict[tuple[bytes, str], Message] = {}
+        self._sent_keys: dict[tuple[int, str], tuple[bytes, str]] = {}
+        """(step, node) -> the key of the task sent (the last one: a step sends a node one task)."""
+        """Updates trained with their group before the log says they arrived."""
         self._line = 0
         if any(x.data.get("ev") == "NodeSeen" and "num_samples" not in x.data for x in self.entries):
             # recorded before announced counts were logged (and checked): replay it as it ran, unchecked
@@ -209,6 +216,7 @@ class Replay(LocalFederation):
                 break  # the log was cut while the engine's last answer was being written: it ends here
             for command in commands:
                 self._execute(command)
+            self._note_group([command for command in commands if isinstance(command, c.SendTask)])
             self.report.events += 1
         self.report.complete = self.engine.finished
         self.report.final_model_sha256 = model_sha256(self.half.model)
@@ -310,12 +318,16 @@ class Replay(LocalFederation):
         node = key[1]
         cached = self._cache.get(key)
         if cached is None:
-            sent = self._sent.pop(key, None)
-            if sent is None:
-                raise ReplayMismatch(
-                    entry.line, f"an update for task {key[0].hex()} that the replay never sent to this node", node=node
-                )
-            produced = self.produce(sent.spec, sent.payload, sent.settings, 0.0)
+            produced = self._trained_ahead.pop(key, None)  # trained with its group already
+            if produced is None:
+                sent = self._sent.pop(key, None)
+                if sent is None:
+                    raise ReplayMismatch(
+                        entry.line,
+                        f"an update for task {key[0].hex()} that the replay never sent to this node",
+                        node=node,
+                    )
+                produced = self._produce_with_group(key, sent)
             if "failed" in produced.meta:
                 raise ReplayMismatch(entry.line, f"training failed in the replay: {produced.meta['failed']}", node=node)
             cached = (arrays_sha256(produced.tensors), dict(produced.meta.get("payload", {})), produced)
@@ -340,6 +352,29 @@ class Replay(LocalFederation):
         self.report.updates += 1
         return produced.tensors
 
+    def _note_group(self, tasks: list[c.SendTask]) -> None:
+        """The tasks of one engine answer train as one group when `vectorize` is on, as `_train_all` does."""
+        if not self.vectorize or len(tasks) < 2:
+            return
+        keys = [key for t in tasks if (key := self._sent_keys.pop((t.step, t.node), None)) is not None]
+        for key in keys:
+            self._group_of[key] = keys
+
+    def _produce_with_group(self, key: tuple[bytes, str], sent: _Sent) -> Message:
+        """`key`'s update, trained with its group (whose other updates wait in `_trained_ahead`) or alone."""
+        keys = self._group_of.pop(key, None)
+        if keys is None:
+            return self.produce(sent.spec, sent.payload, sent.settings, 0.0)
+        members = {k: sent if k == key else self._sent.pop(k) for k in keys if k == key or k in self._sent}
+        for k in keys:
+            self._group_of.pop(k, None)
+        work = [(s.spec, s.payload, s.settings) for s in members.values()]
+        trained = self._train_group(work)
+        for k, s in members.items():
+            if k != key:
+                self._trained_ahead[k] = self.produce(s.spec, s.payload, s.settings, 0.0, trained=trained.get(k[1]))
+        return self.produce(sent.spec, sent.payload, sent.settings, 0.0, trained=trained.get(key[1]))
+
     # -- commands: the half's calls run now, their results wait for their recorded turn -------------------
 
     def _execute(self, command: c.Command) -> None:
@@ -349,7 +384,8 @@ class Replay(LocalFederation):
             shared = _clone(payload) if isinstance(payload, Payload) else None  # as the wire copies it
             for t in command.tasks:
                 sent = shared if shared is not None else _clone(payload[t.node])  # type: ignore[index]
-                self._sent[(t.task, t.node)] = _Sent(t, sent, settings)
+                self._sent[(t.task, t.node)] = _Sent(t, sent, settings, command.step)
+                self._sent_keys[(command.step, t.node)] = (t.task, t.node)
             self._configured.add(command.step)
         elif isinstance(command, c.Aggregate):
             aggregated, records = self._calls.aggregate(command)

@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "scale": "fedmq.experiments.bench.scale",
     "hierarchy": "fedmq.experiments.bench.hierarchy",
     "train": "fedmq.experiments.bench.training",
+    "sim": "fedmq.experiments.bench.simulator",
     "async": "fedmq.experiments.bench.asynchrony",
     "node": "fedmq.experiments.bench.node",
     "fedsa": "fedmq.experiments.bench.fedsa",

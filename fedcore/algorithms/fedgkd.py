@@ -44,6 +44,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.tensors import StateDict, cpu_copy
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, nll
 
 BUFFER = "buffer/"
 """Prefix of the buffered models in `CoordinatorHalf.state_dict`: ``buffer/{i}/{name}``, oldest first."""
@@ -161,6 +162,25 @@ class NodeHalf(shared.LossTermNode):
             return F.cross_entropy(logits, y) + weight * distillation_loss(logits, teacher_logits, tau)
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        distill = shared.task_flag(task, "distill", node_id=self.node_id)
+        if not distill or self.hp.gamma == 0.0:
+            return None
+        teacher_model = shared.frozen_model(task, "fedgkd-teacher", "teacher", node_id=self.node_id)
+        device = next(model.parameters()).device
+        # the teacher is the task's, the same for every member of the group: captured, not an input
+        teacher = {name: p.detach().to(device) for name, p in teacher_model.named_parameters()}
+        weight, tau = self.hp.kd_weight, self.hp.temperature
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            logits = batch.logits()
+            teacher_logits = batch.forward({n: teacher[n] for n in batch.params}, batch.x).detach()
+            s = F.log_softmax(logits / tau, dim=-1)
+            t = F.log_softmax(teacher_logits / tau, dim=-1)
+            return batch.mean(nll(logits, batch.y)) + weight * batch.mean((t.exp() * (t - s)).sum(-1))
+
+        return shared.GroupTerm(objective)
 
 
 SPEC = base.AlgorithmSpec(name="fedgkd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, nll
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +95,17 @@ class NodeHalf(shared.LossTermNode):
             return calibrated_cross_entropy(m(x), y, offsets)
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        if self.hp.tau == 0.0:
+            return None
+        counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            logits = batch.logits()
+            return batch.mean(nll(logits + batch.inputs["offsets"].to(logits.dtype), batch.y))
+
+        return shared.GroupTerm(objective, {"offsets": fedlc_offsets(counts, self.hp.tau)})
 
 
 SPEC = base.AlgorithmSpec(name="fedlc", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

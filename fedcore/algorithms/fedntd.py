@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, nll
 
 KD_SCALES = ("plain", "tau2")
 
@@ -89,6 +90,18 @@ def ntd_loss(
     )
 
 
+def not_true_per_sample(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, tau: float) -> torch.Tensor:
+    """Each sample's KL(q~^g_tau || q~^l_tau) over its not-true classes: `ntd_loss` before the batch
+    mean, with the true class left out by a gather (a fixed shape, which a map over nodes needs)
+    instead of a boolean mask."""
+    classes = student.shape[-1]
+    others = torch.arange(classes - 1, device=student.device)
+    keep = others + (others >= y.unsqueeze(-1)).long()  # (B, C - 1): every class but the true one, in order
+    s = F.log_softmax(student.gather(-1, keep) / tau, dim=-1)
+    t = F.log_softmax(teacher.detach().gather(-1, keep) / tau, dim=-1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
 CoordinatorHalf = shared.AveragingCoordinator
 """FedAvg's server: the global model is the sample-weighted average of the updates."""
 
@@ -110,6 +123,19 @@ class NodeHalf(shared.LossTermNode):
             return F.cross_entropy(logits, y) + weight * ntd_loss(logits, teacher_logits, y, tau)
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        if self.hp.beta == 0.0:
+            return None
+        weight, tau = self.hp.kd_weight, self.hp.temperature
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            logits = batch.logits()
+            teacher = batch.forward(batch.start, batch.x).detach()  # the global model w^t
+            ntd = not_true_per_sample(logits, teacher, batch.y, tau)
+            return batch.mean(nll(logits, batch.y)) + weight * batch.mean(ntd)
+
+        return shared.GroupTerm(objective)
 
 
 SPEC = base.AlgorithmSpec(name="fedntd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, cross_entropy_objective
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +68,18 @@ class NodeHalf(shared.LossTermNode):
             return F.cross_entropy(m(x), y) + proximal_term(params, anchor, mu)
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        mu = self.hp.mu
+        if mu == 0.0:
+            return None
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            # w^t is the model every member started from: batch.start
+            anchor = [batch.start[name] for name in batch.params]
+            return cross_entropy_objective(batch) + proximal_term(list(batch.params.values()), anchor, mu)
+
+        return shared.GroupTerm(objective)
 
 
 SPEC = base.AlgorithmSpec(name="fedprox", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, nll
 
 SCALINGS = ("hard", "proportional")
 
@@ -90,6 +91,17 @@ class NodeHalf(shared.LossTermNode):
             return restricted_cross_entropy(m(x), y, scales)
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        if self.hp.alpha == 1.0:
+            return None
+        counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            logits = batch.logits()
+            return batch.mean(nll(logits * batch.inputs["scales"].to(logits.dtype), batch.y))
+
+        return shared.GroupTerm(objective, {"scales": restriction_scales(counts, self.hp.alpha, self.hp.scaling)})
 
 
 SPEC = base.AlgorithmSpec(name="fedrs", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -21,6 +21,7 @@ import logging
 import math
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -31,6 +32,7 @@ from fedmq.fedcore.algorithms import base
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
+from fedmq.fedcore.vectorized import GroupObjective, cross_entropy_objective, train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +163,24 @@ class AveragingCoordinator(base.CoordinatorHalf):
         return base.Payload(tensors=tensors, meta=meta), sum(u.num_samples for u in updates)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupTerm:
+    """A method's objective in the form the vectorised trainer maps over a group of nodes
+    (`fedcore.vectorized.NodeBatch`): one pure function for every member, and each member's own
+    tensors (label counts, offsets) in `inputs`. What the task gives every member alike (the global
+    model, a teacher sent with it) may be captured by the function: the members share one task."""
+
+    objective: GroupObjective
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class LossTermNode(base.NodeHalf):
     """FedAvg's local training on the method's own per-batch objective: load the global model, set
     up the objective (`objective`), train (`fit`), keep what the method keeps (`trained`), return
-    the model with the loss and step count."""
+    the model with the loss and step count.
+
+    A subclass that also writes its objective as a `GroupTerm` (`group_term`) trains a group of
+    nodes that received the same task as one vectorised computation (`train_group`)."""
 
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
@@ -186,6 +202,47 @@ class LossTermNode(base.NodeHalf):
         """Called with the trained `model` after training on the method's own objective (not at the
         neutral setting): for a method that keeps something of it (MOON's previous models)."""
 
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> GroupTerm | None:
+        """`objective` as a `GroupTerm`, set up from the global model just loaded into `model`; None at
+        the method's neutral setting (the cross-entropy). A subclass that defines it must give, for
+        every node, what `objective` gives within float tolerance (tests/fedcore/test_group_terms.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no vectorised form of its objective")
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once: each member's `group_term`, one vectorised local SGD."""
+        reason = self.group_refusal(model)
+        if reason is not None:
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        load_group(first.task, "model", model, node_id=first.half.node_id)
+        terms = [m.half.group_term(m.task, model, m.data) for m in members]  # type: ignore[attr-defined]
+        neutral = terms[0] is None
+        if any((t is None) != neutral for t in terms):
+            raise ValueError("members of one group disagree on whether the method's term applies")
+        objective = cross_entropy_objective if neutral else terms[0].objective
+        names = [] if neutral else list(terms[0].inputs)
+        inputs = {name: torch.stack([t.inputs[name] for t in terms]) for name in names}  # type: ignore[union-attr]
+        results = train_vectorized(
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members],
+            objective=objective, inputs=inputs,
+        )  # fmt: skip
+        return [
+            base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
+            for state, stats in results
+        ]
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        """A subclass trains in groups when it writes its objective as a `GroupTerm` and keeps the
+        template's training (`train`, `fit`) and keeps nothing of the trained model (`trained`)."""
+        cls = type(self)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        for hook in ("train", "fit", "trained", "train_group"):
+            if _owner(cls, hook) is not LossTermNode:
+                return f"{name} overrides {hook}, which group training does not reproduce"
+        if _owner(cls, "group_term") is LossTermNode:
+            return f"{name} has no vectorised form of its objective (group_term)"
+        return unsupported(model)
+
     def fit(
         self,
         model: nn.Module,
@@ -198,6 +255,11 @@ class LossTermNode(base.NodeHalf):
         if objective is None:
             return local_sgd(model, data, settings, generator)
         return local_sgd(model, data, settings, generator, loss_fn=objective)
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class of `cls`'s MRO that defines `name`."""
+    return next(c for c in cls.__mro__ if name in vars(c))
 
 
 def frozen_model(task: base.TaskInput, key: str, group: str, *, node_id: str) -> nn.Module:

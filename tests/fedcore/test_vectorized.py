@@ -252,14 +252,23 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
         assert payload.tensors["model"]["classifier.3.bias"].data_ptr() != workspace.classifier[3].bias.data_ptr()
 
 
-@pytest.mark.parametrize("method", ["fedprox", "moon", "scaffold", "feddisco"])
-def test_methods_with_their_own_training_refuse_group_training(method: str) -> None:
-    """Methods with extra loss terms or extra update content, including FedDisco, which subclasses
-    FedAvg's node half and changes `train`, never inherit group training."""
+@pytest.mark.parametrize(
+    ("method", "reason"),
+    [
+        ("moon", "overrides trained"),  # keeps its previous models
+        ("scaffold", "no group form"),
+        ("feddisco", "no group form"),  # subclasses FedAvg's node half and changes `train`
+        ("fedrcl", "overrides fit"),
+        ("fedvls", "no vectorised form"),
+    ],
+)
+def test_methods_with_their_own_training_refuse_group_training(method: str, reason: str) -> None:
+    """Methods with extra update content, state kept across rounds, training of their own or an
+    objective not written as a GroupTerm never inherit group training."""
     spec = get_algorithm(method)
     half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
-    assert "no group form" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
-    with pytest.raises((NotImplementedError, AlgorithmError), match="group"):
+    assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
+    with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
         half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
 
 

@@ -40,6 +40,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
+    _Classify,
     build_generator,
     generator_state,
     train_generator,
@@ -60,7 +61,8 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.tensors import cpu_copy
-from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
 
 KD_DIRECTIONS = ("forward", "reverse")
 STORES = ("memory", "disk")
@@ -428,6 +430,62 @@ class NodeHalf(base.NodeHalf):
                 meta["gen_loss"] = terms["gen"] / stats.steps
         return base.Payload(tensors={"model": model.state_dict()}, meta=meta)
 
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once (`fedcore.vectorized`): the same objective as a pure
+        function of each node's batch, its generated labels and noise drawn into the plan in the order
+        `train` draws them, the generator's features computed for every step at once on the device."""
+        first = base.same_task(members)
+        task = first.task
+        shared.load_group(task, "model", model, node_id=first.half.node_id)
+        distill = shared.task_flag(task, "distill", node_id=self.node_id, default=False) and self.hp.lambda_kd > 0
+        generate = shared.task_flag(task, "generate", node_id=self.node_id, default=False) and self.hp.lambda_gen > 0
+        device = next(model.parameters()).device
+        teacher = None
+        if distill:
+            teacher = {n: p.detach().to(device) for n, p in self._teacher(task).named_parameters()}
+        draws = _GeneratedDraws(self._generator(task, model), self.hp.noise_dim) if generate else None
+        head = _Classify(model)  # type: ignore[arg-type]
+        hp = self.hp
+
+        def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            logits = batch.logits()
+            loss = batch.mean(nll(logits, batch.y))  # l_CE
+            terms: dict[str, torch.Tensor] = {}
+            if teacher is not None:
+                teacher_logits = batch.forward({n: teacher[n] for n in batch.params}, batch.x).detach()
+                kd = batch.mean(_kd_per_sample(logits, teacher_logits, hp.temperature, hp.kd_direction))
+                kd = kd * hp.temperature**2 if hp.kd_tau2_scale else kd
+                loss = loss + hp.lambda_kd * kd
+                terms["kd"] = kd
+            if draws is not None:
+                params = {f"model.{n}": p for n, p in batch.params.items()}
+                head_logits = torch.func.functional_call(head, params, (batch.step["features"],))
+                gen = batch.mean(nll(head_logits, batch.step["y_gen"]))  # through the head only
+                loss = loss + hp.lambda_gen * gen
+                terms["gen"] = gen
+            return loss, terms
+
+        results = train_vectorized(
+            model, [m.data for m in members], task.settings, [m.generator for m in members],
+            objective=objective, draws=draws,
+        )  # fmt: skip
+        payloads = []
+        for _, stats in results:
+            meta: dict[str, Any] = {"loss": stats.loss, "steps": stats.steps}
+            if stats.steps:
+                if teacher is not None:
+                    meta["kd_loss"] = stats.terms["kd"]
+                if draws is not None:
+                    meta["gen_loss"] = stats.terms["gen"]
+            payloads.append(meta)
+        return [
+            base.Payload(tensors={"model": state}, meta=meta)
+            for (state, _), meta in zip(results, payloads, strict=True)
+        ]
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        return super().group_refusal(model) or unsupported(model)
+
     def _teacher(self, task: base.TaskInput) -> nn.Module:
         teacher = task.scratch("kdia-teacher")
         shared.load_group(task, "teacher", teacher, node_id=self.node_id)
@@ -450,6 +508,49 @@ class NodeHalf(base.NodeHalf):
                 f"task carries no usable generator: {exc}", node_id=self.node_id, round=task.round
             ) from exc
         return module.eval()  # BatchNorm on its running statistics, as on the code's clients
+
+
+def _kd_per_sample(student: torch.Tensor, teacher: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
+    """`kd_loss` before its batch mean: each sample's KL at temperature tau, summed over classes."""
+    log_q = F.log_softmax(student / temperature, dim=-1)
+    log_p = F.log_softmax(teacher.detach() / temperature, dim=-1)
+    if direction == "forward":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if direction == "reverse":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    raise ValueError(f"direction must be one of {KD_DIRECTIONS}, got {direction!r}")
+
+
+class _GeneratedDraws:
+    """KDIA's draws besides the batches (`fedcore.vectorized.StepDraws`), as `NodeHalf.train` makes them:
+    the generated labels before training, each step's noise after its batch; then the frozen generator's
+    features for every step at once."""
+
+    def __init__(self, generator: FeatureGenerator, noise_dim: int) -> None:
+        self.generator, self.noise_dim = generator, noise_dim
+
+    def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
+        labels = generated_labels(
+            len(data), settings.batch_size, settings.local_epochs, self.generator.num_classes, generator
+        )
+        return labels, batch_offsets(len(data), settings.batch_size), len(data)
+
+    def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        assert isinstance(state, tuple)
+        labels: torch.Tensor = state[0]
+        starts: list[int] = state[1]
+        n: int = state[2]
+        epoch, batch = divmod(s, len(starts))
+        offset = epoch * n + starts[batch]
+        z = torch.randn(rows, self.noise_dim, 1, 1, generator=generator, device=generator.device)
+        return {"y_gen": labels[offset : offset + rows], "z": z}
+
+    @torch.no_grad()
+    def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        y_gen, z = drawn["y_gen"], drawn["z"]
+        device = next(self.generator.parameters()).device
+        features = self.generator(z.reshape(-1, self.noise_dim, 1, 1).to(device), y_gen.reshape(-1).to(device))
+        return {"y_gen": y_gen, "features": features.view(*y_gen.shape, *features.shape[1:])}
 
 
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,406 @@
+"""The simulator's node training against bare-PyTorch references on the same workload, and
+`fedmq simulate` end to end.
+
+KDIA's node workload (issue 28): the MOON CNN on CIFAR-shaped uint8 images (synthetic, clearly not
+CIFAR), a random crop with padding 4 and a flip drawn per image, batch 64, SGD lr 0.01 momentum 0.9;
+K nodes of equal shards (448 or 512 images: whole batches, so that every path takes the same steps).
+Timed in the same run, each as node-training images per second:
+
+- the simulator one by one (`local_sgd` per node: what `fedmq simulate` does with
+  simulation.vectorize false, and the daemons by default);
+- the simulator vectorised (`fedcore.vectorized.train_vectorized`: every draw first, then static
+  steps, replays of a CUDA graph on a GPU);
+- bare-PyTorch references with no framework around them: a plain eager loop per node (torch.optim.SGD,
+  indices and augmentation drawn on the device, no host sync), the same loop with its step captured
+  once as a CUDA graph, `torch.func.vmap` over the nodes (stacked parameters, SGD written out), and
+  that vmap step captured as a CUDA graph. On a CPU only the eager references apply.
+
+The figures are ratios to the best reference of the same case. Then `fedmq simulate` of the
+quickstart: the share of its wall time spent training and its images per second over the whole run.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.nn import functional as F
+
+from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
+from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
+from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.models import build_model, count_parameters
+from fedmq.fedcore.training import TrainSettings, torch_threads
+from fedmq.fedcore.transforms import crop_at, pad
+from fedmq.fedcore.vectorized import train_vectorized
+
+TITLE = "simulator node training vs bare PyTorch (eager, CUDA graph, vmap, vmap + graph); fedmq simulate's share"
+
+MEAN = (0.5, 0.5, 0.5)
+STD = (0.25, 0.25, 0.25)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    k: int
+    size: int
+    epochs: int
+
+    @property
+    def settings(self) -> TrainSettings:
+        return TrainSettings(**{**KDIA_SETTINGS.to_meta(), "local_epochs": self.epochs})
+
+    @property
+    def label(self) -> str:
+        return f"{self.k} nodes of {self.size}, {self.epochs} epoch{'s' * (self.epochs > 1)}"
+
+
+def cases(quick: bool, gpu: bool) -> list[Case]:
+    if quick:
+        return [Case(3, 128, 1)]
+    if gpu:
+        return [Case(10, 448, 2), Case(100, 512, 1)]
+    return [Case(10, 448, 1)]  # a 2-core CPU: one epoch of the 10-node case
+
+
+def equal_shards(data: TensorDataset, k: int, size: int) -> list[TensorDataset]:
+    gen = torch.Generator().manual_seed(0)
+    return [data.subset(torch.randperm(len(data), generator=gen)[:size].numpy()) for _ in range(k)]
+
+
+# -- the references: bare PyTorch, the same steps, nothing of fedmq's ------------------------------------
+
+
+class Reference:
+    """The workload in bare PyTorch: every node's data stacked on the device, (K, S, B) batch indices
+    drawn on the device, crop and flip drawn on the device inside the step."""
+
+    def __init__(self, model: nn.Module, datasets: Sequence[TensorDataset], case: Case, device: torch.device) -> None:
+        self.model, self.device, self.case = model, device, case
+        self.x = torch.stack([d.x for d in datasets]).to(device)  # (K, N, 3, 32, 32) uint8
+        self.y = torch.stack([d.y for d in datasets]).to(device)
+        b = case.settings.batch_size
+        self.steps = case.epochs * (case.size // b)
+        gen = torch.Generator(device=device).manual_seed(0)
+        perms = [torch.randperm(case.size, generator=gen, device=device) for _ in range(case.k * case.epochs)]
+        self.idx = (
+            torch.stack(perms).view(case.k, case.epochs * case.size)[:, : self.steps * b].reshape(case.k, self.steps, b)
+        )
+        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        self.start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def augment(self, x: torch.Tensor) -> torch.Tensor:
+        """Crop 32 of 40 (padding 4) and flip, drawn on the device; ToFloat and normalise."""
+        n = len(x)
+        x = pad(x, 4, "zero")
+        top = torch.randint(0, 9, (n,), device=x.device)
+        left = torch.randint(0, 9, (n,), device=x.device)
+        x = crop_at(x, top, left, 32)
+        flip = torch.rand(n, device=x.device) < 0.5
+        x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
+        return (x.float().div_(255.0) - self.mean) / self.std
+
+
+class EagerLoop(Reference):
+    """Each node in turn: one model, torch.optim.SGD (foreach), a plain training loop."""
+
+    def __init__(self, *args: object, graph: bool = False) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        s = self.case.settings
+        self.net = copy.deepcopy(self.model)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        self.node = torch.zeros((), dtype=torch.long, device=self.device)
+        self.step_idx = torch.zeros_like(self.idx[0, 0])
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if graph:
+            self._capture()
+
+    def _step(self) -> None:
+        x = self.augment(self.x[self.node][self.step_idx])
+        loss = F.cross_entropy(self.net(x), self.y[self.node][self.step_idx])
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+        self.opt.step()
+
+    def _reset(self, k: int) -> None:
+        with torch.no_grad():
+            for n, p in self.net.named_parameters():
+                p.copy_(self.start[n])
+            for state in self.opt.state.values():
+                if "momentum_buffer" in state and state["momentum_buffer"] is not None:
+                    state["momentum_buffer"].zero_()
+        self.node.fill_(k)
+
+    def _capture(self) -> None:
+        self._reset(0)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.step_idx.copy_(self.idx[0, 0])
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def __call__(self) -> None:
+        for k in range(self.case.k):
+            self._reset(k)
+            for s in range(self.steps):
+                self.step_idx.copy_(self.idx[k, s])
+                if self.graph is not None:
+                    self.graph.replay()
+                else:
+                    self._step()
+
+
+class VmapStep(Reference):
+    """All nodes at once: stacked parameters, vmap(functional_call), autograd, SGD with momentum written out."""
+
+    def __init__(self, *args: object, graph: bool = False) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        k = self.case.k
+        self.params = {n: p.unsqueeze(0).repeat(k, *([1] * p.dim())) for n, p in self.start.items()}
+        self.bufs = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.step_idx = torch.zeros_like(self.idx[:, 0])
+        model = self.model
+
+        def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = functional_call(model, params, (x,))
+            return -F.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).mean()
+
+        self.losses = vmap(loss)
+        self.rows = torch.arange(k, device=self.device).unsqueeze(1)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if graph:
+            self._capture()
+
+    def _step(self) -> None:
+        k, b = self.step_idx.shape
+        x = self.augment(self.x[self.rows, self.step_idx].view(k * b, 3, 32, 32)).view(k, b, 3, 32, 32)
+        y = self.y[self.rows, self.step_idx]
+        leaves = {n: p.detach().requires_grad_() for n, p in self.params.items()}
+        grads = torch.autograd.grad(self.losses(leaves, x, y).sum(), list(leaves.values()))
+        s = self.case.settings
+        with torch.no_grad():
+            params, bufs = list(self.params.values()), list(self.bufs.values())
+            g = torch._foreach_add(list(grads), params, alpha=s.weight_decay)
+            torch._foreach_mul_(bufs, s.momentum)
+            torch._foreach_add_(bufs, g)
+            torch._foreach_add_(params, bufs, alpha=-s.lr)
+
+    def _reset(self) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.start[n].unsqueeze(0).expand_as(p))
+            for buf in self.bufs.values():
+                buf.zero_()
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.step_idx.copy_(self.idx[:, 0])
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def __call__(self) -> None:
+        self._reset()
+        for s in range(self.steps):
+            self.step_idx.copy_(self.idx[:, s])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+
+
+# -- the suite ------------------------------------------------------------------------------------------
+
+
+def _timed(call: Callable[[], object], device: torch.device, repeats: int) -> Timing:
+    return measure(synchronized(call, device), repeats=repeats, warmup=1)
+
+
+def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Timing]:
+    """Every path's time for one round of `case` on `device`."""
+    data = cifar_shaped()
+    data = TensorDataset(data.x, data.y, data.num_classes, train_transform=data.train_transform)
+    model = build_model("moon-cnn", data.input_shape, data.num_classes, seed=0).to(device)
+    datasets = [d.to(device) for d in equal_shards(data, case.k, case.size)]
+    settings = case.settings
+    one_by_one = OneByOne.of(model)
+    gpu = device.type == "cuda"
+    paths: dict[str, Callable[[], object]] = {
+        "simulator, one by one": lambda: one_by_one(datasets, device, settings=settings),
+        "simulator, vectorised": lambda: train_vectorized(model, datasets, settings, generators(case.k, device)),
+    }
+    if gpu:
+        paths["simulator, vectorised without graphs"] = lambda: train_vectorized(
+            model, datasets, settings, generators(case.k, device), graphs="off"
+        )
+    paths["reference: eager loop"] = EagerLoop(model, datasets, case, device)
+    if gpu:
+        paths["reference: eager loop, CUDA graph"] = EagerLoop(model, datasets, case, device, graph=True)
+    paths["reference: vmap over nodes"] = VmapStep(model, datasets, case, device)
+    if gpu:
+        paths["reference: vmap over nodes, CUDA graph"] = VmapStep(model, datasets, case, device, graph=True)
+    return {name: _timed(call, device, repeats) for name, call in paths.items()}
+
+
+def _add_case(report: Report, case: Case, device: torch.device, timings: dict[str, Timing]) -> float:
+    """Rows for one case; the vectorised simulator's share of the best reference."""
+    images = case.k * case.size * case.epochs
+    refs = {n: t for n, t in timings.items() if n.startswith("reference")}
+    best_name, best = min(refs.items(), key=lambda item: item[1].median)
+    section = f"{case.label}, {device}"
+    for name, timing in timings.items():
+        rate = images / timing.median
+        report.add(
+            name,
+            rate,
+            "images/s",
+            ratio=best.median / timing.median,
+            ratio_means=f"the best reference ({best_name.removeprefix('reference: ')})",
+            note=f"{timing.median * 1e3:,.1f} ms a round",
+            section=section,
+        )
+    return best.median / timings["simulator, vectorised"].median
+
+
+def simulate_share(cfg_path: Path, overrides: list[str], device: torch.device) -> dict[str, float]:
+    """`fedmq simulate` of an experiment file: wall seconds, the share spent training, images per second."""
+    from fedmq.experiments.config import load_config
+    from fedmq.experiments.simulate import simulate
+
+    cfg = load_config(cfg_path, overrides)
+    from rich.console import Console
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        summary = simulate(cfg, Path(tmp) / "run", device=device, console=Console(quiet=True))
+        wall = time.perf_counter() - started
+    return {
+        "wall_s": wall,
+        "train_share": float(summary["train_share"] or 0.0),
+        "images_per_s": float(summary["images_trained"]) / wall,
+        "accuracy": float(summary.get("final_accuracy") or 0.0),
+        "vectorized": float(bool(summary["vectorized"])),
+    }
+
+
+def run(options: BenchOptions) -> Report:
+    repeats = options.reps(full=3, quick=1)
+    gpu = torch.cuda.is_available()
+    devices = [torch.device("cuda")] if gpu else [torch.device("cpu")]
+    model = build_model("moon-cnn", (3, 32, 32), 10, seed=0)
+    report = Report(
+        "sim",
+        TITLE,
+        context={
+            "model": f"moon-cnn ({count_parameters(model):,} parameters)",
+            "data": "synthetic uint8 3x32x32 (CIFAR-shaped), crop 32 padding 4, flip, normalise",
+            "settings": f"batch {KDIA_SETTINGS.batch_size}, SGD lr {KDIA_SETTINGS.lr}"
+            f" momentum {KDIA_SETTINGS.momentum}",
+            "repeats": repeats,
+            "statistic": "median",
+            "devices": [str(d) for d in devices],
+            "CPU torch threads": 1 if not gpu else torch.get_num_threads(),
+        },
+    )
+    with torch_threads(1) if not gpu else _nothing():
+        for device in devices:
+            for case in cases(options.quick, gpu):
+                timings = measure_case(case, device, repeats)
+                share = _add_case(report, case, device, timings)
+                if options.quick:
+                    continue
+                if gpu:
+                    report.target(
+                        f"the simulator's vectorised node training at >= 50% of the best reference ({case.label},"
+                        f" {device})",
+                        f"{share:.0%} of the best reference",
+                        share >= 0.5,
+                    )
+                else:
+                    from fedmq.experiments.config import SimulationConfig
+
+                    speedup = timings["simulator, one by one"].median / timings["simulator, vectorised"].median
+                    report.target(
+                        f"on a CPU, vectorised at least as fast as one by one, or one by one chosen automatically"
+                        f" ({case.label})",
+                        f"vectorised {speedup:.2f}x one by one's speed; simulation.vectorize auto trains one by one"
+                        " on a CPU",
+                        speedup >= 1 or not SimulationConfig().vectorizes("cpu"),
+                    )
+    if str(options.extra.get("simulate", "true")).lower() in ("false", "0", "no"):
+        report.notes.append("fedmq simulate's share was not measured (--opt simulate=false).")
+    else:
+        _simulate_rows(report, options, devices[0])
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m fedmq.experiments.bench.simulator [--quick] OUT_PREFIX`: the node-training part of the
+    suite with nothing but torch and numpy installed (a GPU machine before its wheels arrive); writes
+    OUT_PREFIX.json and OUT_PREFIX.md."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out", type=Path, help="prefix of the .json and .md files written")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int)
+    args = parser.parse_args(argv)
+    report = run(BenchOptions(quick=args.quick, repeats=args.repeats, extra={"simulate": "false"}))
+    args.out.with_suffix(".json").write_text(json.dumps(report.to_json(), indent=2, default=str))
+    args.out.with_suffix(".md").write_text(report.markdown())
+    print(report.markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _simulate_rows(report: Report, options: BenchOptions, device: torch.device) -> None:
+    root = Path(__file__).resolve().parents[1]
+    runs: list[tuple[str, Path, list[str]]] = [
+        ("quickstart", root / "quickstart.yaml", ["rounds=3"] if options.quick else []),
+    ]
+    for name, path, overrides in runs:
+        figures = simulate_share(path, overrides, device)
+        report.add(
+            f"fedmq simulate {name}: share of wall time training",
+            figures["train_share"] * 100,
+            "%",
+            note=f"{figures['wall_s']:.1f} s wall, {figures['images_per_s']:,.0f} images/s over the run,"
+            f" accuracy {figures['accuracy']:.4f}, vectorised {bool(figures['vectorized'])}",
+            section=f"fedmq simulate, {device}",
+        )
+        if name == "quickstart" and device.type == "cpu" and not options.quick:
+            report.target(
+                "fedmq simulate of the quickstart spends >= 85% of its wall time training (CPU)",
+                f"{figures['train_share']:.0%}",
+                figures["train_share"] >= 0.85,
+            )

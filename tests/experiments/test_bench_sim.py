@@ -1,0 +1,37 @@
+"""`fedmq bench sim` at its quick size: every path of one case as images/s with its ratio to the best
+reference, the references that apply on this device, and fedmq simulate's share of wall time training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedmq.experiments.bench.common import BenchOptions
+from fedmq.experiments.bench.simulator import main, run
+
+
+@pytest.mark.slow  # a benchmark suite end to end: real training, a simulated federation
+def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None:
+    report = run(BenchOptions(quick=True))
+    training = [f for f in report.figures if f.unit == "images/s"]
+    labels = {f.label for f in training}
+    expected = {"simulator, one by one", "simulator, vectorised", "reference: eager loop", "reference: vmap over nodes"}
+    if torch.cuda.is_available():
+        expected |= {"simulator, vectorised without graphs", "reference: eager loop, CUDA graph",
+                     "reference: vmap over nodes, CUDA graph"}  # fmt: skip
+    assert labels == expected
+    best = max(f.value for f in training if f.label.startswith("reference"))
+    for f in training:
+        assert f.value > 0 and f.ratio is not None and abs(f.ratio - f.value / best) < 1e-6 * f.ratio
+    share = next(f for f in report.figures if "share of wall time training" in f.label)
+    assert 0 < share.value <= 100 and "images/s over the run" in share.note
+
+
+def test_bench_sim_module_runs_without_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What a GPU machine runs before its wheels arrive: the node-training part, written as JSON and markdown."""
+    assert main([str(tmp_path / "sim"), "--quick"]) == 0
+    assert "reference: eager loop" in (tmp_path / "sim.md").read_text()
+    assert '"suite": "sim"' in (tmp_path / "sim.json").read_text()
+    assert "not measured" in capsys.readouterr().out

@@ -1,0 +1,80 @@
+"""`fedmq simulate` training each round's nodes as one vectorised computation (`simulation.vectorize`):
+the same federation as one by one within float tolerance, a run that `fedmq replay` reproduces bit for
+bit, and methods that cannot be grouped falling back to one by one with their reason said once."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedmq.experiments.config import apply_overrides, parse_config, read_yaml
+from fedmq.experiments.local import build_local
+from fedmq.experiments.replay import replay_run
+from fedmq.experiments.simulate import simulate
+from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train
+ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+def _config(overrides: list[str]):  # type: ignore[no-untyped-def]
+    return parse_config(apply_overrides(read_yaml(ROOT / "experiments" / "quickstart.yaml"), overrides))
+
+
+def _final(overrides: list[str]) -> tuple[dict[str, torch.Tensor], list[dict], int]:
+    fed = build_local(_config(overrides), device=CPU)
+    records = fed.run()
+    return fed.model(), records, fed.groups_trained
+
+
+def test_auto_trains_one_by_one_on_a_cpu() -> None:
+    assert _config([]).simulation.vectorizes("cpu") is False
+    assert _config([]).simulation.vectorizes("cuda") is True
+    assert build_local(_config(["rounds=1"]), device=CPU).vectorize is False
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox"])
+def test_vectorised_rounds_equal_one_by_one_within_tolerance(method: str) -> None:
+    common = ["rounds=3", f"method.name={method}"]
+    alone, alone_records, none = _final([*common, "simulation.vectorize=false"])
+    grouped, grouped_records, groups = _final([*common, "simulation.vectorize=true"])
+    assert none == 0 and groups == 3, "every round's five nodes trained as one group"
+    assert [r["selected"] for r in grouped_records] == [r["selected"] for r in alone_records]
+    # float32 rounding of the batched sums, carried through three rounds of SGD with momentum (float64
+    # agreement to 1e-10 is tests/fedcore/test_group_terms.py's); another objective would be off by far more
+    assert max(float((grouped[k] - alone[k]).abs().max()) for k in alone) < 2e-3
+    for a, g in zip(alone_records, grouped_records, strict=True):
+        assert g["accuracy"] == pytest.approx(a["accuracy"], abs=0.02)
+
+
+def test_a_vectorised_simulation_replays_bit_for_bit(tmp_path: Path) -> None:
+    """Stragglers and a dropped task: groups hold what the engine sent, which the replay rebuilds."""
+    cfg = _config(["rounds=4", "simulation.vectorize=true", *STRAGGLERS])
+    summary = simulate(cfg, tmp_path / "run", device=CPU)
+    assert summary["state"] == "finished" and summary["vectorized"] and summary["groups_trained"] >= 4
+    assert 0 < summary["train_share"] <= 1
+    outcome = replay_run(tmp_path / "run", device=CPU)
+    assert outcome.ok, outcome.mismatch or outcome.notes
+    assert outcome.report.final_model_sha256 == summary["model_sha256"]
+
+
+def test_replay_one_by_one_of_a_vectorised_run_is_a_mismatch(tmp_path: Path) -> None:
+    """The replay trains as the run did: told to train one by one instead, it finds the difference."""
+    cfg = _config(["rounds=2", "simulation.vectorize=true"])
+    simulate(cfg, tmp_path / "run", device=CPU)
+    config = tmp_path / "run" / "config.yaml"
+    config.write_text(config.read_text().replace("vectorize: true", "vectorize: false"))
+    outcome = replay_run(tmp_path / "run", device=CPU)
+    assert not outcome.ok and "differs from the recorded one" in str(outcome.mismatch)
+
+
+def test_a_method_without_a_group_form_trains_one_by_one_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fedmq.coordinator.engine.local"):
+        _, records, groups = _final(["rounds=2", "method.name=scaffold", "simulation.vectorize=true"])
+    assert groups == 0 and len(records) == 2
+    reasons = [r.message for r in caplog.records if "simulation.vectorize" in r.message]
+    assert len(reasons) == 1 and "no group form" in reasons[0]
