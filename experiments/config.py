@@ -516,6 +516,17 @@ class HierarchyConfig(_Strict):
         return [f"site-{i}" for i in range(self.sites)]
 
 
+class SimulationConfig(_Strict):
+    """`fedmq simulate`'s own settings: how often a simulated run leaves a checkpoint to resume from."""
+
+    checkpoint_every: int = Field(
+        10,
+        ge=0,
+        description="`fedmq simulate` checkpoints every this many rounds (at a round's end with no update in"
+        " flight, else at the next such end) so that `--resume` continues a cut-off run; 0: never",
+    )
+
+
 DROP_LAST_REFUSED = {
     "kdia": "the generated labels of each batch",
     "fedacd": "the steps of an epoch for its estimate",
@@ -553,7 +564,11 @@ class ExperimentConfig(_Strict):
     hierarchy: HierarchyConfig = Field(
         HierarchyConfig(), description="site aggregators between the nodes and the coordinator (default: none)"
     )
-    _added_later = ("engine", "scenario", "compression", "hierarchy")
+    simulation: SimulationConfig = Field(
+        SimulationConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        description="`fedmq simulate`'s checkpoints (docs/scenarios.md)",
+    )
+    _added_later = ("engine", "scenario", "compression", "hierarchy", "simulation")
 
     @field_validator("faults")
     @classmethod
