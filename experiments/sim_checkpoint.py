@@ -38,6 +38,7 @@ from fedmq.coordinator.persistence import Persistence
 from fedmq.coordinator.run_dir import RunDir
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.fedcore.algorithms.base import NodeHalf
+from fedmq.fedcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ NOT_STATE = ("hp", "node_id")
 """A node half's attributes its constructor sets from the config: rebuilt, not saved."""
 
 
-class ResumeError(Exception):
+class ResumeError(ConfigError):
     """A simulated run cannot be resumed (or checkpointed) exactly; the message says what to do."""
 
 

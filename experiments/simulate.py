@@ -198,8 +198,7 @@ def prepare_resume(cfg: ExperimentConfig, out: Path) -> dict[str, Any] | None:
     refusal = resume_refusal(cfg)
     if refusal is not None:
         raise ResumeError(f"--resume: {refusal}")
-    made = _config_of(out)
-    if made is not None and made != _config_of_cfg(cfg):
+    if made_by_another(out, cfg):
         raise ResumeError(
             f"--resume: the run in {out} was made with another experiment (its config.yaml differs);"
             " use another --out, or run it again without --resume"
@@ -213,21 +212,17 @@ def prepare_resume(cfg: ExperimentConfig, out: Path) -> dict[str, Any] | None:
     return None
 
 
-def _config_of(out: Path) -> dict[str, Any] | None:
-    """The run's config.yaml as a comparable mapping (without what does not change its outcome)."""
+def made_by_another(out: Path, cfg: ExperimentConfig) -> bool:
+    """Whether `out` holds a run of another experiment than `cfg` (how often it checkpoints and its
+    federation id aside: neither changes the outcome)."""
     try:
-        data = yaml.safe_load((out / "config.yaml").read_text())
+        made = yaml.safe_load((out / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
-        return None
-    return _comparable(data) if isinstance(data, dict) else None
-
-
-def _config_of_cfg(cfg: ExperimentConfig) -> dict[str, Any]:
-    return _comparable(yaml.safe_load(cfg.to_yaml()))
+        return False
+    return not isinstance(made, dict) or _comparable(made) != _comparable(yaml.safe_load(cfg.to_yaml()))
 
 
 def _comparable(data: dict[str, Any]) -> dict[str, Any]:
-    """How often a run checkpoints does not change it; the federation id is made anew by `fedmq run`."""
     return {k: v for k, v in data.items() if k not in ("simulation", "federation")}
 
 
