@@ -176,17 +176,25 @@ class CheckpointedFederation(LocalFederation):
         super()._execute(command)
         if isinstance(command, c.Checkpoint) and self.on_checkpoint is not None and self._due(command):
             moment = self.simulation_state()
-            if moment is not None:
+            if moment is None:
+                return
+            try:
                 self.on_checkpoint(command, moment)
+            except ResumeError as exc:  # a run that was never to be resumed must not fail for it
+                logger.warning("no more checkpoints in this run (--resume would start it afresh): %s", exc)
+                self.checkpoint_every = 0
+            else:
                 self._last_checkpoint = command.key
 
     def _due(self, command: c.Checkpoint) -> bool:
         """Every `checkpoint_every` rounds, counted from the last checkpoint taken (a round ending
-        with updates in flight puts it off), and the last round always."""
-        if self.checkpoint_every <= 0:
+        with updates in flight puts it off). Not at the end: a run cut after its last round resumes
+        from the checkpoint before and evaluates its last round again, where the final model's
+        choice (`Evaluator.final_model`) is made."""
+        if self.checkpoint_every <= 0 or self.engine.finished:
             return False
         last = self._last_checkpoint if self._last_checkpoint is not None else -1
-        return command.key - last >= self.checkpoint_every or self.engine.finished
+        return command.key - last >= self.checkpoint_every
 
     def note_checkpoint(self, key: int) -> None:
         """The run resumes from the checkpoint of round `key`: the next is due `checkpoint_every` later."""

@@ -219,3 +219,19 @@ def test_the_command_line_resumes_a_cut_run(tmp_path: Path, monkeypatch: pytest.
     assert summaries[0]["resumed_from_round"] == 1
     assert summaries[0]["model_sha256"] == summaries[1]["model_sha256"]
     assert (cut / "metrics.jsonl").read_text() == (uncut / "metrics.jsonl").read_text()
+
+
+def test_a_run_whose_node_state_cannot_be_checkpointed_goes_on_without_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fedmq.experiments.sim_checkpoint as sim_checkpoint
+
+    def refuse(half: Any) -> Any:
+        raise ResumeError("NodeHalf.teacher holds a Module, which a simulation checkpoint cannot keep")
+
+    monkeypatch.setattr(sim_checkpoint, "encode_node_state", refuse)
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="fedmq.experiments.sim_checkpoint"):
+        summary = simulate(_config("rounds=3", "simulation.checkpoint_every=1"), out, device=CPU)
+    assert summary["state"] == "finished" and not (out / CHECKPOINT).exists()
+    assert "no more checkpoints in this run" in caplog.text and "holds a Module" in caplog.text
