@@ -235,3 +235,15 @@ def test_a_run_whose_node_state_cannot_be_checkpointed_goes_on_without_checkpoin
         summary = simulate(_config("rounds=3", "simulation.checkpoint_every=1"), out, device=CPU)
     assert summary["state"] == "finished" and not (out / CHECKPOINT).exists()
     assert "no more checkpoints in this run" in caplog.text and "holds a Module" in caplog.text
+
+
+def test_a_resumed_event_log_drops_the_half_written_line_a_kill_left(tmp_path: Path) -> None:
+    from fedmq.coordinator.eventlog import EventLog
+
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"log": "fedmq-events", "format": 1}\n{"n": 1, "t": 0.0, "ev": "Start"}\n{"n": 2, "t": 1.5, "e')
+    log = EventLog(path)
+    log.start({}, resumed={"round": 0, "version": 1, "clock": 1.5})
+    log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]  # every line is JSON again
+    assert lines[1:] == [{"n": 1, "t": 0.0, "ev": "Start"}, {"resume": {"round": 0, "version": 1, "clock": 1.5}}]
