@@ -247,3 +247,11 @@ def test_a_resumed_event_log_drops_the_half_written_line_a_kill_left(tmp_path: P
     log.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]  # every line is JSON again
     assert lines[1:] == [{"n": 1, "t": 0.0, "ev": "Start"}, {"resume": {"round": 0, "version": 1, "clock": 1.5}}]
+
+
+def test_resuming_drops_a_half_written_metrics_line(tmp_path: Path) -> None:
+    from fedmq.coordinator.run_dir import RunDir
+
+    (tmp_path / "metrics.jsonl").write_text('{"round": 0}\n{"round": 1}\n{"round": 2}\n{"rou')
+    RunDir(tmp_path).truncate_metrics_after(1)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"round": 0}\n{"round": 1}\n'
