@@ -5,6 +5,8 @@ scenario, not from this machine: when each node is online, how long its tasks ta
 compute time plus the link's transfer of the model both ways), and which tasks it drops. Nothing
 sleeps, so a day of availability for a thousand nodes runs in the time its training takes. The
 run directory has the same files as a real run's, `events.jsonl` included, so it can be replayed.
+Every ``simulation.checkpoint_every`` rounds it leaves a checkpoint, and ``--resume`` continues a
+cut-off run from it to the same end as an uncut run (`experiments.sim_checkpoint`).
 """
 
 from __future__ import annotations
