@@ -146,6 +146,22 @@ def log_header(config: CoordinatorConfig, **extra: Any) -> dict[str, Any]:
     }
 
 
+def _drop_partial_line(path: Path) -> None:
+    """Cut a line the killed run left half-written (its buffer was flushed mid-line), so that the
+    resumed run's lines start on a line of their own and the log stays one JSON object a line."""
+    with path.open("rb+") as fh:
+        size = fh.seek(0, 2)
+        fh.seek(max(0, size - (1 << 20)))
+        tail = fh.read()
+        if tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n")
+        if cut < 0 and size > len(tail):
+            return  # a line longer than the tail read: leave it to the reader to report
+        fh.truncate(size - len(tail) + cut + 1)
+        logger.warning("event log %s: dropped a half-written last line of the run that was cut off", path)
+
+
 class EventLog:
     """Written from `start` until `close`. Lines are flushed at every aggregation and at the end, so
     a crash loses at most the lines since the last model version."""
@@ -160,6 +176,7 @@ class EventLog:
         continued after a line that says so."""
         try:
             if resumed is not None and self.path.exists() and self.path.stat().st_size:
+                _drop_partial_line(self.path)
                 self._file = self.path.open("a", buffering=1 << 16)
                 self._write({"resume": tagged(dict(resumed))})
             else:

@@ -40,6 +40,17 @@ def write_json(path: Path, data: Any) -> None:
     _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
 
 
+def _whole_lines(text: str) -> list[str]:
+    """The non-empty lines of a record log, less a last line a killed run left half-written."""
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            lines.pop()
+    return [line for line in lines if line]
+
+
 class RunDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -62,7 +73,7 @@ class RunDir:
         for path in sorted(self.root.glob("*.jsonl")):
             if path.name == EVENT_LOG:
                 continue  # not a record log: the resumed run appends to it after a line that says so
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["round"] <= round]
+            kept = [line for line in _whole_lines(path.read_text()) if json.loads(line)["round"] <= round]
             _atomic_write(path, lambda tmp, kept=kept: tmp.write_text("".join(f"{line}\n" for line in kept)))
 
     def write_json(self, name: str, data: Any) -> None:

@@ -266,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="for a grid: cells simulated at once, each in a process of its own (default 1); with a GPU,"
         " several cells share it",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint (simulation.checkpoint_every), ending as an"
+        " uncut run would; without one yet, start from the beginning; a finished run or grid cell is not run"
+        " again",
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -748,12 +755,14 @@ def _simulate(args: argparse.Namespace) -> int:
         from fedmq.experiments.scenario import resolve_scenario
 
         data["scenario"] = resolve_scenario(str(args.scenario), Path.cwd())
+    if args.resume and args.out is None:
+        raise ConfigError("--resume needs --out DIR: the run directory to continue")
     if "grid" in data:
         return _simulate_grid(args, data)
     cfg = parse_config(data, source=str(args.config))
     _threads(args.threads)
     out = args.out or Path("runs") / f"{cfg.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    summary = simulate(cfg, out, device=torch.device(args.device) if args.device else None)
+    summary = simulate(cfg, out, device=torch.device(args.device) if args.device else None, resume=args.resume)
     keys = ("state", "final_accuracy", "simulated_seconds", "wall_seconds", "simulated_per_wall_second")
     print(json.dumps({k: summary.get(k) for k in keys} | {"out": str(out)}, indent=2))
     return EXIT_OK if summary["state"] == "finished" else EXIT_FAILED
@@ -768,7 +777,7 @@ def _simulate_grid(args: argparse.Namespace, data: dict[str, Any]) -> int:
     grid = expand(data, source=str(args.config))
     first = grid.cells[0].config
     out = args.out or Path("runs") / f"{first.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    return simulate_grid(grid, out, jobs=args.jobs, device=args.device, threads=args.threads)
+    return simulate_grid(grid, out, jobs=args.jobs, device=args.device, threads=args.threads, resume=args.resume)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -449,7 +449,8 @@ class HostingConfig(_Strict):
 
 
 class SimulationConfig(_Strict):
-    """How `fedmq simulate` (and `fedmq replay`) trains a round's nodes in its one process."""
+    """`fedmq simulate`'s own settings: how it trains a round's nodes in its one process (and `fedmq
+    replay` with it), and how often it leaves a checkpoint to resume from."""
 
     vectorize: Literal["auto"] | bool = Field(
         "auto",
@@ -460,6 +461,12 @@ class SimulationConfig(_Strict):
     )
     graphs: Literal["auto"] | bool = Field(
         "auto", description="capture each vectorised step as a CUDA graph: auto (with a CUDA device), true, false"
+    )
+    checkpoint_every: int = Field(
+        10,
+        ge=0,
+        description="`fedmq simulate` checkpoints every this many rounds (at a round's end with no update in"
+        " flight, else at the next such end) so that `--resume` continues a cut-off run; 0: never",
     )
 
     def vectorizes(self, device_type: str) -> bool:
@@ -577,8 +584,8 @@ class ExperimentConfig(_Strict):
         HierarchyConfig(), description="site aggregators between the nodes and the coordinator (default: none)"
     )
     simulation: SimulationConfig = Field(
-        SimulationConfig(),
-        description="how `fedmq simulate` trains the nodes of a round (default: vectorised on a GPU)",
+        SimulationConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        description="how `fedmq simulate` trains a round's nodes (vectorised on a GPU) and checkpoints",
     )
     _added_later = ("engine", "scenario", "compression", "hierarchy", "simulation")
 

@@ -40,9 +40,12 @@ def fault_delays(cfg: ExperimentConfig) -> ComputeTime:
     return compute
 
 
-def seeded_ids(seed: int) -> Callable[[], bytes]:
-    """Task ids drawn from the run's seed: an in-process run's event log is the same every time."""
+def seeded_ids(seed: int, *, skip: int = 0) -> Callable[[], bytes]:
+    """Task ids drawn from the run's seed: an in-process run's event log is the same every time.
+    `skip`: the ids a resumed run's first part drew already (it goes on with the next)."""
     ids = stream(seed, "task-ids")
+    for _ in range(skip):
+        ids.bytes(16)
     return lambda: ids.bytes(16)
 
 

@@ -5,10 +5,13 @@ scenario, not from this machine: when each node is online, how long its tasks ta
 compute time plus the link's transfer of the model both ways), and which tasks it drops. Nothing
 sleeps, so a day of availability for a thousand nodes runs in the time its training takes. The
 run directory has the same files as a real run's, `events.jsonl` included, so it can be replayed.
+Every ``simulation.checkpoint_every`` rounds it leaves a checkpoint, and ``--resume`` continues a
+cut-off run from it to the same end as an uncut run (`experiments.sim_checkpoint`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -16,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.engine.commands import TaskSpec
+from fedmq.coordinator.engine.commands import Checkpoint, TaskSpec
 from fedmq.coordinator.engine.local import ComputeTime, LocalFederation
 from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
 from fedmq.coordinator.eventlog import EventLog, log_header
@@ -29,29 +33,44 @@ from fedmq.coordinator.reporting import Evaluator, outcome_fields, write_run_fil
 from fedmq.coordinator.run_dir import RunDir
 from fedmq.experiments.build import node_scripts
 from fedmq.experiments.config import ExperimentConfig
-from fedmq.experiments.local import build_local, fault_delays
+from fedmq.experiments.local import build_local, fault_delays, seeded_ids
+from fedmq.experiments.sim_checkpoint import (
+    CheckpointedFederation,
+    CountedIds,
+    ResumeError,
+    load,
+    restore_simulation,
+    resume_refusal,
+    save,
+)
 from fedmq.fednode.scenario import NodeScript
 
 
-def scripted_compute(
-    scripts: Mapping[str, NodeScript], samples: Mapping[str, int], model_bytes: int, base: ComputeTime
-) -> ComputeTime:
+class ScriptedCompute:
     """A task's virtual duration: the model over the link, the modelled compute (at least `base`'s,
-    the experiment's fault delays), the update back; None when the node drops it."""
-    counts: Counter[str] = Counter()
+    the experiment's fault delays), the update back; None when the node drops it. Its per-node task
+    counts (a script drops a node's k-th task) are state a checkpoint keeps (`sim_checkpoint`)."""
 
-    def compute_s(node: str, task: TaskSpec) -> float | None:
-        k = counts[node]
-        counts[node] += 1
-        script = scripts.get(node)
-        extra = base(node, task) or 0.0
+    def __init__(
+        self, scripts: Mapping[str, NodeScript], samples: Mapping[str, int], model_bytes: int, base: ComputeTime
+    ) -> None:
+        self.scripts = scripts
+        self.samples = samples
+        self.model_bytes = model_bytes
+        self.base = base
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, node: str, task: TaskSpec) -> float | None:
+        k = self.counts[node]
+        self.counts[node] += 1
+        script = self.scripts.get(node)
+        extra = self.base(node, task) or 0.0
         if script is None:
             return extra
         if script.drops(node, k):
             return None
-        return script.transfer_s(model_bytes) + script.compute_s(samples[node]) + extra + script.transfer_s(model_bytes)
-
-    return compute_s
+        transfer = script.transfer_s(self.model_bytes)
+        return transfer + script.compute_s(self.samples[node]) + extra + transfer
 
 
 def schedule(fed: LocalFederation, scripts: Mapping[str, NodeScript]) -> None:
@@ -65,27 +84,83 @@ def schedule(fed: LocalFederation, scripts: Mapping[str, NodeScript]) -> None:
 
 def build_simulation(
     cfg: ExperimentConfig, out: Path, *, device: torch.device | None = None
-) -> tuple[LocalFederation, EventLog]:
+) -> tuple[CheckpointedFederation, EventLog]:
     log = EventLog(out / EVENT_LOG)
-    fed = build_local(cfg, device=device, event_log=log)
+    fed = build_local(
+        cfg,
+        device=device,
+        event_log=log,
+        kind=CheckpointedFederation,
+        checkpoint_every=cfg.simulation.checkpoint_every,
+    )
+    assert isinstance(fed, CheckpointedFederation)
+    draw_task_ids(fed, log, cfg.seed)
     scripts = node_scripts(cfg)
     if scripts:
         samples = {node: len(n.data) for node, n in fed.nodes.items()}
         model_bytes = sum(t.numel() * t.element_size() for t in fed.half.model.state_dict().values())
-        fed.compute_s = scripted_compute(scripts, samples, model_bytes, fault_delays(cfg))
+        compute = ScriptedCompute(scripts, samples, model_bytes, fault_delays(cfg))
+        fed.compute_s, fed.task_counts = compute, compute.counts
         schedule(fed, scripts)
     return fed, log
 
 
+def draw_task_ids(fed: CheckpointedFederation, log: EventLog, seed: int, skip: int = 0) -> None:
+    """The engine's task ids: the run's id stream (`seeded_ids`) past its first `skip` ids, counted
+    (a checkpoint says how many were drawn) and recorded in the event log."""
+    fed.ids = CountedIds(seeded_ids(seed, skip=skip), drawn=skip)
+    fed.engine.new_id = log.recording(fed.ids)
+
+
+class MetricsWriter:
+    """metrics.jsonl grows as the run goes, as a daemon's does; a checkpoint writes every line and
+    record before it (a resumed run must find the rounds it does not run again)."""
+
+    def __init__(self, out: Path, fed: LocalFederation) -> None:
+        self.run_dir = RunDir(out)
+        self.fed = fed
+        self.written = 0
+
+    def metrics(self) -> None:
+        for record in self.fed.records[self.written :]:
+            self.run_dir.append_metrics(record)
+        self.written = len(self.fed.records)
+
+    def everything(self) -> None:
+        """The metrics and the algorithm's round records (KDIA's teacher weights) so far."""
+        self.metrics()
+        for name, lines in self.fed.round_records.items():
+            self.run_dir.append_records(name, lines)
+        self.fed.round_records.clear()
+
+
 def simulate(
-    cfg: ExperimentConfig, out: Path, *, device: torch.device | None = None, console: Console | None = None
+    cfg: ExperimentConfig,
+    out: Path,
+    *,
+    device: torch.device | None = None,
+    console: Console | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run `cfg` in simulation; write its run directory; the summary."""
+    """Run `cfg` in simulation; write its run directory; the summary. With `resume`, continue the run
+    in `out` from its checkpoint (from the start when it has none; a finished run is not run again)."""
+    if resume:
+        finished = prepare_resume(cfg, out)
+        if finished is not None:
+            return finished
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
     console = console or Console(stderr=True)
     fed, log = build_simulation(cfg, out, device=device)
-    log.start(log_header(fed.engine.config))
+    writer = MetricsWriter(out, fed)
+
+    def checkpoint(command: Checkpoint, moment: Mapping[str, Any]) -> None:
+        writer.everything()
+        save(writer.run_dir, fed, command, moment)
+
+    fed.on_checkpoint = checkpoint
+    resumed = resume_from_checkpoint(cfg, fed, log, writer.run_dir) if resume else None
+    log.start(log_header(fed.engine.config), resumed=resumed)
     progress = Progress(
         TextColumn(f"{cfg.step_name}s"),
         BarColumn(),
@@ -97,16 +172,12 @@ def simulate(
     )
     started = time.perf_counter()
     calls = 0
-    run_dir = RunDir(out)
-    flushed = 0
 
     def show() -> bool:
-        nonlocal calls, flushed
+        nonlocal calls
         calls += 1
-        if len(fed.records) > flushed:  # metrics.jsonl grows as the run goes, as a daemon's does
-            for record in fed.records[flushed:]:
-                run_dir.append_metrics(record)
-            flushed = len(fed.records)
+        if len(fed.records) > writer.written:
+            writer.metrics()
         if calls % 64 == 0:
             progress.update(bar, completed=fed.engine.version, status=f"virtual {fed.clock.now():,.0f} s")
         return False
@@ -118,7 +189,61 @@ def simulate(
             progress.update(bar, completed=fed.engine.version)
     finally:
         log.close()
-    return write_local_run(out, cfg, fed, wall_s=time.perf_counter() - started, metrics_written=flushed)
+    extra = {"resumed_from_round": resumed["round"]} if resumed else None
+    return write_local_run(
+        out, cfg, fed, wall_s=time.perf_counter() - started, extra=extra, metrics_written=writer.written
+    )
+
+
+def prepare_resume(cfg: ExperimentConfig, out: Path) -> dict[str, Any] | None:
+    """Check that `out`'s run can be resumed as `cfg`; its summary when it finished already."""
+    refusal = resume_refusal(cfg)
+    if refusal is not None:
+        raise ResumeError(f"--resume: {refusal}")
+    if made_by_another(out, cfg):
+        raise ResumeError(
+            f"--resume: the run in {out} was made with another experiment (its config.yaml differs);"
+            " use another --out, or run it again without --resume"
+        )
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(summary, dict) and summary.get("state") == "finished":
+        return dict(summary)
+    return None
+
+
+def made_by_another(out: Path, cfg: ExperimentConfig) -> bool:
+    """Whether `out` holds a run of another experiment than `cfg` (how often it checkpoints and its
+    federation id aside: neither changes the outcome)."""
+    try:
+        made = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return not isinstance(made, dict) or _comparable(made) != _comparable(yaml.safe_load(cfg.to_yaml()))
+
+
+def _comparable(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in ("simulation", "federation")}
+
+
+def resume_from_checkpoint(
+    cfg: ExperimentConfig, fed: CheckpointedFederation, log: EventLog, run_dir: RunDir
+) -> dict[str, Any] | None:
+    """Put `fed` where `run_dir`'s checkpoint left the run; what the event log says of it. Without a
+    checkpoint the run starts afresh, and what an attempt wrote before its first checkpoint goes."""
+    meta = load(run_dir, fed)
+    if meta is None:
+        run_dir.truncate_metrics_after(-1)
+        return None
+    loaded = run_dir.load_checkpoint()
+    assert loaded is not None
+    restore_simulation(fed, meta, loaded[0])
+    draw_task_ids(fed, log, cfg.seed, skip=int(meta["simulation"]["task_ids"]))
+    fed.note_checkpoint(int(meta["round"]))
+    run_dir.truncate_metrics_after(int(meta["round"]))
+    return {"round": int(meta["round"]), "version": fed.engine.version, "clock": fed.clock.now()}
 
 
 def write_local_run(

@@ -4,7 +4,8 @@ A grid of seeds and methods is many independent federations; in simulation each 
 training and nothing else, so they run side by side in worker processes (spawned: each gets its own
 torch, its own threads and, with ``--device cuda``, its own CUDA context on the shared GPU). The
 run directory is a grid's, as `fedmq run` writes it (`grid.json`, `cells/NNN-*/`, `report.md`), and
-finished cells are kept, so the same command resumes an interrupted grid.
+finished cells are kept, so the same command resumes an interrupted grid; with ``--resume`` a cell
+cut off goes on from its last checkpoint instead of starting again.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ from typing import Any
 
 from rich.console import Console
 
-from fedmq.coordinator.run_dir import write_json
+from fedmq.coordinator.run_dir import CHECKPOINT, write_json
 from fedmq.experiments.build import preflight
 from fedmq.experiments.grid import Cell, Grid, cell_is_done
 from fedmq.experiments.report import write_report
+from fedmq.experiments.sim_checkpoint import ResumeError, resume_refusal
+from fedmq.experiments.simulate import made_by_another
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
-def simulate_cell(config: dict[str, Any], out: str, device: str | None, threads: int) -> dict[str, Any]:
-    """One cell in a worker process: the config as its JSON dump (what crosses the process boundary)."""
+def simulate_cell(
+    config: dict[str, Any], out: str, device: str | None, threads: int, resume: bool = False
+) -> dict[str, Any]:
+    """One cell in a worker process: the config as its JSON dump (what crosses the process boundary);
+    with `resume`, from the cell's checkpoint."""
     import torch
 
     from fedmq.experiments.config import parse_config
@@ -37,16 +43,32 @@ def simulate_cell(config: dict[str, Any], out: str, device: str | None, threads:
     torch.set_num_threads(threads)
     cfg = parse_config(config, source=out)
     quiet = Console(file=io.StringIO())  # not a terminal: no progress bar from a worker
-    return simulate(cfg, Path(out), device=torch.device(device) if device else None, console=quiet)
+    return simulate(cfg, Path(out), device=torch.device(device) if device else None, console=quiet, resume=resume)
+
+
+def resumable(directory: Path, cell: Cell) -> bool:
+    """A cell cut off after a checkpoint of the same experiment: `--resume` continues it."""
+    return (directory / CHECKPOINT).exists() and not made_by_another(directory, cell.config)
 
 
 def simulate_grid(
-    grid: Grid, out: Path, *, jobs: int, device: str | None, threads: int, console: Console | None = None
+    grid: Grid,
+    out: Path,
+    *,
+    jobs: int,
+    device: str | None,
+    threads: int,
+    console: Console | None = None,
+    resume: bool = False,
 ) -> int:
-    """Simulate every cell not finished before, `jobs` at a time; write the grid's report."""
+    """Simulate every cell not finished before, `jobs` at a time; write the grid's report. With
+    `resume`, a cell cut off goes on from its checkpoint instead of starting again."""
     console = console or Console(highlight=False, soft_wrap=True)
     for cell in grid.cells:  # a bad cell (missing data, say) fails now, not an hour into the grid
         preflight(cell.config)
+        refusal = resume_refusal(cell.config) if resume else None
+        if refusal is not None:
+            raise ResumeError(f"--resume: cell {cell.cell_id}: {refusal}")
     (out / "cells").mkdir(parents=True, exist_ok=True)
     write_json(out / "grid.json", grid.describe())
     todo: list[Cell] = []
@@ -55,7 +77,9 @@ def simulate_grid(
         if cell_is_done(directory, cell):
             console.print(f"[dim]{cell.cell_id}: finished before, kept[/]")
             continue
-        if directory.exists():
+        if resume and resumable(directory, cell):
+            console.print(f"[dim]{cell.cell_id}: cut off before; resumed from its checkpoint[/]")
+        elif directory.exists():
             shutil.rmtree(directory)
         todo.append(cell)
     console.print(f"{len(todo)} of {len(grid.cells)} cells to simulate, {min(jobs, len(todo) or 1)} at a time")
@@ -64,7 +88,7 @@ def simulate_grid(
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=get_context("spawn")) as pool:
         futures: dict[Future[dict[str, Any]], Cell] = {
             pool.submit(
-                simulate_cell, c.config.model_dump(mode="json"), str(out / "cells" / c.cell_id), device, threads
+                simulate_cell, c.config.model_dump(mode="json"), str(out / "cells" / c.cell_id), device, threads, resume
             ): c
             for c in todo
         }

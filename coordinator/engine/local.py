@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -141,6 +141,28 @@ class LocalFederation:
     def offline(self, *nodes: str, at: float | None = None) -> None:
         for node in nodes:
             self.at(self.clock.now() if at is None else at, e.NodeSeen(node, False))
+
+    def pending_availability(self) -> list[tuple[float, str, bool]] | None:
+        """The availability changes still to come, in order, as (time, node, online); None while
+        anything else is pending (an update in flight, a task not yet trained, an engine event): a
+        checkpoint taken then could not be resumed exactly (`experiments.sim_checkpoint`)."""
+        if self._steps:
+            return None
+        pending: list[tuple[float, str, bool]] = []
+        for when, _, event in sorted(self._queue, key=lambda item: item[:2]):
+            if not isinstance(event, e.NodeSeen) or event.num_samples is not None:
+                return None
+            pending.append((when, event.node, event.online))
+        return pending
+
+    def replace_schedule(self, events: Sequence[tuple[float, e.Event]]) -> None:
+        """Drop every scheduled event and schedule `events` (in order) instead: a resumed simulation
+        puts back the availability changes its checkpoint says were still to come."""
+        if self._started:
+            raise RuntimeError("the schedule can be replaced only before the federation runs")
+        self._queue.clear()
+        for when, event in events:
+            self.at(when, event)
 
     # -- running -------------------------------------------------------------------------------------
 
