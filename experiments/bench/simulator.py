@@ -243,13 +243,14 @@ def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Ti
     settings = case.settings
     one_by_one = OneByOne.of(model)
     gpu = device.type == "cuda"
+    cpu = torch.device("cpu")  # the simulator's node generators are CPU generators, whatever the device
     paths: dict[str, Callable[[], object]] = {
-        "simulator, one by one": lambda: one_by_one(datasets, device, settings=settings),
-        "simulator, vectorised": lambda: train_vectorized(model, datasets, settings, generators(case.k, device)),
+        "simulator, one by one": lambda: one_by_one(datasets, cpu, settings=settings),
+        "simulator, vectorised": lambda: train_vectorized(model, datasets, settings, generators(case.k, cpu)),
     }
     if gpu:
         paths["simulator, vectorised without graphs"] = lambda: train_vectorized(
-            model, datasets, settings, generators(case.k, device), graphs="off"
+            model, datasets, settings, generators(case.k, cpu), graphs="off"
         )
     paths["reference: eager loop"] = EagerLoop(model, datasets, case, device)
     if gpu:
