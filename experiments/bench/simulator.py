@@ -21,6 +21,7 @@ quickstart: the share of its wall time spent training and its images per second 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import time
@@ -124,8 +125,9 @@ class EagerLoop(Reference):
             self._capture()
 
     def _step(self) -> None:
-        x = self.augment(self.x[self.node][self.step_idx])
-        loss = F.cross_entropy(self.net(x), self.y[self.node][self.step_idx])
+        node = self.node.view(1)  # a tensor index (index_select): a Python one would be baked into the graph
+        x = self.augment(self.x.index_select(0, node)[0][self.step_idx])
+        loss = F.cross_entropy(self.net(x), self.y.index_select(0, node)[0][self.step_idx])
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
         self.opt.step()
@@ -321,7 +323,7 @@ def run(options: BenchOptions) -> Report:
             "CPU torch threads": 1 if not gpu else torch.get_num_threads(),
         },
     )
-    with torch_threads(1) if not gpu else _nothing():
+    with torch_threads(1) if not gpu else contextlib.nullcontext():
         for device in devices:
             for case in cases(options.quick, gpu):
                 timings = measure_case(case, device, repeats)
