@@ -98,6 +98,22 @@ class Reference:
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
         self.start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
+    @staticmethod
+    def captured(buffer: torch.Tensor, first: torch.Tensor, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """`step` captured once as a CUDA graph reading `buffer`, after three warm-up steps on `first`
+        on a side stream (as torch.cuda.graphs asks)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                buffer.copy_(first)
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph
+
     def augment(self, x: torch.Tensor) -> torch.Tensor:
         """Crop 32 of 40 (padding 4) and flip, drawn on the device; ToFloat and normalise."""
         n = len(x)
@@ -143,16 +159,7 @@ class EagerLoop(Reference):
 
     def _capture(self) -> None:
         self._reset(0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self.step_idx.copy_(self.idx[0, 0])
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
+        self.graph = self.captured(self.step_idx, self.idx[0, 0], self._step)
 
     def __call__(self) -> None:
         for k in range(self.case.k):
@@ -208,16 +215,7 @@ class VmapStep(Reference):
                 buf.zero_()
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self.step_idx.copy_(self.idx[:, 0])
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
+        self.graph = self.captured(self.step_idx, self.idx[:, 0], self._step)
 
     def __call__(self) -> None:
         self._reset()
