@@ -28,7 +28,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fedmq.broker import paho_fast
-from fedmq.broker.chunking import Reassembler, split
+from fedmq.broker.chunking import Reassembler, process_budget, split
 from fedmq.broker.codec import decode, encode
 from fedmq.broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
 from fedmq.broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
@@ -199,6 +199,7 @@ class BusClient:
             max_transfer_bytes=config.max_transfer_bytes,
             timeout_s=config.transfer_timeout_s,
             on_abandon=lambda sender, reason: self._count_reject("transfer-timeout"),
+            budget=process_budget(config.max_reassembly_bytes),
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -257,7 +258,11 @@ class BusClient:
         For fault injection in experiments and tests; the client does not reconnect afterwards.
         """
         self._closing = True
-        client = self._client
+        self._drop_socket(self._client)
+
+    @staticmethod
+    def _drop_socket(client: aiomqtt.Client | None) -> None:
+        """Shut the connection's socket: the broker sees a lost client and publishes its will."""
         paho = getattr(client, "_client", None)
         sock = paho.socket() if paho is not None else None
         if isinstance(sock, socket.socket):
@@ -330,8 +335,17 @@ class BusClient:
                     await self._on_connected(client)
                     ever_connected = True
                     delay = self.config.reconnect_initial_s
-                    async for raw in client.messages:
-                        await self._on_raw(raw)
+                    try:
+                        async for raw in client.messages:
+                            await self._on_message(raw)
+                    except aiomqtt.MqttError:
+                        raise
+                    except Exception:
+                        # the client dies of this: drop the connection as a crash would, so that the
+                        # broker publishes the will (the daemon's status goes offline with it) instead
+                        # of aiomqtt's clean DISCONNECT, which would leave an `online` status behind
+                        self._drop_socket(client)
+                        raise
             except MqttConnectError as exc:
                 self._last_error = f"connection refused: {exc}"
                 if not ever_connected:
@@ -762,6 +776,15 @@ class BusClient:
             if getter not in done:
                 raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
             yield getter.result()
+
+    async def _on_message(self, raw: aiomqtt.Message) -> None:
+        """`_on_raw`, fenced: one message that trips an unforeseen error is counted (``internal-error``)
+        and logged with its traceback; the connection, and the daemon reading it, go on."""
+        try:
+            await self._on_raw(raw)
+        except Exception:
+            self._count_reject("internal-error")
+            self._log.exception("error while receiving a message on %s; it is dropped", raw.topic.value)
 
     async def _on_raw(self, raw: aiomqtt.Message) -> None:
         payload = raw.payload
