@@ -798,7 +798,7 @@ class BusClient:
         if size > self.config.max_message_bytes:
             self._reject("oversized", topic, f"{size} bytes > limit {self.config.max_message_bytes}")
             return
-        message = self._validate(topic, payload)
+        message = self._validate(topic, payload, retained=bool(raw.retain))
         if message is None:
             return
         if message.kind == Kind.CHUNK:
@@ -819,13 +819,17 @@ class BusClient:
             size = len(frame)
         await self._queue.put(Envelope(topic, message, size, retained=bool(raw.retain)))  # type: ignore[union-attr]
 
-    def _validate(self, topic: str, frame: bytes | bytearray | memoryview, *, verified: bool = False) -> Message | None:
+    def _validate(
+        self, topic: str, frame: bytes | bytearray | memoryview, *, verified: bool = False, retained: bool = False
+    ) -> Message | None:
         """Decode, check the federation, drop a repeated id. `verified`: every byte was checked already
-        (a frame reassembled from chunks whose checksums matched and which cover it exactly)."""
+        (a frame reassembled from chunks whose checksums matched and which cover it exactly).
+        `retained`: the broker kept it (a status), which the warning says: it stays until replaced."""
         try:
             message = decode(frame, verify=not verified)
         except CodecError as exc:
-            self._reject(exc.reason, topic, exc.detail)
+            note = " (a retained message: ignored, and kept by the broker until its publisher replaces it)"
+            self._reject(exc.reason, topic, exc.detail + (note if retained else ""))
             return None
         if message.federation != self.federation:
             self._reject("wrong-federation", topic, f"federation {message.federation!r} from {message.sender!r}")
@@ -841,7 +845,8 @@ class BusClient:
 
     def _reject(self, reason: str, topic: str, detail: str) -> None:
         self._count_reject(reason)
-        self._log.warning("rejected message on %s: %s: %s", topic, reason, detail)
+        # a topic can be 65,535 bytes of someone else's choosing: the log gets its start
+        self._log.warning("rejected message on %s: %s: %s", topic[:200], reason, detail[:1000])
 
     def _count_reject(self, reason: str) -> None:
         self.stats.rejected[reason] += 1

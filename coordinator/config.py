@@ -106,6 +106,13 @@ class CoordinatorConfig:
     asynchronous: AsyncPolicy = field(default_factory=AsyncPolicy)
     compression: Compression = field(default_factory=Compression)
     """How the nodes compress their updates; an update compressed otherwise is refused (bad-compression)."""
+    nodes: frozenset[str] | None = None
+    """The node ids of the experiment (`experiments.build` gives them): a status, acknowledgement or
+    update from any other id is refused (``unknown-node``), so that no foreign id ever becomes a live
+    node that rounds select and wait for (issue 31: 1,000 forged ids on an unsecured broker made every
+    round wait its deadline). None admits any valid id."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.nodes is not None:
+            object.__setattr__(self, "nodes", frozenset(self.nodes))

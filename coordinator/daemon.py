@@ -71,6 +71,10 @@ Watcher = Callable[[float, e.Event, "list[c.Command]"], None]
 """Sees each event the engine handled, when (the clock's time), and the commands it gave."""
 
 
+_FROM_MESSAGES = (e.NodeSeen, e.Acked, e.UpdateArrived)
+"""The events one incoming message makes (`Coordinator._feed_fenced`)."""
+
+
 class _Failed(Exception):
     """A heavy call raised: the run fails with this as the reason."""
 
@@ -212,17 +216,29 @@ class Coordinator:
                 self._dispatch(envelope)
             except ProtocolError as exc:
                 bus.reject(exc.reason, envelope, exc.detail)
+                if envelope.retained:
+                    logger.warning(
+                        "the retained message on %s is ignored (%s); its node is seen when it announces again",
+                        envelope.topic[:200],
+                        exc.reason,
+                    )
             except Exception:  # a daemon never dies of one message; the traceback says why
                 bus.stats.rejected["internal-error"] += 1
-                logger.exception("error while handling a message on %s", envelope.topic)
+                logger.exception("error while handling a message on %s", envelope.topic[:200])
 
     def _dispatch(self, envelope: Envelope) -> None:
         route = self.topics.route(envelope.topic)
         message = envelope.message
         if route is None:
-            raise ProtocolError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
+            raise ProtocolError(
+                "unknown-topic",
+                f"topic {envelope.topic[:200]!r} is outside the scheme (node ids are 1 to 64 letters, digits,"
+                " '_', '.' or '-')",
+            )
         if route.node is not None and message.sender != route.node:
-            raise ProtocolError("wrong-sender", f"sender {message.sender!r} on the topic of {route.node!r}")
+            raise ProtocolError("wrong-sender", f"sender {message.sender[:80]!r} on the topic of {route.node!r}")
+        if route.node is not None and self.config.nodes is not None and route.node not in self.config.nodes:
+            raise ProtocolError("unknown-node", f"{route.node!r} is not a node of this experiment")
         expected = {"node-status": Kind.NODE_STATUS, "acks": Kind.ACK, "updates": Kind.UPDATE}.get(route.channel)
         if expected is None:
             return  # our own topics echo nothing we subscribed to; ignore anything else
@@ -267,7 +283,23 @@ class Coordinator:
     async def _drive(self) -> None:
         self._feed(e.Start())
         while not self.engine.finished:
-            self._feed(await self._next_event())
+            event = await self._next_event()
+            if isinstance(event, _FROM_MESSAGES):
+                self._feed_fenced(event)
+            else:
+                self._feed(event)
+
+    def _feed_fenced(self, event: e.Event) -> None:
+        """An event made from one incoming message: whatever it trips (in the event log, the engine,
+        a publish) is counted and logged as that message's refusal, never the run's end. The run's
+        own events (deadlines, the half's results) still fail it: those are the coordinator's bugs."""
+        try:
+            self._feed(event)
+        except Exception:
+            if self._bus is not None:
+                self._bus.stats.rejected["internal-error"] += 1
+            node = getattr(event, "node", None) or getattr(getattr(event, "message", None), "sender", "?")
+            logger.exception("error while handling %s from %s; the message is dropped", type(event).__name__, node)
 
     async def _next_event(self) -> e.Event:
         """The next event, or a Tick when the engine's next deadline comes first."""
