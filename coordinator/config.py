@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -10,6 +11,8 @@ from fedmq.broker.fields import Bounds, check_fields
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
+
+logger = logging.getLogger(__name__)
 
 INLINE_MODEL_BYTES = 64 * 1024
 """The default `RoundPolicy.inline_model_bytes`."""
@@ -55,6 +58,25 @@ class RoundPolicy:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.ack_timeout_s >= self.deadline_s:
+            self._shorten_ack_timeout()
+
+    def _shorten_ack_timeout(self) -> None:
+        """An ack timeout at or past the deadline: a broadcast round that selected a silent node
+        would publish its model only when the round closes, and lose every update (issue 31).
+        Adjusted, not refused: the ack wait only gathers subscriptions before the one broadcast (an
+        acknowledgement after it gets the model on its own topic), and a small model rides in the
+        tasks without any wait, so a short deadline is a valid setting; the wait becomes half of it."""
+        adjusted = self.deadline_s / 2
+        logger.warning(
+            "policy.ack_timeout_s (%g s) is not below deadline_s (%g s): a round that selected a silent node"
+            " would broadcast its model only at its deadline and lose every update; waiting %g s for"
+            " acknowledgements instead (set ack_timeout_s below deadline_s to choose)",
+            self.ack_timeout_s,
+            self.deadline_s,
+            adjusted,
+        )
+        object.__setattr__(self, "ack_timeout_s", adjusted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
