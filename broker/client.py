@@ -212,6 +212,11 @@ class BusClient:
     def connected(self) -> bool:
         return self._client is not None
 
+    @property
+    def failed(self) -> bool:
+        """The client ended with an error (`messages` and every call raise it): it will not reconnect."""
+        return self._fatal is not None
+
     async def __aenter__(self) -> Self:
         if self._entered:
             raise RuntimeError("BusClient is reusable but not re-entrant")

@@ -619,14 +619,36 @@ class Coordinator:
             self._published_state = state
 
     async def _final_status(self, publisher: asyncio.Task[None]) -> None:
+        final: Message | None = None
         try:
             async with asyncio.timeout(5):
                 await self._statuses.join()
-                await self._publish_status(self._status_message(self._state, {}))
+                final = self._status_message(self._state, {})
+                await self._publish_status(final)
         except (BusError, TimeoutError) as exc:
             logger.warning("could not publish the final status: %s", exc)
+            if final is not None and self._bus is not None and self._bus.failed:
+                await self._final_status_anew(final)
         finally:
             publisher.cancel()
+
+    async def _final_status_anew(self, message: Message) -> None:
+        """The bus client died (its will said `offline` on the status topic, which nodes do not
+        follow): one fresh connection publishes the final state, so that the nodes learn the run
+        ended instead of waiting for tasks that never come (issue 31)."""
+        client = BusClient(
+            self.bus_config,
+            client_id=f"{self.client_id}-final",
+            federation=self.config.federation,
+            logger=logger.getChild("bus"),
+        )
+        try:
+            async with asyncio.timeout(10), client as bus:
+                await bus.publish(self.topics.coordinator_status, message, retain=True)
+                await bus.publish(self.topics.coordinator_state, message, retain=True)
+            logger.info("the final state (%s) published through a new connection", message.meta["state"])
+        except (BusError, TimeoutError) as exc:
+            logger.warning("the nodes could not be told that the run ended: %s", exc)
 
     def _spawn(self, coro: Any) -> None:
         """Background publishes are kept and harvested, never fire-and-forget."""

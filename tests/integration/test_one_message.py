@@ -136,3 +136,43 @@ def test_unknown_ids_and_a_bad_retained_status_need_no_broker_to_be_refused() ->
     for frame in killer_frames("fed", "node-000", "update"):
         with pytest.raises(CodecError):
             decode(frame)
+
+
+async def test_a_coordinator_whose_bus_client_dies_tells_the_nodes(
+    tmp_path: Path, broker_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31: when one frame killed the coordinator's bus client the run ended `failed` and the
+    nodes were never told. Should its client die of anything now (here its message fence is made to
+    raise), the run still ends `failed`, and a fresh connection publishes that state: the nodes
+    (exit_when_done) stop instead of waiting for tasks."""
+    import torch
+
+    import fedmq.experiments.build
+    from fedmq.experiments.build import build_coordinator, build_nodes
+    from fedmq.experiments.config import parse_config
+    from fedmq.fednode.daemon import serve_nodes
+
+    monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))
+    cfg = parse_config(base_config(nodes=2, rounds=200, deadline_s=20))
+    federation = f"it-{os.urandom(4).hex()}"
+    t = Topics(federation)
+    coordinator = build_coordinator(cfg, broker_url, tmp_path / "run", federation=federation)
+    rounds: list[int] = []
+    coordinator.watchers.append(lambda now, event, commands: rounds.append(coordinator.engine.round))
+    nodes = build_nodes(cfg, broker_url, cfg.node_ids(), federation=federation, exit_when_done=True)
+
+    async def broken(raw: object) -> None:
+        raise RuntimeError("the coordinator's bus client dies of this")
+
+    async with asyncio.timeout(120), raw_client(broker_url) as evil:
+        serving = asyncio.create_task(coordinator.serve())
+        hosting = asyncio.create_task(serve_nodes(nodes))
+        while not rounds or max(rounds) < 2:
+            await asyncio.sleep(0.05)
+        assert coordinator._bus is not None
+        monkeypatch.setattr(coordinator._bus, "_on_message", broken)
+        await evil.publish(t.update("node-000"), b"one message", qos=1)
+        summary = await serving
+        assert await hosting == []  # every node stopped on the coordinator's word, none on an error
+    assert summary.state == "failed"
+    assert all(not n.connected.is_set() for n in nodes)
