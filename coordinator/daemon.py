@@ -120,6 +120,9 @@ class Coordinator:
         """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
         round, frame)."""
         self._published_state: str | None = None
+        self._open_tasks: dict[str, tuple[bytes, int, bytearray]] = {}
+        """Each node's last task frame (task id, round, frame) until the node acknowledges or answers it:
+        sent again when the node announces itself again while it holds it (`_resend_open_task`)."""
         self._background: set[asyncio.Task[Any]] = set()
         self._bus: BusClient | None = None
         self._extra_summary = dict(extra_summary or {})
@@ -248,19 +251,42 @@ class Coordinator:
             refusal = self._method_refusal(message.meta)
             known = self.registry.get(message.sender)
             count = known.num_samples if known is not None else None
+            was_online = known is not None and known.online
             # a node running another method is never live: it would train another objective
             changed = self.registry.apply_status(message.sender, {"state": "offline"} if refusal else message.meta)
             node = self.registry.get(message.sender)
             assert node is not None
             if changed is not None or (node.online and node.num_samples != count):
                 self._events.put_nowait(e.NodeSeen(message.sender, node.online, node.num_samples))
+            elif was_online and node.online and not envelope.retained:
+                self._resend_open_task(message.sender)
             if refusal:
                 raise ProtocolError("method-mismatch", refusal)
         elif route.channel == "acks":
             task = message.meta.get("task")
+            self._answered(message.sender, task)
             self._events.put_nowait(e.Acked(message.sender, message.round, task if isinstance(task, bytes) else None))
         else:
+            self._answered(message.sender, message.meta.get("task"))
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
+
+    def _answered(self, node: str, task: object) -> None:
+        """The node acknowledged or answered its open task: it has it, nothing to send again."""
+        held = self._open_tasks.get(node)
+        if held is not None and held[0] == task:
+            del self._open_tasks[node]
+
+    def _resend_open_task(self, node: str) -> None:
+        """A live node announced itself again: it reconnected, and after a broker restart its
+        subscriptions may be new, so the task published before it re-subscribed was lost (issue 31).
+        The same frame goes again; a node that had it drops the copy by its message id, and one that
+        arrives past its deadline is refused there as expired."""
+        held = self._open_tasks.get(node)
+        if held is None or self._bus is None:
+            return
+        _, round, frame = held
+        logger.info("round %d: %s announced itself again with its task unanswered: the task is sent again", round, node)
+        self._spawn(self._bus.publish_frame(self.topics.task(node), frame, round=round, expiry_s=self._expiry()))
 
     def _method_refusal(self, meta: Mapping[str, Any]) -> str | None:
         """Why an online announcement is refused for its method (None: it matches, or says none)."""
@@ -518,6 +544,9 @@ class Coordinator:
     async def _publish_tasks(self, items: list[tuple[str, bytes, int, bytearray]]) -> None:
         round, frame = items[0][2], items[0][3]
         topics = {self.topics.task(node): (node, task_id) for node, task_id, _, _ in items}
+        if len(frame) <= self.bus_config.chunk_bytes:  # a frame that needs chunks is not held to send again
+            for node, task_id, _, _ in items:
+                self._open_tasks[node] = (task_id, round, frame)
         try:
             failed = await self._bus_or_fail().publish_many(list(topics), frame, round=round, expiry_s=self._expiry())
         except BusError as exc:
@@ -525,6 +554,7 @@ class Coordinator:
             failed = list(topics)
         for topic in failed:
             node, task_id = topics[topic]
+            self._answered(node, task_id)  # reported unsent: the engine no longer waits for it
             logger.warning("round %d: the task to %s could not be published", round, node)
             self._events.put_nowait(e.TaskUnsent(node, task_id))
 

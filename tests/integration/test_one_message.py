@@ -176,3 +176,55 @@ async def test_a_coordinator_whose_bus_client_dies_tells_the_nodes(
         assert await hosting == []  # every node stopped on the coordinator's word, none on an error
     assert summary.state == "failed"
     assert all(not n.connected.is_set() for n in nodes)
+
+
+async def test_a_task_lost_before_its_node_resubscribed_is_sent_again(
+    tmp_path: Path, broker_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31: after a broker restart a round's tasks reached the broker before the nodes had
+    re-subscribed, and were lost. Here node-001 holds no subscription to its task topic while round
+    1's task is published (as after a restart), then subscribes and announces itself, as a reconnected
+    node does: the coordinator sends the task again and node-001 takes part in round 1, well before
+    its deadline."""
+    import torch
+
+    import fedmq.experiments.build
+    from fedmq.experiments.build import build_coordinator, build_nodes
+    from fedmq.experiments.config import parse_config
+    from fedmq.fednode.daemon import serve_nodes
+
+    monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))
+    cfg = parse_config(
+        base_config(nodes=3, rounds=3, deadline_s=15, faults={"node-000": {"delay_s": 1.5, "delay_rounds": [0]}})
+    )
+    federation = f"it-{os.urandom(4).hex()}"
+    t = Topics(federation)
+    coordinator = build_coordinator(cfg, broker_url, tmp_path / "run", federation=federation)
+    nodes = build_nodes(cfg, broker_url, cfg.node_ids(), federation=federation, exit_when_done=True)
+    late = nodes[1]
+    async with asyncio.timeout(120), raw_client(broker_url) as spy:
+        await spy.subscribe(t.task("node-001"), qos=1)
+        serving = asyncio.create_task(coordinator.serve())
+        hosting = asyncio.create_task(serve_nodes(nodes))
+        async for m in spy.messages:
+            round = decode(bytes(m.payload)).round  # type: ignore[arg-type]
+            if round == 0:  # node-000 holds round 0 open for 1.5 s: time to lose the subscription
+                assert late.bus is not None
+                await late.bus.unsubscribe(t.task("node-001"))
+            elif round == 1:  # published while node-001 was not subscribed: lost for it
+                assert late.bus is not None
+                await late.bus.subscribe(t.task("node-001"))
+                await late._announce()
+                break
+        summary = await serving
+        await hosting
+    metrics = json_lines(tmp_path / "run" / "metrics.jsonl")
+    assert summary.state == "finished"
+    assert metrics[1]["accepted"] == list(NODES), metrics[1]
+    assert metrics[1]["round_seconds"] < 10, metrics[1]
+
+
+def json_lines(path: Path) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
