@@ -213,6 +213,12 @@ class BusClient:
         return self._client is not None
 
     @property
+    def connections(self) -> int:
+        """Connections made so far (1 after the first): a daemon's status carries it, so that the
+        coordinator can tell a reconnection from a repeated announcement."""
+        return self._generation
+
+    @property
     def failed(self) -> bool:
         """The client ended with an error (`messages` and every call raise it): it will not reconnect."""
         return self._fatal is not None

@@ -120,6 +120,8 @@ class Coordinator:
         """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
         round, frame)."""
         self._published_state: str | None = None
+        self._connections: dict[str, int] = {}
+        """Each node's connection count, from its statuses: a higher one means it reconnected."""
         self._open_tasks: dict[str, tuple[bytes, int, bytearray]] = {}
         """Each node's last task frame (task id, round, frame) until the node acknowledges or answers it:
         sent again when the node announces itself again while it holds it (`_resend_open_task`)."""
@@ -256,9 +258,10 @@ class Coordinator:
             changed = self.registry.apply_status(message.sender, {"state": "offline"} if refusal else message.meta)
             node = self.registry.get(message.sender)
             assert node is not None
+            reconnected = self._reconnected(message.sender, message.meta.get("connection"))
             if changed is not None or (node.online and node.num_samples != count):
                 self._events.put_nowait(e.NodeSeen(message.sender, node.online, node.num_samples))
-            elif was_online and node.online and not envelope.retained:
+            elif was_online and node.online and reconnected:
                 self._resend_open_task(message.sender)
             if refusal:
                 raise ProtocolError("method-mismatch", refusal)
@@ -270,6 +273,15 @@ class Coordinator:
             self._answered(message.sender, message.meta.get("task"))
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
 
+    def _reconnected(self, node: str, connection: object) -> bool:
+        """Whether this status is the node's first on a newer connection than its last status said
+        (a repeated announcement on the same connection is not: the node holds what it held)."""
+        if not isinstance(connection, int) or isinstance(connection, bool):
+            return False
+        previous = self._connections.get(node)
+        self._connections[node] = connection
+        return previous is not None and connection > previous
+
     def _answered(self, node: str, task: object) -> None:
         """The node acknowledged or answered its open task: it has it, nothing to send again."""
         held = self._open_tasks.get(node)
@@ -277,8 +289,8 @@ class Coordinator:
             del self._open_tasks[node]
 
     def _resend_open_task(self, node: str) -> None:
-        """A live node announced itself again: it reconnected, and after a broker restart its
-        subscriptions may be new, so the task published before it re-subscribed was lost (issue 31).
+        """A live node announced itself on a new connection: after a broker restart its subscriptions
+        may be new, so the task published before it re-subscribed was lost (issue 31).
         The same frame goes again; a node that had it drops the copy by its message id, and one that
         arrives past its deadline is refused there as expired."""
         held = self._open_tasks.get(node)

@@ -260,6 +260,8 @@ class NodeDaemon:
                 "device": str(self.workspace.device),
                 "num_samples": len(self.data),
                 "method": self.fingerprint.to_meta(),
+                # which connection this is: after a reconnection the coordinator sends the task in hand again
+                "connection": self._bus.connections if self._bus is not None else 0,
             }
             if self.config.announce_label_histogram:
                 meta["label_histogram"] = self.data.label_histogram()

@@ -88,10 +88,10 @@ def test_an_event_from_one_message_that_trips_an_error_is_refused_not_fatal(
 
 async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holding_it(tmp_path: Path) -> None:
     """Issue 31: after a broker restart a round's task reached the broker before its node had
-    re-subscribed, and was lost. A live node announcing itself again (it reconnected) while its task
-    is unanswered gets the same frame again (a node that had it drops it by message id); once it
-    acknowledged or answered, and for a retained status (the coordinator's own re-subscription),
-    nothing is sent."""
+    re-subscribed, and was lost. A live node announcing itself on a new connection while its task is
+    unanswered gets the same frame again (a node that had it drops it by message id); once it
+    acknowledged or answered, or when it announces itself again on the same connection (to a new
+    coordinator run), nothing is sent."""
     coordinator = _coordinator(tmp_path)
 
     class _Bus:
@@ -108,8 +108,8 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
 
     bus = coordinator._bus = _Bus()  # type: ignore[assignment]
     t = Topics("f")
-    coordinator._dispatch(_status("node-000"))
-    coordinator._dispatch(_status("node-001"))
+    coordinator._dispatch(_status("node-000", connection=1))
+    coordinator._dispatch(_status("node-001", connection=1))
     task, frame = b"t" * 16, bytearray(b"the task frame")
     await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", task, 1, frame)])
     assert len(bus.sent) == 2
@@ -118,17 +118,17 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
         while coordinator._background:
             await asyncio.sleep(0)
 
-    coordinator._dispatch(_status("node-000", retained=True))
+    coordinator._dispatch(_status("node-000", connection=1))  # the same connection: it has its task
     await settle()
     assert len(bus.sent) == 2
-    coordinator._dispatch(_status("node-000"))
+    coordinator._dispatch(_status("node-000", connection=2))
     await settle()
     assert bus.sent[2:] == [(t.task("node-000"), b"the task frame")]
     ack = Message(kind=Kind.ACK, federation="f", round=1, sender="node-000", meta={"task": task})
     coordinator._dispatch(Envelope(t.ack("node-000"), ack, 10))
-    coordinator._dispatch(_status("node-000"))
+    coordinator._dispatch(_status("node-000", connection=3))
     await settle()
     assert len(bus.sent) == 3  # acknowledged: not again
-    coordinator._dispatch(_status("node-001"))
+    coordinator._dispatch(_status("node-001", connection=2, retained=True))
     await settle()
     assert bus.sent[3:] == [(t.task("node-001"), b"the task frame")]

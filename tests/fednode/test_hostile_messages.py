@@ -37,6 +37,8 @@ async def test_an_inline_task_with_the_wrong_shapes_leaves_the_pending_task_in_p
 
 
 class _Bus:
+    connections = 1
+
     def __init__(self) -> None:
         self.published: list[tuple[str, Message, bool]] = []
 
