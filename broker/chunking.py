@@ -256,6 +256,13 @@ class Reassembler:
         self.in_flight_bytes += meta.total
         return transfer
 
+    def clear(self) -> None:
+        """Drop every incomplete transfer (its client is closing): the bytes go back to the shared
+        budget, which outlives the client."""
+        for transfer in self._transfers.values():
+            self._release(transfer.total)
+        self._transfers.clear()
+
     def _release(self, nbytes: int) -> None:
         self.in_flight_bytes -= nbytes
         if self._budget is not None:

@@ -262,6 +262,7 @@ class BusClient:
                 await self._supervisor
             self._supervisor = None
         self._client = None
+        self._reassembler.clear()  # what it held of the process's reassembly budget
 
     def abort(self) -> None:
         """Drop the TCP connection without a DISCONNECT, as a crash would, so the broker fires the will.

@@ -194,6 +194,9 @@ def test_reassemblers_of_one_process_share_its_budget() -> None:
     assert node_2.add(b[0]) is None and budget.in_flight == len(frame_b)
     clock.now = 11
     assert node_2.expire() == 1 and budget.in_flight == 0
+    node_1.add(b[0])
+    node_1.clear()  # its client closed: the shared budget outlives it
+    assert budget.in_flight == 0 and len(node_1) == 0
 
 
 def test_bus_clients_share_the_process_budget() -> None:
