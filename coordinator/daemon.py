@@ -556,7 +556,7 @@ class Coordinator:
     async def _publish_tasks(self, items: list[tuple[str, bytes, int, bytearray]]) -> None:
         round, frame = items[0][2], items[0][3]
         topics = {self.topics.task(node): (node, task_id) for node, task_id, _, _ in items}
-        if len(frame) <= self.bus_config.chunk_bytes:  # a frame that needs chunks is not held to send again
+        if self._held_for_resend(frame):
             for node, task_id, _, _ in items:
                 self._open_tasks[node] = (task_id, round, frame)
         try:
@@ -569,6 +569,13 @@ class Coordinator:
             self._answered(node, task_id)  # reported unsent: the engine no longer waits for it
             logger.warning("round %d: the task to %s could not be published", round, node)
             self._events.put_nowait(e.TaskUnsent(node, task_id))
+
+    def _held_for_resend(self, frame: bytearray) -> bool:
+        """Whether a task frame is kept until its node answers (`_resend_open_task`): up to what a model
+        may weigh inside a task, plus its header, which every round's shared task frame is. A larger
+        per-node payload is not kept: held through training for every node, it would multiply memory."""
+        limit = min(max(self.config.policy.inline_model_bytes, 0), self.bus_config.chunk_bytes // 2) + 4096
+        return len(frame) <= limit
 
     def _expiry(self) -> float:
         return self.config.asynchronous.deadline_s if self.config.engine == "async" else self.config.policy.deadline_s

@@ -132,3 +132,12 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
     coordinator._dispatch(_status("node-001", connection=2, retained=True))
     await settle()
     assert bus.sent[3:] == [(t.task("node-001"), b"the task frame")]
+
+
+def test_a_large_per_node_task_frame_is_not_held_to_send_again(tmp_path: Path) -> None:
+    """Kept frames are bounded: up to an inline model's size and a header, not a per-node payload of
+    any size held through every node's training."""
+    coordinator = _coordinator(tmp_path)
+    limit = min(coordinator.config.policy.inline_model_bytes, coordinator.bus_config.chunk_bytes // 2)
+    assert coordinator._held_for_resend(bytearray(limit + 100))
+    assert not coordinator._held_for_resend(bytearray(limit + 10_000))
