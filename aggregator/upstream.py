@@ -89,6 +89,10 @@ class UpstreamNode(NodeDaemon):
         if online:
             meta = dict(message.meta) | {"num_samples": self.site.capacity, "site_live": self.site.live}
             meta.pop("label_histogram", None)
+            if self.share_group is not None:
+                # workers sharing one node id count their connections apart: none of them can say the
+                # node reconnected, which would have the coordinator send its task in hand again
+                meta.pop("connection", None)
             message = Message(
                 kind=message.kind, federation=message.federation, round=-1, sender=self.node_id, meta=meta
             )

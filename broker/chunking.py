@@ -50,6 +50,44 @@ def split(frame: bytes | bytearray, *, chunk_bytes: int, federation: str, sender
         )
 
 
+class ReassemblyBudget:
+    """Bytes held by the incomplete transfers of several reassemblers together: one bus client per
+    node, a thousand nodes in one process, each with its own bound, multiplied the memory one host
+    could be made to hold (issue 31: 200 MiB of chunks to one node raised its host by 260 MB, and the
+    2 GiB bound was per node). `BusClient`s share `process_budget()`."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError("a reassembly budget must be positive")
+        self.limit = limit
+        self.in_flight = 0
+
+    def reserve(self, nbytes: int) -> bool:
+        """Take `nbytes` if they fit (False, and nothing taken, if not)."""
+        if self.in_flight + nbytes > self.limit:
+            return False
+        self.in_flight += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.in_flight = max(self.in_flight - nbytes, 0)
+
+
+_PROCESS_BUDGET: ReassemblyBudget | None = None
+
+
+def process_budget(limit: int) -> ReassemblyBudget:
+    """The budget every bus client of this process shares. Its limit is the largest any of them was
+    configured with (`BusConfig.max_reassembly_bytes`), so that no client is held below its own
+    setting by another's; each client's own bound holds as well."""
+    global _PROCESS_BUDGET
+    if _PROCESS_BUDGET is None:
+        _PROCESS_BUDGET = ReassemblyBudget(limit)
+    else:
+        _PROCESS_BUDGET.limit = max(_PROCESS_BUDGET.limit, limit)
+    return _PROCESS_BUDGET
+
+
 @dataclass(slots=True)
 class _Transfer:
     sender: str
@@ -115,10 +153,12 @@ class Reassembler:
         remember_completed: int = 4096,
         on_abandon: Callable[[str, str], None] | None = None,
         spare_buffers: int = 2,
+        budget: ReassemblyBudget | None = None,
     ) -> None:
         """`spare_buffers`: completed frames' buffers kept to receive the next transfer of the same
         size into, once nothing refers to them any more (a fresh 45 MB buffer costs a page fault per
-        page: about a quarter of the receiver's time at 1 GB/s). 0 allocates every time."""
+        page: about a quarter of the receiver's time at 1 GB/s). 0 allocates every time.
+        `budget`: a bound shared with other reassemblers (the process's), besides `max_bytes`."""
         if max_bytes <= 0 or timeout_s <= 0:
             raise ValueError("max_bytes and timeout_s must be positive")
         self.max_bytes = max_bytes
@@ -128,6 +168,7 @@ class Reassembler:
         self._transfers: dict[tuple[str, bytes], _Transfer] = {}
         self._completed: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._remember = remember_completed
+        self._budget = budget
         self._on_abandon = on_abandon
         self.in_flight_bytes = 0
         self.duplicates = 0
@@ -166,7 +207,7 @@ class Reassembler:
         if len(transfer.received) < transfer.count:
             return None
         del self._transfers[key]
-        self.in_flight_bytes -= transfer.total
+        self._release(transfer.total)
         self._completed[key] = None
         while len(self._completed) > self._remember:
             self._completed.popitem(last=False)
@@ -201,6 +242,12 @@ class Reassembler:
                 f"{meta.total} more bytes would exceed the reassembly bound of {self.max_bytes}"
                 f" ({self.in_flight_bytes} in flight over {len(self._transfers)} transfers)",
             )
+        if self._budget is not None and not self._budget.reserve(meta.total):
+            raise CodecError(
+                "memory-bound",
+                f"{meta.total} more bytes would exceed the process's reassembly budget of {self._budget.limit}"
+                f" ({self._budget.in_flight} in flight over all its connections)",
+            )
         buffer = self._take_spare(meta.total)
         if buffer is None:
             buffer = np.empty(meta.total, dtype=np.uint8)
@@ -209,13 +256,25 @@ class Reassembler:
         self.in_flight_bytes += meta.total
         return transfer
 
+    def clear(self) -> None:
+        """Drop every incomplete transfer (its client is closing): the bytes go back to the shared
+        budget, which outlives the client."""
+        for transfer in self._transfers.values():
+            self._release(transfer.total)
+        self._transfers.clear()
+
+    def _release(self, nbytes: int) -> None:
+        self.in_flight_bytes -= nbytes
+        if self._budget is not None:
+            self._budget.release(nbytes)
+
     def expire(self) -> int:
         """Abandon transfers older than the timeout; returns how many were dropped."""
         now = self._clock()
         stale = [k for k, t in self._transfers.items() if now - t.started > self.timeout_s]
         for key in stale:
             transfer = self._transfers.pop(key)
-            self.in_flight_bytes -= transfer.total
+            self._release(transfer.total)
             reason = (
                 f"transfer {key[1].hex()[:8]} from {transfer.sender!r} abandoned after {self.timeout_s:g} s:"
                 f" {len(transfer.received)} of {transfer.count} chunks arrived"

@@ -28,7 +28,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fedmq.broker import paho_fast
-from fedmq.broker.chunking import Reassembler, split
+from fedmq.broker.chunking import Reassembler, process_budget, split
 from fedmq.broker.codec import decode, encode
 from fedmq.broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
 from fedmq.broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
@@ -199,6 +199,7 @@ class BusClient:
             max_transfer_bytes=config.max_transfer_bytes,
             timeout_s=config.transfer_timeout_s,
             on_abandon=lambda sender, reason: self._count_reject("transfer-timeout"),
+            budget=process_budget(config.max_reassembly_bytes),
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -210,6 +211,17 @@ class BusClient:
     @property
     def connected(self) -> bool:
         return self._client is not None
+
+    @property
+    def connections(self) -> int:
+        """Connections made so far (1 after the first): a daemon's status carries it, so that the
+        coordinator can tell a reconnection from a repeated announcement."""
+        return self._generation
+
+    @property
+    def failed(self) -> bool:
+        """The client ended with an error (`messages` and every call raise it): it will not reconnect."""
+        return self._fatal is not None
 
     async def __aenter__(self) -> Self:
         if self._entered:
@@ -250,6 +262,7 @@ class BusClient:
                 await self._supervisor
             self._supervisor = None
         self._client = None
+        self._reassembler.clear()  # what it held of the process's reassembly budget
 
     def abort(self) -> None:
         """Drop the TCP connection without a DISCONNECT, as a crash would, so the broker fires the will.
@@ -257,7 +270,11 @@ class BusClient:
         For fault injection in experiments and tests; the client does not reconnect afterwards.
         """
         self._closing = True
-        client = self._client
+        self._drop_socket(self._client)
+
+    @staticmethod
+    def _drop_socket(client: aiomqtt.Client | None) -> None:
+        """Shut the connection's socket: the broker sees a lost client and publishes its will."""
         paho = getattr(client, "_client", None)
         sock = paho.socket() if paho is not None else None
         if isinstance(sock, socket.socket):
@@ -330,8 +347,17 @@ class BusClient:
                     await self._on_connected(client)
                     ever_connected = True
                     delay = self.config.reconnect_initial_s
-                    async for raw in client.messages:
-                        await self._on_raw(raw)
+                    try:
+                        async for raw in client.messages:
+                            await self._on_message(raw)
+                    except aiomqtt.MqttError:
+                        raise
+                    except Exception:
+                        # the client dies of this: drop the connection as a crash would, so that the
+                        # broker publishes the will (the daemon's status goes offline with it) instead
+                        # of aiomqtt's clean DISCONNECT, which would leave an `online` status behind
+                        self._drop_socket(client)
+                        raise
             except MqttConnectError as exc:
                 self._last_error = f"connection refused: {exc}"
                 if not ever_connected:
@@ -763,6 +789,15 @@ class BusClient:
                 raise BusError(f"bus client stopped: {self._fatal or self._last_error}")
             yield getter.result()
 
+    async def _on_message(self, raw: aiomqtt.Message) -> None:
+        """`_on_raw`, fenced: one message that trips an unforeseen error is counted (``internal-error``)
+        and logged with its traceback; the connection, and the daemon reading it, go on."""
+        try:
+            await self._on_raw(raw)
+        except Exception:
+            self._count_reject("internal-error")
+            self._log.exception("error while receiving a message on %s; it is dropped", raw.topic.value)
+
     async def _on_raw(self, raw: aiomqtt.Message) -> None:
         payload = raw.payload
         if not isinstance(payload, bytes | bytearray | memoryview):
@@ -775,7 +810,7 @@ class BusClient:
         if size > self.config.max_message_bytes:
             self._reject("oversized", topic, f"{size} bytes > limit {self.config.max_message_bytes}")
             return
-        message = self._validate(topic, payload)
+        message = self._validate(topic, payload, retained=bool(raw.retain))
         if message is None:
             return
         if message.kind == Kind.CHUNK:
@@ -796,13 +831,17 @@ class BusClient:
             size = len(frame)
         await self._queue.put(Envelope(topic, message, size, retained=bool(raw.retain)))  # type: ignore[union-attr]
 
-    def _validate(self, topic: str, frame: bytes | bytearray | memoryview, *, verified: bool = False) -> Message | None:
+    def _validate(
+        self, topic: str, frame: bytes | bytearray | memoryview, *, verified: bool = False, retained: bool = False
+    ) -> Message | None:
         """Decode, check the federation, drop a repeated id. `verified`: every byte was checked already
-        (a frame reassembled from chunks whose checksums matched and which cover it exactly)."""
+        (a frame reassembled from chunks whose checksums matched and which cover it exactly).
+        `retained`: the broker kept it (a status), which the warning says: it stays until replaced."""
         try:
             message = decode(frame, verify=not verified)
         except CodecError as exc:
-            self._reject(exc.reason, topic, exc.detail)
+            note = " (a retained message: ignored, and kept by the broker until its publisher replaces it)"
+            self._reject(exc.reason, topic, exc.detail + (note if retained else ""))
             return None
         if message.federation != self.federation:
             self._reject("wrong-federation", topic, f"federation {message.federation!r} from {message.sender!r}")
@@ -818,7 +857,8 @@ class BusClient:
 
     def _reject(self, reason: str, topic: str, detail: str) -> None:
         self._count_reject(reason)
-        self._log.warning("rejected message on %s: %s: %s", topic, reason, detail)
+        # a topic can be 65,535 bytes of someone else's choosing: the log gets its start
+        self._log.warning("rejected message on %s: %s: %s", topic[:200], reason, detail[:1000])
 
     def _count_reject(self, reason: str) -> None:
         self.stats.rejected[reason] += 1

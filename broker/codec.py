@@ -62,6 +62,13 @@ _NAME_OF = {(dt.kind, dt.itemsize): name for name, dt in WIRE_DTYPES.items() if 
 _HEADER_KEYS = frozenset({"kind", "fed", "round", "sender", "id", "ts", "meta", "tensors", "body"})
 _MAX_NAME = 256
 _MAX_DIMS = 16
+_MAX_ELEMENTS = 2**48
+"""A tensor's elements, counting only its non-zero dimensions: numpy refuses a shape whose product
+does not fit its index type even when another dimension is 0 (``[0, 2**63]``), with a ValueError
+that is not the codec's. 2**48 is far above any frame the bus carries."""
+MAX_META_DEPTH = 32
+"""How deep meta's lists and maps may nest. Daemons walk meta recursively (the event log's JSON, a
+payload's copy); 600 nested lists from one foreign client made a RecursionError there (issue 31)."""
 _KINDS = {k.value: k for k in Kind}
 
 
@@ -181,10 +188,22 @@ def encode(message: Message, out: bytearray | None = None) -> bytearray:
 
 
 def decode(data: bytes | bytearray | memoryview, *, verify: bool = True) -> Message:
-    """Decode and validate a frame. Raises `CodecError` with a `reason` for every malformed input.
+    """Decode and validate a frame. Raises `CodecError` with a `reason` for every malformed input,
+    and nothing else: a frame is the one input any client can send to every daemon.
 
     `verify` false skips the checksum (one pass over every byte) and nothing else: for a frame whose
     bytes were verified already, such as one reassembled from checksummed chunks."""
+    try:
+        return _decode(data, verify=verify)
+    except CodecError:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError, KeyError, IndexError) as exc:
+        # a check missed above: still the protocol's error, so no caller dies of it (the fuzz tests
+        # in tests/broker/test_fuzz.py look for inputs that get here)
+        raise CodecError("malformed", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _decode(data: bytes | bytearray | memoryview, *, verify: bool) -> Message:
     view = memoryview(data)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
@@ -238,7 +257,8 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 def _check_header(header: Any) -> dict[str, Any]:
     if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
-        keys = sorted(header) if isinstance(header, dict) else type(header).__name__
+        # repr, not the keys: msgpack gives str and bytes keys, which do not sort together (issue 31)
+        keys = sorted(map(repr, header)) if isinstance(header, dict) else type(header).__name__
         raise CodecError("bad-header", f"header keys {keys} != {sorted(_HEADER_KEYS)}")
     checks: list[tuple[str, type | tuple[type, ...]]] = [
         ("kind", str),
@@ -263,7 +283,25 @@ def _check_header(header: Any) -> dict[str, Any]:
         raise CodecError("bad-header", "negative body length or round")
     if not math.isfinite(header["ts"]):
         raise CodecError("bad-header", "timestamp is not finite")
+    _check_meta(header["meta"])
     return header
+
+
+def _check_meta(meta: dict[Any, Any]) -> None:
+    """Meta nests at most `MAX_META_DEPTH` deep and its maps' keys are strings (what JSON, the event
+    log and every reader of meta expect). Walked with a stack, not recursion, so that the check
+    itself cannot overflow."""
+    stack: list[tuple[Any, int]] = [(meta, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_META_DEPTH:
+            raise CodecError("bad-header", f"meta nests deeper than {MAX_META_DEPTH} levels")
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise CodecError("bad-header", "meta map keys must be strings")
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, dict | list))
+        else:
+            stack.extend((v, depth + 1) for v in value if isinstance(v, dict | list))
 
 
 def _tensor_views(data: memoryview, specs: list[Any], body_start: int, body_len: int) -> dict[str, np.ndarray]:
@@ -286,6 +324,8 @@ def _tensor_views(data: memoryview, specs: list[Any], body_start: int, body_len:
             raise CodecError("bad-tensor", f"tensor {name!r} has an invalid shape {shape!r}")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)):
             raise CodecError("bad-tensor", f"tensor {name!r} offset and size must be integers")
+        if math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+            raise CodecError("bad-tensor", f"tensor {name!r} has an impossible shape {shape!r}")
         count = math.prod(shape)
         if nbytes != count * dtype.itemsize:
             raise CodecError("bad-tensor", f"tensor {name!r}: {nbytes} bytes for shape {shape} {dtype_name}")

@@ -34,7 +34,9 @@ class BusConfig:
     """Frames above this size travel as chunks published concurrently; a chunk leaves room for its
     headers under `max_message_bytes`."""
     max_reassembly_bytes: Annotated[int, Bounds(ge=1)] = 2 * 2**30
-    """Memory bound on all partially received transfers together."""
+    """Memory bound on all partially received transfers together: of this connection, and of every
+    bus client in the process together (`broker.chunking.process_budget`; its bound is the largest
+    any of them sets), so that a host of many nodes holds no more than one node's bound."""
     max_transfer_bytes: Annotated[int, Bounds(ge=1)] = 2**30
     transfer_timeout_s: Annotated[float, Bounds(gt=0)] = 120.0
     max_concurrent_publishes: Annotated[int, Bounds(ge=1)] = 32

@@ -22,7 +22,7 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 def check_id(value: str, what: str) -> str:
     """Ids become topic levels, so they may not contain '/', '+', '#' or spaces."""
-    if not isinstance(value, str) or not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):
         raise ValueError(
             f"{what} {value!r} is not valid: use 1 to 64 letters, digits, '_', '.' or '-', starting with a"
             " letter or digit"
@@ -98,7 +98,10 @@ class Topics:
         return f"{self.prefix}/updates/+"
 
     def route(self, topic: str) -> Route | None:
-        """Parse a topic of this federation; None for anything outside the scheme."""
+        """Parse a topic of this federation; None for anything outside the scheme, a node id that is
+        not a valid id (`check_id`) included: daemons build topics from the node a topic names (its
+        receipt, its task), and a 65,000-character id made a receipt topic over MQTT's 65,535-byte
+        limit, which paho raised in the coordinator's driver (issue 31)."""
         parts = topic.split("/")
         if len(parts) < 3 or parts[0] != ROOT or parts[1] != self.federation:
             return None
@@ -108,9 +111,9 @@ class Topics:
         if rest == ["coordinator", "state"]:
             return Route("coordinator-state")
         if len(rest) == 3 and rest[0] == "nodes" and rest[2] in ("status", "task", "model", "receipt"):
-            return Route(f"node-{rest[2]}", node=rest[1])
+            return Route(f"node-{rest[2]}", node=rest[1]) if _ID.fullmatch(rest[1]) else None
         if len(rest) == 2 and rest[0] in ("acks", "updates"):
-            return Route(rest[0], node=rest[1])
+            return Route(rest[0], node=rest[1]) if _ID.fullmatch(rest[1]) else None
         if len(rest) == 2 and rest[0] == "model" and rest[1].isdigit():
             return Route("model", round=int(rest[1]))
         return None

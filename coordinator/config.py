@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -10,6 +11,8 @@ from fedmq.broker.fields import Bounds, check_fields
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
+
+logger = logging.getLogger(__name__)
 
 INLINE_MODEL_BYTES = 64 * 1024
 """The default `RoundPolicy.inline_model_bytes`."""
@@ -55,6 +58,25 @@ class RoundPolicy:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.ack_timeout_s >= self.deadline_s:
+            self._shorten_ack_timeout()
+
+    def _shorten_ack_timeout(self) -> None:
+        """An ack timeout at or past the deadline: a broadcast round that selected a silent node
+        would publish its model only when the round closes, and lose every update (issue 31).
+        Adjusted, not refused: the ack wait only gathers subscriptions before the one broadcast (an
+        acknowledgement after it gets the model on its own topic), and a small model rides in the
+        tasks without any wait, so a short deadline is a valid setting; the wait becomes half of it."""
+        adjusted = self.deadline_s / 2
+        logger.warning(
+            "policy.ack_timeout_s (%g s) is not below deadline_s (%g s): a round that selected a silent node"
+            " would broadcast its model only at its deadline and lose every update; waiting %g s for"
+            " acknowledgements instead (set ack_timeout_s below deadline_s to choose)",
+            self.ack_timeout_s,
+            self.deadline_s,
+            adjusted,
+        )
+        object.__setattr__(self, "ack_timeout_s", adjusted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,6 +128,13 @@ class CoordinatorConfig:
     asynchronous: AsyncPolicy = field(default_factory=AsyncPolicy)
     compression: Compression = field(default_factory=Compression)
     """How the nodes compress their updates; an update compressed otherwise is refused (bad-compression)."""
+    nodes: frozenset[str] | None = None
+    """The node ids of the experiment (`experiments.build` gives them): a status, acknowledgement or
+    update from any other id is refused (``unknown-node``), so that no foreign id ever becomes a live
+    node that rounds select and wait for (issue 31: 1,000 forged ids on an unsecured broker made every
+    round wait its deadline). None admits any valid id."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.nodes is not None:
+            object.__setattr__(self, "nodes", frozenset(self.nodes))

@@ -71,6 +71,10 @@ Watcher = Callable[[float, e.Event, "list[c.Command]"], None]
 """Sees each event the engine handled, when (the clock's time), and the commands it gave."""
 
 
+_FROM_MESSAGES = (e.NodeSeen, e.Acked, e.UpdateArrived)
+"""The events one incoming message makes (`Coordinator._feed_fenced`)."""
+
+
 class _Failed(Exception):
     """A heavy call raised: the run fails with this as the reason."""
 
@@ -116,6 +120,11 @@ class Coordinator:
         """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
         round, frame)."""
         self._published_state: str | None = None
+        self._connections: dict[str, int] = {}
+        """Each node's connection count, from its statuses: a higher one means it reconnected."""
+        self._open_tasks: dict[str, tuple[bytes, int, bytearray]] = {}
+        """Each node's last task frame (task id, round, frame) until the node acknowledges or answers it:
+        sent again when the node announces itself again while it holds it (`_resend_open_task`)."""
         self._background: set[asyncio.Task[Any]] = set()
         self._bus: BusClient | None = None
         self._extra_summary = dict(extra_summary or {})
@@ -212,17 +221,29 @@ class Coordinator:
                 self._dispatch(envelope)
             except ProtocolError as exc:
                 bus.reject(exc.reason, envelope, exc.detail)
+                if envelope.retained:
+                    logger.warning(
+                        "the retained message on %s is ignored (%s); its node is seen when it announces again",
+                        envelope.topic[:200],
+                        exc.reason,
+                    )
             except Exception:  # a daemon never dies of one message; the traceback says why
                 bus.stats.rejected["internal-error"] += 1
-                logger.exception("error while handling a message on %s", envelope.topic)
+                logger.exception("error while handling a message on %s", envelope.topic[:200])
 
     def _dispatch(self, envelope: Envelope) -> None:
         route = self.topics.route(envelope.topic)
         message = envelope.message
         if route is None:
-            raise ProtocolError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
+            raise ProtocolError(
+                "unknown-topic",
+                f"topic {envelope.topic[:200]!r} is outside the scheme (node ids are 1 to 64 letters, digits,"
+                " '_', '.' or '-')",
+            )
         if route.node is not None and message.sender != route.node:
-            raise ProtocolError("wrong-sender", f"sender {message.sender!r} on the topic of {route.node!r}")
+            raise ProtocolError("wrong-sender", f"sender {message.sender[:80]!r} on the topic of {route.node!r}")
+        if route.node is not None and self.config.nodes is not None and route.node not in self.config.nodes:
+            raise ProtocolError("unknown-node", f"{route.node!r} is not a node of this experiment")
         expected = {"node-status": Kind.NODE_STATUS, "acks": Kind.ACK, "updates": Kind.UPDATE}.get(route.channel)
         if expected is None:
             return  # our own topics echo nothing we subscribed to; ignore anything else
@@ -232,19 +253,52 @@ class Coordinator:
             refusal = self._method_refusal(message.meta)
             known = self.registry.get(message.sender)
             count = known.num_samples if known is not None else None
+            was_online = known is not None and known.online
             # a node running another method is never live: it would train another objective
             changed = self.registry.apply_status(message.sender, {"state": "offline"} if refusal else message.meta)
             node = self.registry.get(message.sender)
             assert node is not None
+            reconnected = self._reconnected(message.sender, message.meta.get("connection"))
             if changed is not None or (node.online and node.num_samples != count):
                 self._events.put_nowait(e.NodeSeen(message.sender, node.online, node.num_samples))
+            elif was_online and node.online and reconnected:
+                self._resend_open_task(message.sender)
             if refusal:
                 raise ProtocolError("method-mismatch", refusal)
         elif route.channel == "acks":
             task = message.meta.get("task")
+            self._answered(message.sender, task)
             self._events.put_nowait(e.Acked(message.sender, message.round, task if isinstance(task, bytes) else None))
         else:
+            self._answered(message.sender, message.meta.get("task"))
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
+
+    def _reconnected(self, node: str, connection: object) -> bool:
+        """Whether this status is the node's first on a newer connection than its last status said
+        (a repeated announcement on the same connection is not: the node holds what it held)."""
+        if not isinstance(connection, int) or isinstance(connection, bool):
+            return False
+        previous = self._connections.get(node)
+        self._connections[node] = connection
+        return previous is not None and connection > previous
+
+    def _answered(self, node: str, task: object) -> None:
+        """The node acknowledged or answered its open task: it has it, nothing to send again."""
+        held = self._open_tasks.get(node)
+        if held is not None and held[0] == task:
+            del self._open_tasks[node]
+
+    def _resend_open_task(self, node: str) -> None:
+        """A live node announced itself on a new connection: after a broker restart its subscriptions
+        may be new, so the task published before it re-subscribed was lost (issue 31).
+        The same frame goes again; a node that had it drops the copy by its message id, and one that
+        arrives past its deadline is refused there as expired."""
+        held = self._open_tasks.get(node)
+        if held is None or self._bus is None:
+            return
+        _, round, frame = held
+        logger.info("round %d: %s announced itself again with its task unanswered: the task is sent again", round, node)
+        self._spawn(self._bus.publish_frame(self.topics.task(node), frame, round=round, expiry_s=self._expiry()))
 
     def _method_refusal(self, meta: Mapping[str, Any]) -> str | None:
         """Why an online announcement is refused for its method (None: it matches, or says none)."""
@@ -267,7 +321,23 @@ class Coordinator:
     async def _drive(self) -> None:
         self._feed(e.Start())
         while not self.engine.finished:
-            self._feed(await self._next_event())
+            event = await self._next_event()
+            if isinstance(event, _FROM_MESSAGES):
+                self._feed_fenced(event)
+            else:
+                self._feed(event)
+
+    def _feed_fenced(self, event: e.Event) -> None:
+        """An event made from one incoming message: whatever it trips (in the event log, the engine,
+        a publish) is counted and logged as that message's refusal, never the run's end. The run's
+        own events (deadlines, the half's results) still fail it: those are the coordinator's bugs."""
+        try:
+            self._feed(event)
+        except Exception:
+            if self._bus is not None:
+                self._bus.stats.rejected["internal-error"] += 1
+            node = getattr(event, "node", None) or getattr(getattr(event, "message", None), "sender", "?")
+            logger.exception("error while handling %s from %s; the message is dropped", type(event).__name__, node)
 
     async def _next_event(self) -> e.Event:
         """The next event, or a Tick when the engine's next deadline comes first."""
@@ -486,6 +556,9 @@ class Coordinator:
     async def _publish_tasks(self, items: list[tuple[str, bytes, int, bytearray]]) -> None:
         round, frame = items[0][2], items[0][3]
         topics = {self.topics.task(node): (node, task_id) for node, task_id, _, _ in items}
+        if self._held_for_resend(frame):
+            for node, task_id, _, _ in items:
+                self._open_tasks[node] = (task_id, round, frame)
         try:
             failed = await self._bus_or_fail().publish_many(list(topics), frame, round=round, expiry_s=self._expiry())
         except BusError as exc:
@@ -493,8 +566,16 @@ class Coordinator:
             failed = list(topics)
         for topic in failed:
             node, task_id = topics[topic]
+            self._answered(node, task_id)  # reported unsent: the engine no longer waits for it
             logger.warning("round %d: the task to %s could not be published", round, node)
             self._events.put_nowait(e.TaskUnsent(node, task_id))
+
+    def _held_for_resend(self, frame: bytearray) -> bool:
+        """Whether a task frame is kept until its node answers (`_resend_open_task`): up to what a model
+        may weigh inside a task, plus its header, which every round's shared task frame is. A larger
+        per-node payload is not kept: held through training for every node, it would multiply memory."""
+        limit = min(max(self.config.policy.inline_model_bytes, 0), self.bus_config.chunk_bytes // 2) + 4096
+        return len(frame) <= limit
 
     def _expiry(self) -> float:
         return self.config.asynchronous.deadline_s if self.config.engine == "async" else self.config.policy.deadline_s
@@ -587,14 +668,36 @@ class Coordinator:
             self._published_state = state
 
     async def _final_status(self, publisher: asyncio.Task[None]) -> None:
+        final: Message | None = None
         try:
             async with asyncio.timeout(5):
                 await self._statuses.join()
-                await self._publish_status(self._status_message(self._state, {}))
+                final = self._status_message(self._state, {})
+                await self._publish_status(final)
         except (BusError, TimeoutError) as exc:
             logger.warning("could not publish the final status: %s", exc)
+            if final is not None and self._bus is not None and self._bus.failed:
+                await self._final_status_anew(final)
         finally:
             publisher.cancel()
+
+    async def _final_status_anew(self, message: Message) -> None:
+        """The bus client died (its will said `offline` on the status topic, which nodes do not
+        follow): one fresh connection publishes the final state, so that the nodes learn the run
+        ended instead of waiting for tasks that never come (issue 31)."""
+        client = BusClient(
+            self.bus_config,
+            client_id=f"{self.client_id}-final",
+            federation=self.config.federation,
+            logger=logger.getChild("bus"),
+        )
+        try:
+            async with asyncio.timeout(10), client as bus:
+                await bus.publish(self.topics.coordinator_status, message, retain=True)
+                await bus.publish(self.topics.coordinator_state, message, retain=True)
+            logger.info("the final state (%s) published through a new connection", message.meta["state"])
+        except (BusError, TimeoutError) as exc:
+            logger.warning("the nodes could not be told that the run ended: %s", exc)
 
     def _spawn(self, coro: Any) -> None:
         """Background publishes are kept and harvested, never fire-and-forget."""

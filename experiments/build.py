@@ -205,6 +205,7 @@ def coordinator_config(
         engine=cfg.engine.kind,
         asynchronous=async_policy(cfg),
         compression=cfg.compression.compression(),
+        nodes=frozenset(cfg.hierarchy.site_names() if sites else cfg.node_ids()),
     )
 
 
@@ -337,6 +338,7 @@ def site_config(cfg: ExperimentConfig, site: str, out_dir: Path, *, federation: 
         policy=policy,
         train=train_settings(cfg),
         method=cfg.method.name,
+        nodes=frozenset(cfg.site_nodes()[site]) if site in cfg.site_nodes() else None,
     )
 
 

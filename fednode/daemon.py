@@ -221,6 +221,15 @@ class NodeDaemon:
             state = "online" if self.player.online else "offline"
             await self._bus.publish(self.topics.node_status(self.node_id), self._status(state), retain=True)
 
+    async def _reannounce(self) -> None:
+        """The status again, for a coordinator (re)started since the last one: the retained status it
+        reads first may not be this node's any more (64 random bytes left there by another client made
+        a restarted coordinator never see the node, issue 31). One message per node and coordinator run."""
+        try:
+            await asyncio.wait_for(self._announce(), 10)
+        except (BusError, TimeoutError) as exc:  # the next connect announces it then
+            self.log.warning("could not announce the status to the new coordinator run: %r", exc)
+
     async def _on_transition(self, transition: Transition) -> None:
         """The scenario took the node offline (dropping the task in hand) or brought it back."""
         if transition.online:
@@ -251,6 +260,8 @@ class NodeDaemon:
                 "device": str(self.workspace.device),
                 "num_samples": len(self.data),
                 "method": self.fingerprint.to_meta(),
+                # which connection this is: after a reconnection the coordinator sends the task in hand again
+                "connection": self._bus.connections if self._bus is not None else 0,
             }
             if self.config.announce_label_histogram:
                 meta["label_histogram"] = self.data.label_histogram()
@@ -295,6 +306,8 @@ class NodeDaemon:
     def _on_coordinator_status(self, message: Message) -> None:
         state, run_id = message.meta.get("state"), message.meta.get("run_id")
         if state in ("waiting", "running"):
+            if run_id != self._run_id and self._bus is not None:
+                self._spawn(self._reannounce(), f"reannounce-{self.node_id}")
             self._run_id = run_id
             self._check_method(message.meta.get("method"))
         elif state in _FINAL_STATES and run_id is not None and run_id == self._run_id:
@@ -345,6 +358,11 @@ class NodeDaemon:
             return
         if not self.player.admit(task.round):
             return  # scripted: offline, or a dropped task (no ack, no group, no update)
+        if task.inline:
+            # the model it carries is checked before it replaces the pending task: a refused task
+            # (wrong shapes, from anyone who can publish on this topic) must not cost the node the
+            # genuine task it holds (issue 31)
+            self._parse_model(message)
         if self._task is not None:
             self._leave_group(self._task)
             if not self._task.inline and self._task.model_topic != task.model_topic:

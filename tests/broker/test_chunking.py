@@ -170,3 +170,41 @@ def test_no_spare_buffers_allocates_every_time() -> None:
         frame = frame_of(seed=seed)
         assert bytes(_reassemble(r, frame)) == frame
     assert r.reused_buffers == 0 and r._spare == []
+
+
+def test_reassemblers_of_one_process_share_its_budget() -> None:
+    """Issue 31: the bound was per connection, so a host of many nodes held many times it. Two
+    reassemblers (two nodes of one host) each under their own bound are refused together past the
+    shared budget; a completed transfer and an abandoned one give their bytes back."""
+    from fedmq.broker.chunking import ReassemblyBudget
+
+    clock = Clock()
+    frame_a, frame_b = frame_of(10_000), frame_of(10_000, seed=2)
+    budget = ReassemblyBudget(int(len(frame_a) * 1.5))
+    node_1 = Reassembler(max_bytes=10 * len(frame_a), timeout_s=10, clock=clock, budget=budget)
+    node_2 = Reassembler(max_bytes=10 * len(frame_a), timeout_s=10, clock=clock, budget=budget)
+    a, b = chunks_of(frame_a), chunks_of(frame_b)
+    node_1.add(a[0])
+    with pytest.raises(CodecError, match="process's reassembly budget") as info:
+        node_2.add(b[0])
+    assert info.value.reason == "memory-bound" and len(node_2) == 0
+    for c in a[1:]:
+        node_1.add(c)
+    assert budget.in_flight == 0
+    assert node_2.add(b[0]) is None and budget.in_flight == len(frame_b)
+    clock.now = 11
+    assert node_2.expire() == 1 and budget.in_flight == 0
+    node_1.add(b[0])
+    node_1.clear()  # its client closed: the shared budget outlives it
+    assert budget.in_flight == 0 and len(node_1) == 0
+
+
+def test_bus_clients_share_the_process_budget() -> None:
+    """Every BusClient of a process reserves from one budget, whose bound is the largest configured."""
+    from fedmq.broker import BusClient, BusConfig
+    from fedmq.broker.chunking import process_budget
+
+    one = BusClient(BusConfig.from_url("mqtt://127.0.0.1:1"), client_id="a", federation="f")
+    two = BusClient(BusConfig.from_url("mqtt://127.0.0.1:1", max_reassembly_bytes=2**20), client_id="b", federation="f")
+    assert one._reassembler._budget is two._reassembler._budget is process_budget(1)
+    assert process_budget(1).limit >= one.config.max_reassembly_bytes

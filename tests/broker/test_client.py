@@ -120,6 +120,112 @@ async def test_client_bad_input_is_counted_and_the_client_goes_on(broker_url: st
         }  # fmt: skip
 
 
+def issue31_frames(federation: str) -> dict[str, bytes]:
+    """Frames of a few hundred bytes that each killed a daemon's bus client before issue 31 (item 0)."""
+    import msgpack
+
+    from fedmq.broker.codec import ALIGN, FORMAT_VERSION, PREFIX, PREFIX_BYTES, checksum
+
+    def frame(header: dict[object, object]) -> bytes:
+        packed = msgpack.packb(header, use_bin_type=True)
+        start = (PREFIX_BYTES + len(packed) + ALIGN - 1) // ALIGN * ALIGN
+        buf = bytearray(start)
+        buf[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
+        PREFIX.pack_into(buf, 0, b"FMQ", FORMAT_VERSION, len(packed), checksum(buf))
+        return bytes(buf)
+
+    base: dict[object, object] = {
+        "kind": "update", "fed": federation, "round": 1, "sender": "n1", "id": b"\x01" * 16, "ts": 1.0,
+        "meta": {}, "tensors": [], "body": 0,
+    }  # fmt: skip
+    deep: object = 1
+    for _ in range(600):
+        deep = [deep]
+    return {
+        "zero-size-huge-dim": frame(base | {"tensors": [["w", "float32", [0, 2**63], 0, 0]]}),
+        "bytes-header-key": frame(base | {b"kind": "update"}),
+        "deep-meta": frame(base | {"meta": {"x": deep}, "id": b"\x02" * 16}),
+    }
+
+
+async def test_client_issue31_frames_are_rejected_and_the_client_goes_on(broker_url: str, federation: str) -> None:
+    """Issue 31: each of these frames made `decode` raise something other than CodecError, which
+    ended the client's connection loop (and the daemon with it). Now each is a counted rejection."""
+    t = Topics(federation)
+    async with (
+        BusClient(config(broker_url), client_id=f"{federation}-a", federation=federation) as a,
+        raw_client(broker_url) as raw,
+    ):
+        await a.subscribe(t.all_updates)
+        for payload in issue31_frames(federation).values():
+            await raw.publish(t.update("n1"), payload, qos=1)
+        await raw.publish(t.update("n1"), bytes(encode(update(federation))), qos=1)
+        got = await next_message(a)
+        assert got.message.sender == "n1"
+        assert dict(a.stats.rejected) == {"bad-tensor": 1, "bad-header": 2}
+
+
+async def test_client_an_unforeseen_error_on_one_message_is_counted_not_fatal(
+    broker_url: str, federation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a message trips in the receiving path (here a decoder that raises RuntimeError for one
+    payload) is counted as internal-error and logged; the next message still arrives."""
+    import fedmq.broker.client as client_module
+
+    real = client_module.decode
+
+    def flaky(data: object, *, verify: bool = True) -> Message:
+        if bytes(data)[-4:] == b"boom":  # type: ignore[call-overload]
+            raise RuntimeError("a bug in a check")
+        return real(data, verify=verify)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client_module, "decode", flaky)
+    t = Topics(federation)
+    async with (
+        BusClient(config(broker_url), client_id=f"{federation}-a", federation=federation) as a,
+        raw_client(broker_url) as raw,
+    ):
+        await a.subscribe(t.all_updates)
+        await raw.publish(t.update("n1"), b"FMQ\x02boom", qos=1)
+        await raw.publish(t.update("n1"), bytes(encode(update(federation))), qos=1)
+        got = await next_message(a)
+        assert got.message.sender == "n1" and a.stats.rejected == {"internal-error": 1}
+        assert a.connected
+
+
+async def test_client_that_dies_fires_its_will(
+    broker_url: str, federation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bus client whose connection loop fails (here: its message fence itself raising) drops the
+    connection without a DISCONNECT, so the broker publishes its will: the daemon's retained status
+    goes offline with it instead of staying `online` (issue 31)."""
+    t = Topics(federation)
+    offline = Message(kind=Kind.NODE_STATUS, federation=federation, round=-1, sender="n1", meta={"state": "offline"})
+    online = Message(kind=Kind.NODE_STATUS, federation=federation, round=-1, sender="n1", meta={"state": "online"})
+
+    async def broken(raw: object) -> None:
+        raise RuntimeError("the client dies of this")
+
+    async with BusClient(config(broker_url), client_id=f"{federation}-c", federation=federation) as watcher:
+        await watcher.subscribe(t.all_node_status)
+        node = BusClient(
+            config(broker_url),
+            client_id=f"{federation}-n1",
+            federation=federation,
+            will=Will(t.node_status("n1"), offline),
+        )
+        async with node, raw_client(broker_url) as raw:
+            await node.subscribe(t.task("n1"))
+            await node.publish(t.node_status("n1"), online, retain=True)
+            assert (await next_message(watcher)).message.meta == {"state": "online"}
+            monkeypatch.setattr(node, "_on_message", broken)  # this client only, not the watcher
+            await raw.publish(t.task("n1"), b"anything", qos=1)
+            got = await next_message(watcher)
+            assert got.topic == t.node_status("n1") and got.message.meta == {"state": "offline"}
+            with pytest.raises(BusError, match="the client dies of this"):
+                await next_message(node)
+
+
 async def test_client_incomplete_transfer_is_abandoned(broker_url: str, federation: str) -> None:
     """Chunks of a transfer that never completes are dropped at the transfer timeout and counted."""
     from fedmq.broker.chunking import split

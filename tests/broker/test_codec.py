@@ -152,6 +152,20 @@ def _header(**changes: object) -> dict[str, object]:
     return base
 
 
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _nested_maps(depth: int) -> dict[str, object]:
+    value: dict[str, object] = {"leaf": 1}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
 BAD_FRAMES = {
     "empty": (b"", "truncated"),
     "short": (b"FMQ\x02\x00", "truncated"),
@@ -190,6 +204,18 @@ BAD_FRAMES = {
         "bad-tensor",
     ),
     "spec-not-list": (_with_header(_header(tensors=["w"], body=0)), "bad-tensor"),
+    # issue 31: numpy's ValueError for a zero-size tensor whose other dimension no array can have
+    "zero-size-huge-dim": (_with_header(_header(tensors=[["w", "float32", [0, 2**63], 0, 0]], body=0)), "bad-tensor"),
+    "zero-size-huge-product": (
+        _with_header(_header(tensors=[["w", "uint8", [0, 2**40, 2**40], 0, 0]], body=0)),
+        "bad-tensor",
+    ),
+    # issue 31: a TypeError from sorting str and bytes keys while saying which keys were wrong
+    "bytes-header-key": (_with_header({**_header(), b"kind": "update"}), "bad-header"),
+    "bytes-meta-key": (_with_header(_header(meta={b"task": 1})), "bad-header"),
+    # issue 31: 600 nested lists in meta became a RecursionError in the coordinator's event log
+    "deep-meta": (_with_header(_header(meta={"x": _nested(600)})), "bad-header"),
+    "deep-meta-maps": (_with_header(_header(meta=_nested_maps(40))), "bad-header"),
 }
 
 
@@ -240,3 +266,19 @@ def test_blockwise_hashing_gives_the_one_pass_checksum_for_every_layout() -> Non
         back = decode(frame)
         for name, arr in tensors.items():
             assert np.array_equal(back.tensors[name], arr), name
+
+
+def test_codec_meta_nested_up_to_the_bound_round_trips() -> None:
+    """Meta may nest as deep as `MAX_META_DEPTH` (lists and maps); one level more is refused."""
+    from fedmq.broker.codec import MAX_META_DEPTH
+
+    ok = msg(x=_nested(MAX_META_DEPTH - 1))
+    assert decode(bytes(encode(ok))).meta == {"x": _nested(MAX_META_DEPTH - 1)}
+    with pytest.raises(CodecError, match="nest"):
+        decode(bytes(encode(msg(x=_nested(MAX_META_DEPTH)))))
+
+
+def test_codec_zero_size_tensors_with_large_dimensions_still_decode() -> None:
+    """A zero-size tensor whose other dimensions are large but possible is a valid tensor."""
+    out = decode(bytes(encode(msg({"w": np.zeros((0, 100_000), np.float32)}))))
+    assert out.tensors["w"].shape == (0, 100_000)

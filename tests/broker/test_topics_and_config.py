@@ -31,6 +31,23 @@ def test_topics_route_parses_every_channel() -> None:
         assert t.route(foreign) is None
 
 
+def test_topics_route_refuses_node_ids_that_are_not_ids() -> None:
+    """Issue 31: a node id that makes its receipt topic one byte over MQTT's 65,535 reached paho in
+    the coordinator's driver. A topic naming a node by anything but a valid id is outside the scheme,
+    so no daemon ever builds a topic from it."""
+    from fedmq.broker.topics import check_id
+
+    t = Topics("fed-1")
+    long_id = "n" * (65_535 - len(t.receipt("")) + 1)
+    assert len(t.receipt(long_id).encode()) == 65_536
+    for bad in [long_id, "n" * 65, "a b", "n1\n", "-n1", "n\u00e9"]:
+        for topic in (t.node_status(bad), t.update(bad), t.ack(bad), t.task(bad)):
+            assert t.route(topic) is None, (bad[:10], topic[:40])
+        with pytest.raises(ValueError):
+            check_id(bad, "node id")
+    assert t.route(t.update("n" * 64)) == Route("updates", node="n" * 64)
+
+
 def test_bus_config_from_url_reads_credentials_and_port() -> None:
     c = BusConfig.from_url("mqtt://user:p%40ss@broker.example:1999", chunk_bytes=65536)
     assert (c.host, c.port, c.username, c.password, c.chunk_bytes) == ("broker.example", 1999, "user", "p@ss", 65536)

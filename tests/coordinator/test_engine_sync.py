@@ -404,3 +404,20 @@ def test_sync_a_later_announcement_replaces_the_count() -> None:
     d.feed(seen("a", False, samples=None))
     d.feed(seen("a", samples=30))
     assert d.engine.announced == {"a": 30}
+
+
+def test_sync_ack_timeout_at_or_past_the_deadline_is_shortened_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: with deadline_s at or below ack_timeout_s, a broadcast round that selected a silent
+    node published its model only at the deadline, so nobody could answer. The policy halves the wait
+    (with a warning); the round then broadcasts in time and takes the two answers that come."""
+    d = Driver(config(policy={"deadline_s": 4.0, "ack_timeout_s": 5.0}))
+    assert d.engine.policy.ack_timeout_s == 2.0  # type: ignore[attr-defined]
+    assert "not below deadline_s" in caplog.text
+    d.start(*NODES)
+    tasks = {t.node: t for t in _round(d, inline=False).tasks}
+    d.feed(e.Acked("a", 0, tasks["a"].task))
+    d.feed(e.Acked("b", 0, tasks["b"].task))  # c is silent
+    assert one(c.Broadcast, d.tick(2.0)).round == 0
+    d.feed(update(tasks["a"]), at=2.5)
+    d.feed(update(tasks["b"]), at=3.0)
+    assert [u.node_id for u in one(c.Aggregate, d.tick(4.0)).updates] == ["a", "b"]

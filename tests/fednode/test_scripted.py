@@ -44,6 +44,8 @@ def _task(round: int = 4) -> Message:
 class _Bus:
     """Records what the daemon publishes: the part of a BusClient that task handling and the job use."""
 
+    connections = 1
+
     def __init__(self) -> None:
         self.frames: list[tuple[bytearray, float]] = []
         self.published: list[Message] = []
@@ -182,4 +184,10 @@ async def test_offline_transition_announces_offline_and_forgets_the_pending_task
     daemon.player.online = True
     await daemon._on_transition(Transition(0.0, True))
     method = daemon.fingerprint.to_meta()
-    assert bus.published[-1].meta == {"state": "online", "device": "cpu", "num_samples": 8, "method": method}
+    assert bus.published[-1].meta == {
+        "state": "online",
+        "device": "cpu",
+        "num_samples": 8,
+        "method": method,
+        "connection": 1,
+    }

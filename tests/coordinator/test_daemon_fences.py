@@ -1,0 +1,143 @@
+"""Issue 31 at the coordinator, without a broker: a node id outside the experiment is refused before
+the registry, a retained status that is refused says it is ignored, and an event made from one
+message that trips an unforeseen error is that message's refusal, not the run's end."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+
+from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics
+from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.errors import ProtocolError
+from tests.coordinator.engine_helpers import config
+from tests.coordinator.test_payloads import PerNode, _model
+
+
+def _coordinator(tmp_path: Path, **changes: object) -> Coordinator:
+    cfg = dataclasses.replace(config(), out_dir=tmp_path, **changes)
+    return Coordinator(cfg, BusConfig.from_url("mqtt://127.0.0.1:1"), PerNode(None, model=_model()))
+
+
+def _status(node: str, *, retained: bool = False, **meta: object) -> Envelope:
+    message = Message(
+        kind=Kind.NODE_STATUS, federation="f", round=-1, sender=node, meta={"state": "online", "num_samples": 5, **meta}
+    )
+    return Envelope(Topics("f").node_status(node), message, 100, retained=retained)
+
+
+def test_a_node_outside_the_experiment_never_reaches_the_registry(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path, nodes=frozenset({"node-000", "node-001"}))
+    coordinator._dispatch(_status("node-000"))
+    with pytest.raises(ProtocolError) as info:
+        coordinator._dispatch(_status("node-900"))
+    assert info.value.reason == "unknown-node"
+    assert coordinator.registry.live_ids() == ["node-000"]
+
+
+def test_without_the_experiments_ids_any_valid_id_is_admitted(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path)
+    coordinator._dispatch(_status("node-900"))
+    assert coordinator.registry.live_ids() == ["node-900"]
+
+
+async def test_a_refused_retained_status_is_logged_as_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    coordinator = _coordinator(tmp_path)
+
+    class _Bus:
+        def __init__(self, envelopes: list[Envelope]) -> None:
+            self.envelopes = envelopes
+            self.rejected: list[str] = []
+
+        async def messages(self):  # type: ignore[no-untyped-def]
+            for envelope in self.envelopes:
+                yield envelope
+
+        def reject(self, reason: str, envelope: Envelope, detail: str) -> None:
+            self.rejected.append(reason)
+
+    bus = _Bus([_status("node-001", retained=True, state="confused")])
+    with caplog.at_level(logging.WARNING):
+        await coordinator._receive(bus)  # type: ignore[arg-type]
+    assert bus.rejected == ["bad-status"]
+    assert "the retained message on fedmq/f/nodes/node-001/status is ignored (bad-status)" in caplog.text
+
+
+def test_an_event_from_one_message_that_trips_an_error_is_refused_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver feeds the events of messages fenced; a run's own events still raise."""
+    coordinator = _coordinator(tmp_path)
+    coordinator.event_log.start({"federation": "f"})
+
+    def broken(event: e.Event, now: float) -> list[object]:
+        raise RecursionError("what one message's meta did to the event log before issue 31")
+
+    monkeypatch.setattr(coordinator.engine, "handle", broken)
+    coordinator._feed_fenced(e.NodeSeen("node-000", True, 5))
+    assert "error while handling NodeSeen from node-000" in caplog.text
+    with pytest.raises(RecursionError):
+        coordinator._feed(e.Tick())
+    coordinator.event_log.close()
+
+
+async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holding_it(tmp_path: Path) -> None:
+    """Issue 31: after a broker restart a round's task reached the broker before its node had
+    re-subscribed, and was lost. A live node announcing itself on a new connection while its task is
+    unanswered gets the same frame again (a node that had it drops it by message id); once it
+    acknowledged or answered, or when it announces itself again on the same connection (to a new
+    coordinator run), nothing is sent."""
+    coordinator = _coordinator(tmp_path)
+
+    class _Bus:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, bytes]] = []
+
+        async def publish_many(self, topics: list[str], frame: bytearray, **kw: object) -> list[str]:
+            self.sent += [(t, bytes(frame)) for t in topics]
+            return []
+
+        async def publish_frame(self, topic: str, frame: bytearray, **kw: object) -> int:
+            self.sent.append((topic, bytes(frame)))
+            return len(frame)
+
+    bus = coordinator._bus = _Bus()  # type: ignore[assignment]
+    t = Topics("f")
+    coordinator._dispatch(_status("node-000", connection=1))
+    coordinator._dispatch(_status("node-001", connection=1))
+    task, frame = b"t" * 16, bytearray(b"the task frame")
+    await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", task, 1, frame)])
+    assert len(bus.sent) == 2
+
+    async def settle() -> None:
+        while coordinator._background:
+            await asyncio.sleep(0)
+
+    coordinator._dispatch(_status("node-000", connection=1))  # the same connection: it has its task
+    await settle()
+    assert len(bus.sent) == 2
+    coordinator._dispatch(_status("node-000", connection=2))
+    await settle()
+    assert bus.sent[2:] == [(t.task("node-000"), b"the task frame")]
+    ack = Message(kind=Kind.ACK, federation="f", round=1, sender="node-000", meta={"task": task})
+    coordinator._dispatch(Envelope(t.ack("node-000"), ack, 10))
+    coordinator._dispatch(_status("node-000", connection=3))
+    await settle()
+    assert len(bus.sent) == 3  # acknowledged: not again
+    coordinator._dispatch(_status("node-001", connection=2, retained=True))
+    await settle()
+    assert bus.sent[3:] == [(t.task("node-001"), b"the task frame")]
+
+
+def test_a_large_per_node_task_frame_is_not_held_to_send_again(tmp_path: Path) -> None:
+    """Kept frames are bounded: up to an inline model's size and a header, not a per-node payload of
+    any size held through every node's training."""
+    coordinator = _coordinator(tmp_path)
+    limit = min(coordinator.config.policy.inline_model_bytes, coordinator.bus_config.chunk_bytes // 2)
+    assert coordinator._held_for_resend(bytearray(limit + 100))
+    assert not coordinator._held_for_resend(bytearray(limit + 10_000))
