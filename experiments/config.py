@@ -438,9 +438,9 @@ class HostingConfig(_Strict):
     threads_per_process: int = Field(1, ge=1, description="torch threads per process (fixed for determinism)")
     vectorize: bool = Field(
         False,
-        description="train a process's nodes of the same task together, as one vectorised computation (FedAvg,"
-        " noop; no BatchNorm): equal to one-by-one training within float tolerance, so a run is then"
-        " reproducible from its seed only within that tolerance",
+        description="train a process's nodes of the same task together, as one vectorised computation (the"
+        " methods with a group form, docs/simulation.md; no BatchNorm): equal to one-by-one training within"
+        " float tolerance, so a run is then reproducible from its seed only within that tolerance",
     )
     vectorize_wait_s: float = Field(
         2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"

@@ -150,6 +150,7 @@ def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
         "scale",
         "hierarchy",
         "train",
+        "sim",
         "async",
         "node",
         "fedsa",

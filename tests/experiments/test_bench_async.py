@@ -71,7 +71,7 @@ def check_comparison(report: Report, where: str, figures: dict, labels: list[str
 
 @pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
 def test_async_suite_measures_every_section_and_reports_ratios(tmp_path: Path) -> None:
-    assert SUITES["async"] == "experiments.bench.asynchrony"
+    assert SUITES["async"] == "fedmq.experiments.bench.asynchrony"
     report = run_suite("async", BenchOptions(quick=True, work_dir=tmp_path), log=lambda _: None)
     figures = report.context["figures"]
     assert set(figures) == {"real", "virtual", "ingest", "kdia_virtual"}  # --quick: KDIA in virtual time only

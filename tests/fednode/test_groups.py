@@ -116,7 +116,9 @@ async def test_failed_group_training_sends_every_member_back_to_train_alone() ->
     assert results == [None, None] and groups == [["node-0", "node-1"]] and rendezvous.groups_trained == 0
 
 
-@pytest.mark.parametrize(("method", "model", "admitted"), [("fedavg", "mlp", True), ("fedprox", "mlp", False)])
+@pytest.mark.parametrize(
+    ("method", "model", "admitted"), [("fedavg", "mlp", True), ("fedprox", "mlp", True), ("moon", "mlp", False)]
+)
 def test_rendezvous_admits_only_methods_with_a_group_form(method: str, model: str, admitted: bool) -> None:
     spec = get_algorithm(method)
     rendezvous = trainer(wait_s=1)

@@ -131,7 +131,7 @@ def test_a_daemon_logs_json_lines_with_log_format_json() -> None:
     assert result.returncode == 3, result.stderr
     records = [json.loads(line) for line in result.stderr.splitlines()]
     assert all({"time", "level", "logger", "message", "process"} <= r.keys() for r in records)
-    assert records[0]["logger"] == "experiments.service" and "retrying for up to 1 s" in records[0]["message"]
+    assert records[0]["logger"] == "fedmq.experiments.service" and "retrying for up to 1 s" in records[0]["message"]
     assert records[-1]["level"] == "ERROR" and records[-1]["message"].startswith(f"fedmq: broker error: broker {url}")
 
 
