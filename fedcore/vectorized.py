@@ -248,27 +248,10 @@ class _Plan:
     """(S, K, B, ...) the objective's own draws (`StepDraws`), prepared on the device."""
 
 
-def _draws_of(
-    steps: Sequence[BatchTransform], generator: torch.Generator, n: int, shape: tuple[int, int]
-) -> list[torch.Tensor]:
-    """The random values a batch of `n` images of `shape` (H, W) takes from `generator` through `steps`,
-    in the order the transforms draw them, on the generator's device."""
-    out: list[torch.Tensor] = []
-    h, w = shape
-    device = generator.device
-    for step in steps:
-        if isinstance(step, RandomCrop):
-            hp, wp = h + 2 * step.padding, w + 2 * step.padding
-            if hp < step.size or wp < step.size:
-                raise ValueError(f"a {step.size}-pixel crop of {hp} x {wp} padded images")
-            out.append((_draw(generator, n, device) * (hp - step.size + 1)).long().clamp_(max=hp - step.size))
-            out.append((_draw(generator, n, device) * (wp - step.size + 1)).long().clamp_(max=wp - step.size))
-            h = w = step.size
-        elif isinstance(step, RandomHorizontalFlip):
-            out.append(_draw(generator, n, device) < step.p)
-        elif isinstance(step, RandomRotation) and step.degrees != 0:
-            out.append((_draw(generator, n, device) * 2 - 1) * step.degrees)
-    return out
+def _draws_of(ops: Sequence[_RandomOp], generator: torch.Generator, n: int) -> list[torch.Tensor]:
+    """The random values a batch of `n` images takes from `generator` through the transform's random
+    `ops`, in the order the transforms draw them (each op n values), on the generator's device."""
+    return [op.values(_draw(generator, n, generator.device)) for op in ops]
 
 
 def _plan(
@@ -281,7 +264,12 @@ def _plan(
     dtype: torch.dtype,
     device: torch.device,
     extra: StepDraws | None = None,
+    *,
+    batched: bool = True,
 ) -> _Plan:
+    """The round's plan. A node with a CPU generator, a transform `_apply_steps` knows and no draws of
+    its objective's has its plan drawn an epoch at a time (`_node_plan`); any other, a step at a time.
+    `batched` False draws every node a step at a time (what tests compare the batched plan with)."""
     k, b = len(datasets), settings.batch_size
     rows = torch.zeros((num_steps, k, b), dtype=torch.long)
     weight = torch.zeros((num_steps, k, b), dtype=dtype)
@@ -290,7 +278,17 @@ def _plan(
     inputs: torch.Tensor | None = None
     drawn: dict[str, torch.Tensor] = {}
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
+    ops = _random_ops(steps, shape) if steps is not None else None
     for node, (data, generator) in enumerate(zip(datasets, generators, strict=True)):
+        if ops is not None and extra is None and generator.device.type == "cpu" and batched:
+            node_values = _node_plan(data, settings, generator, ops, rows[:, node], weight[:, node], count[:, node])
+            for j, v in enumerate(node_values):
+                if j == len(draws):
+                    draws.append(torch.zeros((num_steps, k, b), dtype=v.dtype))
+                draws[j][: len(v), node] = v
+            active = settings.local_epochs * steps_per_epoch(len(data), b, settings.drop_last)
+            rows[:active, node] += offsets[node]  # its own steps; the others stay at row 0, masked
+            continue
         state = extra.first(data, settings, generator) if extra is not None else None
         for s, idx in enumerate(node_indices(data, settings, generator)):
             m = len(idx)
@@ -306,7 +304,7 @@ def _plan(
                 inputs[s, node, :m] = x.to(device)
                 inputs[s, node, m:] = x[:1].to(device)
             else:
-                for j, values in enumerate(_draws_of(steps, generator, m, shape)):  # type: ignore[arg-type]
+                for j, values in enumerate(_draws_of(ops or [], generator, m)):
                     if j == len(draws):
                         draws.append(torch.zeros((num_steps, k, b), dtype=values.dtype))
                     draws[j][s, node, :m] = values.cpu()
@@ -325,6 +323,91 @@ def _plan(
         inputs=inputs,
         step_inputs=prepared,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _RandomOp:
+    """One random value per image of a transform step, as `_draws_of` draws it: a crop offset in [0, span),
+    a flip (value < p), or an angle in [-degrees, degrees)."""
+
+    kind: str
+    span: int = 0
+    p: float = 0.0
+    degrees: float = 0.0
+
+    def values(self, uniform: torch.Tensor) -> torch.Tensor:
+        if self.kind == "offset":
+            return (uniform * self.span).long().clamp_(max=self.span - 1)
+        if self.kind == "flip":
+            return uniform < self.p
+        return (uniform * 2 - 1) * self.degrees
+
+
+def _random_ops(steps: Sequence[BatchTransform], shape: tuple[int, ...]) -> list[_RandomOp]:
+    """The random values of `steps` for images of `shape` (H, W), in `_draws_of`'s order."""
+    ops: list[_RandomOp] = []
+    h, w = shape[0], shape[1]
+    for step in steps:
+        if isinstance(step, RandomCrop):
+            hp, wp = h + 2 * step.padding, w + 2 * step.padding
+            if hp < step.size or wp < step.size:
+                raise ValueError(f"a {step.size}-pixel crop of {hp} x {wp} padded images")
+            ops += [_RandomOp("offset", span=hp - step.size + 1), _RandomOp("offset", span=wp - step.size + 1)]
+            h = w = step.size
+        elif isinstance(step, RandomHorizontalFlip):
+            ops.append(_RandomOp("flip", p=step.p))
+        elif isinstance(step, RandomRotation) and step.degrees != 0:
+            ops.append(_RandomOp("angle", degrees=step.degrees))
+    return ops
+
+
+def _node_plan(
+    data: TensorDataset,
+    settings: TrainSettings,
+    generator: torch.Generator,
+    ops: Sequence[_RandomOp],
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    count: torch.Tensor,
+) -> list[torch.Tensor]:
+    """One node's plan drawn an epoch at a time, the same values `node_indices` and `_draws_of` draw a
+    batch at a time: a CPU generator gives one draw of n values as the same stream as draws of its
+    parts, and an epoch's batches draw [op 1's values, op 2's, ...] one batch after another. Fills the
+    node's `rows` (steps, B) with its own row numbers, `weight` and `count`; returns each op's values
+    (steps, B)."""
+    n, size = len(data), settings.batch_size
+    per = steps_per_epoch(n, size, settings.drop_last)
+    full = min(per, n // size)
+    last = n - full * size if per > full else 0  # the trailing batch trained on, if any
+    r = len(ops)
+    values = [
+        torch.zeros(
+            rows.shape,
+            dtype=torch.bool if op.kind == "flip" else (torch.long if op.kind == "offset" else torch.float32),
+        )
+        for op in ops
+    ]
+    for epoch in range(settings.local_epochs):
+        perm = torch.randperm(n, generator=generator)
+        uniform = torch.rand(r * (full * size + last), generator=generator)
+        s = epoch * per
+        if full:
+            rows[s : s + full] = perm[: full * size].view(full, size)
+            weight[s : s + full] = 1
+            count[s : s + full] = size
+            regular = uniform[: r * full * size].view(full, r, size)
+            for j, op in enumerate(ops):
+                values[j][s : s + full] = op.values(regular[:, j])
+        if last:
+            t = s + full
+            rows[t, :last] = perm[full * size : full * size + last]
+            rows[t, last:] = perm[full * size]
+            weight[t, :last] = 1
+            count[t] = last
+            tail = uniform[r * full * size :].view(r, last)
+            for j, op in enumerate(ops):
+                values[j][t, :last] = op.values(tail[j])
+    return values
 
 
 def _apply_steps(

@@ -308,3 +308,35 @@ def test_vectorized_on_gpu_with_resident_data_equals_one_by_one(digits: TensorDa
     got = train_vectorized(model, datasets, SGD, gens)
     for want, (state, _) in zip(expected, got, strict=True):
         assert max_difference(state, want) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("augment", "settings"),
+    [
+        ({"crop": 8, "padding": 1, "flip": True}, SGD),
+        ({"crop": 6, "rotation_deg": 15.0, "flip": True}, dataclasses.replace(SGD, drop_last=True)),
+        ("none", dataclasses.replace(SGD, local_epochs=3, batch_size=5)),
+    ],
+)
+def test_the_plan_drawn_an_epoch_at_a_time_is_the_plan_drawn_a_step_at_a_time(
+    augment: object, settings: TrainSettings
+) -> None:
+    """Every row, weight, count and random value of the batched plan is bitwise the per-step one, for
+    shards of one sample, a trailing batch of one, an empty shard and long ones."""
+    from fedmq.fedcore.vectorized import _plan
+
+    data = load_dataset("digits", seed=0, augment=augment).train
+    datasets = [*shards(data, SIZES), data.subset(torch.arange(0).numpy())]
+    steps = known_steps(data.train_transform) if data.train_transform is not None else []
+    count = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size, settings.drop_last) for d in datasets]
+    offsets = [0, *torch.tensor([len(d) for d in datasets]).cumsum(0).tolist()[:-1]]
+    plans = [
+        _plan(datasets, settings, generators(len(datasets)), steps, offsets, max(count), torch.float32, torch.device("cpu"),
+              batched=batched)
+        for batched in (True, False)
+    ]  # fmt: skip
+    fast, slow = plans
+    assert torch.equal(fast.rows, slow.rows) and torch.equal(fast.weight, slow.weight)
+    assert torch.equal(fast.count, slow.count) and len(fast.draws) == len(slow.draws)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(fast.draws, slow.draws, strict=True))
+    assert float(slow.count.sum()) > 0 and (not steps or any(bool(d.any()) for d in slow.draws))
