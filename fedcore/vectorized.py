@@ -1,25 +1,25 @@
 """Local training of many nodes at once: one vectorised computation over stacked parameters.
 
-`train_vectorized` gives each of K nodes what `fedcore.training.local_sgd` (plain cross-entropy)
-gives it alone, starting from the same model: the parameters of the K nodes are stacked along a
-leading dimension and every step is one `torch.func.vmap` over `functional_call` (and one backward
-pass through it), so K small forward and backward passes become one batched pass (one bmm or
-grouped convolution per layer instead of K small ones, and one Python step instead of K). The
-nodes' augmentation runs in one pass as well (`augment_nodes`), each node drawing from its own
-generator.
+`train_vectorized` gives each of K nodes what `fedcore.training.local_sgd` gives it alone on the
+method's objective (`GroupObjective`; the cross-entropy by default), starting from the same model: the
+parameters of the K nodes are stacked along a leading dimension and every step is one `torch.func.vmap`
+over `functional_call` (and one backward pass through it), so K small forward and backward passes
+become one batched pass. Every draw of the round is made before its first step (`_plan`), so the
+steps read only device buffers; on a CUDA device all but the first three are replays of one captured
+CUDA graph (`graphs`).
 
 What is reproduced per node, exactly as `local_sgd` does it:
 - its own shard and its own generator, drawn in the same order (the epoch's `randperm`, then each
-  batch's augmentation), so shuffling and augmentation are those of one-by-one training;
+  batch's augmentation, then what the objective draws: `StepDraws`), so shuffling and augmentation
+  are those of one-by-one training, bitwise;
 - the trailing-batch rule: a last batch of one sample ends the epoch (unless the shard has one),
   and with ``drop_last`` any last batch short of the batch size (a shard smaller than one batch then
   takes no step, as with a DataLoader);
 - shards of different sizes: a node with no batch left at a step does not move (neither do its
-  optimizer state and step count). Nodes are kept sorted by their number of steps, longest first,
-  so the nodes still training at any step are a prefix of the stack and are updated through a
-  slice (a mask by construction, with no gather or scatter);
-- last batches of different sizes: batches are padded to the step's largest with copies of the
-  node's first sample, weighted 0, and each node's loss is the mean over its own real samples;
+  optimizer state and step count). Nodes are sorted by their number of steps, longest first; eager
+  steps train the prefix still training, a captured step all K with the others masked;
+- batches short of the batch size are padded to it with copies of the node's first sample of the
+  batch, weighted 0, and each node's loss is the mean over its own real samples;
 - SGD with momentum, weight decay and lr as `torch.optim.SGD` computes them, Adam as
   `torch.optim.Adam` does, and `max_grad_norm` per node as `clip_grad_norm_` computes it.
 
@@ -137,30 +137,26 @@ def augment_nodes(
 ) -> torch.Tensor:
     """The nodes' training transform applied once to their batches concatenated in `x` (`sizes[k]`
     rows for node k), each node's random values drawn from its own generator, in the order its own
-    call would draw them: image for image (bitwise) what `data.train_batch` gives each node, for a
-    fraction of the small operations. It mirrors the random steps of `fedcore.transforms`, which
-    tests/fedcore/test_vectorized.py holds it to."""
-    nodes = list(zip(generators, sizes, strict=True))
-    for step in steps:
-        if isinstance(step, RandomCrop):
-            x = pad(x, step.padding, step.padding_mode)
-            h, w = x.shape[-2:]
-            if h < step.size or w < step.size:
-                raise ValueError(f"a {step.size}-pixel crop of {h} x {w} padded images")
-            tops, lefts = [], []
-            for g, n in nodes:  # per node: all its tops, then all its lefts
-                tops.append((_draw(g, n, x.device) * (h - step.size + 1)).long().clamp_(max=h - step.size))
-                lefts.append((_draw(g, n, x.device) * (w - step.size + 1)).long().clamp_(max=w - step.size))
-            x = crop_at(x, torch.cat(tops), torch.cat(lefts), step.size)
-        elif isinstance(step, RandomHorizontalFlip):
-            flip = torch.cat([_draw(g, n, x.device) < step.p for g, n in nodes])
-            x = torch.where(flip.view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
-        elif isinstance(step, RandomRotation):
-            if step.degrees != 0:
-                x = rotate(x, torch.cat([(_draw(g, n, x.device) * 2 - 1) * step.degrees for g, n in nodes]))
-        else:
-            x = step(x, None)  # deterministic: ToFloat, Normalize
-    return x
+    call would draw them: image for image (bitwise) what `data.train_batch` gives each node. The same
+    drawing (`_draws_of`) and application (`_apply_steps`) as a vectorised step's, which
+    tests/fedcore/test_vectorized.py holds to `fedcore.transforms`."""
+    ops = _random_ops(steps, (x.shape[-2], x.shape[-1]) if x.dim() >= 3 else (0, 0))
+    per_node = [_draws_of(ops, g, n) for g, n in zip(generators, sizes, strict=True)]
+    draws = [torch.cat([values[j] for values in per_node]).to(x.device) for j in range(len(ops))]
+    return _apply_steps(x, steps, draws, _normalizers(steps, x.device))
+
+
+def _normalizers(steps: Sequence[BatchTransform], device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each Normalize step's mean and std as tensors on `device`, made once: a captured graph cannot
+    copy them from the host at every step, as `Normalize.__call__` does."""
+    return {
+        i: (
+            torch.tensor(step.mean, device=device).view(1, -1, 1, 1),
+            torch.tensor(step.std, device=device).view(1, -1, 1, 1),
+        )
+        for i, step in enumerate(steps)
+        if isinstance(step, Normalize)
+    }
 
 
 # -- what a node's loss sees inside the vectorised step --------------------------------------------
@@ -411,7 +407,10 @@ def _node_plan(
 
 
 def _apply_steps(
-    x: torch.Tensor, steps: Sequence[BatchTransform], draws: Sequence[torch.Tensor], normalize: dict[int, tuple]
+    x: torch.Tensor,
+    steps: Sequence[BatchTransform],
+    draws: Sequence[torch.Tensor],
+    normalize: dict[int, tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
     """The transform's steps on a flat batch with the values drawn beforehand (`_draws_of`'s order):
     what each node's own call gives, bitwise, with no draw and no host tensor inside (capturable)."""
@@ -596,14 +595,7 @@ class _Round:
         self.x = torch.cat([d.x.to(device) for d in datasets]) if plan.inputs is None else None
         self.y = torch.cat([d.y.to(device) for d in datasets])
         self.inputs = inputs
-        self.normalize = {
-            i: (
-                torch.tensor(step.mean, device=device).view(1, -1, 1, 1),
-                torch.tensor(step.std, device=device).view(1, -1, 1, 1),
-            )
-            for i, step in enumerate(steps or [])
-            if isinstance(step, Normalize)
-        }
+        self.normalize = _normalizers(steps or [], device)
         frozen = self.frozen
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -376,14 +376,6 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def _simulate_rows(report: Report, options: BenchOptions, device: torch.device) -> None:
     root = Path(__file__).resolve().parents[1]
     runs: list[tuple[str, Path, list[str]]] = [

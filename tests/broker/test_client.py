@@ -208,12 +208,7 @@ async def test_client_that_dies_fires_its_will(
 
     async with BusClient(config(broker_url), client_id=f"{federation}-c", federation=federation) as watcher:
         await watcher.subscribe(t.all_node_status)
-        node = BusClient(
-            config(broker_url),
-            client_id=f"{federation}-n1",
-            federation=federation,
-            will=Will(t.node_status("n1"), offline),
-        )
+        node = _with_will(broker_url, federation, offline)
         async with node, raw_client(broker_url) as raw:
             await node.subscribe(t.task("n1"))
             await node.publish(t.node_status("n1"), online, retain=True)
@@ -224,6 +219,12 @@ async def test_client_that_dies_fires_its_will(
             assert got.topic == t.node_status("n1") and got.message.meta == {"state": "offline"}
             with pytest.raises(BusError, match="the client dies of this"):
                 await next_message(node)
+
+
+def _with_will(broker_url: str, federation: str, will: Message) -> BusClient:
+    """Node n1's client, whose will publishes `will` on its status topic."""
+    topic = Topics(federation).node_status("n1")
+    return BusClient(config(broker_url), client_id=f"{federation}-n1", federation=federation, will=Will(topic, will))
 
 
 async def test_client_incomplete_transfer_is_abandoned(broker_url: str, federation: str) -> None:
@@ -250,12 +251,7 @@ async def test_client_will_is_published_when_a_client_vanishes(broker_url: str, 
     offline = Message(kind=Kind.NODE_STATUS, federation=federation, round=-1, sender="n1", meta={"state": "offline"})
     async with BusClient(config(broker_url), client_id=f"{federation}-c", federation=federation) as watcher:
         await watcher.subscribe(t.all_node_status)
-        node = BusClient(
-            config(broker_url),
-            client_id=f"{federation}-n1",
-            federation=federation,
-            will=Will(t.node_status("n1"), offline),
-        )
+        node = _with_will(broker_url, federation, offline)
         async with node:
             node.abort()
             got = await next_message(watcher)

@@ -16,9 +16,7 @@ from hypothesis.extra import numpy as hnp
 from fedmq.broker.codec import (
     ALIGN,
     BFLOAT16,
-    FORMAT_VERSION,
     PREFIX,
-    PREFIX_BYTES,
     checksum,
     decode,
     encode,
@@ -26,6 +24,7 @@ from fedmq.broker.codec import (
 )
 from fedmq.broker.errors import CodecError
 from fedmq.broker.message import Kind, Message
+from tests.helpers import frame_with_header as _with_header
 
 DTYPES = ["float32", "float16", "int64", "int32", "uint8", "bool", "float64", "int16", "int8"]
 
@@ -132,17 +131,6 @@ def _frame() -> bytearray:
     return encode(msg({"w": np.arange(64, dtype=np.float32), "b": np.arange(3, dtype=np.int64)}, note="x"))
 
 
-def _with_header(header: object, body: bytes = b"") -> bytes:
-    """A frame with a hand-made header and a valid checksum, to reach the schema checks."""
-    packed = msgpack.packb(header, use_bin_type=True)
-    start = (PREFIX_BYTES + len(packed) + ALIGN - 1) // ALIGN * ALIGN
-    buf = bytearray(start + len(body))
-    buf[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
-    buf[start:] = body
-    PREFIX.pack_into(buf, 0, b"FMQ", FORMAT_VERSION, len(packed), checksum(buf))
-    return bytes(buf)
-
-
 def _header(**changes: object) -> dict[str, object]:
     base: dict[str, object] = {
         "kind": "update", "fed": "fed", "round": 0, "sender": "n", "id": b"\x01" * 16, "ts": 1.0, "meta": {},
@@ -247,7 +235,7 @@ def test_blockwise_hashing_gives_the_one_pass_checksum_for_every_layout() -> Non
     """Large tensors are copied and hashed in blocks; the prefix must still hold XXH3 of the whole
     frame, for contiguous, strided and big-endian tensors on either side of the block size, in a new
     buffer and in a reused one that was larger before."""
-    from fedmq.broker.codec import _HASH_BLOCK, PREFIX, checksum
+    from fedmq.broker.codec import _HASH_BLOCK
 
     rng = np.random.default_rng(5)
     big = rng.standard_normal(_HASH_BLOCK // 4 * 3 + 7).astype(np.float32)

@@ -17,16 +17,16 @@ import struct
 from datetime import timedelta
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedmq.broker.chunking import XFER_ID_BYTES, Reassembler
-from fedmq.broker.codec import ALIGN, FORMAT_VERSION, PREFIX, PREFIX_BYTES, WIRE_DTYPES, checksum, decode, encode
+from fedmq.broker.codec import PREFIX_BYTES, WIRE_DTYPES, checksum, decode, encode
 from fedmq.broker.errors import CodecError
 from fedmq.broker.message import Kind, Message
+from tests.helpers import frame_with_header as _frame_with
 
 LONG_RUN = os.environ.get("FEDMQ_FUZZ_EXAMPLES")
 
@@ -80,17 +80,6 @@ _header_field = {
     "tensors": st.lists(_spec, max_size=4) | _value,
     "body": st.integers(0, 512) | _value,
 }
-
-
-def _frame_with(header: Any, body: bytes, *, version: int = FORMAT_VERSION) -> bytes:
-    """A frame whose prefix and checksum are right, so that the input reaches the header's checks."""
-    packed = msgpack.packb(header, use_bin_type=True)
-    start = (PREFIX_BYTES + len(packed) + ALIGN - 1) // ALIGN * ALIGN
-    buf = bytearray(start + len(body))
-    buf[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
-    buf[start:] = body
-    PREFIX.pack_into(buf, 0, b"FMQ", version, len(packed), checksum(buf))
-    return bytes(buf)
 
 
 def _decode_only_codec_error(data: bytes, *, verify: bool = True) -> None:

@@ -8,11 +8,10 @@ import asyncio
 import os
 from pathlib import Path
 
-import msgpack
 import pytest
 
 from fedmq.broker import CodecError, Kind, Message, Topics, decode, encode
-from fedmq.broker.codec import ALIGN, FORMAT_VERSION, PREFIX, PREFIX_BYTES, checksum
+from tests.helpers import frame_with_header as _frame
 from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 
@@ -21,17 +20,6 @@ pytestmark = pytest.mark.slow
 NODES = ("node-000", "node-001", "node-002")
 FOREIGN = [f"node-{i}" for i in range(900, 960)]
 """Valid ids that are not the experiment's (it has three nodes): forged online statuses for them."""
-
-
-def _frame(header: dict[object, object], body: bytes = b"") -> bytes:
-    """A frame with a hand-made header and a right checksum: what a hostile client can send."""
-    packed = msgpack.packb(header, use_bin_type=True)
-    start = (PREFIX_BYTES + len(packed) + ALIGN - 1) // ALIGN * ALIGN
-    buf = bytearray(start + len(body))
-    buf[PREFIX_BYTES : PREFIX_BYTES + len(packed)] = packed
-    buf[start:] = body
-    PREFIX.pack_into(buf, 0, b"FMQ", FORMAT_VERSION, len(packed), checksum(buf))
-    return bytes(buf)
 
 
 def killer_frames(federation: str, sender: str, kind: str) -> list[bytes]:
