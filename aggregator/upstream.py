@@ -71,8 +71,10 @@ class UpstreamNode(NodeDaemon):
         return self._was_ready and self.site.live > 0
 
     def site_changed(self) -> None:
-        """The site's liveness or capacity may have changed: announce again when what upstream sees differs."""
-        if self._announced != (self.ready, self.site.capacity) and self.bus is not None and self.bus.connected:
+        """The site's liveness or capacity may have changed: announce again when what upstream sees differs
+        (before the first subscription, the on-connect announcement will say it, once tasks can arrive)."""
+        subscribed = self._subscribed.is_set() and self.bus is not None and self.bus.connected
+        if self._announced != (self.ready, self.site.capacity) and subscribed:
             self._spawn(self._announce(), f"announce-{self.node_id}")
 
     def _subscriptions(self) -> list[str]:

@@ -118,6 +118,8 @@ class NodeDaemon:
         self._draining: str | None = None
         self.connect_gate: asyncio.Semaphore | None = None
         """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
+        self._subscribed = asyncio.Event()
+        """Set once the first connection's subscriptions are granted (later ones restore them first)."""
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -130,7 +132,7 @@ class NodeDaemon:
             client_id=self.client_id,
             federation=self.config.federation,
             will=will,
-            on_connect=self._announce,
+            on_connect=self._announce_when_subscribed,
             logger=logger.getChild("bus"),
         )
         self._bus = client  # before connecting: the on-connect hook announces through it
@@ -150,6 +152,7 @@ class NodeDaemon:
                     drainer.result()
             finally:
                 self.connected.clear()
+                self._subscribed.clear()
                 if self._task is not None:
                     self._leave_group(self._task)
                 for task in (receiver, stopper, drainer, self._job, *self._background):
@@ -178,6 +181,7 @@ class NodeDaemon:
         async with self.connect_gate or contextlib.nullcontext():
             bus = await stack.enter_async_context(client)
             await bus.subscribe(*self._subscriptions())
+        self._subscribed.set()
         return bus
 
     def _subscriptions(self) -> list[str]:
@@ -220,6 +224,15 @@ class NodeDaemon:
         async with self._status_lock:
             state = "online" if self.player.online else "offline"
             await self._bus.publish(self.topics.node_status(self.node_id), self._status(state), retain=True)
+
+    async def _announce_when_subscribed(self) -> None:
+        """The on-connect announcement, once the node's inbox is subscribed: the coordinator sends a
+        task as soon as it reads `online`, and on the first connection the hook ran before the
+        subscription, so a loaded machine lost the first round's tasks of every node of a process
+        (the round waited out its deadline with all of them late). Reconnections restore the
+        subscriptions before the hook runs, so this waits only once."""
+        await self._subscribed.wait()
+        await self._announce()
 
     async def _reannounce(self) -> None:
         """The status again, for a coordinator (re)started since the last one: the retained status it

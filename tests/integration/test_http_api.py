@@ -112,7 +112,8 @@ async def test_the_api_follows_a_federation_and_agrees_with_its_run_directory(tm
     assert nodes == {f"node-00{i}" for i in range(4)}
     # one update event per accepted update, each with the bytes the node sent
     updates = [data for kind, data in events if kind == "update"]
-    assert len(updates) == sum(len(r["accepted"]) for r in records) == 16
+    outcomes = [(r["round"], r["attempt"], r["late"], r["lost"], r["rejected"]) for r in records]
+    assert len(updates) == sum(len(r["accepted"]) for r in records) == 16, outcomes
     assert all(u["bytes_in"] > 0 and u["staleness"] == 0 for u in updates)
     # mid-run, each node's participation was the record's at that time: at most the final one
     final = fed.participation()

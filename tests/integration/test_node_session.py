@@ -135,6 +135,36 @@ async def test_mosquitto_drops_a_task_whose_message_expiry_passed_while_the_node
         await asyncio.wait_for(serving, 10)
 
 
+async def test_a_node_is_announced_online_only_once_its_inbox_is_subscribed(
+    broker_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator sends a task the moment it reads a node's `online`. On a loaded machine the
+    node's first subscription came after its announcement, so every node of a process lost round 0's
+    task and the round waited out its deadline with all of them late (seen in CI). Here the node's
+    subscription is held up for a second; a task published on reading `online` must still be answered."""
+    federation = f"t{os.urandom(4).hex()}"
+    topics = Topics(federation)
+    subscribe = BusClient.subscribe
+
+    async def slow_subscribe(self: BusClient, *topics_: str, qos: int = 1) -> None:
+        if topics.task("node-000") in topics_:
+            await asyncio.sleep(1.0)
+        await subscribe(self, *topics_, qos=qos)
+
+    monkeypatch.setattr(BusClient, "subscribe", slow_subscribe)
+    config = BusConfig.from_url(broker_url)
+    async with BusClient(config, client_id=f"{federation}-coordinator", federation=federation) as coordinator:
+        await coordinator.subscribe(topics.node_status("node-000"), topics.update("node-000"), topics.ack("node-000"))
+        node = _node(broker_url, federation, protocol="auto")  # the embedded broker speaks 3.1.1 only
+        serving = await _serve_until_online(node, coordinator)
+        task = _task(federation, 0, sent_at=time.time(), deadline_s=60)
+        await coordinator.publish(topics.task("node-000"), task)
+        update = await _until(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK), timeout=15)
+        assert update.kind == Kind.UPDATE and update.meta["task"] == task.meta["task"]
+        node._stop.set()
+        await asyncio.wait_for(serving, 10)
+
+
 async def _trained(node: NodeDaemon, timeout_s: float = 5.0) -> int:
     """The node's count of rounds trained once its publish completed: the coordinator may receive the
     update before the broker's PUBACK reaches the node, which counts the round only then."""
