@@ -31,6 +31,7 @@ from fedmq.coordinator.daemon import Coordinator
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import CoordinatorError
+from fedmq.coordinator.run_dir import read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -154,19 +155,6 @@ class LiveState:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(None)
         self.clients.clear()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines log; a torn last line (a crash mid-write) is left out."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def status_view(coordinator: Coordinator) -> dict[str, Any]:

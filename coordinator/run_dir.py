@@ -6,6 +6,7 @@ to read them back, and any safetensors reader can open them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -49,6 +50,19 @@ def _whole_lines(text: str) -> list[str]:
         except ValueError:
             lines.pop()
     return [line for line in lines if line]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log; a torn last line (a crash mid-write) is left out."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
 
 
 class RunDir:

@@ -222,11 +222,12 @@ async def run_federation(
     access: list[str] | None = None,
     monitor_access: Access | None = None,
     coordinator_flags: list[str] | None = None,
+    console: Console | None = None,
 ) -> int:
     """One federation: a broker unless `broker` is given (with `secure`, provisioned into OUT/secure and
     TLS only), the coordinator and the node hosts as processes; `access` are the broker-access flags
     the processes get, `monitor_access` what they say for the progress monitor in this process."""
-    console = Console(stderr=False, highlight=False)
+    console = console or Console(stderr=False, highlight=False)
     await asyncio.to_thread(preflight, cfg)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (start-up, before any task runs)
     logs = out / "logs"

@@ -309,4 +309,5 @@ class Engine(ABC):
             "late_arrivals": self.late_arrivals,
             "startup_seconds": None if self.startup_s is None else round(self.startup_s, 3),
             "refused_updates": dict(sorted(self.refused.items())),
+            **({"error": self.error} if self.error else {}),  # why a failed run failed
         }
