@@ -207,3 +207,18 @@ def test_a_one_round_federation_runs_from_the_wheel_in_that_folder(installed: In
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["state"], summary["nodes"], summary["rounds_completed"]) == ("finished", 3, 1)
     assert summary["participation_totals"]["accepted"] == 3
+
+
+def test_the_python_api_simulates_a_shipped_experiment_from_the_wheel(installed: Installed) -> None:
+    """`fedmq.load_config` finds the shipped experiment inside the installed package (package data),
+    and `fedmq.simulate` runs it in the user's folder."""
+    script = (
+        "import fedmq;"
+        "cfg = fedmq.load_config('quickstart', nodes=4, rounds=1, fraction=1.0, model={'name': 'mlp'});"
+        "run = fedmq.simulate(cfg, 'api-run', progress=False);"
+        "print(run.state, len(run.metrics), fedmq.api.__file__)"
+    )
+    result = installed.run(str(installed.python), "-c", script, timeout=120)
+    assert result.returncode == 0, result.stderr
+    state, rows, api_file = result.stdout.split()
+    assert (state, rows) == ("finished", "1") and Path(api_file).is_relative_to(installed.site_packages)
