@@ -13,11 +13,14 @@ half-applied one, and it never holds the engine up: a stream client too slow to 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -40,6 +43,35 @@ STREAM_QUEUE = 2000
 TEACHER_LOG = "teacher_weights.jsonl"
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
 """Answered without the token: a supervisor's probes carry none."""
+
+
+TOKEN_COOKIE = "fedmq_token"
+"""The dashboard's credentials: HttpOnly, so the page's scripts cannot read them."""
+
+
+def _unauthorised() -> web.Response:
+    error = "a bearer token is required: the Authorization header, or open the dashboard once as /?token=TOKEN"
+    return web.json_response({"error": error}, status=401)
+
+
+def page_security_headers(page: str) -> dict[str, str]:
+    """A Content-Security-Policy that lets run only the page's own inline scripts (by their hash):
+    no injected script, handler attribute or foreign source runs, and the page talks to this
+    server only. Styles may be inline (the legends colour their swatches), never scripts."""
+    hashes = " ".join(
+        f"'sha256-{base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()}'"
+        for body in re.findall(r"<script>(.*?)</script>", page, flags=re.DOTALL)
+    )
+    policy = (
+        f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:;"
+        " base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return {
+        "Content-Security-Policy": policy,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+    }
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -267,9 +299,9 @@ class CoordinatorAPI:
         """Listen; returns the base URL (with the port the system chose for port 0)."""
         if not is_loopback(host) and self.token is None:
             logger.warning("the HTTP API listens on %s without a token: anyone who reaches it reads the run", host)
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, shutdown_timeout=1.0)
+        site = web.TCPSite(self._runner, host, port)
         try:
             await site.start()
         except OSError as exc:
@@ -292,18 +324,39 @@ class CoordinatorAPI:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-        if self.token is not None and request.path not in PUBLIC_PATHS:
-            given = request.headers.get("Authorization", "")
-            given = given.removeprefix("Bearer ") if given.startswith("Bearer ") else request.query.get("token", "")
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
-                return web.json_response(
-                    {"error": "a bearer token is required: the Authorization header or ?token="}, status=401
-                )
+        """The token from the Authorization header (API clients) or the dashboard's HttpOnly cookie.
+        A browser opens ``/?token=TOKEN`` once: the token moves into the cookie and out of the URL,
+        so no script on the page (the dashboard's, or one slipped in by a node) can read it."""
+        if self.token is None or request.path in PUBLIC_PATHS:
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        if header is not None:
+            scheme, _, given = header.partition(" ")
+            if scheme != "Bearer" or not given or not (given.isascii() and given.isprintable()):
+                error = "malformed Authorization header: send `Authorization: Bearer TOKEN`"
+                return web.json_response({"error": error}, status=400)
+        elif request.path == "/" and "token" in request.query:
+            if not self._is_token(request.query["token"]):
+                return _unauthorised()
+            moved = web.Response(status=303, headers={"Location": "/", "Cache-Control": "no-store"})
+            moved.set_cookie(
+                TOKEN_COOKIE, self.token, httponly=True, samesite="Strict", path="/", secure=request.secure
+            )
+            return moved
+        else:
+            given = request.cookies.get(TOKEN_COOKIE, "")
+        if not self._is_token(given):
+            return _unauthorised()
         return await handler(request)
+
+    def _is_token(self, given: str) -> bool:
+        assert self.token is not None
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.token.encode())
 
     async def _dashboard(self, _: web.Request) -> web.Response:
         page = resources.files("fedmq.coordinator").joinpath("dashboard.html").read_text()
-        return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-store"})
+        headers = {"Cache-Control": "no-store", **page_security_headers(page)}
+        return web.Response(text=page, content_type="text/html", headers=headers)
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"ok": True})

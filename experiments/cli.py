@@ -137,7 +137,7 @@ def _add_http(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="require this bearer token (the file's first line, 16 characters or more) on every endpoint but"
-        " /healthz and /readyz; a browser passes it as ?token=",
+        " /healthz and /readyz; a browser opens /?token=TOKEN once and keeps it in an HttpOnly cookie",
     )
 
 

@@ -77,7 +77,10 @@ async def test_the_api_follows_a_federation_and_agrees_with_its_run_directory(tm
             code, config = await get(session, url + "api/config")
             assert code == 200 and config["rounds"] == 4 and config["nodes"] == 4
             assert await get(session, url + "api/nodes") == (200, [])
-            async with session.get(url + f"?token={TOKEN}") as page:
+            async with session.get(url + f"?token={TOKEN}", allow_redirects=False) as moved:
+                assert moved.status == 303  # the token moves into an HttpOnly cookie, out of the URL
+                cookie = moved.cookies["fedmq_token"].value
+            async with session.get(url, headers={"Cookie": f"fedmq_token={cookie}"}) as page:
                 assert page.status == 200 and "<title>fedmq dashboard</title>" in await page.text()
 
             events: list[tuple[str, Any]] = []
