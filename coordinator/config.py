@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Literal
 
 from fedmq.broker.fields import Bounds, check_fields
@@ -133,8 +135,21 @@ class CoordinatorConfig:
     update from any other id is refused (``unknown-node``), so that no foreign id ever becomes a live
     node that rounds select and wait for (issue 31: 1,000 forged ids on an unsecured broker made every
     round wait its deadline). None admits any valid id."""
+    node_samples: Mapping[str, int] | None = None
+    """The most samples each node may announce (`experiments.build`: its shard of the experiment's
+    partition, or a site's nodes' together): an announcement or update above it is refused as
+    ``samples-over-limit``, so one node's credentials cannot buy the federation's weight by claiming
+    10^11 samples (issue 31). A node not named is bounded by `policy.max_node_samples` only."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.nodes is not None:
             object.__setattr__(self, "nodes", frozenset(self.nodes))
+        if self.node_samples is not None:
+            object.__setattr__(self, "node_samples", MappingProxyType(dict(self.node_samples)))
+
+    def sample_limit(self, node: str) -> int | None:
+        """The most samples `node` may announce or claim: the tighter of its own bound and the policy's."""
+        own = self.node_samples.get(node) if self.node_samples is not None else None
+        limits = [x for x in (own, self.policy.max_node_samples) if x is not None]
+        return min(limits) if limits else None

@@ -103,7 +103,7 @@ def check_samples(node: str, claimed: int, announced: int | None, *, limit: int 
     """An update's sample count weights it in the average, so one message claiming 10^11 samples
     would replace the global model: the count must be believable, or ProtocolError says why not.
 
-    - above `limit` (the coordinator's max_node_samples): "samples-over-limit";
+    - above `limit` (the node's shard size or the coordinator's max_node_samples): "samples-over-limit";
     - more than the node announced in its status: "samples-mismatch". A node trains on the data it
       holds (fedmq's nodes claim exactly what they announced); it may train on part of it, never
       on more;
@@ -112,7 +112,7 @@ def check_samples(node: str, claimed: int, announced: int | None, *, limit: int 
     """
     if limit is not None and claimed > limit:
         raise ProtocolError(
-            "samples-over-limit", f"num_samples {claimed} is above max_node_samples {limit}", node_id=node
+            "samples-over-limit", f"num_samples {claimed} is above the node's limit of {limit}", node_id=node
         )
     if announced is None:
         if required:

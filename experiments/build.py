@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -181,11 +182,28 @@ def round_policy(cfg: ExperimentConfig, **changes: object) -> RoundPolicy:
     """The experiment's round policy, with `changes` (a hierarchy's levels)."""
     derived = {"inline_model_bytes": inline_model_bytes(cfg), "min_nodes": cfg.policy.min_nodes or cfg.nodes}
     fields = dict(cfg.policy) | derived | {"fraction": cfg.fraction, "deadline_s": cfg.deadline_s}
+    fields.pop("sample_limits")  # the experiment's, resolved into each node's limit (`sample_limits`)
     return RoundPolicy(**(fields | changes))  # type: ignore[arg-type]
 
 
+def sample_limits(cfg: ExperimentConfig, split: Split) -> dict[str, int] | None:
+    """Each node's shard size, and each site's nodes' together: the most it may announce
+    (``policy.sample_limits: partition``); None when the experiment bounds counts otherwise."""
+    if cfg.policy.sample_limits != "partition":
+        return None
+    sizes = {node: len(idx) for node, idx in shards(cfg, split).items()}
+    for site, nodes in cfg.site_nodes().items():
+        sizes[site] = sum(sizes[n] for n in nodes)
+    return sizes
+
+
 def coordinator_config(
-    cfg: ExperimentConfig, out_dir: Path, *, federation: str | None = None, resume: bool = False
+    cfg: ExperimentConfig,
+    out_dir: Path,
+    *,
+    federation: str | None = None,
+    resume: bool = False,
+    node_samples: Mapping[str, int] | None = None,
 ) -> CoordinatorConfig:
     """The coordinator's settings. With sites, its nodes are the site aggregators: it gives every one a
     task each round (each site samples its own nodes, with the experiment's fraction) and waits for all."""
@@ -206,6 +224,7 @@ def coordinator_config(
         asynchronous=async_policy(cfg),
         compression=cfg.compression.compression(),
         nodes=frozenset(cfg.hierarchy.site_names() if sites else cfg.node_ids()),
+        node_samples=node_samples,
     )
 
 
@@ -221,7 +240,8 @@ def build_coordinator(
     split = load_split(cfg)
     half = coordinator_half(cfg, split)
     check_hierarchy(cfg, half)  # its sites' aggregators would refuse the method: say so here, not after a wait
-    config = coordinator_config(cfg, out_dir, federation=federation, resume=resume)
+    limits = sample_limits(cfg, split)
+    config = coordinator_config(cfg, out_dir, federation=federation, resume=resume, node_samples=limits)
     extra = {
         "experiment": cfg.name,
         "dataset": cfg.data.dataset,
@@ -318,7 +338,14 @@ def site_federation(federation: str, site: str) -> str:
         raise ConfigError(str(exc), field="federation") from None
 
 
-def site_config(cfg: ExperimentConfig, site: str, out_dir: Path, *, federation: str) -> CoordinatorConfig:
+def site_config(
+    cfg: ExperimentConfig,
+    site: str,
+    out_dir: Path,
+    *,
+    federation: str,
+    node_samples: Mapping[str, int] | None = None,
+) -> CoordinatorConfig:
     """A site aggregator's downstream settings: the experiment's fraction and round policy over the
     site's nodes, closing at ``hierarchy.site_deadline`` of the deadline, never retrying or carrying
     late updates (upstream decides those), rounds without end (upstream's run decides)."""
@@ -339,6 +366,7 @@ def site_config(cfg: ExperimentConfig, site: str, out_dir: Path, *, federation: 
         train=train_settings(cfg),
         method=cfg.method.name,
         nodes=frozenset(cfg.site_nodes()[site]) if site in cfg.site_nodes() else None,
+        node_samples=node_samples,
     )
 
 
@@ -377,7 +405,7 @@ def build_site_aggregator(
     split = load_split(cfg)
     half = coordinator_half(cfg, split)
     check_hierarchy(cfg, half)
-    config = site_config(cfg, site, out_dir, federation=federation)
+    config = site_config(cfg, site, out_dir, federation=federation, node_samples=sample_limits(cfg, split))
     site_coordinator = SiteCoordinator(config, bus_config(cfg, url), half, site=site)
     shared = cfg.hierarchy.workers > 1
     upstream_bus = bus_config(cfg, upstream_url or url)

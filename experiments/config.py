@@ -409,7 +409,22 @@ class PolicyConfig(
 ):
     """`policy:` when a round ends (`coordinator.config.RoundPolicy`; fraction and deadline_s are top-level)."""
 
-    _added_later = ("inline_model_bytes", "late_updates", "receipts", "max_node_samples", "require_announced_samples")
+    sample_limits: Literal["partition", "none"] = Field(
+        "partition",
+        description="partition: a node may announce (and claim in an update) at most its shard of the"
+        " experiment's partition, a site its nodes' shards together, so that one node's credentials cannot"
+        " take the federation's weight; none: only max_node_samples bounds the counts (nodes that bring"
+        " their own data with `fedmq node --data`: set max_node_samples then)",
+    )
+
+    _added_later = (
+        "inline_model_bytes",
+        "late_updates",
+        "receipts",
+        "max_node_samples",
+        "require_announced_samples",
+        "sample_limits",
+    )
 
 
 class BusSettings(

@@ -20,7 +20,14 @@ from fedmq.coordinator.engine.commands import TaskSpec
 from fedmq.coordinator.engine.local import ComputeTime, LocalFederation, LocalNode
 from fedmq.coordinator.eventlog import EventLog
 from fedmq.coordinator.reporting import Evaluator
-from fedmq.experiments.build import coordinator_config, coordinator_half, load_split, make_model, shards
+from fedmq.experiments.build import (
+    coordinator_config,
+    coordinator_half,
+    load_split,
+    make_model,
+    sample_limits,
+    shards,
+)
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.seeding import stream
@@ -67,7 +74,7 @@ def build_local(
     parts = shards(cfg, split)
     device = device or best_device()
     half = coordinator_half(cfg, split)
-    config = coordinator_config(cfg, Path("."))
+    config = coordinator_config(cfg, Path("."), node_samples=sample_limits(cfg, split))
     workspace = Workspace(make_model(cfg, split.train), device)
     nodes = {
         node: LocalNode(spec.node(hp, node_id=node), split.train.subset(parts[node]).to(device))

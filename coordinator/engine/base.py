@@ -167,10 +167,10 @@ class Engine(ABC):
     def _node_seen(self, out: list[c.Command], event: e.NodeSeen, now: float) -> None:
         was = event.node in self.live
         if event.online:
-            limit = self.policy.max_node_samples
+            limit = self.config.sample_limit(event.node)
             if event.num_samples is not None and limit is not None and event.num_samples > limit:
                 # refused as if never sent: the node does not come online with a weight above the limit
-                detail = f"announces {event.num_samples} samples, above max_node_samples {limit}"
+                detail = f"announces {event.num_samples} samples, above its limit of {limit} ({self._limit_source})"
                 logger.warning("node %s %s; its announcement is ignored", event.node, detail)
                 self.refused["samples-over-limit"] += 1
                 out.append(c.Refused(event.node, "samples-over-limit", detail))
@@ -209,9 +209,16 @@ class Engine(ABC):
             update.node_id,
             update.num_samples,
             self.announced.get(update.node_id),
-            limit=self.policy.max_node_samples,
+            limit=self.config.sample_limit(update.node_id),
             required=self.policy.require_announced_samples,
         )
+
+    @property
+    def _limit_source(self) -> str:
+        """Where a node's sample limit comes from, for the refusal's reader."""
+        if self.config.node_samples is None:
+            return "policy.max_node_samples"
+        return "its shard of the experiment's partition, or policy.max_node_samples"
 
     def _refuse(
         self, out: list[c.Command], message: Message, reason: str, detail: str, *, receipt: str = "rejected"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -378,6 +379,26 @@ def test_sync_announcement_above_max_node_samples_is_refused_and_the_node_never_
     assert set(tasks) == {"a", "b"}
     assert one(c.Refused, d.feed(update(tasks["a"], samples=41))).reason == "samples-mismatch"
     assert one(c.Receipt, d.feed(update(tasks["a"], samples=40))).status == "received"
+
+
+def test_sync_each_nodes_own_limit_bounds_its_announcement_and_its_updates() -> None:
+    """Issue 31, item 1: an insider announced 10^11 samples in its own status and claimed them in its
+    update, accepted because only its own announcement checked the claim. With per-node limits (its
+    shard), a node announcing more than its shard never goes live; one within it is bounded by both."""
+    cfg = dataclasses.replace(
+        config(policy={"max_node_samples": 1000, "min_nodes": 3}), node_samples={"a": 40, "b": 60}
+    )
+    d = Driver(cfg)
+    out = d.start("a", samples=40)
+    out += d.feed(seen("b", samples=10**11))
+    refused = one(c.Refused, out)
+    assert refused.reason == "samples-over-limit" and refused.node == "b" and "limit of 60" in refused.detail
+    assert "b" not in d.engine.live and cfg.sample_limit("c") == 1000  # a node not named: the policy's
+    out = d.feed(seen("b", samples=60)) + d.feed(seen("c", samples=999))
+    assert not of(c.Refused, out) and d.engine.live == {"a", "b", "c"}
+    tasks = {t.node: t for t in _round(d).tasks}
+    assert one(c.Refused, d.feed(update(tasks["b"], samples=61))).reason == "samples-over-limit"
+    assert one(c.Receipt, d.feed(update(tasks["b"], samples=60))).status == "received"
 
 
 def test_sync_node_that_announced_no_count_is_refused_unless_allowed_then_bounded_by_the_limit() -> None:

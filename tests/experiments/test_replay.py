@@ -108,11 +108,11 @@ def test_an_edited_sample_count_is_found_where_it_changes_a_decision(sync_run: P
     outcome = replay_run(run)
     assert outcome.mismatch is not None
     assert "Aggregate" in str(outcome.mismatch) or "aggregated model" in str(outcome.mismatch)
-    lines[index]["meta"]["num_samples"] += 2  # more than announced: the replayed engine refuses it
+    lines[index]["meta"]["num_samples"] += 2  # more than announced (and than its shard): the replay refuses it
     _write(run, lines)
     outcome = replay_run(run)
     assert outcome.mismatch is not None and outcome.mismatch.line == index + 1
-    assert "samples-mismatch" in str(outcome.mismatch)
+    assert "samples-over-limit" in str(outcome.mismatch) and "above the node's limit" in str(outcome.mismatch)
 
 
 def test_a_log_from_before_announced_counts_were_logged_still_replays(sync_run: Path, tmp_path: Path) -> None:

@@ -144,3 +144,46 @@ async def test_forged_update_claiming_1e11_samples_is_refused_and_the_real_one_t
     assert metrics[1]["accuracy"] > 0.5 and summary["final_accuracy"] > 0.5, metrics
     assert "samples-mismatch" in fed.log("coordinator.log")
     assert fed.participation()["node-001"]["rejected"] == 0
+
+
+async def test_an_insider_announcing_1e11_samples_never_goes_live(tmp_path: Path, broker_url: str) -> None:
+    """Issue 31, item 1: an insider (node-002's identity) announced 10^11 samples in its own status
+    and claimed them in its updates, accepted because the claim was checked only against its own
+    announcement; with `mean` one such update ended the run. The experiment's partition now bounds
+    each node's announcement by its shard: node-002 is refused and never selected, the honest nodes
+    finish the run, and the insider's forged updates, had it got a task, would have been refused too."""
+    cfg = base_config(nodes=3, rounds=3, deadline_s=8, policy={"min_nodes": 2})
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    fed.start_coordinator()
+    async with raw_client(broker_url) as insider:
+        status = Message(
+            kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
+            meta={"state": "online", "num_samples": 10**11},
+        )  # fmt: skip
+        await insider.subscribe(t.task("node-002"), qos=1)
+        await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
+        fed.start_nodes("node-000", "node-001")
+        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+        answered = 0
+        while not waiter.done():  # answer any task it gets with the model scaled and 10^11 samples
+            try:
+                async with asyncio.timeout(0.5):
+                    m = await anext(aiter(insider.messages))
+            except TimeoutError:
+                continue
+            task = decode(bytes(m.payload))  # type: ignore[arg-type]
+            forged = Message(
+                kind=Kind.UPDATE, federation=fed.federation, round=task.round, sender="node-002",
+                meta={"task": task.meta["task"], "num_samples": 10**11, "train_seconds": 1.0},
+                tensors={k: np.asarray(v) * -1000.0 for k, v in task.tensors.items()},
+            )  # fmt: skip
+            await insider.publish(t.update("node-002"), bytes(encode(forged)), qos=1)
+            answered += 1
+        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)  # clear the retained status
+    assert await waiter == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert answered == 0 and all("node-002" not in line["selected"] for line in metrics)
+    assert summary["state"] == "finished" and summary["bus"]["rejected"].get("samples-over-limit", 0) >= 1
+    assert "node-002 announces 100000000000 samples, above its limit of" in fed.log("coordinator.log")
+    assert summary["final_accuracy"] > 0.5, metrics
