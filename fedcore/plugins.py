@@ -28,6 +28,23 @@ GROUPS = {"method": "fedmq.methods", "model": "fedmq.models", "dataset": "fedmq.
 """The entry-point group of each kind of plug-in."""
 
 
+_CACHES: list[dict[str, Any]] = []
+
+
+def cache() -> dict[str, Any]:
+    """A dict of resolved plug-ins by name, emptied by `forget`."""
+    made: dict[str, Any] = {}
+    _CACHES.append(made)
+    return made
+
+
+def forget() -> None:
+    """Forget every plug-in this process resolved, so that the next use imports it again: for a notebook
+    whose user edited their module (drop it from ``sys.modules`` too), and for tests."""
+    for made in _CACHES:
+        made.clear()
+
+
 @dataclass(frozen=True, slots=True)
 class Found:
     """What a plug-in name resolved to, and how (for messages and `fedmq methods`)."""
@@ -67,7 +84,9 @@ def resolve(name: str, kind: str, *, field: str, default_attr: str | None, built
     if not looks_like_reference(name) or (sep and not all(p.isidentifier() for p in attr.split("."))):
         raise ConfigError(f"{tried}, and {name!r} is no module reference; {_example(kind)}", field=field)
     if not attr and default_attr is None:
-        raise ConfigError(f"{name!r} names a module, not the {kind} in it; {_example(kind)}", field=field)
+        raise ConfigError(
+            f"{tried}, and {name!r} names no {kind} in a module (module:NAME); {_example(kind)}", field=field
+        )
     origin = f"{kind} {name!r}"
     return Found(_load(module, attr or default_attr, kind, field, origin, tried), module, origin)
 

@@ -2,7 +2,7 @@
 (a FedAvg variant), a model class and a dataset loader, and an experiment file that names them.
 
 `forget_user_modules` undoes what importing them did to this process (the module cache and the
-method registry's cache), so that each test sees its own folder's version of `mylab`."""
+plug-in caches: `fedcore.plugins.forget`), so that each test sees its own folder's version of `mylab`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedmq.fedcore.algorithms import plugins as method_plugins
+from fedmq.fedcore import plugins
 
 PACKAGE = "mylab"
 METHOD = "mylab.sqrtavg"
@@ -147,7 +147,7 @@ def forget_user_modules() -> None:
     """Drop `mylab` from the module cache and every user method this process loaded."""
     for name in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
         del sys.modules[name]
-    method_plugins.forget()
+    plugins.forget()
 
 
 @contextmanager

@@ -24,10 +24,10 @@ from fedmq.fedcore import plugins
 from fedmq.fedcore.algorithms.base import AlgorithmSpec, CoordinatorHalf, NodeHalf
 from fedmq.fedcore.errors import ConfigError
 
-_LOADED: dict[str, AlgorithmSpec] = {}
-_CODE: dict[str, str] = {}
-_ORIGIN: dict[str, str] = {}
-_MODULE: dict[str, str] = {}
+_LOADED: dict[str, AlgorithmSpec] = plugins.cache()
+_CODE: dict[str, str] = plugins.cache()
+_ORIGIN: dict[str, str] = plugins.cache()
+_MODULE: dict[str, str] = plugins.cache()
 
 
 def load_method(name: str, builtins: Mapping[str, AlgorithmSpec]) -> AlgorithmSpec:
@@ -48,16 +48,6 @@ def load_method(name: str, builtins: Mapping[str, AlgorithmSpec]) -> AlgorithmSp
 def loaded() -> Mapping[str, AlgorithmSpec]:
     """The user's methods this process has resolved, by the name the experiment file gave them."""
     return types.MappingProxyType(_LOADED)
-
-
-def forget(name: str | None = None) -> None:
-    """Forget the user method `name` (every one when None), so that the next `load_method` imports it
-    again: for a notebook that edits its method (drop the module from ``sys.modules`` too) and for tests."""
-    for cache in (_LOADED, _CODE, _ORIGIN, _MODULE):
-        if name is None:
-            cache.clear()
-        else:
-            cache.pop(name, None)
 
 
 def code_of(name: str) -> str | None:

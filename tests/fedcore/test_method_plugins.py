@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedmq.experiments.cli import main
+from fedmq.fedcore import plugins
 from fedmq.fedcore.algorithms import ALGORITHMS, build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms import plugins as method_plugins
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
@@ -102,7 +103,7 @@ def test_an_entry_point_names_a_method_and_fedmq_methods_lists_it(
     assert method_plugins.installed() == ["fedavg", "sqrt", "sqrt-spec"]
     assert get_algorithm("sqrt-spec").name == "sqrt-spec"
     assert get_algorithm("fedavg") is ALGORITHMS["fedavg"]  # a built-in name cannot be taken over
-    method_plugins.forget()  # one name per SPEC in a process, as in a daemon (two would be ambiguous)
+    plugins.forget()  # one name per SPEC in a process, as in a daemon (two would be ambiguous)
     assert get_algorithm("sqrt").name == "sqrt" and _fingerprints("sqrt")[0].method == "sqrt"
     assert main(["methods"]) == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line[:1].isalpha()}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.daemons import ROOT
-from tests.user_package import METHOD, write_experiment, write_package
+from tests.user_package import DATASET, METHOD, MODEL, write_experiment, write_package
 
 
 def _fedmq(folder: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -32,14 +32,14 @@ def _summary(out: Path) -> dict[str, object]:
 
 def test_simulate_and_replay_a_federation_of_the_user_s_method_model_and_dataset(tmp_path: Path) -> None:
     folder = write_package(tmp_path / "lab")
-    write_experiment(folder, rounds=3, method=METHOD, model="mlp", dataset="digits", model_options="{hidden: [16]}")
+    write_experiment(folder, rounds=3, method=METHOD, model=MODEL, dataset=DATASET)
     done = _fedmq(folder, "simulate", "experiment.yaml", "--out", "runs/sim")
     assert done.returncode == 0, done.stderr
     summary = _summary(folder / "runs" / "sim")
     final = summary["final_accuracy"]
     assert isinstance(final, float) and final > 0.3  # digits after 3 short rounds: well above chance (0.1)
     config = (folder / "runs" / "sim" / "config.yaml").read_text()
-    assert f"name: {METHOD}" in config
+    assert f"name: {METHOD}" in config and f"name: {MODEL}" in config and f"dataset: {DATASET}" in config
     replayed = _fedmq(folder, "replay", "runs/sim")
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
 
@@ -58,7 +58,7 @@ def test_run_starts_daemons_that_find_the_user_s_package_in_the_current_folder(t
     """`fedmq run`: the embedded broker, the coordinator and the node hosts are processes of their own,
     started in the same folder; each imports mylab from it, and their fingerprints match."""
     folder = write_package(tmp_path / "lab")
-    write_experiment(folder, rounds=2, method=METHOD, model="mlp", dataset="digits", model_options="{hidden: [16]}")
+    write_experiment(folder, rounds=2, method=METHOD, model=MODEL, dataset=DATASET)
     done = _fedmq(folder, "run", "experiment.yaml", "--out", "runs/run", "--quiet", "--processes", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     summary = _summary(folder / "runs" / "run")
