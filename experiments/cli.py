@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Without NAME: every method a config's method.name may give. With NAME: its"
         " hyperparameters (method.hyperparams), their types, defaults and what each does.",
     )
-    p.add_argument("name", nargs="?", help="one method, e.g. kdia")
+    p.add_argument("name", nargs="?", help="one method, e.g. kdia, or your own, e.g. my_package.my_method")
     _add_common(p)
 
     p = sub.add_parser(
@@ -621,21 +621,36 @@ def _threads(n: int | None) -> None:
 def _methods(args: argparse.Namespace) -> int:
     from fedmq.fedcore.algorithms import AGGREGATORS, ALGORITHMS, get_algorithm
     from fedmq.fedcore.algorithms.describe import options, summary
+    from fedmq.fedcore.algorithms.plugins import installed, origin_of
 
     if args.name is None:
-        width = max(map(len, ALGORITHMS))
+        width = max(map(len, [*ALGORITHMS, *installed()]))
         for name, spec in ALGORITHMS.items():
             mode = "sync" if spec.coordinator.sync_only else "sync/async"
             print(f"{name:<{width}}  {mode:<10}  {summary(spec)}")
+        for name in installed():  # the user's, from fedmq.methods entry points
+            if name in ALGORITHMS:
+                print(f"{name:<{width}}  {'ignored':<10}  a fedmq.methods entry point with a built-in name: rename it")
+                continue
+            try:
+                spec = get_algorithm(name)
+            except ConfigError as exc:
+                print(f"{name:<{width}}  {'broken':<10}  {exc}")
+                continue
+            mode = "sync" if spec.coordinator.sync_only else "sync/async"
+            print(f"{name:<{width}}  {mode:<10}  {summary(spec)} [{origin_of(name)}]")
         print("\nfedmq methods NAME: its hyperparameters (method.hyperparams in an experiment file), and why a")
         print("fedmq method marked sync cannot run with engine.kind async")
+        print("fedmq methods my_package.my_method: a method of your own, a module holding SPEC (docs/plugins.md);")
+        print("fedmq methods declared as fedmq.methods entry points are listed above")
         print(f"\nfedmq averaging rules (method.aggregator.name): {', '.join(sorted(AGGREGATORS))};")
         print("fedmq methods RULE: its options (method.aggregator.options)")
         return EXIT_OK
     if args.name in AGGREGATORS and args.name not in ALGORITHMS:
         return _aggregator(args.name)
     spec = get_algorithm(args.name)
-    print(f"{spec.name}: {summary(spec)}\n")
+    origin = origin_of(spec.name)
+    print(f"{spec.name}: {summary(spec)}" + (f"\n  from {origin}" if origin else "") + "\n")
     reason = spec.coordinator.sync_only
     print(f"  asynchronous (engine.kind async): {'no: ' + reason if reason else 'yes'}\n")
     for option in options(spec):

@@ -168,7 +168,8 @@ class PooledSplit(_Strict):
 class DataConfig(_Strict):
     dataset: str = Field(
         "digits",
-        description="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100 | cinic10 | tiny-imagenet",
+        description="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100 | cinic10 | tiny-imagenet,"
+        " or your own loader: my_package.data:load or a fedmq.datasets entry point (docs/plugins.md)",
     )
     root: str | None = Field(None, description="folder holding the datasets' files; FEDMQ_DATA_ROOT when unset")
     cache_dir: str | None = Field(
@@ -358,7 +359,11 @@ PartitionConfig = Annotated[
 
 
 class ModelConfig(_Strict):
-    name: str = Field("cnn", description="mlp | cnn")
+    name: str = Field(
+        "cnn",
+        description="mlp | dnn | cnn | moon-cnn | fedavg-cnn | conv2cifar | resnet18 | resnet34 | resnet32 |"
+        " mobilenetv2, or your own nn.Module: my_package.nets:MyNet or a fedmq.models entry point (docs/plugins.md)",
+    )
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -372,7 +377,11 @@ class AggregatorConfig(_Strict):
 
 
 class MethodConfig(_Strict):
-    name: str = Field("fedavg", description="the algorithm, from fedcore.algorithms")
+    name: str = Field(
+        "fedavg",
+        description="the algorithm: a built-in one (`fedmq methods`), or your own: a module holding SPEC"
+        " (my_package.my_method) or a fedmq.methods entry point (docs/plugins.md)",
+    )
     hyperparams: dict[str, Any] = Field(default_factory=dict)
     aggregator: AggregatorConfig = Field(
         default_factory=AggregatorConfig,

@@ -10,6 +10,11 @@ cifar10, cifar100, cinic10 and tiny-imagenet (read from a data root by `fedcore.
 once into a cache folder), each with its standard augmentation and normalisation constants.
 `dataset_schema(name, ...)` says what its examples look like without loading it, and
 `load_local(path, name, ...)` reads one node's own data in its place (`fedcore.datasets.local`).
+
+A dataset of one's own (`user_dataset`): ``data.dataset: my_package.data:load`` or a ``fedmq.datasets``
+entry point, a function ``load(*, seed, **data.options)`` (taking ``root`` and ``cache_dir`` too when
+it names them) that returns a `Split` of `TensorDataset` s, as the built-in loaders do. What it
+returns is checked (`check_split`) before anything uses it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedmq.fedcore import plugins
 from fedmq.fedcore.datasets.cache import Arrays
 from fedmq.fedcore.datasets.cifar import load_cifar
 from fedmq.fedcore.datasets.download import TORCHVISION, fetch
@@ -411,12 +417,98 @@ def _call(name: str, loader: Callable[..., Split], fixed: Mapping[str, object], 
 
 
 def _spec(name: str) -> DatasetSpec:
-    try:
-        return DATASETS[name]
-    except KeyError:
+    return DATASETS[name] if name in DATASETS else user_dataset(name)
+
+
+_USER: dict[str, DatasetSpec] = plugins.cache()
+"""The user's datasets this process has resolved, by name."""
+
+
+def user_dataset(name: str) -> DatasetSpec:
+    """A user's dataset `name` (a ``fedmq.datasets`` entry point or ``module:function``) as a DatasetSpec:
+    its loader, checked on every call; its schema read from a load (seed 0); no normalisation constants
+    and no standard augmentation (data.normalize and data.augment may give them)."""
+    if name in _USER:
+        return _USER[name]
+    found = plugins.resolve(name, "dataset", field="data.dataset", default_attr=None, builtins=list(DATASETS))
+    loader = found.value
+    if not callable(loader):
         raise ConfigError(
-            f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}", field="data.dataset"
-        ) from None
+            f"{found.origin} is a {type(loader).__name__}, not a function returning fedmq.fedcore.data.Split",
+            field="data.dataset",
+        )
+    params = inspect.signature(loader).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "seed" not in params and not takes_any:
+        raise ConfigError(f"{found.origin}: the loader must take a keyword argument seed", field="data.dataset")
+    files = "root" in params and "cache_dir" in params
+
+    def load(**kwargs: object) -> Split:
+        try:
+            split = loader(**kwargs)
+        except (ConfigError, DataError):
+            raise
+        except Exception as exc:  # the user's code: say where, without a traceback
+            message = f"{found.origin}: the loader raised {type(exc).__name__}: {exc}"
+            raise ConfigError(message[:800], field="data.dataset") from None
+        return check_split(split, found.origin)
+
+    spec = DatasetSpec(load=load, schema=lambda **kwargs: schema_of_split(load(**kwargs)), files=False)
+    _USER[name] = spec
+    _USER_FILES[name] = files
+    return spec
+
+
+_USER_FILES: dict[str, bool] = plugins.cache()
+"""Whether a user's loader takes root and cache_dir (besides seed)."""
+
+
+def schema_of_split(split: Split) -> Schema:
+    """The Schema of a checked split: its input shape, classes, and whether its inputs are uint8 images."""
+    return Schema(split.train.input_shape, split.train.num_classes, pixels=split.train.x.dtype == torch.uint8)
+
+
+def check_split(split: object, origin: str) -> Split:
+    """`split` if it is what a loader must return (as the built-in ones do), else a ConfigError saying
+    what is wrong: a Split of two TensorDatasets, non-empty, float32 features or uint8 images N x C x H x W,
+    int64 labels in [0, num_classes), train and test alike."""
+
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(
+            f"{origin} returned {problem}; return fedmq.fedcore.data.Split(train=TensorDataset(x, y, num_classes),"
+            " test=TensorDataset(...)) with x float32 (N x ...) or uint8 images (N x C x H x W) and y int64 labels"
+            " 0..num_classes-1 (docs/plugins.md)",
+            field="data.dataset",
+        )
+
+    if not isinstance(split, Split):
+        raise fail(f"a {type(split).__name__}, not a Split")
+    for part in ("train", "test"):
+        data = getattr(split, part)
+        if not isinstance(data, TensorDataset):
+            raise fail(f"a Split whose {part} is a {type(data).__name__}, not a TensorDataset")
+        x, y = data.x, data.y
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            raise fail(f"{part} inputs or labels that are not tensors")
+        if len(y) == 0:
+            raise fail(f"an empty {part} set")
+        if x.dtype not in (torch.float32, torch.uint8) or (x.dtype == torch.uint8 and x.dim() != 4):
+            raise fail(f"{part} inputs of dtype {x.dtype} and shape {tuple(x.shape)}")
+        if y.dtype != torch.int64 or y.dim() != 1:
+            raise fail(f"{part} labels of dtype {y.dtype} and shape {tuple(y.shape)}")
+        if not isinstance(data.num_classes, int) or data.num_classes < 2:
+            raise fail(f"{part} num_classes {data.num_classes!r} (at least 2)")
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= data.num_classes:
+            raise fail(f"{part} labels {low}..{high} outside 0..{data.num_classes - 1}")
+    if split.train.input_shape != split.test.input_shape or split.train.x.dtype != split.test.x.dtype:
+        raise fail(
+            f"train inputs {tuple(split.train.input_shape)} {split.train.x.dtype} but test inputs"
+            f" {tuple(split.test.input_shape)} {split.test.x.dtype}"
+        )
+    if split.train.num_classes != split.test.num_classes:
+        raise fail(f"{split.train.num_classes} classes in train but {split.test.num_classes} in test")
+    return split
 
 
 def dataset_schema(name: str, **options: object) -> Schema:
@@ -424,9 +516,20 @@ def dataset_schema(name: str, **options: object) -> Schema:
     reading any file (what a node on its own data builds its model from)."""
     spec = _spec(name)
     fixed: dict[str, object] = {"root": None, "cache_dir": None} if spec.files else {"seed": 0}
+    if name in _USER_FILES:  # a user's loader: load it and see
+        return spec.schema(**_user_fixed(name, 0, None, None), **options)
     bound = _bind(name, spec.load, fixed, dict(options))
     bound.apply_defaults()
     return spec.schema(**bound.arguments)
+
+
+def _user_fixed(name: str, seed: int, root: str | Path | None, cache_dir: str | Path | None) -> dict[str, object]:
+    """What fedmq passes a user's loader besides data.options: seed, and root and cache_dir if it takes them."""
+    fixed: dict[str, object] = {"seed": seed}
+    if _USER_FILES[name]:
+        fixed["root"] = Path(root).expanduser() if root is not None else None
+        fixed["cache_dir"] = Path(cache_dir).expanduser() if cache_dir is not None else None
+    return fixed
 
 
 def load_local(
@@ -474,7 +577,9 @@ def load_dataset(
     aug = resolve_augment(augment, spec)
     if download and name not in TORCHVISION:
         raise ConfigError(f"{name!r} cannot be downloaded; only {', '.join(TORCHVISION)}", field="data.download")
-    if not spec.files:
+    if name in _USER_FILES:
+        split = spec.load(**_user_fixed(name, seed, root, cache_dir), **options)
+    elif not spec.files:
         split = _call(name, spec.load, {"seed": seed}, dict(options))
     else:
         paths = {

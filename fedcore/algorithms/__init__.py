@@ -1,4 +1,7 @@
-"""The algorithm registry: configs name an algorithm, daemons resolve it here and use only `base`."""
+"""The algorithm registry: configs name an algorithm, daemons resolve it here and use only `base`.
+
+`ALGORITHMS` holds the built-in methods; `get_algorithm` also finds a user's own (a module holding
+``SPEC``, or a ``fedmq.methods`` entry point: `fedcore.algorithms.plugins`)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from fedmq.fedcore.algorithms import (
     scaffold,
 )
 from fedmq.fedcore.algorithms.base import AlgorithmSpec
+from fedmq.fedcore.algorithms.plugins import load_method
 from fedmq.fedcore.errors import ConfigError
 
 ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
@@ -117,12 +121,10 @@ def build_aggregator(
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
-    try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown method {name!r}; available: {', '.join(sorted(ALGORITHMS))}", field="method.name"
-        ) from None
+    """The method `name`: a built-in one, else a user's (`plugins.load_method`: a ``fedmq.methods`` entry
+    point or a module holding SPEC). ConfigError says what was tried."""
+    spec = ALGORITHMS.get(name)
+    return spec if spec is not None else load_method(name, ALGORITHMS)
 
 
 def async_refusal(name: str, aggregator: str = "mean") -> str | None:

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+from fedmq.fedcore.algorithms import plugins
 from fedmq.fedcore.algorithms.base import AlgorithmSpec
 
 
@@ -23,8 +24,10 @@ class Option:
 
 
 def summary(spec: AlgorithmSpec) -> str:
-    """The first line of the method module's docstring."""
-    doc = (inspect.getdoc(sys.modules[spec.hyperparams.__module__]) or "").strip()
+    """The first line of the method module's docstring (a user method's: the module holding its SPEC,
+    which may reuse a built-in method's Hyperparams)."""
+    module = plugins.module_of(spec.name) or spec.hyperparams.__module__
+    doc = (inspect.getdoc(sys.modules[module]) or "").strip()
     return doc.splitlines()[0] if doc else spec.name
 
 

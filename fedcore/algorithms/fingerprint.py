@@ -7,6 +7,11 @@ announces its own. Either side that sees a difference refuses and says which set
 
 Hyperparameters that only one side uses (KDIA's teacher store and logging) are listed by the
 Hyperparams class in ``LOCAL_FIELDS`` and left out: they may differ between machines.
+
+A built-in method is named by its name: fedmq's version is the machines' to agree on. A user's method
+(`fedcore.algorithms.plugins`) also carries ``code``, a digest of its package's source, so a node
+with another version of the user's code is refused like one with another ``mu``. A built-in
+method's fingerprint is what it was before plug-ins existed (no ``code``), so older peers still match.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from fedmq.fedcore.algorithms import ALGORITHMS
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeHalf
+from fedmq.fedcore.algorithms import ALGORITHMS, plugins
+from fedmq.fedcore.algorithms.base import AlgorithmSpec, CoordinatorHalf, NodeHalf
 from fedmq.fedcore.tensors import TensorSpec
 
 MAX_DESCRIPTION = 500
@@ -36,15 +41,19 @@ class MethodFingerprint:
     schema: str
     """A digest of the model's tensors: names, dtypes and shapes."""
     digest: str
-    """16 hex digits over all three: what a task carries."""
+    """16 hex digits over all of them: what a task carries."""
+    code: str = ""
+    """A user method's source digest (`plugins.source_digest`); empty for a built-in method."""
 
     def describe(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in sorted(self.hyperparams.items()))
-        return f"{self.method}({settings}) with model schema {self.schema}"[:MAX_DESCRIPTION]
+        code = f", code {self.code}" if self.code else ""
+        return f"{self.method}({settings}) with model schema {self.schema}{code}"[:MAX_DESCRIPTION]
 
     def to_meta(self) -> dict[str, Any]:
         hyperparams = dict(self.hyperparams)
-        return {"digest": self.digest, "method": self.method, "hyperparams": hyperparams, "schema": self.schema}
+        meta = {"digest": self.digest, "method": self.method, "hyperparams": hyperparams, "schema": self.schema}
+        return {**meta, "code": self.code} if self.code else meta
 
     @classmethod
     def from_meta(cls, meta: Any) -> MethodFingerprint:
@@ -59,8 +68,11 @@ class MethodFingerprint:
             raise ValueError("method.schema must be a short string")
         if not isinstance(hyperparams, Mapping) or not all(isinstance(k, str) for k in hyperparams):
             raise ValueError("method.hyperparams must be a map with string keys")
+        code = meta.get("code", "")
+        if not isinstance(code, str) or len(code) > 64:
+            raise ValueError("method.code must be a short string")
         try:
-            return _make(method, dict(hyperparams), schema)
+            return _make(method, dict(hyperparams), schema, code)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"method.hyperparams is not plain data: {exc}") from None
 
@@ -75,28 +87,40 @@ class MethodFingerprint:
                 parts.append(f"{key}: {mine!r} {here}, {theirs!r} {there}")
         if self.schema != other.schema:
             parts.append(f"model schema: {self.schema} {here}, {other.schema} {there} (another model or dataset)")
+        if self.code != other.code:
+            parts.append(
+                f"code of {self.method}: {self.code or 'none'} {here}, {other.code or 'none'} {there}"
+                " (another version of the method's package: install or copy the same one everywhere)"
+            )
         return "; ".join(parts)[:MAX_DESCRIPTION] or "none"
 
 
 def fingerprint_of(half: CoordinatorHalf | NodeHalf, schema: Mapping[str, TensorSpec]) -> MethodFingerprint:
-    """The fingerprint of a built half: its method is the registered one whose Hyperparams and half it
-    is (a half built outside the registry is named by its Hyperparams class)."""
+    """The fingerprint of a built half: its method is the built-in or loaded user method whose
+    Hyperparams and half it is, the one whose half is exactly its class first (a user's FedAvg variant
+    that subclasses FedAvg's node half is the variant, not FedAvg); a half built outside the registry
+    is named by its Hyperparams class."""
     hp = type(half.hp)
-    names = [
-        spec.name
-        for spec in ALGORITHMS.values()
-        if hp is spec.hyperparams and isinstance(half, spec.coordinator | spec.node)
-    ]
-    name = names[0] if len(names) == 1 else f"{hp.__module__}.{hp.__qualname__}"
-    return method_fingerprint(name, half.hp, schema)
+    specs = [*ALGORITHMS.values(), *plugins.loaded().values()]
+    exact = (type(half),)
+    candidates: list[AlgorithmSpec] = [s for s in specs if hp is s.hyperparams and exact[0] in (s.coordinator, s.node)]
+    if not candidates:
+        candidates = [s for s in specs if hp is s.hyperparams and isinstance(half, s.coordinator | s.node)]
+    if len(candidates) == 1:
+        name = candidates[0].name
+        return method_fingerprint(name, half.hp, schema, code=plugins.code_of(name) or "")
+    return method_fingerprint(f"{hp.__module__}.{hp.__qualname__}", half.hp, schema)
 
 
-def method_fingerprint(method: str, hyperparams: Any, schema: Mapping[str, TensorSpec]) -> MethodFingerprint:
-    """The fingerprint of `method` run with the frozen Hyperparams `hyperparams` on a model of `schema`."""
+def method_fingerprint(
+    method: str, hyperparams: Any, schema: Mapping[str, TensorSpec], *, code: str = ""
+) -> MethodFingerprint:
+    """The fingerprint of `method` run with the frozen Hyperparams `hyperparams` on a model of `schema`
+    (`code`: a user method's source digest)."""
     local = set(getattr(type(hyperparams), "LOCAL_FIELDS", ()))
     plain = _plain(hyperparams) if hyperparams is not None else {}
     shared = {k: v for k, v in plain.items() if k not in local} if isinstance(plain, dict) else {"value": plain}
-    return _make(method, shared, schema_digest(schema))
+    return _make(method, shared, schema_digest(schema), code)
 
 
 def schema_digest(schema: Mapping[str, TensorSpec]) -> str:
@@ -104,9 +128,12 @@ def schema_digest(schema: Mapping[str, TensorSpec]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
-def _make(method: str, hyperparams: dict[str, Any], schema: str) -> MethodFingerprint:
-    canonical = json.dumps([method, hyperparams, schema], sort_keys=True, separators=(",", ":"), allow_nan=True)
-    return MethodFingerprint(method, hyperparams, schema, hashlib.sha256(canonical.encode()).hexdigest()[:16])
+def _make(method: str, hyperparams: dict[str, Any], schema: str, code: str = "") -> MethodFingerprint:
+    """The digest over [method, hyperparams, schema], and the code too when there is one (built-in
+    methods keep the digest they always had)."""
+    parts: list[Any] = [method, hyperparams, schema, code] if code else [method, hyperparams, schema]
+    canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return MethodFingerprint(method, hyperparams, schema, hashlib.sha256(canonical.encode()).hexdigest()[:16], code)
 
 
 def _plain(value: Any) -> Any:

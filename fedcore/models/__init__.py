@@ -41,6 +41,12 @@ ResNets' ``init: code`` (``resnet.py``).
 `build_model` draws the initial weights from its own stream seeded by ``seed`` and leaves torch's
 global generator untouched; an unknown model, an unknown option or a bad value is a
 `ConfigError` that names the model.
+
+A model of one's own: ``model.name: my_package.nets:MyNet`` (or a ``fedmq.models`` entry point), an
+``nn.Module`` class or a function returning one, called as ``MyNet(input_shape, num_classes,
+**model.options)``; its options are its keyword parameters after those two. FedAvg and the methods
+that need only the logits train any such module; the ones that read features (MOON, KDIA, FedRCL,
+FedNH, FedProto, ...) need a `FedModel`. `fedmq.testing.check_model` checks one.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from fedmq.fedcore import plugins
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.models.cnn import Conv2Cifar, FedAvgCNN, MoonCNN
@@ -90,13 +97,28 @@ MODELS: Mapping[str, Callable[..., FedModel]] = types.MappingProxyType(
 )
 
 
-def _factory(name: str) -> Callable[..., FedModel]:
-    try:
+_LOADED: dict[str, Callable[..., nn.Module]] = plugins.cache()
+"""The user's models this process has resolved, by name."""
+
+
+def _factory(name: str) -> Callable[..., nn.Module]:
+    """Model `name`'s class or factory: built in, else a ``fedmq.models`` entry point or ``module:Name``."""
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}", field="model.name"
-        ) from None
+    if name not in _LOADED:
+        found = plugins.resolve(name, "model", field="model.name", default_attr=None, builtins=list(MODELS))
+        if not callable(found.value):
+            raise ConfigError(
+                f"{found.origin} is a {type(found.value).__name__}, not an nn.Module class or a function returning"
+                " one (called as NAME(input_shape, num_classes, **model.options))",
+                field="model.name",
+            )
+        try:
+            inspect.signature(found.value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{found.origin}: its signature cannot be read", field="model.name") from None
+        _LOADED[name] = found.value
+    return _LOADED[name]
 
 
 def model_options(name: str) -> dict[str, object]:
@@ -105,7 +127,11 @@ def model_options(name: str) -> dict[str, object]:
     return {p.name: p.default for p in params}
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int, **options: object) -> FedModel:
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int, **options: object
+) -> nn.Module:
+    """Model `name` for inputs of `input_shape` and `num_classes` classes, its weights drawn from `seed`.
+    Every built-in model is a `FedModel`; a user's is any nn.Module (checked here)."""
     factory = _factory(name)
     allowed = model_options(name)
     unknown = sorted(set(options) - set(allowed))
@@ -117,9 +143,21 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, se
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            return factory(tuple(input_shape), num_classes, **options)
+            model = factory(tuple(input_shape), num_classes, **options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"model {name!r}: {exc}", field="model.options") from exc
+        except Exception as exc:  # a user's model failed: say which, without a traceback
+            if name in MODELS:
+                raise
+            message = f"model {name!r} raised {type(exc).__name__}: {exc}"
+            raise ConfigError(message[:800], field="model.name") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model {name!r} gave a {type(model).__name__}, not a torch.nn.Module; make it an nn.Module subclass"
+            " (or a function returning one) taking (input_shape, num_classes, **options)",
+            field="model.name",
+        )
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,26 +1,20 @@
 """The contract every registered method keeps (`fedcore.algorithms.ALGORITHMS`), one parametrised test
-each: its hyperparameters are documented as `fedmq methods` shows them, bad ones are refused as
-ConfigErrors (mistyped, unknown, and each method's own out-of-range values, `BAD_HYPERPARAMETERS`),
-a round runs in-process through the coordinator's engine (configure_round, train on every node,
-aggregate), and a checkpoint (the global model and the coordinator half's `state_dict`) restores a
-half that goes on exactly as the uninterrupted one, while a checkpoint that does not fit is
-refused. Node halves keep their state in memory only (no checkpoint API), so the resumed run keeps
-the same node halves. The methods' own maths is tested in their own files."""
+each, through the functions a user runs on their own method (`fedmq.testing.contract`, which says
+what each promises): documented hyperparameters, bad ones refused as ConfigErrors (mistyped,
+unknown, and each method's own out-of-range values, `BAD_HYPERPARAMETERS`), a round in process
+through the coordinator's engine, a checkpoint that resumes exactly and one that does not fit
+refused, aggregation in parts, and one fingerprint for both halves. Node halves keep their state in
+memory only (no checkpoint API). The methods' own maths is tested in their own files."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import typing
 from typing import Any
 
 import pytest
-import torch
 
-from fedmq.fedcore.algorithms import ALGORITHMS, build_hyperparams, describe
-from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
-from fedmq.fedcore.errors import ConfigError
-from tests.algorithms.common import Federation, clone, context, same_state, tiny_model
+from fedmq.fedcore.algorithms import ALGORITHMS
+from fedmq.testing import contract
+from tests.algorithms.common import Federation
 
 NAMES = sorted(ALGORITHMS)
 SMALL: dict[str, dict[str, Any]] = {
@@ -186,36 +180,14 @@ BAD_HYPERPARAMETERS: dict[str, list[tuple[dict[str, Any], str | None]]] = {
 every method refuses (`test_mistyped_and_unknown_hyperparameters_are_refused`)."""
 
 
-def _federation(name: str, seed: int = 0) -> Federation:
-    return Federation(name, dict(SMALL.get(name, {})), seed=seed)
-
-
 # -- hyperparameters -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_hyperparameters_are_documented_with_defaults(name: str) -> None:
-    """Every field of a frozen, keyword-only Hyperparams has a default and a doc line, and the module a summary."""
-    spec = ALGORITHMS[name]
-    params = spec.hyperparams.__dataclass_params__  # type: ignore[attr-defined]
-    assert params.frozen and all(f.kw_only for f in dataclasses.fields(spec.hyperparams))
-    build_hyperparams(spec, {})  # every field has a default, and the defaults are valid
-    undocumented = [option.name for option in describe.options(spec) if not option.doc]
-    assert not undocumented, f"{name}: no doc line under {undocumented}"
-    assert describe.summary(spec) != spec.name
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_mistyped_and_unknown_hyperparameters_are_refused(name: str) -> None:
-    """A value of another type for any field, and a key that is no field, are ConfigErrors naming them."""
-    spec = ALGORITHMS[name]
-    wrong = {bool: "yes", int: "1", float: "0.5", str: 1}
-    hints = typing.get_type_hints(spec.hyperparams)
-    for field in dataclasses.fields(spec.hyperparams):
-        with pytest.raises(ConfigError, match=field.name):
-            build_hyperparams(spec, {field.name: wrong[hints[field.name]]})
-    with pytest.raises(ConfigError, match="unknown hyperparameters"):
-        build_hyperparams(spec, {"no_such_option": 1})
+def test_hyperparameters_are_documented_typed_and_checked(name: str) -> None:
+    """Frozen, keyword-only, defaults valid, a doc line each and a module summary; a value of another
+    type for any field, and a key that is no field, are ConfigErrors naming them."""
+    contract.check_hyperparameters(name)
 
 
 @pytest.mark.parametrize(
@@ -224,8 +196,7 @@ def test_mistyped_and_unknown_hyperparameters_are_refused(name: str) -> None:
 )
 def test_out_of_range_hyperparameters_are_refused(name: str, values: dict[str, Any], match: str | None) -> None:
     """Each method's out-of-range, non-finite and inconsistent values are ConfigErrors saying what is wrong."""
-    with pytest.raises(ConfigError, match=match):
-        build_hyperparams(ALGORITHMS[name], values)
+    contract.check_refused(name, values, match)
 
 
 def test_every_method_lists_its_refusals() -> None:
@@ -233,58 +204,28 @@ def test_every_method_lists_its_refusals() -> None:
     assert sorted(BAD_HYPERPARAMETERS) == NAMES
 
 
-# -- a round, and a checkpoint ---------------------------------------------------------------------
+# -- a round, a checkpoint, the fingerprint --------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_round_runs_in_process(name: str) -> None:
-    """configure_round, every node's train, aggregate: the updates fit the declared schema (the engine
-    rejects any other), the round reports a finite training loss, and the global model moves (noop's stays)."""
-    fed = _federation(name)
-    before = clone(fed.coordinator.model.state_dict())
-    after = fed.run(1)
-    assert len(fed.metrics) == 1 and math.isfinite(fed.metrics[0]["train_loss"])
-    if name == "noop":  # the mean of identical models, up to rounding
-        assert all(torch.allclose(before[k], after[k]) for k in before)
-    else:
-        assert not same_state(before, after)
+    """The updates fit the declared schema, the loss is finite, and the global model moves (noop's stays)."""
+    contract.check_round(name, SMALL.get(name), model_moves=name != "noop")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_checkpoint_round_trip_resumes_the_run_exactly(name: str) -> None:
-    """The model and `state_dict` after round 0, loaded into a fresh coordinator half, give back the
-    same state, and round 1 from there ends where the uninterrupted run does."""
-    spec = ALGORITHMS[name]
-    straight = _federation(name)
-    expected = straight.run(2)
-    resumed = _federation(name)
-    resumed.run(1)
-    saved_model = clone(resumed.coordinator.model.state_dict())
-    saved_state = clone(resumed.coordinator.state_dict())
-    fresh = spec.coordinator(build_hyperparams(spec, SMALL.get(name, {})), model=tiny_model(5))
-    fresh.model.load_state_dict(saved_model)
-    fresh.load_state_dict(saved_state)
-    assert same_state(fresh.state_dict(), saved_state)
-    resumed.coordinator = fresh
-    assert same_state(resumed.run(1), expected)
-    assert same_state(fresh.state_dict(), straight.coordinator.state_dict())
+    contract.check_checkpoint(name, SMALL.get(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_checkpoint_that_does_not_fit_is_refused(name: str) -> None:
-    """An unexpected entry, and for a half with state a missing or misshapen one, is a ValueError."""
-    fed = _federation(name)
-    fed.run(1)
-    coordinator = fed.coordinator
-    state = clone(coordinator.state_dict())
-    with pytest.raises(ValueError):
-        coordinator.load_state_dict({**state, "no_such_entry": torch.zeros(1)})
-    if state:
-        key = sorted(state)[0]
-        with pytest.raises(ValueError):
-            coordinator.load_state_dict({k: v for k, v in state.items() if k != key})
-        with pytest.raises(ValueError):
-            coordinator.load_state_dict({**state, key: torch.zeros(7)})
+    contract.check_checkpoint_refusal(name, SMALL.get(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_both_halves_give_one_fingerprint(name: str) -> None:
+    contract.check_fingerprint(name, {"num_nodes": 4} if name == "kdia" else SMALL.get(name))
 
 
 # -- aggregation in parts (hierarchical mode) ------------------------------------------------------
@@ -296,31 +237,7 @@ momentum on it). Every other one says why not, and a hierarchical experiment wit
 
 @pytest.mark.parametrize("name", NAMES)
 def test_aggregation_in_parts_equals_the_whole_or_is_refused(name: str) -> None:
-    """Two sites' partial updates (`partial`: each site's updates as one), aggregated, give the model
-    and the training loss that aggregating every node's update gives, within float32 rounding; a
-    method that cannot say so refuses in a sentence."""
-    whole = _federation(name)
-    reason = whole.coordinator.partial_refusal()
+    """Partial updates aggregated give what every node's update gives, or the method refuses in a sentence."""
+    reason = Federation(name, dict(SMALL.get(name, {}))).coordinator.partial_refusal()
     assert (reason is None) == (name in PARTIAL), reason
-    if reason is not None:
-        assert len(reason) > 20 and reason[0].islower()
-        with pytest.raises(NotImplementedError):
-            whole.coordinator.partial([])
-        return
-    whole.run(1)  # a round first, so that server state (FedAvgM's velocity) is not zero
-    payload = whole.coordinator.configure_round(context(1, whole.node_ids))
-    assert isinstance(payload, Payload)
-    updates = [whole.train(node, payload) for node in whole.node_ids]
-    parted = _federation(name)
-    parted.run(1)
-    partials = []
-    for site, members in enumerate((updates[:2], updates[2:])):
-        merged, samples = parted.coordinator.partial(members)
-        assert samples == sum(u.num_samples for u in members)
-        partials.append(NodeUpdate(node_id=f"site-{site}", round=1, num_samples=samples, payload=merged))
-    ctx = context(1, whole.node_ids)
-    flat = whole.coordinator.aggregate(ctx, updates, [])
-    tiered = parted.coordinator.aggregate(context(1, ("site-0", "site-1")), partials, [])
-    assert flat["train_loss"] == pytest.approx(tiered["train_loss"], rel=1e-6)
-    a, b = whole.coordinator.model.state_dict(), parted.coordinator.model.state_dict()
-    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+    contract.check_aggregation_in_parts(name, SMALL.get(name))

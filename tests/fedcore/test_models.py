@@ -316,3 +316,12 @@ def test_train_step_on_a_fixed_batch_reduces_the_loss(name: str, shape: tuple[in
     opt.step()
     with torch.no_grad():
         assert F.cross_entropy(model(x), y) < loss.detach()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_keeps_the_contract_a_user_s_model_is_checked_against(name: str) -> None:
+    """`fedmq.testing.check_model`: logits of the right shape, a gradient for every parameter, seeded weights."""
+    from fedmq.testing import check_model
+
+    _, shape, k, opts, *_ = FIRST_CASE[name]
+    check_model(name, shape, k, **opts)
