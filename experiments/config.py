@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import textwrap
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -646,6 +647,16 @@ class ExperimentConfig(_Strict):
             if self.compression.mode != "none":
                 raise ValueError(
                     "hierarchy: site aggregators do not relay compressed updates yet; set compression.mode: none"
+                )
+        if self.engine.kind == "sync":
+            from fedmq.fedcore.robust import ineffective
+
+            # the updates a round aggregates: C x N of the nodes, or one partial per site
+            cohort = self.hierarchy.sites or max(1, math.floor(self.fraction * self.nodes + 1e-9))
+            why = ineffective(self.method.aggregator.name, self.method.aggregator.options, cohort)
+            if why is not None:
+                raise ValueError(
+                    f"method.aggregator: {why}; or select more nodes a round (fraction x nodes = {cohort})"
                 )
         if self.engine.kind == "async" or self.policy.late_updates == "carry":
             from fedmq.fedcore.algorithms import async_refusal

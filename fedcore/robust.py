@@ -36,8 +36,9 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,6 +69,30 @@ class TrimmedMeanOptions:
     def __post_init__(self) -> None:
         if not (isinstance(self.trim, int | float) and 0.0 <= self.trim < 0.5):
             raise ValueError(f"trim must be in [0, 0.5), got {self.trim!r}")
+
+
+def trimmed_per_side(trim: float, updates: int) -> int:
+    """floor(trim K): how many values the trimmed mean drops at each end of a coordinate."""
+    return math.floor(trim * updates + 1e-9)  # 0.29 * 100 is 28.999...: still 29
+
+
+def ineffective(rule: str, options: Mapping[str, Any], updates: int) -> str | None:
+    """Why `rule` with `options` would be the plain mean over `updates` updates a round (None: it
+    is not): a robust rule that protects nothing for the configured cohort is refused at load, with
+    the arithmetic, rather than trusted (issue 31: trim 0.1 over 5 updates trimmed nothing)."""
+    if rule == "trimmed_mean":
+        trim = float(options.get("trim", TrimmedMeanOptions().trim))
+        if trimmed_per_side(trim, updates) >= 1:
+            return None
+        if updates < 3:
+            return f"trimmed_mean over {updates} update(s) a round can trim nothing (trim stays below 0.5)"
+        return (
+            f"trimmed_mean with trim {trim:g} over {updates} updates a round drops floor({trim:g} x {updates}) = 0"
+            f" values at each end: it is the plain mean; set trim to at least {1 / updates:.3g} (1/{updates})"
+        )
+    if rule == "median" and updates <= 2:
+        return f"median over {updates} update(s) a round is their mean"
+    return None
 
 
 def clipped_mean(
@@ -172,7 +197,7 @@ def trimmed_mean(states: Sequence[StateDict], weights: Sequence[float], *, trim:
 
     def kept_mean(values: torch.Tensor) -> torch.Tensor:
         n = values.shape[0]
-        cut = math.floor(trim * n + 1e-9)  # 0.29 * 100 is 28.999...: still 29
+        cut = trimmed_per_side(trim, n)
         return values[cut : n - cut].sum(0) / (n - 2 * cut)
 
     return _order_statistic(states, weights, kept_mean)

@@ -280,6 +280,30 @@ def test_options_have_their_defaults_and_ints_are_floats() -> None:
     assert {"clip", "median", "trimmed_mean"} <= set(AGGREGATORS)
 
 
+def _sync(nodes: int, fraction: float, aggregator: dict, **extra: object) -> dict:
+    return {"name": "x", "nodes": nodes, "fraction": fraction, "rounds": 2, "method": {"name": "fedavg",
+            "aggregator": aggregator}, **extra}  # fmt: skip
+
+
+def test_a_robust_rule_that_would_be_the_plain_mean_for_the_cohort_is_refused_with_the_arithmetic() -> None:
+    """Issue 31, item 2: trimmed_mean's default trim 0.1 over 5 updates a round trims nothing, so it
+    was the plain mean and one poisoned update wrecked the run; nothing said so at start."""
+    five = _sync(20, 0.25, {"name": "trimmed_mean"})
+    with pytest.raises(ConfigError, match=re.escape("drops floor(0.1 x 5) = 0 values at each end")) as refused:
+        parse_config(five)
+    assert "set trim to at least 0.2 (1/5)" in str(refused.value) and "fraction x nodes = 5" in str(refused.value)
+    parse_config(_sync(20, 0.25, {"name": "trimmed_mean", "options": {"trim": 0.2}}))  # trims one each end
+    parse_config(_sync(20, 0.5, {"name": "trimmed_mean"}))  # 10 a round: one each end
+    with pytest.raises(ConfigError, match="can trim nothing"):
+        parse_config(_sync(4, 0.5, {"name": "trimmed_mean", "options": {"trim": 0.45}}))
+    with pytest.raises(ConfigError, match=re.escape("median over 2 update(s) a round is their mean")):
+        parse_config(_sync(4, 0.5, {"name": "median"}))
+    parse_config(_sync(6, 0.5, {"name": "median"}))
+    # with sites the coordinator aggregates one partial per site
+    with pytest.raises(ConfigError, match="over 2 update"):
+        parse_config(_sync(40, 1.0, {"name": "median"}, hierarchy={"sites": 2}))
+
+
 @pytest.mark.parametrize("name", ["clip", "median", "trimmed_mean"])
 def test_async_mode_refuses_the_robust_rules_with_a_reason(name: str) -> None:
     """The asynchronous folding steps do not call the averaging rule: async runs refuse these rules
