@@ -57,6 +57,13 @@ class RoundPolicy:
     """Refuse updates from a node that announced no sample count ("samples-unannounced"): with no
     announcement to check it against, an update's weight would rest on that one message's word.
     False accepts them, bounded by max_node_samples only (for nodes that announce no count)."""
+    reject_below: Annotated[float | None, Bounds(gt=0, lt=1)] = None
+    """Reject a round's model whose test accuracy falls below this share of the best so far (0.5:
+    under half of it, as after a poisoned update): the coordinator keeps the last good model,
+    names the round's updates as suspects and runs the round again (up to max_retries). A model
+    holding NaN or inf is always rejected. None: accuracy rejects nothing (sync rounds only)."""
+    exclude_after: Annotated[int | None, Bounds(ge=1)] = None
+    """A node whose updates went into this many rejected models gets no more tasks (None: never)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -413,6 +413,9 @@ class Coordinator:
             self._heavy(lambda: self._aggregate(command), "aggregate")
         elif isinstance(command, c.Evaluate):
             self._heavy(lambda: e.Evaluated(command.step, self.evaluator()), "evaluate")
+        elif isinstance(command, c.Rollback):
+            # in the lane, so the next round's Configure (queued after it) reads the model it restores
+            self._lane.submit(self._calls.rollback, self._rolled_back)
         elif isinstance(command, c.Record):
             self.run_dir.append_metrics(command.record)
         elif isinstance(command, c.Checkpoint):
@@ -421,6 +424,11 @@ class Coordinator:
             self._statuses.put_nowait(self._status_message(command.state, command.fields))
         elif isinstance(command, c.Finish):
             self._state = command.state
+
+    def _rolled_back(self, _: Any, exc: BaseException | None) -> None:
+        if exc is not None:
+            logger.error("rollback failed: %r", exc, exc_info=exc)
+            self._events.put_nowait(_Failed(f"the algorithm's rollback failed: {exc!r}"))
 
     def _heavy(self, call: Callable[[], Any], what: str, then: Callable[[Any], e.Event] | None = None) -> None:
         """Run `call` in the lane; its event (`then` makes it from the result, on the event loop), or

@@ -88,7 +88,8 @@ def encode_event(event: e.Event) -> dict[str, Any]:
     if isinstance(event, e.Configured):
         return {"ev": name, "step": event.step, "inline": event.inline}
     if isinstance(event, e.Aggregated):
-        return {"ev": name, "step": event.step, "metrics": tagged(event.metrics), "model_sha256": event.model_sha256}
+        fields = {"ev": name, "step": event.step, "metrics": tagged(event.metrics), "model_sha256": event.model_sha256}
+        return fields | ({"rejected": event.rejected} if event.rejected else {})
     if isinstance(event, e.Evaluated):
         return {"ev": name, "step": event.step, "metrics": tagged(event.metrics)}
     if isinstance(event, e.Stop):
@@ -96,7 +97,9 @@ def encode_event(event: e.Event) -> dict[str, Any]:
     return {"ev": name}  # Start, Tick
 
 
-LOGGED_COMMANDS = (c.Configure, c.SendTask, c.Broadcast, c.Resend, c.Refused, c.Aggregate, c.Evaluate, c.Finish)
+LOGGED_COMMANDS = (
+    c.Configure, c.SendTask, c.Broadcast, c.Resend, c.Refused, c.Aggregate, c.Evaluate, c.Rollback, c.Finish
+)  # fmt: skip
 """Decisions worth reading and checking; receipts, records, statuses and checkpoints follow from them."""
 
 
@@ -129,6 +132,8 @@ def encode_command(command: c.Command) -> dict[str, Any] | None:
         }
     if isinstance(command, c.Evaluate):
         return {"cmd": name, "step": command.step}
+    if isinstance(command, c.Rollback):
+        return {"cmd": name, "step": command.step, "reason": command.reason}
     if isinstance(command, c.Finish):
         return {"cmd": name, "state": command.state, "error": command.error}
     return None

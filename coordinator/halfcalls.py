@@ -13,7 +13,7 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
-from fedmq.fedcore.tensors import model_sha256
+from fedmq.fedcore.tensors import StateDict, model_sha256, non_finite
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
 """The half's `round_records`, by log name."""
@@ -29,6 +29,10 @@ class HalfCalls:
         """FedBuff folds each update as a delta from the model its node received: keep those models."""
         self._sync_kept = config.asynchronous.max_staleness if config.policy.late_updates == "carry" else 0
         """Sync rounds: versions an update may lag and still be folded (a late one carried)."""
+        self._guards = config.engine == "sync"
+        """Sync rounds keep the last good model, to fall back on when a round's model is rejected (a
+        copy a round; asynchronous folding, at thousands of updates a second, keeps none yet)."""
+        self._last_good: tuple[StateDict, StateDict] | None = None
 
     def configure(self, command: c.Configure) -> Payload | Mapping[str, Payload]:
         payload = self.half.configure_round(command.ctx)
@@ -41,7 +45,13 @@ class HalfCalls:
     def aggregate(self, command: c.Aggregate) -> tuple[e.Aggregated, Records]:
         """The new model, and the metrics the round logs (the averaging rule's, then the half's)."""
         updates = restore(command.updates, self.versions.model) if self._deltas else command.updates
+        if self._guards:
+            self._last_good = self._snapshot()
         metrics = self.half.aggregate(self.versions.context(command), updates, command.failures)
+        bad = non_finite(dict(self.half.model.state_dict())) if self._guards else None
+        if bad is not None:  # never published: the round's updates overflowed the average
+            self.rollback()
+            return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=f"non-finite ({bad})"), {}
         metrics = {**self.half.averaging_metrics(), **metrics}
         records = self.half.round_records()
         keep_from = command.keep_from
@@ -49,3 +59,16 @@ class HalfCalls:
             keep_from = command.ctx.version + 1 - self._sync_kept
         self.versions.prune(keep_from)
         return e.Aggregated(command.step, metrics, model_sha256(self.half.model)), records
+
+    def _snapshot(self) -> tuple[StateDict, StateDict]:
+        model = {k: v.detach().clone() for k, v in self.half.model.state_dict().items()}
+        return model, {k: v.detach().clone() for k, v in self.half.state_dict().items()}
+
+    def rollback(self) -> None:
+        """Back to the model (and the half's state) from before the last aggregation: the engine
+        rejected what it made (`c.Rollback`), so the next round starts from the last good model."""
+        if self._last_good is None:
+            raise RuntimeError("no aggregation to roll back")
+        model, state = self._last_good
+        self.half.model.load_state_dict(model)
+        self.half.load_state_dict(state)

@@ -434,6 +434,8 @@ class PolicyConfig(
         "max_node_samples",
         "require_announced_samples",
         "sample_limits",
+        "reject_below",
+        "exclude_after",
     )
 
 

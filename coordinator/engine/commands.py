@@ -120,6 +120,15 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
+class Rollback:
+    """Set the half back to its model from before step `step`'s aggregation: the engine rejected
+    that model (its evaluation collapsed), so it is never published."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Snapshot the half's model and state now, with `meta`, and write them in the background."""
 
@@ -164,6 +173,7 @@ Command = (
     | Aggregate
     | Evaluate
     | Record
+    | Rollback
     | Checkpoint
     | PublishStatus
     | Finish

@@ -78,6 +78,8 @@ class Aggregated:
     metrics: Mapping[str, float] = field(default_factory=dict)
     model_sha256: str = ""
     """The new global model's hash (`fedcore.tensors.model_sha256`), for the event log; the engine ignores it."""
+    rejected: str = ""
+    """Why the model was not kept (NaN or inf in it): the half fell back to the last good one."""
 
 
 @dataclass(frozen=True, slots=True)

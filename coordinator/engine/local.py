@@ -255,6 +255,8 @@ class LocalFederation:
             self._now(aggregated)
         elif isinstance(command, c.Evaluate):
             self._now(e.Evaluated(command.step, dict(self.evaluate()) if self.evaluate else {}))
+        elif isinstance(command, c.Rollback):
+            self._calls.rollback()
         elif isinstance(command, c.Record):
             self.records.append(dict(command.record))
         elif isinstance(command, c.Checkpoint):

@@ -284,6 +284,11 @@ class Replay(LocalFederation):
                 f" {ours.model_sha256} replayed",
                 step,
             )
+        if ours.rejected != entry.data.get("rejected", ""):
+            raise ReplayMismatch(
+                entry.line,
+                f"the model was rejected {entry.data.get('rejected')!r} recorded, {ours.rejected!r} replayed",
+            )
         _check_metrics(entry, ours.metrics, "the aggregation's metrics", step)
         self.report.aggregations += 1
         return ours
@@ -394,6 +399,8 @@ class Replay(LocalFederation):
             self._results[command.step] = aggregated
         elif isinstance(command, c.Evaluate):
             self._results[command.step] = e.Evaluated(command.step, dict(self.evaluate()) if self.evaluate else {})
+        elif isinstance(command, c.Rollback):
+            self._calls.rollback()
         elif isinstance(command, c.SendTask | c.Broadcast | c.Resend):
             pass  # the node's update is trained when the log says it arrived
         else:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
+import math
+import statistics
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,6 +62,10 @@ class SyncRounds(Engine):
         self._attempt_started = 0.0
         self._record: dict[str, Any] = {}
         self._outcome_step = 0
+        self.rejected_models: Counter[str] = Counter()
+        """Per node, the rejected models its updates went into (``policy.exclude_after``)."""
+        self.excluded: set[str] = set()
+        """Nodes given no more tasks after too many rejected models."""
 
     # -- starting an attempt -----------------------------------------------------------------------
 
@@ -73,7 +79,10 @@ class SyncRounds(Engine):
         self._start_attempt(out, now)
 
     def _start_attempt(self, out: list[c.Command], now: float) -> None:
-        live = sorted(self.live)
+        live = sorted(self.live - self.excluded)
+        if not live and self.live:
+            self._fail(out, f"every live node is excluded after rejected models: {', '.join(sorted(self.live))}")
+            return
         if not live:
             logger.warning(
                 "round %d: no live node; waiting up to %g s for one", self.round, self.policy.wait_for_nodes_s
@@ -419,6 +428,9 @@ class SyncRounds(Engine):
     def _aggregated(self, out: list[c.Command], event: e.Aggregated, now: float) -> None:
         if self.phase != "aggregating" or event.step != self._outcome_step:
             return
+        if event.rejected:  # the half fell back to the last good model already
+            self._reject(out, now, f"the aggregated model holds {event.rejected}")
+            return
         self.version += 1
         self.rounds_completed += 1
         self._record |= {"aggregated": True, **{k: float(v) for k, v in event.metrics.items()}}
@@ -431,10 +443,48 @@ class SyncRounds(Engine):
     def _evaluated(self, out: list[c.Command], event: e.Evaluated, now: float) -> None:
         if self.phase != "evaluating" or event.step != self._outcome_step:
             return
+        self._record |= dict(event.metrics)
+        collapse = self._collapse(event.metrics.get("accuracy"))
+        if collapse is not None:  # never published: the next round starts from the last good model
+            self.version -= 1
+            self.rounds_completed -= 1
+            out.append(c.Rollback(self._outcome_step, collapse))
+            self._reject(out, now, collapse)
+            return
         if "accuracy" in event.metrics:
             self.accuracies.append((self.round, float(event.metrics["accuracy"])))
-        self._record |= dict(event.metrics)
         self._end_attempt(out, now, aggregated=True, last_try=True)
+
+    def _collapse(self, accuracy: float | None) -> str | None:
+        """Why the model's accuracy rejects it (``policy.reject_below`` of the best so far), or None."""
+        share = self.policy.reject_below
+        if share is None or accuracy is None or not self.accuracies:
+            return None
+        best = max(a for _, a in self.accuracies)
+        if accuracy >= share * best:
+            return None
+        return f"its accuracy {accuracy:.4f} fell below {share:g} of the best so far, {best:.4f}"
+
+    def _reject(self, out: list[c.Command], now: float, reason: str) -> None:
+        """The round's model is not kept: its updates are named as suspects (a node in too many
+        rejected models is excluded) and the round runs again on the last good model."""
+        suspects = sorted({*self._record.get("accepted", []), *self._record.get("late_folded", [])})
+        outliers = outlying_updates(self.current.updates if self.current is not None else {})
+        logger.warning(
+            "round %d attempt %d: model rejected, %s; the last good model stays (updates from %s%s)",
+            self.round, self.attempt, reason, ", ".join(suspects) or "none",
+            f"; far from the others: {', '.join(outliers)}" if outliers else "",
+        )  # fmt: skip
+        self._record |= {"aggregated": False, "model_rejected": reason, "suspects": suspects, "outliers": outliers}
+        self.rejected_models.update(outliers)
+        limit = self.policy.exclude_after
+        newly = sorted(n for n in outliers if limit is not None and self.rejected_models[n] >= limit) if limit else []
+        newly = [n for n in newly if n not in self.excluded]
+        if newly:
+            self.excluded.update(newly)
+            self._record["excluded"] = newly
+            logger.warning("excluded after %d rejected models: %s (no more tasks)", limit, ", ".join(newly))
+        self._end_attempt(out, now, aggregated=False, last_try=self.attempt >= self.policy.max_retries)
 
     def _end_attempt(self, out: list[c.Command], now: float, *, aggregated: bool, last_try: bool) -> None:
         record = self._record
@@ -482,15 +532,45 @@ class SyncRounds(Engine):
         return {"round": self.round, "rounds": self.config.rounds, "model_version": self.version}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {"engine": "sync", "round": self.round, "rounds_completed": self.rounds_completed} | self._common_meta()
+        guard = {"rejected_models": dict(self.rejected_models), "excluded": sorted(self.excluded)}
+        state = {"engine": "sync", "round": self.round, "rounds_completed": self.rounds_completed}
+        return state | (guard if self.rejected_models else {}) | self._common_meta()
 
     def restore(self, meta: Mapping[str, Any]) -> None:
         self._restore_common(meta)
         self.round = int(meta["round"]) + 1
         self.rounds_completed = int(meta["rounds_completed"])
+        self.rejected_models = Counter({str(k): int(v) for k, v in meta.get("rejected_models", {}).items()})
+        self.excluded = {str(n) for n in meta.get("excluded", [])}
 
     def summary_fields(self) -> dict[str, Any]:
         return super().summary_fields() | {"rounds": self.config.rounds, "rounds_completed": self.rounds_completed}
+
+
+OUTLIER_FACTOR = 3.0
+"""An update whose norm is this many times the round's median, or as many times below it, stands out."""
+
+
+def outlying_updates(updates: Mapping[str, NodeUpdate]) -> list[str]:
+    """The nodes whose update stands out from the round's others by its norm (three or more updates):
+    when the round's model is rejected, these are the ones counted against ``policy.exclude_after``,
+    not every node that happened to share the round with them (a -1000x model has 1000x the norm)."""
+    if len(updates) < 3:
+        return []
+    norms = {node: _norm(u) for node, u in updates.items()}
+    middle = statistics.median(norms.values())
+    if not middle > 0:
+        return sorted(n for n, x in norms.items() if x > 0)
+    return sorted(n for n, x in norms.items() if x > OUTLIER_FACTOR * middle or x * OUTLIER_FACTOR < middle)
+
+
+def _norm(update: NodeUpdate) -> float:
+    total = 0.0
+    for group in update.payload.tensors.values():
+        for tensor in group.values():
+            if tensor.is_floating_point():
+                total += float(tensor.double().pow(2).sum())
+    return math.sqrt(total)
 
 
 def _partial_key(node: str, round: int) -> str:

@@ -442,3 +442,65 @@ def test_sync_ack_timeout_at_or_past_the_deadline_is_shortened_with_a_warning(ca
     d.feed(update(tasks["a"]), at=2.5)
     d.feed(update(tasks["b"]), at=3.0)
     assert [u.node_id for u in one(c.Aggregate, d.tick(4.0)).updates] == ["a", "b"]
+
+
+def _through_aggregation(d: Driver, answer: tuple[str, ...]) -> c.Aggregate:
+    """Configure the pending attempt, let `answer` send their updates; the Aggregate that follows."""
+    tasks = {t.node: t for t in _round(d).tasks}
+    out: list[c.Command] = []
+    for node in answer:
+        out += d.feed(update(tasks[node]))
+    return one(c.Aggregate, out)
+
+
+def test_sync_a_model_holding_nan_is_rejected_and_the_round_runs_again_on_the_last_good_one() -> None:
+    """Issue 31, item 2: the half reports its aggregate held NaN or inf (it fell back already): the
+    version does not move, nothing is evaluated, the round's updates are named as suspects and the
+    round is attempted again."""
+    d = Driver(config(policy={"min_nodes": 3}))
+    d.start(*NODES)
+    aggregate = _through_aggregation(d, NODES)
+    out = d.feed(e.Aggregated(aggregate.step, {}, "sha", rejected="non-finite (w)"))
+    record = one(c.Record, out).record
+    assert record["aggregated"] is False and record["model_rejected"] == "the aggregated model holds non-finite (w)"
+    assert record["suspects"] == sorted(NODES) and record["model_version"] == 0
+    assert not of(c.Evaluate, out) and not of(c.Rollback, out)  # the half is back on the good model already
+    retry = one(c.Configure, out)
+    assert retry.ctx.round == 0 and {t.attempt for t in retry.tasks} == {1} and d.engine.version == 0
+
+
+def test_sync_a_collapsed_evaluation_rolls_the_model_back_and_excludes_the_outlier() -> None:
+    """With reject_below 0.5, a round whose model scores under half the best so far is rolled back
+    (Rollback before the next Configure); its updates are all suspects, but only the one whose norm
+    stands out (c's, 1000 times the others') counts towards exclude_after 1: c gets no more tasks."""
+    d = Driver(config(rounds=3, policy={"min_nodes": 3, "reject_below": 0.5, "exclude_after": 1}))
+    d.start(*NODES)
+    d.feed(e.Aggregated(_through_aggregation(d, NODES).step, {}))
+    d.feed(e.Evaluated(of(c.Evaluate, d.log)[-1].step, {"accuracy": 0.8}))  # round 0: the best so far
+    tasks = {t.node: t for t in _round(d).tasks}
+    out = d.feed(update(tasks["a"])) + d.feed(update(tasks["b"])) + d.feed(update(tasks["c"], value=-1000.0))
+    aggregate = one(c.Aggregate, out)
+    d.feed(e.Aggregated(aggregate.step, {}))
+    assert d.engine.version == 2
+    out = d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.1}))
+    rollback = one(c.Rollback, out)
+    assert rollback.step == aggregate.step and "0.1000 fell below 0.5 of the best so far, 0.8000" in rollback.reason
+    retry = one(c.Configure, out)
+    assert out.index(rollback) < out.index(retry) and d.engine.version == 1
+    record = one(c.Record, out).record
+    assert record["model_rejected"] == rollback.reason and record["suspects"] == ["a", "b", "c"]
+    assert record["outliers"] == ["c"] and record["excluded"] == ["c"]
+    assert record["accuracy"] == 0.1 and d.engine.accuracies == [(0, 0.8)]
+    assert retry.ctx.round == 1 and [t.node for t in retry.tasks] == ["a", "b"]  # c gets no more tasks
+    meta = d.engine.checkpoint_meta()  # a resumed run remembers it
+    assert meta["excluded"] == ["c"] and meta["rejected_models"] == {"c": 1}
+
+
+def test_sync_a_run_whose_every_live_node_is_excluded_fails_saying_so() -> None:
+    d = Driver(config(rounds=3, policy={"min_nodes": 3, "reject_below": 0.5, "exclude_after": 1}))
+    d.start(*NODES)
+    d.engine.excluded.update(NODES)  # as after rejected models
+    d.feed(e.Aggregated(_through_aggregation(d, NODES).step, {}))
+    out = d.feed(e.Evaluated(of(c.Evaluate, d.log)[-1].step, {"accuracy": 0.8}))
+    finish = one(c.Finish, out)
+    assert finish.state == "failed" and "every live node is excluded after rejected models: a, b, c" in finish.error

@@ -8,13 +8,18 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.commands import TaskSpec
 from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
-from tests.algorithms.common import SETTINGS, same_state, shards, tiny_model
+from fedmq.fedcore.tensors import model_sha256
+from tests.algorithms.common import SETTINGS, context, same_state, scalar_model, shards, tiny_model
+from tests.algorithms.common import update as node_update
 from tests.coordinator.engine_helpers import config
 
 NODES = ("node-000", "node-001", "node-002")
@@ -133,3 +138,25 @@ def test_the_tasks_carry_what_the_engine_asked_for() -> None:
     fed.compute_s = compute
     fed.run()
     assert seen == [(n, r, 0) for r in range(2) for n in NODES]
+
+
+def test_half_calls_never_keep_a_model_holding_inf_and_roll_back_on_request() -> None:
+    """Issue 31, item 2: finite updates (each passed the non-finite check) that a server step carries
+    past float32's range made an infinite global model; the half falls back to the model (and its
+    momentum) from before the aggregation and says why. `rollback` does the same for a model the
+    engine rejects later."""
+    spec = get_algorithm("fedavgm")
+    half = spec.coordinator(build_hyperparams(spec, {"momentum": 0.0, "server_lr": 10.0}), model=scalar_model(0.5))
+    calls = HalfCalls(half, config())
+    before = model_sha256(half.model)
+    huge = {"weight": torch.full((1, 1), 3e38)}
+    updates = [node_update("a", huge, 10), node_update("b", huge, 10)]
+    aggregated, _ = calls.aggregate(c.Aggregate(1, context(0, ("a", "b")), updates, []))
+    assert aggregated.rejected == "non-finite (weight)" and aggregated.model_sha256 == before
+    assert half.model.weight.item() == 0.5
+
+    fine = [node_update("a", {"weight": torch.full((1, 1), 0.6)}, 10)]
+    aggregated, _ = calls.aggregate(c.Aggregate(2, context(1, ("a",)), fine, []))
+    assert aggregated.rejected == "" and half.model.weight.item() == pytest.approx(1.5)  # 0.5 + 10 x 0.1
+    calls.rollback()  # the engine found its evaluation collapsed
+    assert half.model.weight.item() == 0.5 and model_sha256(half.model) == before

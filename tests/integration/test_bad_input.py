@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from fedmq.broker import CodecError, Kind, Message, Topics, decode, encode
+from fedmq.experiments.build import load_split, shards
+from fedmq.experiments.config import parse_config
 from tests.helpers import raw_client
 from tests.integration.federation import Federation, base_config
 
@@ -111,7 +113,7 @@ async def test_forged_update_claiming_1e11_samples_is_refused_and_the_real_one_t
     tmp_path: Path, broker_url: str
 ) -> None:
     """Issue 16: an anonymous client answers node-001's round-1 task first, with the model's tensors
-    scaled and 10^11 samples. It is refused (samples-mismatch: node-001 announced its shard's size),
+    scaled and 10^11 samples. It is refused (samples-over-limit: above node-001's shard, its limit),
     node-001's own update for that round is accepted after it, and the model is not replaced."""
     cfg = base_config(nodes=3, rounds=3, deadline_s=8, faults={"node-001": {"delay_s": 2.0, "delay_rounds": [1]}})
     fed = Federation(tmp_path, broker_url, cfg)
@@ -137,12 +139,13 @@ async def test_forged_update_claiming_1e11_samples_is_refused_and_the_real_one_t
     assert await waiter == 0, fed.log("coordinator.log")
     summary, metrics = fed.summary(), fed.metrics()
     assert summary["state"] == "finished" and summary["rounds_completed"] == 3
-    assert summary["bus"]["rejected"] == {"samples-mismatch": 1}, summary["bus"]["rejected"]
-    assert summary["refused_updates"] == {"samples-mismatch": 1}
+    # above node-001's shard (its limit) before its announcement is even consulted
+    assert summary["bus"]["rejected"] == {"samples-over-limit": 1}, summary["bus"]["rejected"]
+    assert summary["refused_updates"] == {"samples-over-limit": 1}
     assert metrics[1]["accepted"] == ["node-000", "node-001", "node-002"] and metrics[1]["rejected"] == []
     assert all(line["aggregated"] for line in metrics)
     assert metrics[1]["accuracy"] > 0.5 and summary["final_accuracy"] > 0.5, metrics
-    assert "samples-mismatch" in fed.log("coordinator.log")
+    assert "samples-over-limit" in fed.log("coordinator.log")
     assert fed.participation()["node-001"]["rejected"] == 0
 
 
@@ -186,4 +189,54 @@ async def test_an_insider_announcing_1e11_samples_never_goes_live(tmp_path: Path
     assert answered == 0 and all("node-002" not in line["selected"] for line in metrics)
     assert summary["state"] == "finished" and summary["bus"]["rejected"].get("samples-over-limit", 0) >= 1
     assert "node-002 announces 100000000000 samples, above its limit of" in fed.log("coordinator.log")
+    assert summary["final_accuracy"] > 0.5, metrics
+
+
+async def test_a_poisoned_round_is_rolled_back_and_its_node_excluded(tmp_path: Path, broker_url: str) -> None:
+    """Issue 31, item 2: after one -1000x update with `mean` the accuracy fell to 0.10, the honest
+    nodes trained to NaN and the run ground on for ever. With policy.reject_below the collapsed
+    model is never published: the round runs again on the last good model; the insider (node-002,
+    announcing its true shard size, answering round 0 honestly), whose update stands out by its
+    norm, is excluded after its first rejected model (exclude_after 1), and the honest nodes, who
+    shared the round with it, finish the run."""
+    policy = {"min_nodes": 3, "reject_below": 0.5, "exclude_after": 1}
+    cfg = base_config(nodes=3, rounds=4, deadline_s=8, policy=policy)
+    experiment = parse_config(cfg)
+    shard = len(shards(experiment, load_split(experiment))["node-002"])
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    fed.start_coordinator()
+    async with raw_client(broker_url) as insider:
+        status = Message(
+            kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
+            meta={"state": "online", "num_samples": shard},
+        )  # fmt: skip
+        await insider.subscribe(t.task("node-002"), qos=1)
+        await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
+        fed.start_nodes("node-000", "node-001")
+        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+        while not waiter.done():  # round 0: the model back unchanged; then the model x -1000
+            try:
+                async with asyncio.timeout(0.5):
+                    m = await anext(aiter(insider.messages))
+            except TimeoutError:
+                continue
+            task = decode(bytes(m.payload))  # type: ignore[arg-type]
+            scale = 1.0 if task.round == 0 else -1000.0
+            forged = Message(
+                kind=Kind.UPDATE, federation=fed.federation, round=task.round, sender="node-002",
+                meta={"task": task.meta["task"], "num_samples": shard, "train_seconds": 1.0},
+                tensors={k: np.asarray(v) * scale for k, v in task.tensors.items()},
+            )  # fmt: skip
+            await insider.publish(t.update("node-002"), bytes(encode(forged)), qos=1)
+        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)
+    assert await waiter == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    rejected = [line for line in metrics if "model_rejected" in line]
+    assert len(rejected) == 1 and rejected[0]["round"] == 1 and rejected[0]["excluded"] == ["node-002"]
+    assert "fell below 0.5 of the best so far" in rejected[0]["model_rejected"]
+    assert rejected[0]["suspects"] == ["node-000", "node-001", "node-002"] and rejected[0]["outliers"] == ["node-002"]
+    later = [line for line in metrics if (line["round"], line["attempt"]) > (1, 0)]
+    assert later and all("node-002" not in line["selected"] for line in later)
+    assert summary["state"] == "finished" and summary["rounds_completed"] == 4
     assert summary["final_accuracy"] > 0.5, metrics
