@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -12,6 +13,16 @@ from fedmq.broker.fields import Bounds, check_fields
 MQTT_MAX_PACKET = 268_435_455
 #: Room for the fixed header, topic and properties of a PUBLISH packet around the payload.
 PUBLISH_OVERHEAD = 1024
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine (localhost or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +67,9 @@ class BusConfig:
     cert_file: str | None = None
     """A client certificate, for brokers that require one (``require_certificate true``)."""
     key_file: str | None = field(default=None, repr=False)
+    plaintext_credentials: bool = False
+    """Send a password over plain ``mqtt://`` to another machine. Refused by default: anyone on the
+    path reads it (a loopback broker is always allowed; the password never leaves the machine)."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -70,6 +84,12 @@ class BusConfig:
             raise ValueError("a CA file or client certificate is given but the broker URL is mqtt://; use mqtts://")
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("a client certificate needs its key, and a key its certificate")
+        if self.password and not self.tls and not self.plaintext_credentials and not is_loopback(self.host):
+            raise ValueError(
+                f"the password would cross the network in clear to {self.host} (mqtt://): use mqtts://"
+                " (`fedmq provision` and `fedmq broker --secure` set TLS up), or, on a network you trust,"
+                " set bus.plaintext_credentials: true"
+            )
 
     @property
     def url(self) -> str:

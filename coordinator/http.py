@@ -17,7 +17,6 @@ import base64
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -30,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fedmq.broker.config import is_loopback
 from fedmq.coordinator.daemon import Coordinator
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
@@ -83,15 +83,6 @@ def parse_address(text: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise CoordinatorError(f"--http {text!r}: give PORT or HOST:PORT, with a port from 0 to 65535")
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_token(path: Path) -> str:

@@ -442,13 +442,21 @@ class PolicyConfig(
 class BusSettings(
     _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
         BusConfig,
-        include=("protocol", "chunk_bytes", "max_message_bytes", "keepalive_s", "transfer_timeout_s", "tune_allocator"),
+        include=(
+            "protocol",
+            "chunk_bytes",
+            "max_message_bytes",
+            "keepalive_s",
+            "transfer_timeout_s",
+            "tune_allocator",
+            "plaintext_credentials",
+        ),
     )
 ):
     """`bus:` the transfer settings of every client (`broker.BusConfig`); the broker's address and
     credentials come from the command line."""
 
-    _added_later = ("tune_allocator",)
+    _added_later = ("tune_allocator", "plaintext_credentials")
 
     @model_validator(mode="after")
     def _together(self) -> BusSettings:

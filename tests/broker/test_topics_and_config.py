@@ -49,7 +49,7 @@ def test_topics_route_refuses_node_ids_that_are_not_ids() -> None:
 
 
 def test_bus_config_from_url_reads_credentials_and_port() -> None:
-    c = BusConfig.from_url("mqtt://user:p%40ss@broker.example:1999", chunk_bytes=65536)
+    c = BusConfig.from_url("mqtts://user:p%40ss@broker.example:1999", chunk_bytes=65536)
     assert (c.host, c.port, c.username, c.password, c.chunk_bytes) == ("broker.example", 1999, "user", "p@ss", 65536)
     assert "p@ss" not in repr(c)
     assert BusConfig.from_url("localhost").port == 1883
@@ -70,3 +70,27 @@ def test_bus_config_from_url_reads_credentials_and_port() -> None:
 def test_bus_config_invalid_settings_say_what_is_wrong(url: str, overrides: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BusConfig.from_url(url, **overrides)
+
+
+def test_a_password_is_never_sent_in_clear_to_another_machine_unless_told_to() -> None:
+    """Issue 31, item 9: a client given credentials and a plain mqtt:// URL sent its password in clear."""
+    with pytest.raises(ValueError, match=r"cross the network in clear to 192\.0\.2\.7 \(mqtt://\): use mqtts://"):
+        BusConfig.from_url("mqtt://node-000:s3cret@192.0.2.7:1883")
+    with pytest.raises(ValueError, match=r"bus\.plaintext_credentials: true"):
+        BusConfig.from_url("mqtt://broker.example.org", username="node-000", password="s3cret")
+    assert BusConfig.from_url("mqtt://192.0.2.7", username="u", password="p", plaintext_credentials=True).password
+    for url in ("mqtts://u:p@192.0.2.7", "mqtt://u:p@127.0.0.1", "mqtt://u:p@localhost", "mqtt://u:p@[::1]:1883"):
+        assert BusConfig.from_url(url).password == "p", url  # TLS, or the password stays on this machine
+    assert BusConfig.from_url("mqtt://u@192.0.2.7").username == "u"  # a user name alone reveals no secret
+
+
+def test_the_experiment_file_and_the_command_line_say_the_same() -> None:
+    from fedmq.experiments.build import bus_config
+    from fedmq.experiments.config import parse_config
+    from fedmq.fedcore.errors import ConfigError
+
+    cfg = parse_config({"name": "x", "nodes": 2, "rounds": 1})
+    with pytest.raises(ConfigError, match="use mqtts://"):
+        bus_config(cfg, "mqtt://u:p@192.0.2.7")
+    trusted = parse_config({"name": "x", "nodes": 2, "rounds": 1, "bus": {"plaintext_credentials": True}})
+    assert bus_config(trusted, "mqtt://u:p@192.0.2.7").plaintext_credentials
