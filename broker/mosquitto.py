@@ -22,6 +22,12 @@ def find_mosquitto() -> str | None:
     )
 
 
+MAX_QUEUED_BYTES = 2 * 2**30
+"""What mosquitto queues for one client that is away or slow: twice the bus's largest transfer (1 GiB),
+so a node that misses a broadcast still gets it, while a flood on its topic cannot grow without
+bound (issue 31: ``max_queued_bytes 0`` let the backlog grow until the broker ran out of memory)."""
+
+
 def tuning(max_message_bytes: int = MQTT_MAX_PACKET) -> list[str]:
     """The settings every fedmq mosquitto needs. Without `set_tcp_nodelay` every small message waits ~40 ms."""
     return [
@@ -29,7 +35,7 @@ def tuning(max_message_bytes: int = MQTT_MAX_PACKET) -> list[str]:
         f"max_packet_size {max_message_bytes}",
         "max_inflight_messages 0",
         "max_queued_messages 100000",
-        "max_queued_bytes 0",
+        f"max_queued_bytes {MAX_QUEUED_BYTES}",
     ]
 
 

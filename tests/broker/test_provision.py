@@ -37,6 +37,8 @@ def test_provision_writes_a_ca_a_server_certificate_and_one_credential_per_ident
     conf = out.mosquitto_conf.read_text()
     for line in ("allow_anonymous false", "persistence true", "listener 18883 127.0.0.1", "set_tcp_nodelay true"):
         assert line in conf
+    # bounded cost of hostile traffic (issue 31): connections for 4 identities, and each client's queue
+    assert "max_connections 32" in conf and f"max_queued_bytes {2 * 2**30}" in conf
 
 
 def test_provision_never_overwrites_and_refuses_reserved_or_invalid_names(tmp_path: Path) -> None:
