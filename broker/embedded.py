@@ -49,7 +49,8 @@ def secure_amqtt_config(path: Path) -> dict[str, Any]:
     password file (no anonymous access), and per-user topic rules for publishing and subscribing.
 
     What amqtt does not enforce that mosquitto does: it checks subscriptions, not each message
-    delivered; it keeps no persistent sessions across its own restart."""
+    delivered; it keeps no persistent sessions across its own restart. Its publish ACL covers wills
+    here (`_acl_broker_class`), not in amqtt itself."""
     try:
         spec = json.loads(path.read_text())
         listener = {
@@ -71,6 +72,35 @@ def secure_amqtt_config(path: Path) -> dict[str, Any]:
     return {"listeners": {"default": listener}, "plugins": plugins}
 
 
+def _acl_broker_class() -> type[Any]:  # made on demand: the bus itself does not need amqtt
+    """amqtt's broker, with its publish ACL also on the messages it sends on a client's behalf.
+
+    amqtt checks a client's PUBLISH against the ACL, but not its will: a node could connect with a
+    will on the coordinator's state topic, drop its connection, and have amqtt deliver and retain
+    a forged "finished" that every honest node obeyed (issue 31, item 3). Every message published
+    or retained for a session is checked here, the will included; broker-made ones have none."""
+    from amqtt.broker import Action, Broker
+
+    class AclBroker(Broker):  # type: ignore[misc]
+        async def _allowed(self, session: Any, topic: str | None) -> bool:
+            if session is None or topic is None:
+                return True
+            if await self._topic_filtering(session, topic=topic, action=Action.PUBLISH):
+                return True
+            logger.warning("embedded broker: %s may not publish on %s; its message is dropped", session.username, topic)
+            return False
+
+        async def _broadcast_message(self, session: Any, topic: Any, data: Any, force_qos: Any = None) -> None:
+            if await self._allowed(session, topic):
+                await super()._broadcast_message(session, topic, data, force_qos)
+
+        async def retain_message(self, session: Any, topic_name: Any, data: Any, qos: Any = None) -> None:
+            if await self._allowed(session, topic_name):
+                await super().retain_message(session, topic_name, data, qos)
+
+    return AclBroker
+
+
 @contextlib.asynccontextmanager
 async def embedded_broker(
     host: str = "127.0.0.1", port: int = 1883, *, secure: Path | None = None
@@ -81,7 +111,8 @@ async def embedded_broker(
 
     for name in ("amqtt", "transitions"):
         logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
-    broker = Broker(secure_amqtt_config(secure) if secure is not None else amqtt_config(host, port))
+    kind = _acl_broker_class() if secure is not None else Broker
+    broker = kind(secure_amqtt_config(secure) if secure is not None else amqtt_config(host, port))
     broker._subscriptions = _SnapshotDict(broker._subscriptions)  # see _SnapshotDict
     await broker.start()
     logger.info("embedded broker (amqtt) listening on %s://%s:%d", "mqtts" if secure else "mqtt", host, port)

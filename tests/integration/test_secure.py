@@ -20,6 +20,7 @@ import torch
 
 import fedmq.experiments.build
 from fedmq.broker import BusClient, BusConfig, BusError, Kind, Message, Topics
+from fedmq.broker.client import Will
 from fedmq.broker.credentials import Access
 from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
 from fedmq.broker.provision import Provisioned, provision
@@ -113,6 +114,44 @@ async def test_the_monitor_reads_the_coordinators_status_and_publishes_nothing(s
         await coordinator.publish(topics.coordinator_status, status)
         assert await _drain(monitor, 1.0) == [topics.coordinator_status]
         assert await _drain(coordinator, 0.5) == []
+
+
+@pytest.mark.parametrize("where", ["coordinator_state", "update"])
+async def test_a_will_on_a_forbidden_topic_is_never_delivered_nor_retained(
+    secure_broker: Provisioned, where: str
+) -> None:
+    """Issue 31, item 3: a node connected with a will on a topic its ACL forbids (the coordinator's
+    state, another node's update) and dropped its connection; amqtt delivered and retained it, and
+    one retained forged "finished" made every honest node exit. Neither broker may now deliver it."""
+    topics = Topics(FEDERATION)
+    forged = Message(
+        kind=Kind.COORDINATOR_STATUS, federation=FEDERATION, round=-1, sender="coordinator",
+        meta={"state": "finished", "run_id": "forged"},
+    )  # fmt: skip
+    topic = topics.coordinator_state if where == "coordinator_state" else topics.update("node-000")
+    fresh = {"persistent_session": False}  # no subscription left from another test's session
+    watcher = BusClient(
+        _config(secure_broker, "coordinator", **fresh), client_id=f"watch-{where}", federation=FEDERATION
+    )
+    async with watcher as coordinator:
+        await coordinator.subscribe(topic)
+        evil = BusClient(
+            _config(secure_broker, "node-001"),
+            client_id=f"node-001-{where}",
+            federation=FEDERATION,
+            will=Will(topic, forged, retain=True),
+        )
+        await evil.__aenter__()
+        evil.abort()  # as a crash: the broker fires the will
+        await evil.__aexit__(None, None, None)
+        assert await _drain(coordinator, 1.5) == []
+    newcomer = BusClient(
+        _config(secure_broker, "coordinator", **fresh), client_id=f"new-{where}", federation=FEDERATION
+    )
+    async with newcomer as later:  # nothing retained there for whoever subscribes next
+        with contextlib.suppress(BusError):
+            await later.subscribe(topic)
+        assert await _drain(later, 1.0) == []
 
 
 async def test_a_wrong_password_is_refused_with_a_clear_error(secure_broker: Provisioned) -> None:
