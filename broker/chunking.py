@@ -171,6 +171,8 @@ class Reassembler:
         self._budget = budget
         self._on_abandon = on_abandon
         self.in_flight_bytes = 0
+        self._per_sender: dict[str, int] = {}
+        """Bytes of incomplete transfers by sender."""
         self.duplicates = 0
         self.reused_buffers = 0
         self._spare_limit = spare_buffers
@@ -207,7 +209,7 @@ class Reassembler:
         if len(transfer.received) < transfer.count:
             return None
         del self._transfers[key]
-        self._release(transfer.total)
+        self._release(transfer.total, transfer.sender)
         self._completed[key] = None
         while len(self._completed) > self._remember:
             self._completed.popitem(last=False)
@@ -236,6 +238,15 @@ class Reassembler:
     def _start(self, key: tuple[str, bytes], meta: ChunkMeta) -> _Transfer:
         if meta.total > self.max_transfer_bytes:
             raise CodecError("oversized", f"transfer of {meta.total} bytes exceeds {self.max_transfer_bytes}")
+        held = self._per_sender.get(key[0], 0)
+        if held + meta.total > 2 * self.max_transfer_bytes:
+            # one sender, however many transfers it opens, holds at most two of the largest: forged
+            # headers under one id cannot take the whole bound from every other sender (issue 31)
+            raise CodecError(
+                "memory-bound",
+                f"{key[0]} has {held} bytes in flight; {meta.total} more would exceed its share of"
+                f" {2 * self.max_transfer_bytes}",
+            )
         if self.in_flight_bytes + meta.total > self.max_bytes:
             raise CodecError(
                 "memory-bound",
@@ -254,17 +265,21 @@ class Reassembler:
         transfer = _Transfer(key[0], meta.total, meta.count, buffer, started=self._clock())
         self._transfers[key] = transfer
         self.in_flight_bytes += meta.total
+        self._per_sender[key[0]] = held + meta.total
         return transfer
 
     def clear(self) -> None:
         """Drop every incomplete transfer (its client is closing): the bytes go back to the shared
         budget, which outlives the client."""
         for transfer in self._transfers.values():
-            self._release(transfer.total)
+            self._release(transfer.total, transfer.sender)
         self._transfers.clear()
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, sender: str) -> None:
         self.in_flight_bytes -= nbytes
+        left = self._per_sender.pop(sender, 0) - nbytes
+        if left > 0:
+            self._per_sender[sender] = left
         if self._budget is not None:
             self._budget.release(nbytes)
 
@@ -274,7 +289,7 @@ class Reassembler:
         stale = [k for k, t in self._transfers.items() if now - t.started > self.timeout_s]
         for key in stale:
             transfer = self._transfers.pop(key)
-            self._release(transfer.total)
+            self._release(transfer.total, transfer.sender)
             reason = (
                 f"transfer {key[1].hex()[:8]} from {transfer.sender!r} abandoned after {self.timeout_s:g} s:"
                 f" {len(transfer.received)} of {transfer.count} chunks arrived"

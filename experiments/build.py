@@ -6,6 +6,7 @@ The only place where names in a config (dataset, model, method) become objects.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -250,8 +251,23 @@ def build_coordinator(
         "seed": cfg.seed,
     }
     credentials = access.for_identity(COORDINATOR) if access is not None else None
-    bus = bus_config(cfg, url, credentials)
+    bus = update_sized(bus_config(cfg, url, credentials), half)
     return Coordinator(config, bus, half, split.test, val_data=split.val, extra_summary=extra)
+
+
+UPDATE_HEADER_ALLOWANCE = 1 << 20
+"""Room for an update frame's header and meta besides its tensors (a method's payload scalars)."""
+
+
+def update_sized(bus: BusConfig, half: CoordinatorHalf) -> BusConfig:
+    """`bus` with its largest transfer bounded by what an update may hold (the half's update schema,
+    plus a header): a chunk header declaring more is refused as soon as it arrives, before any buffer
+    is allocated, and a few forged headers declaring 1 GiB each no longer take the whole reassembly
+    budget from every node's real update (issue 31, item 7)."""
+    specs = [spec for group in half.update_schema().values() for spec in group.values()]
+    tensors = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
+    bound = 2 * tensors + UPDATE_HEADER_ALLOWANCE  # twice: a site's partial may carry double-precision sums
+    return dataclasses.replace(bus, max_transfer_bytes=min(bus.max_transfer_bytes, bound))
 
 
 def async_policy(cfg: ExperimentConfig) -> AsyncPolicy:

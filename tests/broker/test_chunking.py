@@ -208,3 +208,21 @@ def test_bus_clients_share_the_process_budget() -> None:
     two = BusClient(BusConfig.from_url("mqtt://127.0.0.1:1", max_reassembly_bytes=2**20), client_id="b", federation="f")
     assert one._reassembler._budget is two._reassembler._budget is process_budget(1)
     assert process_budget(1).limit >= one.config.max_reassembly_bytes
+
+
+def test_one_sender_holds_at_most_two_of_the_largest_transfers_in_flight() -> None:
+    """Issue 31, item 7: headers declaring large totals under one sender id took the whole bound
+    from every other sender. A sender now holds at most twice `max_transfer_bytes`; the others are
+    unaffected, and a finished transfer gives its share back."""
+    frame = frame_of(10_000)
+    r = Reassembler(max_bytes=100 * len(frame), timeout_s=10, max_transfer_bytes=len(frame))
+    a = [chunks_of(frame_of(10_000, seed=s), sender="a") for s in range(3)]
+    r.add(a[0][0])
+    r.add(a[1][0])
+    with pytest.raises(CodecError, match=r"^a has \d+ bytes in flight") as info:
+        r.add(a[2][0])
+    assert info.value.reason == "memory-bound"
+    assert r.add(chunks_of(frame, sender="b")[0]) is None  # another sender still gets room
+    for c in a[0][1:]:
+        r.add(c)
+    assert r.add(a[2][0]) is None  # a's first transfer finished: its share is back

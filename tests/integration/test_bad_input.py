@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -240,3 +241,30 @@ async def test_a_poisoned_round_is_rolled_back_and_its_node_excluded(tmp_path: P
     assert later and all("node-002" not in line["selected"] for line in later)
     assert summary["state"] == "finished" and summary["rounds_completed"] == 4
     assert summary["final_accuracy"] > 0.5, metrics
+
+
+async def test_forged_chunk_headers_no_longer_lock_out_the_real_updates(tmp_path: Path, broker_url: str) -> None:
+    """Issue 31, item 7: two chunk frames declaring 1 GiB each took the coordinator's whole
+    reassembly budget (2 GiB), and every node's chunked update was refused memory-bound until they
+    timed out. The coordinator now bounds a transfer by what an update may hold (its schema): the
+    forged headers are refused at once as oversized, and every real, chunked update is taken."""
+    cfg = base_config(nodes=3, rounds=2, bus={"chunk_bytes": 4096}, policy={"min_nodes": 3})
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    async with raw_client(broker_url) as evil:
+        await evil.subscribe(t.coordinator_status, qos=1)
+        fed.start_coordinator()
+        async with asyncio.timeout(60):
+            await anext(aiter(evil.messages))  # the coordinator is up and subscribed
+        for node in ("node-000", "node-001"):
+            header = Message(
+                kind=Kind.CHUNK, federation=fed.federation, round=0, sender=node,
+                meta={"xfer": os.urandom(16), "index": 0, "count": 2**18, "total": 2**30, "offset": 0},
+                tensors={"data": np.zeros(4096, np.uint8)},
+            )  # fmt: skip
+            await evil.publish(t.update(node), bytes(encode(header)), qos=1)
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert await asyncio.to_thread(fed.wait) == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert [sorted(line["accepted"]) for line in metrics] == [["node-000", "node-001", "node-002"]] * 2, metrics
+    assert summary["bus"]["rejected"].get("oversized", 0) == 2, summary["bus"]["rejected"]
