@@ -219,7 +219,7 @@ def test_one_sender_holds_at_most_two_of_the_largest_transfers_in_flight() -> No
     a = [chunks_of(frame_of(10_000, seed=s), sender="a") for s in range(3)]
     r.add(a[0][0])
     r.add(a[1][0])
-    with pytest.raises(CodecError, match=r"^a has \d+ bytes in flight") as info:
+    with pytest.raises(CodecError, match=r"^memory-bound: a has \d+ bytes in flight") as info:
         r.add(a[2][0])
     assert info.value.reason == "memory-bound"
     assert r.add(chunks_of(frame, sender="b")[0]) is None  # another sender still gets room
