@@ -33,6 +33,7 @@ from fedmq.broker.codec import decode, encode
 from fedmq.broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
 from fedmq.broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
 from fedmq.broker.message import Kind, Message, new_message_id
+from fedmq.broker.throttle import LogThrottle
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,8 @@ class BusClient:
         self.stats = BusStats()
         self._will = will
         self._log = logger or globals()["logger"]
+        self._throttle = LogThrottle(self._log)
+        """Refusals are logged a few per kind a minute, then counted (`stats.rejected` counts them all)."""
         self._mqtt_log = self._log.getChild("mqtt")
         self._mqtt_log.addFilter(quiet_pending_publishes)
         self._subscriptions: dict[str, int] = {}
@@ -858,7 +861,9 @@ class BusClient:
     def _reject(self, reason: str, topic: str, detail: str) -> None:
         self._count_reject(reason)
         # a topic can be 65,535 bytes of someone else's choosing: the log gets its start
-        self._log.warning("rejected message on %s: %s: %s", topic[:200], reason, detail[:1000])
+        self._throttle.warning(
+            (reason, topic[:200]), "rejected message on %s: %s: %s", topic[:200], reason, detail[:1000]
+        )
 
     def _count_reject(self, reason: str) -> None:
         self.stats.rejected[reason] += 1

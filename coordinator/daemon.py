@@ -21,6 +21,7 @@ from typing import Any
 from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from fedmq.broker.codec import encoded_size
 from fedmq.broker.errors import BusError
+from fedmq.broker.throttle import LogThrottle
 from fedmq.coordinator.config import CoordinatorConfig
 from fedmq.coordinator.engine import Engine, make_engine
 from fedmq.coordinator.engine import commands as c
@@ -112,6 +113,8 @@ class Coordinator:
         self._lane = Lane()
         self._events: asyncio.Queue[e.Event | _Failed] = asyncio.Queue()
         self._calls = self._new_calls()
+        self._refusals = LogThrottle(logger)
+        """Protocol refusals, a few per node and reason a minute in the log (all counted)."""
         self._prepared: dict[int, _Prepared] = {}
         """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
         latest broadcast step, whose model a late acknowledgement may still need)."""
@@ -633,7 +636,13 @@ class Coordinator:
     def _refused(self, command: c.Refused) -> None:
         if command.protocol:
             self._bus_or_fail().stats.rejected[command.reason] += 1
-            logger.warning("refused a message from %s: %s: %s", command.node, command.reason, command.detail)
+            self._refusals.warning(
+                (command.reason, command.node),
+                "refused a message from %s: %s: %s",
+                command.node,
+                command.reason,
+                command.detail,
+            )
         else:
             logger.info("update from %s not folded: %s: %s", command.node, command.reason, command.detail)
 
