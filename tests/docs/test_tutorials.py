@@ -1,0 +1,114 @@
+"""The tutorials' code runs as the pages show it.
+
+A fenced ``bash`` or ``python`` block on a tutorial page (docs/tutorials/*.md) is preceded by a marker
+line, an HTML comment that the site does not show:
+- ``<!-- test: run -->``: this test runs it, in page order, in an empty folder of its own per page
+  (``experiments/`` there is the repository's, so the pages' paths work as in a checkout; the
+  environment's ``bin`` comes first on PATH, so ``fedmq`` is the one under test). A bash block runs
+  with ``set -euo pipefail``; a python block runs in a fresh interpreter and holds its own imports.
+- ``<!-- test: show (why) -->``: shown only, with the reason (it installs, or needs a GPU).
+A block with neither fails the test, so no command on a tutorial page goes untested by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
+MARKER = re.compile(r"<!--\s*test:\s*(run|show)\b(.*?)-->")
+FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int  # 1-based line of the opening fence
+    language: str
+    marker: str | None  # "run", "show" or None
+    reason: str
+    code: str
+
+
+def blocks(path: Path) -> list[Block]:
+    """Every fenced block of a page, with the marker on the line right above it (blank lines between
+    allowed)."""
+    found: list[Block] = []
+    lines = path.read_text().splitlines()
+    marker: tuple[str, str] | None = None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = MARKER.search(line)
+        if m:
+            marker = (m.group(1), m.group(2).strip())
+            i += 1
+            continue
+        fence = FENCE.match(line.strip())
+        if fence:
+            close, start = fence.group(1), i
+            body: list[str] = []
+            i += 1
+            while i < len(lines) and not lines[i].strip().startswith(close):
+                body.append(lines[i])
+                i += 1
+            kind, reason = marker or (None, "")
+            found.append(Block(path.name, start + 1, fence.group(2), kind, reason, "\n".join(body) + "\n"))
+            marker = None
+        elif line.strip():
+            marker = None  # a marker belongs to the block right below it
+        i += 1
+    return found
+
+
+def test_every_block_is_marked() -> None:
+    assert TUTORIALS, "no tutorial pages found"
+    unmarked = [
+        f"{b.page}:{b.line}"
+        for page in TUTORIALS
+        for b in blocks(page)
+        if b.language in ("bash", "sh", "shell", "python", "py") and b.marker is None
+    ]
+    assert not unmarked, f"blocks without <!-- test: run --> or <!-- test: show (why) -->: {unmarked}"
+    unexplained = [
+        f"{b.page}:{b.line}" for page in TUTORIALS for b in blocks(page) if b.marker == "show" and not b.reason
+    ]
+    assert not unexplained, f"<!-- test: show --> without a reason: {unexplained}"
+    executed = [b for b in blocks(ROOT / "docs" / "tutorials" / "first-federation.md") if b.marker == "run"]
+    assert executed, "the first tutorial runs nothing"
+
+
+def _run(block: Block, cwd: Path, env: dict[str, str]) -> None:
+    if block.language in ("bash", "sh", "shell"):
+        argv = ["bash", "-euo", "pipefail", "-c", block.code]
+    elif block.language in ("python", "py"):
+        argv = [sys.executable, "-c", block.code]
+    else:
+        raise AssertionError(f"{block.page}:{block.line}: cannot run a {block.language!r} block")
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (
+        f"{block.page}:{block.line} exited {done.returncode}\n{block.code}\n"
+        f"--- stdout ---\n{done.stdout[-3000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page", [p for p in TUTORIALS if any(b.marker == "run" for b in blocks(p))], ids=lambda p: p.stem
+)
+def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
+    (tmp_path / "experiments").symlink_to(ROOT / "experiments", target_is_directory=True)
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["MPLBACKEND"] = "Agg"
+    env.pop("FEDMQ_LOG_FORMAT", None)
+    for block in blocks(page):
+        if block.marker == "run":
+            _run(block, tmp_path, env)
