@@ -6,6 +6,8 @@ line, an HTML comment that the site does not show:
   (``experiments/`` there is the repository's, so the pages' paths work as in a checkout; the
   environment's ``bin`` comes first on PATH, so ``fedmq`` is the one under test). A bash block runs
   with ``set -euo pipefail``; a python block runs in a fresh interpreter and holds its own imports.
+- ``<!-- test: file PATH -->``: the block is a file the page asks the reader to write; the test writes
+  it at PATH (relative, inside the page's folder) when it gets there.
 - ``<!-- test: show (why) -->``: shown only, with the reason (it installs, or needs a GPU).
 A block with neither fails the test, so no command on a tutorial page goes untested by accident.
 """
@@ -23,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
-MARKER = re.compile(r"<!--\s*test:\s*(run|show)\b(.*?)-->")
+MARKER = re.compile(r"<!--\s*test:\s*(run|show|file)\b(.*?)-->")
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
 
 
@@ -32,8 +34,8 @@ class Block:
     page: str
     line: int  # 1-based line of the opening fence
     language: str
-    marker: str | None  # "run", "show" or None
-    reason: str
+    marker: str | None  # "run", "show", "file" or None
+    reason: str  # show: why; file: the path
     code: str
 
 
@@ -81,6 +83,8 @@ def test_every_block_is_marked() -> None:
         f"{b.page}:{b.line}" for page in TUTORIALS for b in blocks(page) if b.marker == "show" and not b.reason
     ]
     assert not unexplained, f"<!-- test: show --> without a reason: {unexplained}"
+    unnamed = [f"{b.page}:{b.line}" for page in TUTORIALS for b in blocks(page) if b.marker == "file" and not b.reason]
+    assert not unnamed, f"<!-- test: file --> without a path: {unnamed}"
     executed = [b for b in blocks(ROOT / "docs" / "tutorials" / "first-federation.md") if b.marker == "run"]
     assert executed, "the first tutorial runs nothing"
 
@@ -112,3 +116,8 @@ def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
     for block in blocks(page):
         if block.marker == "run":
             _run(block, tmp_path, env)
+        elif block.marker == "file":
+            path = (tmp_path / block.reason).resolve()
+            assert block.reason and path.is_relative_to(tmp_path.resolve()), f"{block.page}:{block.line}: bad path"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.code)
