@@ -121,6 +121,17 @@ def _model_doc(model: type[BaseModel]) -> str:
     return " ".join(doc.split())
 
 
+def _implied(name: str, annotation: Any, kind: str) -> str:
+    """What a field without a description of its own is, where its type says it: a section, or the
+    `kind` that selects one of several sections."""
+    args = get_args(annotation)
+    if name == "kind" and get_origin(annotation) is Literal and len(args) == 1:
+        return f"`{name}: {args[0]}` selects this section"
+    if "](#" in kind:
+        return "see the table its type links to"
+    return ""
+
+
 def config_schema() -> str:
     """Markdown: one table of fields per section of the experiment file, starting at the file's top."""
     from fedmq.experiments.config import ExperimentConfig
@@ -140,10 +151,9 @@ def config_schema() -> str:
         out.append("|---|---|---|---|---|")
         for name, info in model.model_fields.items():
             kind = _type(info.annotation, found)
-            out.append(
-                f"| `{name}` | {_cell(kind)} | {_cell(_default(info))} | {_cell(_bounds(info))} "
-                f"| {_cell(info.description or '')} |"
-            )
+            description = info.description or _implied(name, info.annotation, kind)
+            cells = (f"`{name}`", kind, _default(info), _bounds(info), description)
+            out.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
         out.append("")
     return "\n".join(out)
 
