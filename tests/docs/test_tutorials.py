@@ -5,7 +5,8 @@ line, an HTML comment that the site does not show:
 - ``<!-- test: run -->``: this test runs it, in page order, in an empty folder of its own per page
   (``experiments/`` there is the repository's, so the pages' paths work as in a checkout; the
   environment's ``bin`` comes first on PATH, so ``fedmq`` is the one under test). A bash block runs
-  with ``set -euo pipefail``; a python block runs in a fresh interpreter and holds its own imports.
+  with ``set -euo pipefail``; a python block runs in fresh globals (it holds its own imports), in one
+  interpreter a page so that torch is imported once.
 - ``<!-- test: file PATH -->``: the block is a file the page asks the reader to write; the test writes
   it at PATH (relative, inside the page's folder) when it gets there.
 - ``<!-- test: show (why) -->``: shown only, with the reason (it installs, or needs a GPU).
@@ -14,6 +15,7 @@ A block with neither fails the test, so no command on a tutorial page goes untes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -89,13 +91,63 @@ def test_every_block_is_marked() -> None:
     assert executed, "the first tutorial runs nothing"
 
 
-def _run(block: Block, cwd: Path, env: dict[str, str]) -> None:
-    if block.language in ("bash", "sh", "shell"):
-        argv = ["bash", "-euo", "pipefail", "-c", block.code]
-    elif block.language in ("python", "py"):
-        argv = [sys.executable, "-c", block.code]
-    else:
-        raise AssertionError(f"{block.page}:{block.line}: cannot run a {block.language!r} block")
+PYTHON_HOST = r"""
+import json, sys, traceback
+for line in sys.stdin:
+    block = json.loads(line)
+    status = "ok"
+    try:
+        exec(compile(block["code"], block["name"], "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        status = "ok" if exc.code in (None, 0) else "failed"
+    except BaseException:
+        traceback.print_exc()
+        status = "failed"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print("\0" + status, flush=True)
+"""
+"""Runs a page's python blocks one after the other in one interpreter (torch and fedmq are imported
+once a page, not once a block), each in fresh globals: a block must import what it uses, as a reader
+pasting it into a new interpreter would."""
+
+
+class Python:
+    """The interpreter a page's python blocks run in, started in the page's folder."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PYTHON_HOST],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def run(self, block: Block) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps({"code": block.code, "name": f"{block.page}:{block.line}"}) + "\n")
+        self.process.stdin.flush()
+        output: list[str] = []
+        for line in self.process.stdout:
+            if line.startswith("\0"):
+                assert line.strip("\0\n") == "ok", (
+                    f"{block.page}:{block.line} failed\n{block.code}\n{''.join(output)[-4000:]}"
+                )
+                return
+            output.append(line)
+        raise AssertionError(f"{block.page}:{block.line}: the interpreter exited\n{''.join(output)[-4000:]}")
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def _bash(block: Block, cwd: Path, env: dict[str, str]) -> None:
+    argv = ["bash", "-euo", "pipefail", "-c", block.code]
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (
         f"{block.page}:{block.line} exited {done.returncode}\n{block.code}\n"
@@ -113,11 +165,19 @@ def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["MPLBACKEND"] = "Agg"
     env.pop("FEDMQ_LOG_FORMAT", None)
-    for block in blocks(page):
-        if block.marker == "run":
-            _run(block, tmp_path, env)
-        elif block.marker == "file":
-            path = (tmp_path / block.reason).resolve()
-            assert block.reason and path.is_relative_to(tmp_path.resolve()), f"{block.page}:{block.line}: bad path"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(block.code)
+    python = Python(tmp_path, env)
+    try:
+        for block in blocks(page):
+            if block.marker == "run" and block.language in ("python", "py"):
+                python.run(block)
+            elif block.marker == "run" and block.language in ("bash", "sh", "shell"):
+                _bash(block, tmp_path, env)
+            elif block.marker == "run":
+                raise AssertionError(f"{block.page}:{block.line}: cannot run a {block.language!r} block")
+            elif block.marker == "file":
+                path = (tmp_path / block.reason).resolve()
+                assert block.reason and path.is_relative_to(tmp_path.resolve()), f"{block.page}:{block.line}: bad path"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(block.code)
+    finally:
+        python.close()
