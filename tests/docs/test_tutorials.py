@@ -6,7 +6,8 @@ line, an HTML comment that the site does not show:
   (``experiments/`` there is the repository's, so the pages' paths work as in a checkout; the
   environment's ``bin`` comes first on PATH, so ``fedmq`` is the one under test). A bash block runs
   with ``set -euo pipefail``; a python block runs in fresh globals (it holds its own imports), in one
-  interpreter a page so that torch is imported once.
+  interpreter a page so that torch is imported once. ``PORT`` is a free port, for a page that starts
+  a broker.
 - ``<!-- test: file PATH -->``: the block is a file the page asks the reader to write; the test writes
   it at PATH (relative, inside the page's folder) when it gets there.
 - ``<!-- test: show (why) -->``: shown only, with the reason (it installs, or needs a GPU).
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from fedmq.broker.mosquitto import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
@@ -164,6 +167,7 @@ def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["MPLBACKEND"] = "Agg"
+    env["PORT"] = str(free_port())  # for a page that starts a broker of its own
     env.pop("FEDMQ_LOG_FORMAT", None)
     python = Python(tmp_path, env)
     try:
