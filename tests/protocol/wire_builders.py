@@ -160,7 +160,7 @@ def update_compressed(tmp_path: Path) -> Message:
 def update_from_site(tmp_path: Path) -> Message:
     node = _node()
     task = _node_task(tmp_path, node)
-    return decode(node._encode(task, _payload(0.5), 2.5, num_samples=40, extra={"site": {"nodes": 3}}))
+    return decode(node._encode(task, _payload(0.5), 2.5, num_samples=40, site_nodes=3))
 
 
 def update_failed(tmp_path: Path) -> Message:
