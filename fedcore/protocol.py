@@ -328,7 +328,9 @@ class Update:
     base version against the task's, the tensors against the schema, the compression against the
     experiment's and the sample count against the node's announcement are the coordinator's checks."""
 
-    task_id: bytes
+    task_id: bytes | None
+    """`task` on the wire: the task the update answers. The coordinator matches it to a task it sent
+    before it reads the rest (`wrong-round` otherwise), so anything but bytes reads as None here."""
     num_samples: int
     train_seconds: float = 0.0
     payload: Mapping[str, Any]
@@ -359,8 +361,6 @@ class Update:
     def from_meta(cls, meta: Mapping[str, Any]) -> Update:
         meta = _meta(meta, cls.REASON)
         task_id = meta.get("task")
-        if not isinstance(task_id, bytes):
-            raise ProtocolError(cls.REASON, "task id must be bytes")
         num_samples = meta.get("num_samples")
         if not _is_int(num_samples) or not 0 < num_samples < MAX_SAMPLES:
             raise ProtocolError(cls.REASON, f"num_samples {num_samples!r} is not a positive integer")
@@ -378,7 +378,7 @@ class Update:
         if base is not None and not _is_int(base):
             raise ProtocolError("wrong-base-version", f"base_version {base!r} is not an integer")
         return cls(
-            task_id=task_id,
+            task_id=task_id if isinstance(task_id, bytes) else None,
             num_samples=num_samples,
             train_seconds=train_seconds,
             payload=payload,
@@ -393,7 +393,8 @@ class UpdateFailed:
     """A node's report that it has no update for a task (`update` with `failed`, no tensors): its
     training failed, it refused the task, or it is stopping. The coordinator stops waiting for it."""
 
-    task_id: bytes
+    task_id: bytes | None
+    """As an update's (`Update.task_id`)."""
     reason: str
     """`failed` on the wire, at most 500 characters."""
 
@@ -413,13 +414,13 @@ class UpdateFailed:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> UpdateFailed:
         meta = _meta(meta, cls.REASON)
-        task_id = meta.get("task")
-        if not isinstance(task_id, bytes):
-            raise ProtocolError(cls.REASON, "task id must be bytes")
         if "failed" not in meta:
             raise ProtocolError(cls.REASON, "a failure report says why (failed)")
-        failed = meta["failed"]
-        return cls(task_id=task_id, reason=failed if isinstance(failed, str) else str(failed))
+        task_id, failed = meta.get("task"), meta["failed"]
+        return cls(
+            task_id=task_id if isinstance(task_id, bytes) else None,
+            reason=failed if isinstance(failed, str) else str(failed),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
