@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypeGuard
 
@@ -116,7 +116,7 @@ def _put(meta: dict[str, Any], key: str, value: object) -> None:
 class Announcement:
     """A node's retained status (`node-status`): online with what it holds, or offline (also its will)."""
 
-    online: bool
+    online: bool = field(metadata={"wire": "state"})
     """`state` on the wire: "online" or "offline"."""
     device: str | None = None
     num_samples: int | None = None
@@ -250,7 +250,7 @@ class Task:
     and `payload` is the model's meta. The header's round, the model topic's agreement with it, and
     tensors without `inline` are the receiving node's checks."""
 
-    task_id: bytes
+    task_id: bytes = field(metadata={"wire": "task"})
     """`task` on the wire: 16 bytes that the node's ack and update quote."""
     attempt: int = 0
     version: int | None = None
@@ -328,14 +328,14 @@ class Update:
     base version against the task's, the tensors against the schema, the compression against the
     experiment's and the sample count against the node's announcement are the coordinator's checks."""
 
-    task_id: bytes | None
+    task_id: bytes | None = field(metadata={"wire": "task"})
     """`task` on the wire: the task the update answers. The coordinator matches it to a task it sent
     before it reads the rest (`wrong-round` otherwise), so anything but bytes reads as None here."""
     num_samples: int
     train_seconds: float = 0.0
     payload: Mapping[str, Any]
     """The algorithm's scalars (e.g. `loss`)."""
-    site_nodes: int | None = None
+    site_nodes: int | None = field(default=None, metadata={"wire": "site"})
     """`site: {nodes: N}` on the wire: a site aggregator's partial holds N of its nodes' updates."""
     base_version: int | None = None
     """The task's `version` (None from nodes older than versions)."""
@@ -393,9 +393,9 @@ class UpdateFailed:
     """A node's report that it has no update for a task (`update` with `failed`, no tensors): its
     training failed, it refused the task, or it is stopping. The coordinator stops waiting for it."""
 
-    task_id: bytes | None
+    task_id: bytes | None = field(metadata={"wire": "task"})
     """As an update's (`Update.task_id`)."""
-    reason: str
+    reason: str = field(metadata={"wire": "failed"})
     """`failed` on the wire, at most 500 characters."""
 
     REASON = "bad-update"
@@ -430,7 +430,7 @@ class Receipt:
 
     status: ReceiptStatus
     reason: str = ""
-    task_id: bytes | None
+    task_id: bytes | None = field(metadata={"wire": "task"})
     """The task the update quoted (nil on the wire when it quoted none)."""
     update_id: bytes
     """The update's message id."""
@@ -454,7 +454,15 @@ class Receipt:
         return cls(status=status, reason=reason, task_id=task_id, update_id=update_id)
 
 
-MESSAGES: dict[str, type[Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt]] = {
+ProtocolMessage = Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt
+
+
+def wire_keys(cls: type[ProtocolMessage]) -> tuple[str, ...]:
+    """The meta keys a message class writes, in order (a field's key is its name unless it says otherwise)."""
+    return tuple(f.metadata.get("wire", f.name) for f in fields(cls))
+
+
+MESSAGES: dict[str, type[ProtocolMessage]] = {
     "node-status": Announcement,
     "coordinator-status": CoordinatorStatus,
     "task": Task,
@@ -464,9 +472,7 @@ MESSAGES: dict[str, type[Announcement | CoordinatorStatus | Task | Update | Upda
 """The class of each kind's meta (an `update` that says `failed` is an `UpdateFailed`)."""
 
 
-def parse(
-    kind: str, meta: Mapping[str, Any]
-) -> Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt:
+def parse(kind: str, meta: Mapping[str, Any]) -> ProtocolMessage:
     """`meta` of a message of `kind` as its typed value (ProtocolError: it is malformed)."""
     if kind == "update" and UpdateFailed.is_failure(meta):
         return UpdateFailed.from_meta(meta)
