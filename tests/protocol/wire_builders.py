@@ -206,6 +206,19 @@ def coordinator_status(tmp_path: Path) -> Message:
     return _coordinator(tmp_path)._status_message("running", fields)
 
 
+def coordinator_status_async(tmp_path: Path) -> Message:
+    """The asynchronous engine's status: `round` is the model version, with `engine` and `in_flight`."""
+    fields = {"round": 7, "rounds": 50, "model_version": 7, "engine": "async", "in_flight": 4, "live_nodes": 9,
+              "round_done": 6, "accuracy": 0.5, "best_accuracy": 0.625}  # fmt: skip
+    return _coordinator(tmp_path)._status_message("running", fields)
+
+
+def coordinator_status_relay(tmp_path: Path) -> Message:
+    """A site's relay engine's status: it does not know the run's rounds (nil on the wire)."""
+    fields = {"round": 2, "rounds": None, "model_version": 2, "live_nodes": 3}
+    return _coordinator(tmp_path)._status_message("finished", fields)
+
+
 def coordinator_status_waiting(tmp_path: Path) -> Message:
     coordinator = _coordinator(tmp_path)
     return coordinator._status_message("waiting", coordinator._status_fields())
@@ -253,6 +266,10 @@ BUILDERS: dict[str, Callable[..., Message]] = {
     "receipt": receipt,
     "receipt-rejected": receipt_rejected,
     "receipt-without-task": receipt_without_task,
+    # recorded later, from the code before the protocol module (a3d964b); new names go last: the
+    # message id is the builder's position
+    "coordinator-status-async": coordinator_status_async,
+    "coordinator-status-relay": coordinator_status_relay,
 }
 
 
