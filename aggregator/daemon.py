@@ -10,6 +10,7 @@ from typing import Any
 from fedmq.aggregator.site import SiteCoordinator
 from fedmq.aggregator.upstream import UpstreamNode
 from fedmq.coordinator.engine import events as e
+from fedmq.fedcore.protocol import RunState
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ class SiteAggregator:
             await asyncio.wait({site, connected}, return_when=asyncio.FIRST_COMPLETED)
             if site.done():
                 site.result()  # a site that could not start (its broker) ends the aggregator with the reason
-                return "failed"
+                return RunState.FAILED
             await self.upstream.serve()
-            self.site.finish(self.upstream.upstream_state if self.upstream.draining is None else "stopped")
+            self.site.finish(self.upstream.upstream_state if self.upstream.draining is None else RunState.STOPPED)
             summary = await site
             return summary.state
         finally:

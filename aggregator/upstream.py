@@ -16,6 +16,7 @@ announced offline while it is alive (a dead worker's will) announces it online a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from fedmq.aggregator.site import SiteCoordinator
 from fedmq.broker import BusConfig, Message
 from fedmq.fedcore.algorithms.base import NodeHalf, Payload
 from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.protocol import Announcement, CoordinatorStatus, RunState
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.daemon import NodeDaemon, NoUpdate, Task
 from fedmq.fednode.workspace import Workspace
@@ -59,7 +61,7 @@ class UpstreamNode(NodeDaemon):
         self._announced: tuple[bool, int] | None = None
         self._was_ready = False
         self.partials_sent = 0
-        self.upstream_state = "stopped"
+        self.upstream_state = RunState.STOPPED
         """How upstream's run ended, as its last status said (the site's run ends the same way)."""
 
     @property
@@ -85,21 +87,22 @@ class UpstreamNode(NodeDaemon):
             topics.append(self.topics.node_status(self.node_id))  # a dead worker's will, to answer
         return topics
 
-    def _status(self, state: str) -> Message:
-        online = state == "online" and self.ready
-        message = super()._status("online" if online else "offline")
+    def _announcement(self, online: bool) -> Announcement:
+        """The site's: online only while it can answer, claiming its capacity, with its live nodes."""
+        online = online and self.ready
+        announcement = super()._announcement(online)
         if online:
-            meta = dict(message.meta) | {"num_samples": self.site.capacity, "site_live": self.site.live}
-            meta.pop("label_histogram", None)
-            if self.share_group is not None:
+            announcement = dataclasses.replace(
+                announcement,
+                num_samples=self.site.capacity,
+                site_live=self.site.live,
+                label_histogram=None,
                 # workers sharing one node id count their connections apart: none of them can say the
                 # node reconnected, which would have the coordinator send its task in hand again
-                meta.pop("connection", None)
-            message = Message(
-                kind=message.kind, federation=message.federation, round=-1, sender=self.node_id, meta=meta
+                connection=None if self.share_group is not None else announcement.connection,
             )
         self._announced = (online, self.site.capacity)
-        return message
+        return announcement
 
     async def _dispatch(self, envelope: Any) -> None:
         route = self.topics.route(envelope.topic)
@@ -114,9 +117,9 @@ class UpstreamNode(NodeDaemon):
 
     def _on_coordinator_status(self, message: Message) -> None:
         super()._on_coordinator_status(message)
-        state = message.meta.get("state")
-        if state in ("finished", "failed", "stopped") and message.meta.get("run_id") == self._run_id:
-            self.upstream_state = str(state)
+        status = CoordinatorStatus.from_meta(message.meta)
+        if status.state.final and status.run_id == self._run_id:
+            self.upstream_state = status.state
 
     async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray, float]:
         """A site round on upstream's model; its partial, encoded as this node's update."""
@@ -124,9 +127,13 @@ class UpstreamNode(NodeDaemon):
         partial = await self.site.request(task.round, task.attempt, task.settings.to_meta(), payload)
         if partial is None:
             raise NoUpdate(f"no update from the site's nodes in round {task.round} ({self.site.live} live)")
-        extra = {"site": {"nodes": len(partial.nodes)}}
         frame = await asyncio.to_thread(
-            self._encode, task, partial.payload, partial.train_seconds, num_samples=partial.num_samples, extra=extra
+            self._encode,
+            task,
+            partial.payload,
+            partial.train_seconds,
+            num_samples=partial.num_samples,
+            site_nodes=len(partial.nodes),
         )
         self.partials_sent += 1
         return frame, time.perf_counter() - started

@@ -41,7 +41,9 @@ from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.protocol import Announcement, CoordinatorStatus, Receipt, RunState, Task
 from fedmq.fedcore.tensors import flatten_groups, schema_of
+from fedmq.fedcore.training import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ class Coordinator:
         self._outbox: list[tuple[str, bytes, int, bytearray]] = []
         """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
         round, frame)."""
-        self._published_state: str | None = None
+        self._published_state: RunState | None = None
         self._connections: dict[str, int] = {}
         """Each node's connection count, from its statuses: a higher one means it reconnected."""
         self._open_tasks: dict[str, tuple[bytes, int, bytearray]] = {}
@@ -133,7 +135,7 @@ class Coordinator:
         self._extra_summary = dict(extra_summary or {})
         self._started = time.monotonic()
         self._cpu_started = time.process_time()
-        self._state = "starting"
+        self._state = RunState.STARTING
         self.connected = asyncio.Event()
         """Set while the coordinator is connected and subscribed (readiness for supervisors and `/readyz`)."""
         self.watchers: list[Watcher] = []
@@ -161,7 +163,7 @@ class Coordinator:
         self._started = time.monotonic()
         resumed = self._resume() if self.config.resume else None
         self.event_log.start(log_header(self.config, run_id=self.run_id), resumed=resumed)
-        will = Will(self.topics.coordinator_status, self._status_message("offline", {}))
+        will = Will(self.topics.coordinator_status, self._status_message(RunState.OFFLINE, {}))
         client = BusClient(
             self.bus_config,
             client_id=self.client_id,
@@ -180,18 +182,18 @@ class Coordinator:
                 await asyncio.wait({receiver, driver}, return_when=asyncio.FIRST_COMPLETED)
                 if driver.done():
                     driver.result()
-                    self._state = self.engine.state
+                    self._state = RunState(self.engine.state)
                 else:
                     receiver.result()  # the receiver only ends when the bus gives up
                     raise CoordinatorError("the message receiver stopped")
             except asyncio.CancelledError:
-                self._state = "stopped"
+                self._state = RunState.STOPPED
                 driver.cancel()
                 await asyncio.gather(driver, return_exceptions=True)
                 await self._stop_engine()
                 raise
             except (CoordinatorError, BusError) as exc:
-                self._state = "failed"
+                self._state = RunState.FAILED
                 logger.error("%s", exc)
             finally:
                 self.connected.clear()
@@ -253,15 +255,18 @@ class Coordinator:
         if message.kind != expected:
             raise ProtocolError("unexpected-kind", f"{message.kind} on a {route.channel} topic")
         if route.channel == "node-status":
-            refusal = self._method_refusal(message.meta)
+            announcement = Announcement.from_meta(message.meta)
+            refusal = self._method_refusal(announcement)
             known = self.registry.get(message.sender)
             count = known.num_samples if known is not None else None
             was_online = known is not None and known.online
             # a node running another method is never live: it would train another objective
-            changed = self.registry.apply_status(message.sender, {"state": "offline"} if refusal else message.meta)
+            changed = self.registry.apply_status(
+                message.sender, Announcement(online=False) if refusal else announcement
+            )
             node = self.registry.get(message.sender)
             assert node is not None
-            reconnected = self._reconnected(message.sender, message.meta.get("connection"))
+            reconnected = self._reconnected(message.sender, announcement.connection)
             if changed is not None or (node.online and node.num_samples != count):
                 self._events.put_nowait(e.NodeSeen(message.sender, node.online, node.num_samples))
             elif was_online and node.online and reconnected:
@@ -276,10 +281,10 @@ class Coordinator:
             self._answered(message.sender, message.meta.get("task"))
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
 
-    def _reconnected(self, node: str, connection: object) -> bool:
+    def _reconnected(self, node: str, connection: int | None) -> bool:
         """Whether this status is the node's first on a newer connection than its last status said
         (a repeated announcement on the same connection is not: the node holds what it held)."""
-        if not isinstance(connection, int) or isinstance(connection, bool):
+        if connection is None:
             return False
         previous = self._connections.get(node)
         self._connections[node] = connection
@@ -303,12 +308,12 @@ class Coordinator:
         logger.info("round %d: %s announced itself again with its task unanswered: the task is sent again", round, node)
         self._spawn(self._bus.publish_frame(self.topics.task(node), frame, round=round, expiry_s=self._expiry()))
 
-    def _method_refusal(self, meta: Mapping[str, Any]) -> str | None:
+    def _method_refusal(self, announcement: Announcement) -> str | None:
         """Why an online announcement is refused for its method (None: it matches, or says none)."""
-        if meta.get("state") != "online" or "method" not in meta:
+        if not announcement.online or announcement.method is None:
             return None
         try:
-            theirs = MethodFingerprint.from_meta(meta["method"])
+            theirs = MethodFingerprint.from_meta(announcement.method)
         except ValueError as exc:
             raise ProtocolError("bad-status", str(exc)) from None
         if theirs.digest == self.fingerprint.digest:
@@ -395,9 +400,9 @@ class Coordinator:
         return time.monotonic() - self._started
 
     @property
-    def state(self) -> str:
+    def state(self) -> RunState:
         """The daemon's state: starting, the engine's (waiting, running, ...), then finished, failed or stopped."""
-        return self._state if self._state in ("finished", "failed", "stopped") else self.engine.state
+        return self._state if self._state.final else RunState(self.engine.state)
 
     def _execute(self, command: c.Command) -> None:
         if isinstance(command, c.Configure):
@@ -426,7 +431,7 @@ class Coordinator:
         elif isinstance(command, c.PublishStatus):
             self._statuses.put_nowait(self._status_message(command.state, command.fields))
         elif isinstance(command, c.Finish):
-            self._state = command.state
+            self._state = RunState(command.state)
 
     def _rolled_back(self, _: Any, exc: BaseException | None) -> None:
         if exc is not None:
@@ -502,22 +507,21 @@ class Coordinator:
 
     def _task_message(self, command: c.Configure, task: c.TaskSpec, inline: Payload | None) -> Message:
         """One selected node's task; with `inline`, it also carries the model's tensors and payload."""
-        meta: dict[str, Any] = {
-            "task": task.task,
-            "attempt": task.attempt,
-            "version": task.version,
-            "model_topic": self.topics.model(task.round),
-            "deadline_s": command.expiry_s,
-            "settings": command.settings,
-            "method": self.fingerprint.digest,
-        }
-        tensors = {}
-        if inline is not None:
-            meta |= {"inline": True, "payload": dict(inline.meta)}
-            tensors = flatten_groups(inline.tensors)
+        meta = Task(
+            task_id=task.task,
+            attempt=task.attempt,
+            version=task.version,
+            model_topic=self.topics.model(task.round),
+            deadline_s=command.expiry_s,
+            settings=TrainSettings.from_meta(command.settings),
+            method=self.fingerprint.digest,
+            inline=inline is not None,
+            payload=None if inline is None else inline.meta,
+        )
+        tensors = {} if inline is None else flatten_groups(inline.tensors)
         return Message(
             kind=Kind.TASK, federation=self.config.federation, round=task.round, sender=SENDER,
-            meta=meta, tensors=tensors,
+            meta=meta.to_meta(), tensors=tensors,
         )  # fmt: skip
 
     def _fits_in_task(self, model: Message) -> bool:
@@ -624,12 +628,9 @@ class Coordinator:
             federation=self.config.federation,
             round=command.round,
             sender=SENDER,
-            meta={
-                "status": command.status,
-                "reason": command.reason,
-                "task": command.task,
-                "update_id": command.update_id,
-            },
+            meta=Receipt(
+                status=command.status, reason=command.reason, task_id=command.task, update_id=command.update_id
+            ).to_meta(),
         )
         self._bus_or_fail().publish_advisory(self.topics.receipt(command.node), receipt)
 
@@ -647,18 +648,17 @@ class Coordinator:
             logger.info("update from %s not folded: %s: %s", command.node, command.reason, command.detail)
 
     def _status_message(self, state: str, fields: Mapping[str, Any]) -> Message:
-        meta = {
-            "state": state,
-            "run_id": self.run_id,
-            "method": self.fingerprint.to_meta(),
+        """The status the engine asked for (`fields`: what it says besides the state; none: the engine's now)."""
+        status = CoordinatorStatus(
+            state=RunState(state), run_id=self.run_id, method=self.fingerprint.to_meta(),
             **(fields or self._status_fields()),
-        }
+        )  # fmt: skip
         return Message(
             kind=Kind.COORDINATOR_STATUS,
             federation=self.config.federation,
-            round=int(meta.get("round", -1)),
+            round=-1 if status.round is None else status.round,
             sender=SENDER,
-            meta=meta,
+            meta=status.to_meta(),
         )
 
     def _status_fields(self) -> dict[str, Any]:
@@ -679,7 +679,7 @@ class Coordinator:
     async def _publish_status(self, message: Message) -> None:
         bus = self._bus_or_fail()
         await bus.publish(self.topics.coordinator_status, message, retain=True)
-        state = message.meta["state"]
+        state = RunState(message.meta["state"])
         if state != self._published_state:
             await bus.publish(self.topics.coordinator_state, message, retain=True)
             self._published_state = state

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
+from fedmq.fedcore.protocol import ProtocolError
 
-class ProtocolError(ValueError):
-    """A message broke the protocol (wrong round, not selected, bad meta). `reason` is its counter key."""
-
-    def __init__(self, reason: str, detail: str, *, node_id: str | None = None, round: int | None = None) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-        self.node_id = node_id
-        self.round = round
+__all__ = ["CoordinatorError", "ProtocolError"]
 
 
 class CoordinatorError(RuntimeError):

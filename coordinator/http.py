@@ -35,6 +35,7 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import CoordinatorError
 from fedmq.coordinator.run_dir import read_jsonl
+from fedmq.fedcore.protocol import RunState
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +354,10 @@ class CoordinatorAPI:
         return web.json_response({"ok": True})
 
     async def _readyz(self, _: web.Request) -> web.Response:
-        ready = self.coordinator.connected.is_set() and self.coordinator.state not in ("failed", "stopped")
+        ready = self.coordinator.connected.is_set() and self.coordinator.state not in (
+            RunState.FAILED,
+            RunState.STOPPED,
+        )
         return web.json_response({"ready": ready, "state": self.coordinator.state}, status=200 if ready else 503)
 
     async def _status(self, _: web.Request) -> web.Response:

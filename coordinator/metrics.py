@@ -24,6 +24,7 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.base import Engine
 from fedmq.coordinator.engine.buffered import BufferedAsync
 from fedmq.coordinator.engine.sync import SyncRounds
+from fedmq.fedcore.protocol import RunState
 
 if TYPE_CHECKING:
     from fedmq.coordinator.daemon import Coordinator
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 100)
 """Model versions between the one an update trained from and the one it is folded into."""
-STATES = ("starting", "waiting", "running", "finished", "failed", "stopped")
+STATES = tuple(s.value for s in RunState if s is not RunState.OFFLINE)
+"""The coordinator's states (offline is only ever its will)."""
 
 OUTCOME_KEYS = {
     "accepted": "accepted",

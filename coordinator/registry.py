@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedmq.coordinator.errors import ProtocolError
+from fedmq.fedcore.protocol import Announcement
 
 logger = logging.getLogger(__name__)
 
@@ -23,33 +23,6 @@ class NodeInfo:
     label_histogram: list[int] | None = None
     first_seen: float = field(default_factory=time.time)
     changed_at: float = field(default_factory=time.monotonic)
-
-
-def parse_announcement(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a node's status meta; raises ProtocolError naming the bad field."""
-    state = meta.get("state")
-    if state not in ("online", "offline"):
-        raise ProtocolError("bad-status", f"state {state!r} is not 'online' or 'offline'")
-    out: dict[str, Any] = {"online": state == "online"}
-    if "num_samples" in meta:
-        n = meta["num_samples"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ProtocolError("bad-status", f"num_samples {n!r} is not a non-negative integer")
-        out["num_samples"] = n
-    if "device" in meta:
-        if not isinstance(meta["device"], str) or len(meta["device"]) > 64:
-            raise ProtocolError("bad-status", "device must be a short string")
-        out["device"] = meta["device"]
-    hist = meta.get("label_histogram")
-    if hist is not None:
-        if (
-            not isinstance(hist, list)
-            or len(hist) > 100_000
-            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in hist)
-        ):
-            raise ProtocolError("bad-status", "label_histogram must be a list of non-negative integers")
-        out["label_histogram"] = hist
-    return out
 
 
 class NodeRegistry:
@@ -74,16 +47,22 @@ class NodeRegistry:
     def all(self) -> list[NodeInfo]:
         return [self._nodes[k] for k in sorted(self._nodes)]
 
-    def apply_status(self, node_id: str, meta: Mapping[str, Any]) -> bool | None:
-        """Record a status message; returns the new liveness if it changed, else None. A field the
-        status leaves out keeps its earlier value (a count, once announced, stays known)."""
-        fields = parse_announcement(meta)
+    def apply_status(self, node_id: str, status: Announcement | Mapping[str, Any]) -> bool | None:
+        """Record a node's announcement (or a status message's meta, ProtocolError if it is malformed);
+        returns the new liveness if it changed, else None. A field the status leaves out keeps its
+        earlier value (a count, once announced, stays known)."""
+        announcement = status if isinstance(status, Announcement) else Announcement.from_meta(status)
         node = self._nodes.get(node_id)
         if node is None:
             node = self._nodes[node_id] = NodeInfo(node_id)
         was = node.online
-        for key, value in fields.items():
-            setattr(node, key, value)
+        node.online = announcement.online
+        if announcement.num_samples is not None:
+            node.num_samples = announcement.num_samples
+        if announcement.device is not None:
+            node.device = announcement.device
+        if announcement.label_histogram is not None:
+            node.label_histogram = list(announcement.label_histogram)
         node.changed_at = time.monotonic()
         if was != node.online:
             logger.info(

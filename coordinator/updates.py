@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
 
 from fedmq.broker import Message
 from fedmq.coordinator.compressed import decoded, payload_of
-from fedmq.coordinator.errors import ProtocolError
 from fedmq.fedcore.algorithms.base import NodeUpdate
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.protocol import ProtocolError, Update
 from fedmq.fedcore.tensors import StateDict, TensorSpec, non_finite, schema_mismatch, split_groups
-
-MAX_SAMPLES = 10**12
 
 
 def first_non_finite(arrays: Mapping[str, np.ndarray], groups: Mapping[str, StateDict]) -> str | None:
@@ -59,20 +56,10 @@ def parse_update(
     """A NodeUpdate trained from model `version`, or ProtocolError with the reason to count. Its
     tensors are decompressed first; only `compression` (default: none) is accepted."""
     node = message.sender
-    meta = message.meta
-    num_samples = meta.get("num_samples")
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 0 < num_samples < MAX_SAMPLES:
-        raise ProtocolError("bad-update", f"num_samples {num_samples!r} is not a positive integer", node_id=node)
-    train_seconds = meta.get("train_seconds", 0.0)
-    if not isinstance(train_seconds, int | float) or not math.isfinite(train_seconds) or train_seconds < 0:
-        raise ProtocolError("bad-update", f"train_seconds {train_seconds!r} is invalid", node_id=node)
-    site = meta.get("site", {"nodes": 0})  # a site aggregator's partial says how many nodes it holds
-    site_nodes = site.get("nodes") if isinstance(site, dict) else None
-    if not isinstance(site_nodes, int) or isinstance(site_nodes, bool) or not 0 <= site_nodes <= num_samples:
-        raise ProtocolError("bad-update", f"site {site!r} must say how many nodes' updates it holds", node_id=node)
-    payload_meta = meta.get("payload", {})
-    if not isinstance(payload_meta, dict):
-        raise ProtocolError("bad-update", "payload meta must be a map", node_id=node)
+    try:
+        meta = Update.from_meta(message.meta)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.reason, exc.detail, node_id=node) from None
     arrays, used = decoded(message, schema, compression or Compression())
     try:
         groups = split_groups(arrays)
@@ -90,12 +77,12 @@ def parse_update(
     return NodeUpdate(
         node_id=node,
         round=message.round,
-        num_samples=num_samples,
-        payload=payload_of(groups, payload_meta, used),
-        train_seconds=float(train_seconds),
+        num_samples=meta.num_samples,
+        payload=payload_of(groups, meta.payload, used),
+        train_seconds=float(meta.train_seconds),
         rtt_seconds=max(received_at - sent_at, 0.0),
         base_version=version,
-        site_nodes=site_nodes,
+        site_nodes=meta.site_nodes or 0,  # a site aggregator's partial says how many nodes it holds
     )
 
 

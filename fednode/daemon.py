@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +23,13 @@ import torch
 
 from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from fedmq.broker.errors import BusError
+from fedmq.fedcore import protocol
 from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.errors import AlgorithmError, ConfigError
+from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.protocol import Announcement, CoordinatorStatus, ProtocolError, Receipt, Update, UpdateFailed
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import flatten_groups, schema_mismatch, split_groups
 from fedmq.fedcore.training import TrainSettings
@@ -39,7 +40,6 @@ from fedmq.fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
-_FINAL_STATES = ("finished", "failed", "stopped")
 CONNECTS_AT_ONCE = 64
 """Nodes of one process that connect to the broker at the same time (the rest wait their turn, and
 their connect timeout starts with it): 10,000 nodes in two processes all at once starved some."""
@@ -58,11 +58,8 @@ class NoUpdate(Exception):
     aggregator whose nodes sent nothing): a failure of the round, not of the daemon."""
 
 
-class TaskError(ValueError):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+TaskError = ProtocolError
+"""What the node rejects a message with (the protocol's error: its reason is the counter)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +77,10 @@ class Task:
     a coordinator that sends none)."""
     frame_bytes: int = 0
     """The size of the task's frame as received (the scenario's link time counts it)."""
+    deadline_s: float | None = None
+    """How long after its `sent_at` the task may still be acted on (None: always)."""
+    method: str | None = None
+    """The coordinator's method digest (None: it named none)."""
 
 
 class NodeDaemon:
@@ -267,19 +268,30 @@ class NodeDaemon:
                 self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
 
     def _status(self, state: str) -> Message:
-        meta: dict[str, Any] = {"state": state}
-        if state == "online":
-            meta |= {
-                "device": str(self.workspace.device),
-                "num_samples": len(self.data),
-                "method": self.fingerprint.to_meta(),
-                # which connection this is: after a reconnection the coordinator sends the task in hand again
-                "connection": self._bus.connections if self._bus is not None else 0,
-            }
-            if self.config.announce_label_histogram:
-                meta["label_histogram"] = self.data.label_histogram()
+        return self._status_message(self._announcement(state == "online"))
+
+    def _announcement(self, online: bool) -> Announcement:
+        """What the node announces: offline, or online with what it holds and which connection this is
+        (after a reconnection the coordinator sends the task in hand again)."""
+        if not online:
+            return Announcement(online=False)
+        histogram = self.data.label_histogram() if self.config.announce_label_histogram else None
+        return Announcement(
+            online=True,
+            device=str(self.workspace.device),
+            num_samples=len(self.data),
+            method=self.fingerprint.to_meta(),
+            connection=self._bus.connections if self._bus is not None else 0,
+            label_histogram=None if histogram is None else tuple(histogram),
+        )
+
+    def _status_message(self, announcement: Announcement) -> Message:
         return Message(
-            kind=Kind.NODE_STATUS, federation=self.config.federation, round=-1, sender=self.node_id, meta=meta
+            kind=Kind.NODE_STATUS,
+            federation=self.config.federation,
+            round=-1,
+            sender=self.node_id,
+            meta=announcement.to_meta(),
         )
 
     # -- receiving -------------------------------------------------------------------------
@@ -288,7 +300,7 @@ class NodeDaemon:
         async for envelope in bus.messages():
             try:
                 await self._dispatch(envelope)
-            except TaskError as exc:
+            except ProtocolError as exc:
                 bus.reject(exc.reason, envelope, exc.detail)
             except Exception:  # one message never takes the daemon down
                 bus.stats.rejected["internal-error"] += 1
@@ -317,14 +329,14 @@ class NodeDaemon:
             raise TaskError("unexpected-kind", f"{message.kind} on {envelope.topic}")
 
     def _on_coordinator_status(self, message: Message) -> None:
-        state, run_id = message.meta.get("state"), message.meta.get("run_id")
-        if state in ("waiting", "running"):
-            if run_id != self._run_id and self._bus is not None:
+        status = CoordinatorStatus.from_meta(message.meta)
+        if status.state.active:
+            if status.run_id != self._run_id and self._bus is not None:
                 self._spawn(self._reannounce(), f"reannounce-{self.node_id}")
-            self._run_id = run_id
-            self._check_method(message.meta.get("method"))
-        elif state in _FINAL_STATES and run_id is not None and run_id == self._run_id:
-            self.log.info("coordinator reports the run %s", state)
+            self._run_id = status.run_id
+            self._check_method(status.method)
+        elif status.state.final and status.run_id is not None and status.run_id == self._run_id:
+            self.log.info("coordinator reports the run %s", status.state)
             if self.config.exit_when_done:
                 self._stop.set()
 
@@ -346,9 +358,9 @@ class NodeDaemon:
                 self.fingerprint.differences(theirs, "here", "at the coordinator"),
             )
 
-    def _method_mismatch(self, message: Message) -> str | None:
+    def _method_mismatch(self, task: Task) -> str | None:
         """Why a task is for another method than this node's (None: it is ours, or names none)."""
-        digest = message.meta.get("method")
+        digest = task.method
         if digest is None or digest == self.fingerprint.digest:
             return None
         return (
@@ -358,8 +370,8 @@ class NodeDaemon:
 
     async def _on_task(self, message: Message, size: int = 0) -> None:
         task = self._parse_task(message, size)
-        self._check_deadline(message)
-        mismatch = self._method_mismatch(message)
+        self._check_deadline(task, message.sent_at)
+        mismatch = self._method_mismatch(task)
         if mismatch is not None:  # the coordinator stops waiting for this node, and logs why
             self._bus_or_fail().stats.rejected["method-mismatch"] += 1
             self.log.error("round %d's task refused: %s", task.round, mismatch)
@@ -406,45 +418,34 @@ class NodeDaemon:
         self.log.debug("task for round %d acknowledged", task.round)
 
     def _parse_task(self, message: Message, size: int = 0) -> Task:
-        meta = message.meta
-        task_id, topic = meta.get("task"), meta.get("model_topic")
-        if not isinstance(task_id, bytes) or len(task_id) != 16:
-            raise TaskError("bad-task", "task id must be 16 bytes")
-        if topic != self.topics.model(message.round):
-            raise TaskError("bad-task", f"model topic {topic!r} does not belong to round {message.round}")
+        """The task the message carries (`protocol.Task`), checked against its header: the model topic
+        must be its round's, the round not negative, and tensors only in a task that carries the model."""
+        spec = protocol.Task.from_meta(message.meta)
+        if spec.model_topic != self.topics.model(message.round):
+            raise TaskError("bad-task", f"model topic {spec.model_topic!r} does not belong to round {message.round}")
         if message.round < 0:
             raise TaskError("wrong-round", f"round {message.round}")
-        attempt = meta.get("attempt", 0)
-        if not isinstance(attempt, int) or attempt < 0:
-            raise TaskError("bad-task", f"attempt {attempt!r}")
-        inline = meta.get("inline", False)
-        if not isinstance(inline, bool) or (message.tensors and not inline):
+        if message.tensors and not spec.inline:
             raise TaskError("bad-task", "tensors in a task that does not say it carries the model")
-        version = meta.get("version")
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-            raise TaskError("bad-task", f"version {version!r} is not a non-negative integer")
-        try:
-            settings = TrainSettings.from_meta(meta.get("settings", {}))
-        except ConfigError as exc:
-            raise TaskError("bad-task", str(exc)) from exc
-        return Task(message.round, attempt, task_id, topic, settings, time.monotonic(), inline, version, size)
+        return Task(
+            message.round, spec.attempt, spec.task_id, spec.model_topic, spec.settings, time.monotonic(),
+            spec.inline, spec.version, size, spec.deadline_s, spec.method,
+        )  # fmt: skip
 
-    def _check_deadline(self, message: Message) -> None:
+    def _check_deadline(self, task: Task, sent_at: float) -> None:
         """Refuse (as ``expired-task``: logged and counted, not acted on) a task that arrives after the
         coordinator gave up on it: more than its ``deadline_s`` after its ``sent_at``, plus
         `NodeConfig.clock_skew_s` for the two machines' clocks. Such a task was queued in the node's
         session while it was away (on an MQTT v5 broker the message expiry normally drops it first);
         a task without ``deadline_s`` never expires."""
-        deadline = message.meta.get("deadline_s")
+        deadline = task.deadline_s
         if deadline is None:
             return
-        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not deadline > 0:
-            raise TaskError("bad-task", f"deadline_s {deadline!r} is not a positive number of seconds")
-        age = time.time() - message.sent_at
+        age = time.time() - sent_at
         if age > deadline + self.config.clock_skew_s:
             raise TaskError(
                 "expired-task",
-                f"round {message.round}'s task arrived {age:.1f} s after it was sent, past its deadline of"
+                f"round {task.round}'s task arrived {age:.1f} s after it was sent, past its deadline of"
                 f" {deadline:g} s (+ {self.config.clock_skew_s:g} s allowed for clock skew): not trained on"
                 " (if fresh tasks expire, this machine's clock is ahead: synchronise it)",
             )
@@ -487,11 +488,16 @@ class NodeDaemon:
         return Payload(tensors=groups, meta=meta)
 
     def _on_receipt(self, message: Message) -> None:
-        status, reason = message.meta.get("status"), message.meta.get("reason")
-        if status == "received":
+        """Receipts are advisory (the coordinator's metrics are the truth): logged, never counted."""
+        try:
+            receipt = Receipt.from_meta(message.meta)
+        except ProtocolError as exc:
+            self.log.warning("update for round %d: unreadable receipt: %s", message.round, exc)
+            return
+        if receipt.status == "received":
             self.log.debug("update for round %d received by the coordinator", message.round)
         else:
-            self.log.warning("update for round %d was %s: %s", message.round, status, reason)
+            self.log.warning("update for round %d was %s: %s", message.round, receipt.status, receipt.reason)
 
     async def _unsubscribe_model(self, task: Task) -> None:
         try:
@@ -575,7 +581,7 @@ class NodeDaemon:
             federation=self.config.federation,
             round=task.round,
             sender=self.node_id,
-            meta={"task": task.task_id, "failed": reason[:500]},
+            meta=UpdateFailed(task_id=task.task_id, reason=reason).to_meta(),
         )
         try:
             await self._bus_or_fail().publish(self.topics.update(self.node_id), failure)
@@ -615,28 +621,27 @@ class NodeDaemon:
         *,
         received: Payload | None = None,
         num_samples: int | None = None,
-        extra: Mapping[str, Any] | None = None,
+        site_nodes: int | None = None,
     ) -> bytearray:
         """The update's frame, compressed as configured (`received`, the task's payload, is the base of a
-        delta); it claims `num_samples` (by default the node's data) and carries `extra` meta fields."""
-        meta: dict[str, Any] = {
-            "task": task.task_id,
-            "num_samples": len(self.data) if num_samples is None else num_samples,
-            "train_seconds": train_s,
-            "payload": dict(result.meta),
-            **(extra or {}),
-        }
-        if task.version is not None:
-            meta["base_version"] = task.version
+        delta); it claims `num_samples` (by default the node's data) and, from a site aggregator, the
+        number of its nodes' updates it holds (`site_nodes`)."""
         compression = self.config.compression
-        if compression.enabled:
-            meta["compression"] = compression.meta()
+        meta = Update(
+            task_id=task.task_id,
+            num_samples=len(self.data) if num_samples is None else num_samples,
+            train_seconds=train_s,
+            payload=result.meta,
+            site_nodes=site_nodes,
+            base_version=task.version,
+            compression=compression.meta(),
+        )
         update = Message(
             kind=Kind.UPDATE,
             federation=self.config.federation,
             round=task.round,
             sender=self.node_id,
-            meta=meta,
+            meta=meta.to_meta(),
             tensors=compress_update(flatten_groups(result.tensors), compression, received.tensors if received else {}),
         )
         return encode(update)

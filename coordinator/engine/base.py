@@ -23,6 +23,7 @@ from fedmq.coordinator.errors import ProtocolError
 from fedmq.coordinator.updates import check_samples
 from fedmq.fedcore.algorithms.base import Folding, NodeUpdate, RoundContext
 from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.protocol import ReceiptStatus, RunState
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import TensorSpec
 
@@ -49,7 +50,7 @@ class Engine(ABC):
         self.live: set[str] = set()
         self.announced: dict[str, int | None] = {}
         """Each node's sample count from its latest online announcement (None: it announced none)."""
-        self.state = "starting"
+        self.state = RunState.STARTING
         self.error = ""
         self.version = 0
         """The global model's version: the number of aggregations so far."""
@@ -69,7 +70,7 @@ class Engine(ABC):
 
     @property
     def finished(self) -> bool:
-        return self.state in ("finished", "failed", "stopped")
+        return self.state.final
 
     def handle(self, event: e.Event, now: float) -> list[c.Command]:
         """React to one event at time `now`; the commands come in the order they must run."""
@@ -138,7 +139,7 @@ class Engine(ABC):
 
     def _start(self, out: list[c.Command], now: float) -> None:
         self.started_at = now
-        self.state = "waiting"
+        self.state = RunState.WAITING
         out.append(self.status())
         self._wait(out, self.policy.min_nodes, now)
 
@@ -152,8 +153,8 @@ class Engine(ABC):
         if self._wait_until is None or len(self.live) < self._wait_for:
             return
         self._wait_until = None
-        if self.state == "waiting":
-            self.state = "running"
+        if self.state == RunState.WAITING:
+            self.state = RunState.RUNNING
             self.startup_s = self._since_start(now)
             logger.info("%d nodes live; starting at version %d", len(self.live), self.version)
             self._begin(out, now)
@@ -179,14 +180,14 @@ class Engine(ABC):
             self.live.add(event.node)
         else:
             self.live.discard(event.node)
-        if was != event.online and self.state != "waiting":
+        if was != event.online and self.state != RunState.WAITING:
             self._on_liveness(out, event.node, event.online, now)
         self._check_wait(out, now)
 
     def _tick(self, out: list[c.Command], now: float) -> None:
         if self._wait_until is not None and now >= self._wait_until:
             self._wait_until = None
-            if self.state == "waiting":
+            if self.state == RunState.WAITING:
                 self._fail(
                     out,
                     f"only {len(self.live)} of the {self._wait_for} nodes needed came online within"
@@ -221,7 +222,7 @@ class Engine(ABC):
         return "its shard of the experiment's partition, or policy.max_node_samples"
 
     def _refuse(
-        self, out: list[c.Command], message: Message, reason: str, detail: str, *, receipt: str = "rejected"
+        self, out: list[c.Command], message: Message, reason: str, detail: str, *, receipt: ReceiptStatus = "rejected"
     ) -> None:
         """A message that breaks the protocol (malformed, forged, duplicated, out of round): counted
         with the bus's rejections, answered with a receipt unless the sender has no task to hear of."""
@@ -230,14 +231,14 @@ class Engine(ABC):
         if reason not in NO_RECEIPT:
             self._receipt(out, message, receipt, reason if receipt == "rejected" else detail)
 
-    def _decline(self, out: list[c.Command], message: Message, reason: str, detail: str, status: str) -> None:
+    def _decline(self, out: list[c.Command], message: Message, reason: str, detail: str, status: ReceiptStatus) -> None:
         """A valid update that policy does not fold (too late, too stale, the run is over): counted
         with the engine's outcomes, not the bus's rejections, and the node is told why."""
         self.refused[reason] += 1
         out.append(c.Refused(message.sender, reason, detail, protocol=False))
         self._receipt(out, message, status, detail)
 
-    def _receipt(self, out: list[c.Command], message: Message, status: str, reason: str = "") -> None:
+    def _receipt(self, out: list[c.Command], message: Message, status: ReceiptStatus, reason: str = "") -> None:
         """Tell the sender what became of its update, unless its task id is not even a byte string
         (or the update was taken and `policy.receipts` asks for refusals only)."""
         task = message.meta.get("task")
@@ -248,12 +249,12 @@ class Engine(ABC):
 
     def _fail(self, out: list[c.Command], error: str) -> None:
         logger.error("%s", error)
-        self.state, self.error = "failed", error
-        out.append(c.Finish("failed", error))
+        self.state, self.error = RunState.FAILED, error
+        out.append(c.Finish(RunState.FAILED, error))
 
     def _finish(self, out: list[c.Command]) -> None:
-        self.state = "finished"
-        out.append(c.Finish("finished"))
+        self.state = RunState.FINISHED
+        out.append(c.Finish(RunState.FINISHED))
 
     def _since_start(self, now: float) -> float:
         """Seconds since `Start` (a clock may well start at 0)."""

@@ -41,6 +41,7 @@ from fedmq.coordinator.engine.base import Engine
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.coordinator.updates import check_base_version, parse_update
 from fedmq.fedcore.algorithms.base import Failure, Folding, NodeUpdate
+from fedmq.fedcore.protocol import RunState, UpdateFailed
 from fedmq.fedcore.seeding import stream
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class BufferedAsync(Engine):
         """Fill free slots with a seeded draw among the idle live nodes. One Configure at a time: the
         slots freed while it is prepared are filled together when it is done (under load, tasks are
         configured in batches, one worker-thread call for many)."""
-        if self.state != "running" or self._final_fold or self._stopping or self._reserved:
+        if self.state != RunState.RUNNING or self._final_fold or self._stopping or self._reserved:
             return
         if len(self.buffer) >= self.ap.buffer:
             return  # backpressure: a full batch waits to be folded, so no new work until it is
@@ -204,7 +205,7 @@ class BufferedAsync(Engine):
             raise ProtocolError(
                 "wrong-base-version", f"update for version {message.round}, the task carried {spec.version}"
             )
-        if "failed" in message.meta or self._final_fold or self._stopping:
+        if UpdateFailed.is_failure(message.meta) or self._final_fold or self._stopping:
             return None
         check_base_version(message, spec.version, required=True)
         update = parse_update(
@@ -221,9 +222,8 @@ class BufferedAsync(Engine):
     def _take(self, out: list[c.Command], event: e.UpdateArrived, task: _Task, update: NodeUpdate | None) -> None:
         message, spec = event.message, task.spec
         node = spec.node
-        failure = message.meta.get("failed")
-        if failure is not None:
-            detail = str(failure)[:500]
+        if UpdateFailed.is_failure(message.meta):
+            detail = UpdateFailed.from_meta(message.meta).reason
             logger.warning("node %s reports its training for version %d failed: %s", node, spec.version, detail)
             self._failed(node, spec.version, "failed", detail)
             return
@@ -439,8 +439,8 @@ class BufferedAsync(Engine):
         if self.buffer:
             self._maybe_fold(out, 0.0, flush=True)
             return
-        self.state = "stopped"
-        out.append(c.Finish("stopped"))
+        self.state = RunState.STOPPED
+        out.append(c.Finish(RunState.STOPPED))
 
     def _fail(self, out: list[c.Command], error: str) -> None:
         if self.buffer:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedmq.fedcore.algorithms.base import Failure, NodeUpdate, RoundContext
+from fedmq.fedcore.protocol import ReceiptStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +76,7 @@ class Receipt:
     round: int
     task: bytes | None
     update_id: bytes
-    status: str
-    """received | late | stale | rejected"""
+    status: ReceiptStatus
     reason: str = ""
 
 

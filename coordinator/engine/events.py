@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedmq.broker import Message
+from fedmq.fedcore.protocol import RunState
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,7 @@ class RoundRequested:
 class UpstreamFinished:
     """Hierarchical mode: the run upstream is over, so the site's run ends with it in `state`."""
 
-    state: str = "finished"
+    state: str = RunState.FINISHED
 
 
 Event = (

@@ -35,6 +35,7 @@ from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, GroupMember, NodeHalf, Payload, TaskInput
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.protocol import Update, UpdateFailed
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
@@ -385,23 +386,22 @@ class LocalFederation:
             arrays = compress_update(flatten_groups(out.tensors), compression, payload.tensors)
         except Exception as exc:  # the node reports it, as the daemon's node does
             logger.warning("%s's training for round %d failed: %r", spec.node, spec.round, exc)
-            meta: dict[str, Any] = {"task": spec.task, "failed": f"{type(exc).__name__}: {exc}"[:500]}
+            meta: Update | UpdateFailed = UpdateFailed(task_id=spec.task, reason=f"{type(exc).__name__}: {exc}")
             tensors = {}
         else:
-            meta = {
-                "task": spec.task,
-                "num_samples": len(node.data),
-                "train_seconds": float(compute),
-                "payload": dict(out.meta),
-                "base_version": spec.version,
-            }
-            if compression.enabled:
-                meta["compression"] = compression.meta()
+            meta = Update(
+                task_id=spec.task,
+                num_samples=len(node.data),
+                train_seconds=float(compute),
+                payload=out.meta,
+                base_version=spec.version,
+                compression=compression.meta(),
+            )
             # the update aliases the workspace, which the next node trains in: copy it, as encoding does
             tensors = {k: v.copy() for k, v in arrays.items()}
         return Message(
             kind=Kind.UPDATE, federation=self.engine.config.federation, round=spec.round, sender=spec.node,
-            meta=meta, tensors=tensors,
+            meta=meta.to_meta(), tensors=tensors,
         )  # fmt: skip
 
     # -- what tests read -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.sync import SyncRounds
 from fedmq.coordinator.sampler import Selection
+from fedmq.fedcore.protocol import RunState
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class RelayRounds(SyncRounds):
         """Running at once: a site with no live node tells upstream it has nothing, without waiting."""
         self.started_at = now
         self.startup_s = 0.0
-        self.state = "running"
+        self.state = RunState.RUNNING
         self.phase = "gated"
         out.append(self.status())
         self._next_request(out, now)
@@ -59,8 +60,8 @@ class RelayRounds(SyncRounds):
         if isinstance(event, e.RoundRequested):
             self._requested(out, event, now)
         elif isinstance(event, e.UpstreamFinished):
-            self.state = event.state
-            out.append(c.Finish(event.state))
+            self.state = RunState(event.state)
+            out.append(c.Finish(self.state))
         else:
             super()._on(out, event, now)
 

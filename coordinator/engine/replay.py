@@ -31,6 +31,7 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.local import LocalFederation, _clone
 from fedmq.coordinator.eventlog import FORMAT, encode_command, tagged, untagged
 from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.protocol import UpdateFailed
 from fedmq.fedcore.tensors import arrays_sha256, model_sha256
 from fedmq.fedcore.training import TrainSettings
 
@@ -310,7 +311,7 @@ class Replay(LocalFederation):
         task = meta.get("task")
         key = (task, node) if isinstance(task, bytes) else None
         tensors: Mapping[str, Any] = {}
-        if key is not None and "failed" not in meta and int(d.get("tensors", 0)):
+        if key is not None and not UpdateFailed.is_failure(meta) and int(d.get("tensors", 0)):
             tensors = self._recompute(entry, key, meta)
         message = Message(
             kind=Kind.UPDATE, federation=self.engine.config.federation, round=int(d["round"]), sender=node,
@@ -333,8 +334,9 @@ class Replay(LocalFederation):
                         node=node,
                     )
                 produced = self._produce_with_group(key, sent)
-            if "failed" in produced.meta:
-                raise ReplayMismatch(entry.line, f"training failed in the replay: {produced.meta['failed']}", node=node)
+            if UpdateFailed.is_failure(produced.meta):
+                failed = UpdateFailed.from_meta(produced.meta)
+                raise ReplayMismatch(entry.line, f"training failed in the replay: {failed.reason}", node=node)
             cached = (arrays_sha256(produced.tensors), dict(produced.meta.get("payload", {})), produced)
             self._cache[key] = cached
             while len(self._cache) > CACHED_UPDATES:

@@ -30,6 +30,7 @@ from fedmq.coordinator.rounds import RoundOutcome, RoundState
 from fedmq.coordinator.sampler import Selection, sample
 from fedmq.coordinator.updates import check_base_version, parse_update
 from fedmq.fedcore.algorithms.base import Failure, Folding, NodeUpdate
+from fedmq.fedcore.protocol import RunState, UpdateFailed
 
 logger = logging.getLogger(__name__)
 
@@ -223,9 +224,8 @@ class SyncRounds(Engine):
         if state.closed:
             self._late_update(out, state, event)
             return
-        failure = message.meta.get("failed")
-        if failure is not None:
-            detail = str(failure)[:500]
+        if UpdateFailed.is_failure(message.meta):
+            detail = UpdateFailed.from_meta(message.meta).reason
             logger.warning("node %s reports its training for round %d failed: %s", node, state.round, detail)
             state.on_failed(node, detail)
         else:
@@ -247,7 +247,7 @@ class SyncRounds(Engine):
         message = event.message
         node = message.sender
         carry = self.policy.late_updates == "carry" and self._aggregation_ahead()
-        if not carry or "failed" in message.meta:
+        if not carry or UpdateFailed.is_failure(message.meta):
             self.late_arrivals += 1
             logger.warning(
                 "late update from %s for round %d (now round %d): not aggregated", node, state.round, self.round
@@ -525,8 +525,8 @@ class SyncRounds(Engine):
     # -- the rest ---------------------------------------------------------------------------------------
 
     def _stop(self, out: list[c.Command], event: e.Stop, now: float) -> None:
-        self.state = "stopped"
-        out.append(c.Finish("stopped", event.reason))
+        self.state = RunState.STOPPED
+        out.append(c.Finish(RunState.STOPPED, event.reason))
 
     def status_fields(self) -> dict[str, Any]:
         return {"round": self.round, "rounds": self.config.rounds, "model_version": self.version}

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from fedmq.coordinator.errors import ProtocolError
-from fedmq.coordinator.registry import NodeRegistry, parse_announcement
+from fedmq.coordinator.registry import NodeRegistry
 from fedmq.coordinator.rounds import RoundState
 from fedmq.coordinator.sampler import cohort_size, sample
 from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
+from fedmq.fedcore.protocol import Announcement
 
 LIVE = [f"node-{i:03d}" for i in range(100)]
 
@@ -126,4 +127,4 @@ def test_registry_tracks_liveness_and_validates_announcements() -> None:
     for bad in [{"state": "zombie"}, {"state": "online", "num_samples": -1}, {"state": "online", "num_samples": True},
                 {"state": "online", "label_histogram": [1, "x"]}, {"state": "online", "device": 3}]:  # fmt: skip
         with pytest.raises(ProtocolError, match="bad-status"):
-            parse_announcement(bad)
+            Announcement.from_meta(bad)
