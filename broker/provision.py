@@ -202,6 +202,9 @@ def _mosquitto_conf(
             f"keyfile {root / 'server.key'}",
             "tls_version tlsv1.2",
             "allow_anonymous false",
+            # an identity's connection is its user name's: no other identity can take it over by
+            # connecting with its client id (issue 31: a node knocked the coordinator off the broker)
+            "use_username_as_clientid true",
             f"password_file {root / 'mosquitto' / 'passwords'}",
             f"acl_file {root / 'mosquitto' / 'acl'}",
             *tuning(max_message_bytes),
