@@ -64,6 +64,10 @@ class RoundPolicy:
     holding NaN or inf is always rejected. None: accuracy rejects nothing (sync rounds only)."""
     exclude_after: Annotated[int | None, Bounds(ge=1)] = None
     """A node whose updates went into this many rejected models gets no more tasks (None: never)."""
+    max_rounds_without_model: Annotated[int | None, Bounds(ge=1)] = 10
+    """Fail the run, saying why, after this many rounds in a row end without a new model (too few
+    updates after every retry, or a rejected model): a federation that cannot progress stops instead
+    of waiting out deadline after deadline (issue 31). None: never (sync rounds)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -372,6 +372,7 @@ def site_config(
         min_updates=1,
         on_insufficient="skip",
         late_updates="drop",
+        max_rounds_without_model=None,  # upstream's run decides when the federation stops
     )
     return CoordinatorConfig(
         federation=site_federation(federation, site),

@@ -436,6 +436,7 @@ class PolicyConfig(
         "sample_limits",
         "reject_below",
         "exclude_after",
+        "max_rounds_without_model",
     )
 
 

@@ -67,6 +67,8 @@ class SyncRounds(Engine):
         """Per node, the rejected models its updates went into (``policy.exclude_after``)."""
         self.excluded: set[str] = set()
         """Nodes given no more tasks after too many rejected models."""
+        self.rounds_without_model = 0
+        """Rounds in a row that ended without aggregating (``policy.max_rounds_without_model``)."""
 
     # -- starting an attempt -----------------------------------------------------------------------
 
@@ -503,13 +505,25 @@ class SyncRounds(Engine):
             len(state.updates) if state is not None else 0,
             len(outcome_late),
             len(record["lost"]),
-            "" if aggregated else " (insufficient)",
+            "" if aggregated else " (model rejected)" if "model_rejected" in record else " (insufficient)",
             f", accuracy {record['accuracy']:.4f}" if "accuracy" in record else "",
         )
         self._record = {}
         if not (aggregated or last_try):
             self.attempt += 1
             self._start_attempt(out, now)
+            return
+        self.rounds_without_model = 0 if aggregated else self.rounds_without_model + 1
+        bound = self.policy.max_rounds_without_model
+        if bound is not None and self.rounds_without_model >= bound:
+            why = record.get("model_rejected") or (
+                f"{len(record['accepted'])} update(s) accepted, min_updates is {self.policy.min_updates}"
+            )
+            self._fail(
+                out,
+                f"{self.rounds_without_model} rounds in a row ended without a new model (the last, round"
+                f" {self.round}: {why}); policy.max_rounds_without_model stops a federation that cannot progress",
+            )
             return
         out.append(c.Checkpoint(self.round, self.checkpoint_meta()))
         out.append(self.status(round_done=self.round))
@@ -534,7 +548,8 @@ class SyncRounds(Engine):
     def checkpoint_meta(self) -> dict[str, Any]:
         guard = {"rejected_models": dict(self.rejected_models), "excluded": sorted(self.excluded)}
         state = {"engine": "sync", "round": self.round, "rounds_completed": self.rounds_completed}
-        return state | (guard if self.rejected_models else {}) | self._common_meta()
+        stalled = {"rounds_without_model": self.rounds_without_model} if self.rounds_without_model else {}
+        return state | (guard if self.rejected_models else {}) | stalled | self._common_meta()
 
     def restore(self, meta: Mapping[str, Any]) -> None:
         self._restore_common(meta)
@@ -542,6 +557,7 @@ class SyncRounds(Engine):
         self.rounds_completed = int(meta["rounds_completed"])
         self.rejected_models = Counter({str(k): int(v) for k, v in meta.get("rejected_models", {}).items()})
         self.excluded = {str(n) for n in meta.get("excluded", [])}
+        self.rounds_without_model = int(meta.get("rounds_without_model", 0))
 
     def summary_fields(self) -> dict[str, Any]:
         return super().summary_fields() | {"rounds": self.config.rounds, "rounds_completed": self.rounds_completed}

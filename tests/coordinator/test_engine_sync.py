@@ -504,3 +504,23 @@ def test_sync_a_run_whose_every_live_node_is_excluded_fails_saying_so() -> None:
     out = d.feed(e.Evaluated(of(c.Evaluate, d.log)[-1].step, {"accuracy": 0.8}))
     finish = one(c.Finish, out)
     assert finish.state == "failed" and "every live node is excluded after rejected models: a, b, c" in finish.error
+
+
+def test_sync_a_federation_that_cannot_progress_fails_after_the_bound_saying_why() -> None:
+    """Issue 31, item 2: rounds that never gathered min_updates (the honest nodes trained to NaN after
+    a poisoned model) were retried and moved past for ever, each waiting out its deadline. After
+    max_rounds_without_model rounds in a row without a model the run fails, and says why."""
+    d = Driver(
+        config(rounds=50, policy={"min_nodes": 3, "min_updates": 3, "max_retries": 0, "max_rounds_without_model": 2})
+    )
+    d.start(*NODES)
+    for round_ in range(2):
+        tasks = {t.node: t for t in _round(d).tasks}
+        d.feed(update(tasks["a"]), at=20.0 * round_ + 1)  # one of the three needed
+        out = d.tick(20.0 * round_ + 15)
+    finish = one(c.Finish, out)
+    assert finish.state == "failed" and d.engine.state == "failed"
+    assert finish.error.startswith(
+        "2 rounds in a row ended without a new model (the last, round 1: 1 update(s) accepted"
+    )
+    assert "min_updates is 3" in finish.error and not of(c.Configure, out)
