@@ -37,6 +37,12 @@ def _atomic_write(path: Path, write: Any) -> None:
         raise
 
 
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path` atomically: a process reading it meanwhile (a node host reading the run's
+    config.yaml while the coordinator writes it again) sees the old file or the new, never an empty one."""
+    _atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
 def write_json(path: Path, data: Any) -> None:
     _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
 

@@ -976,7 +976,7 @@ def _provision(args: argparse.Namespace) -> int:
 
 async def _coordinator(args: argparse.Namespace, signals: Any) -> int:
     from fedmq.broker.tuning import tune_process
-    from fedmq.coordinator.run_dir import write_json
+    from fedmq.coordinator.run_dir import write_json, write_text
     from fedmq.experiments.build import build_coordinator, load_split, partition_report
     from fedmq.experiments.plots import partition_png
     from fedmq.experiments.service import Notifier, coordinator_status
@@ -993,7 +993,8 @@ async def _coordinator(args: argparse.Namespace, signals: Any) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resume:
         _resume_or_start(args.out)
-    (args.out / "config.yaml").write_text(cfg.to_yaml())
+    # atomically: `fedmq run` starts node hosts reading this very file while the coordinator starts
+    write_text(args.out / "config.yaml", cfg.to_yaml())
     report = partition_report(cfg, load_split(cfg))
     write_json(args.out / "partition.json", report)
     partition_png(args.out / "partition.png", report)

@@ -30,7 +30,7 @@ from fedmq.broker.credentials import COORDINATOR, MONITOR, Access
 from fedmq.broker.errors import BusError
 from fedmq.broker.mosquitto import find_mosquitto, free_port, wait_for_port
 from fedmq.broker.provision import Provisioned, provision
-from fedmq.coordinator.run_dir import write_json
+from fedmq.coordinator.run_dir import write_json, write_text
 from fedmq.experiments.broker_flags import access_flags, broker_access
 from fedmq.experiments.build import bus_config, federation_id, preflight, site_federation
 from fedmq.experiments.config import ExperimentConfig, split_evenly
@@ -238,7 +238,7 @@ async def run_federation(
     for site in cfg.hierarchy.site_names():  # a site's federation id too long for a topic level: exit 2 now
         site_federation(federation, site)
     config_path = out / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
+    write_text(config_path, cfg.to_yaml())
     write_json(
         out / "run.json",
         {

@@ -56,3 +56,30 @@ def test_algorithm_record_logs_are_appended_and_truncated_with_the_metrics(tmp_p
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     with pytest.raises(ValueError, match="plain name"):
         run.append_records("../escape", [{"round": 0}])
+
+
+def test_a_file_rewritten_while_another_process_reads_it_is_never_seen_empty(tmp_path: Path) -> None:
+    """A node host of the scale benchmark read the run's config.yaml while the coordinator wrote it
+    again (truncate, then write) and stopped on 'an experiment file is a YAML mapping, got NoneType';
+    the whole ramp then waited out its nodes. The file is replaced atomically now."""
+    import threading
+
+    from fedmq.coordinator.run_dir import write_text
+
+    path = tmp_path / "config.yaml"
+    text = "name: x\n" + "seed: 0\n" * 20_000
+    write_text(path, text)
+    seen: list[int] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            seen.append(len(path.read_text()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(300):
+        write_text(path, text)
+    done.set()
+    reader.join()
+    assert seen and set(seen) == {len(text)}
