@@ -7,6 +7,7 @@ import asyncio
 import base64
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,18 @@ import aiohttp
 
 def find_chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def require_chromium() -> str:
+    """The browser's path; the test is skipped without one, or fails where FEDMQ_REQUIRE_BROWSER says it must run."""
+    import pytest
+
+    chromium = find_chromium()
+    if chromium is None:
+        if os.environ.get("FEDMQ_REQUIRE_BROWSER"):
+            pytest.fail("FEDMQ_REQUIRE_BROWSER is set but chromium is not installed")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return chromium
 
 
 class Browser:

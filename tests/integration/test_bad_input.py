@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -150,27 +151,25 @@ async def test_forged_update_claiming_1e11_samples_is_refused_and_the_real_one_t
     assert fed.participation()["node-001"]["rejected"] == 0
 
 
-async def test_an_insider_announcing_1e11_samples_never_goes_live(tmp_path: Path, broker_url: str) -> None:
-    """Issue 31, item 1: an insider (node-002's identity) announced 10^11 samples in its own status
-    and claimed them in its updates, accepted because the claim was checked only against its own
-    announcement; with `mean` one such update ended the run. The experiment's partition now bounds
-    each node's announcement by its shard: node-002 is refused and never selected, the honest nodes
-    finish the run, and the insider's forged updates, had it got a task, would have been refused too."""
-    cfg = base_config(nodes=3, rounds=3, deadline_s=8, policy={"min_nodes": 2})
-    fed = Federation(tmp_path, broker_url, cfg)
+async def _insider(
+    fed: Federation, broker_url: str, *, announces: int, claims: int, scale: Callable[[int], float]
+) -> tuple[int, int]:
+    """node-002 played by a raw client with valid credentials' worth of topics: it announces `announces`
+    samples, the honest node-000 and node-001 start, and it answers every task it gets with the task's
+    model times `scale(round)`, claiming `claims` samples, until the run ends. Returns (the coordinator's
+    exit code, the tasks it answered); its retained status is cleared after."""
     t = Topics(fed.federation)
-    fed.start_coordinator()
     async with raw_client(broker_url) as insider:
         status = Message(
             kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
-            meta={"state": "online", "num_samples": 10**11},
+            meta={"state": "online", "num_samples": announces},
         )  # fmt: skip
         await insider.subscribe(t.task("node-002"), qos=1)
         await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
         fed.start_nodes("node-000", "node-001")
         waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
         answered = 0
-        while not waiter.done():  # answer any task it gets with the model scaled and 10^11 samples
+        while not waiter.done():
             try:
                 async with asyncio.timeout(0.5):
                     m = await anext(aiter(insider.messages))
@@ -179,13 +178,26 @@ async def test_an_insider_announcing_1e11_samples_never_goes_live(tmp_path: Path
             task = decode(bytes(m.payload))  # type: ignore[arg-type]
             forged = Message(
                 kind=Kind.UPDATE, federation=fed.federation, round=task.round, sender="node-002",
-                meta={"task": task.meta["task"], "num_samples": 10**11, "train_seconds": 1.0},
-                tensors={k: np.asarray(v) * -1000.0 for k, v in task.tensors.items()},
+                meta={"task": task.meta["task"], "num_samples": claims, "train_seconds": 1.0},
+                tensors={k: np.asarray(v) * scale(task.round) for k, v in task.tensors.items()},
             )  # fmt: skip
             await insider.publish(t.update("node-002"), bytes(encode(forged)), qos=1)
             answered += 1
-        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)  # clear the retained status
-    assert await waiter == 0, fed.log("coordinator.log")
+        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)
+    return await waiter, answered
+
+
+async def test_an_insider_announcing_1e11_samples_never_goes_live(tmp_path: Path, broker_url: str) -> None:
+    """Issue 31, item 1: an insider (node-002's identity) announced 10^11 samples in its own status
+    and claimed them in its updates, accepted because the claim was checked only against its own
+    announcement; with `mean` one such update ended the run. The experiment's partition now bounds
+    each node's announcement by its shard: node-002 is refused and never selected, the honest nodes
+    finish the run, and the insider's forged updates, had it got a task, would have been refused too."""
+    cfg = base_config(nodes=3, rounds=3, deadline_s=8, policy={"min_nodes": 2})
+    fed = Federation(tmp_path, broker_url, cfg)
+    fed.start_coordinator()
+    code, answered = await _insider(fed, broker_url, announces=10**11, claims=10**11, scale=lambda _: -1000.0)
+    assert code == 0, fed.log("coordinator.log")
     summary, metrics = fed.summary(), fed.metrics()
     assert answered == 0 and all("node-002" not in line["selected"] for line in metrics)
     assert summary["state"] == "finished" and summary["bus"]["rejected"].get("samples-over-limit", 0) >= 1
@@ -205,33 +217,10 @@ async def test_a_poisoned_round_is_rolled_back_and_its_node_excluded(tmp_path: P
     experiment = parse_config(cfg)
     shard = len(shards(experiment, load_split(experiment))["node-002"])
     fed = Federation(tmp_path, broker_url, cfg)
-    t = Topics(fed.federation)
     fed.start_coordinator()
-    async with raw_client(broker_url) as insider:
-        status = Message(
-            kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
-            meta={"state": "online", "num_samples": shard},
-        )  # fmt: skip
-        await insider.subscribe(t.task("node-002"), qos=1)
-        await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
-        fed.start_nodes("node-000", "node-001")
-        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
-        while not waiter.done():  # round 0: the model back unchanged; then the model x -1000
-            try:
-                async with asyncio.timeout(0.5):
-                    m = await anext(aiter(insider.messages))
-            except TimeoutError:
-                continue
-            task = decode(bytes(m.payload))  # type: ignore[arg-type]
-            scale = 1.0 if task.round == 0 else -1000.0
-            forged = Message(
-                kind=Kind.UPDATE, federation=fed.federation, round=task.round, sender="node-002",
-                meta={"task": task.meta["task"], "num_samples": shard, "train_seconds": 1.0},
-                tensors={k: np.asarray(v) * scale for k, v in task.tensors.items()},
-            )  # fmt: skip
-            await insider.publish(t.update("node-002"), bytes(encode(forged)), qos=1)
-        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)
-    assert await waiter == 0, fed.log("coordinator.log")
+    # round 0: the model back unchanged; then the model x -1000
+    code, _ = await _insider(fed, broker_url, announces=shard, claims=shard, scale=lambda r: 1.0 if r == 0 else -1000.0)
+    assert code == 0, fed.log("coordinator.log")
     summary, metrics = fed.summary(), fed.metrics()
     rejected = [line for line in metrics if "model_rejected" in line]
     assert len(rejected) == 1 and rejected[0]["round"] == 1 and rejected[0]["excluded"] == ["node-002"]

@@ -9,7 +9,6 @@ must hold whatever a future channel lets through."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +17,7 @@ import pytest
 from fedmq.broker import BusConfig
 from fedmq.coordinator.daemon import Coordinator
 from fedmq.coordinator.http import TOKEN_COOKIE, CoordinatorAPI
-from tests.browser import Browser, find_chromium
+from tests.browser import Browser, require_chromium
 from tests.coordinator.engine_helpers import config
 from tests.coordinator.test_payloads import PerNode, _model
 
@@ -42,11 +41,7 @@ async def api(tmp_path: Path) -> CoordinatorAPI:
 async def test_a_node_id_carrying_html_is_shown_as_text_and_no_script_sees_the_token(
     api: CoordinatorAPI, tmp_path: Path
 ) -> None:
-    chromium = find_chromium()
-    if chromium is None:
-        if os.environ.get("FEDMQ_REQUIRE_BROWSER"):
-            pytest.fail("FEDMQ_REQUIRE_BROWSER is set but chromium is not installed")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
+    chromium = require_chromium()
     assert api.url is not None
     async with Browser(chromium, tmp_path / "chromium") as browser:
         await browser.goto(f"{api.url}?token={TOKEN}")

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.browser import Browser, find_chromium
+from tests.browser import Browser, require_chromium
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow
@@ -169,11 +169,7 @@ def test_bad_http_options_exit_2_with_the_reason(tmp_path: Path) -> None:
 async def test_the_dashboard_shows_the_nodes_and_a_growing_curve_in_a_browser(
     tmp_path: Path, embedded_broker: str
 ) -> None:
-    chromium = find_chromium()
-    if chromium is None:
-        if os.environ.get("FEDMQ_REQUIRE_BROWSER"):
-            pytest.fail("FEDMQ_REQUIRE_BROWSER is set but chromium is not installed")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
+    chromium = require_chromium()
     rounds = 6
     fed = Federation(tmp_path, embedded_broker, base_config(rounds=rounds, nodes=8))
     fed.start_coordinator("--http", "127.0.0.1:0")
