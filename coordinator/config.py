@@ -69,6 +69,17 @@ class RoundPolicy:
     updates after every retry, or a rejected model): a federation that cannot progress stops instead
     of waiting out deadline after deadline (issue 31). None: never (sync rounds)."""
 
+    node_messages_per_s: Annotated[float | None, Bounds(gt=0)] = 50.0
+    """Messages (statuses, acknowledgements, updates) the coordinator takes from one node a second,
+    sustained, with room for node_message_burst at once; the rest are dropped before they reach the
+    engine or the event log, and counted as ``over-budget`` (issue 31: a flood on a node's own topic
+    filled the disk and slowed rounds 5 to 30 times). An honest node sends a few a round. None: no limit."""
+    node_message_burst: Annotated[int, Bounds(ge=1)] = 500
+    node_bytes_per_s: Annotated[int | None, Bounds(ge=1)] = None
+    """Bytes the coordinator takes from one node a second, sustained, with room for four seconds' worth
+    (and at least one transfer) at once; beyond them, dropped and counted as ``over-budget``. None: four
+    of the largest transfers the bus takes a second (the bound an update's schema sets)."""
+
     def __post_init__(self) -> None:
         check_fields(self)
         if self.ack_timeout_s >= self.deadline_s:

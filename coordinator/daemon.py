@@ -22,6 +22,7 @@ from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, 
 from fedmq.broker.codec import encoded_size
 from fedmq.broker.errors import BusError
 from fedmq.broker.throttle import LogThrottle
+from fedmq.coordinator.budgets import node_budgets
 from fedmq.coordinator.config import CoordinatorConfig
 from fedmq.coordinator.engine import Engine, make_engine
 from fedmq.coordinator.engine import commands as c
@@ -117,6 +118,7 @@ class Coordinator:
         self._calls = self._new_calls()
         self._refusals = LogThrottle(logger)
         """Protocol refusals, a few per node and reason a minute in the log (all counted)."""
+        self._budgets = node_budgets(config.policy, bus_config.max_transfer_bytes)
         self._prepared: dict[int, _Prepared] = {}
         """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
         latest broadcast step, whose model a late acknowledgement may still need)."""
@@ -222,6 +224,8 @@ class Coordinator:
 
     async def _receive(self, bus: BusClient) -> None:
         async for envelope in bus.messages():
+            if self._over_budget(bus, envelope):
+                continue
             try:
                 self._dispatch(envelope)
             except ProtocolError as exc:
@@ -235,6 +239,26 @@ class Coordinator:
             except Exception:  # a daemon never dies of one message; the traceback says why
                 bus.stats.rejected["internal-error"] += 1
                 logger.exception("error while handling a message on %s", envelope.topic[:200])
+
+    def _over_budget(self, bus: BusClient, envelope: Envelope) -> bool:
+        """Whether the node whose topic `envelope` came on is over its message or byte budget: then
+        it is dropped here, before the engine and the event log, and counted (`coordinator.budgets`)."""
+        route = self.topics.route(envelope.topic)
+        if route is None or route.node is None:
+            return False
+        exceeded = self._budgets.admit(route.node, envelope.size)
+        if exceeded is None:
+            return False
+        bus.stats.rejected["over-budget"] += 1
+        self._refusals.warning(
+            ("over-budget", route.node),
+            "%s is over its %s budget (policy.node_%s_per_s): its messages are dropped, and counted as"
+            " over-budget, until it slows down",
+            route.node,
+            "message" if exceeded == "messages" else "byte",
+            exceeded,
+        )
+        return True
 
     def _dispatch(self, envelope: Envelope) -> None:
         route = self.topics.route(envelope.topic)

@@ -437,6 +437,9 @@ class PolicyConfig(
         "reject_below",
         "exclude_after",
         "max_rounds_without_model",
+        "node_messages_per_s",
+        "node_message_burst",
+        "node_bytes_per_s",
     )
 
 
