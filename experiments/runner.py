@@ -36,6 +36,7 @@ from fedmq.experiments.build import bus_config, federation_id, preflight, site_f
 from fedmq.experiments.config import ExperimentConfig, split_evenly
 from fedmq.experiments.grid import Grid, cell_is_done, load_experiment
 from fedmq.experiments.report import write_report
+from fedmq.experiments.secure_defaults import secure_aggregator
 from fedmq.experiments.service import PARENT_ENV, wait_for_broker
 from fedmq.fedcore.errors import ConfigError
 
@@ -235,6 +236,9 @@ async def run_federation(
     # topics), so only an anonymous run gets a fresh id that keeps it apart from earlier runs' retained state
     federation = cfg.federation or (federation_id(cfg) if access else f"{cfg.name}-{os.urandom(3).hex()}")
     cfg = cfg.model_copy(update={"federation": federation})
+    averaging = None
+    if secure:  # before config.yaml: the coordinator reads its rule there
+        cfg, averaging = secure_aggregator(cfg)
     for site in cfg.hierarchy.site_names():  # a site's federation id too long for a topic level: exit 2 now
         site_federation(federation, site)
     config_path = out / "config.yaml"
@@ -298,6 +302,8 @@ async def run_federation(
                 f" {_pace(cfg)}, {cfg.method.name} on {cfg.data.dataset}; {where}"
             )
             console.print(f"run directory: {out}")
+            if averaging is not None:
+                console.print(averaging)
             if coordinator_flags and "--http" in coordinator_flags:
                 address = coordinator_flags[coordinator_flags.index("--http") + 1]
                 shown = f"http://{address}/" if not address.endswith(":0") else f"the URL in {out / 'http.json'}"

@@ -38,7 +38,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,16 +48,29 @@ from fedmq.fedcore.tensors import StateDict
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClipOptions:
-    max_norm: float
+    max_norm: float | Literal["auto"]
     """M, the largest L2 norm (over all floating entries) an update's delta from the global model
-    keeps; required, positive. Pick it from the ``clip_norm_median`` the rule logs each round."""
+    keeps; required, positive. Pick it from the ``clip_norm_median`` the rule logs each round, or
+    "auto": `auto_multiple` times the median of the round's own delta norms, so that no update pulls
+    harder than a few typical ones while fewer than half of a round's updates are hostile (the
+    default rule of ``fedmq run --secure``)."""
     weighted: bool = True
     """Weight the clipped deltas by the method's weights (sample counts); false: 1 / K each, so one
     node moves the model by at most M / K."""
+    auto_multiple: float = 3.0
+    """With max_norm "auto": M is this many times the round's median delta norm (at least 1). At 3, an
+    honest round, whose norms are of one size, is clipped rarely (then it is the weighted mean)."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_norm, int | float) and math.isfinite(self.max_norm) and self.max_norm > 0):
-            raise ValueError(f"max_norm must be a positive number, got {self.max_norm!r}")
+        if self.max_norm != "auto" and not (
+            isinstance(self.max_norm, int | float)
+            and not isinstance(self.max_norm, bool)
+            and math.isfinite(self.max_norm)
+            and self.max_norm > 0
+        ):
+            raise ValueError(f"max_norm must be a positive number or 'auto', got {self.max_norm!r}")
+        if not (isinstance(self.auto_multiple, int | float) and 1 <= self.auto_multiple < math.inf):
+            raise ValueError(f"auto_multiple must be a number of at least 1, got {self.auto_multiple!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +105,11 @@ def ineffective(rule: str, options: Mapping[str, Any], updates: int) -> str | No
         )
     if rule == "median" and updates <= 2:
         return f"median over {updates} update(s) a round is their mean"
+    if rule == "clip" and options.get("max_norm") == "auto" and updates <= 2:
+        return (
+            f"clip with max_norm auto over {updates} update(s) a round: the median norm it bounds them by"
+            " is pulled by the very update it should bound (3 or more updates a round)"
+        )
     return None
 
 
@@ -100,12 +118,13 @@ def clipped_mean(
     states: Sequence[StateDict],
     weights: Sequence[float],
     *,
-    max_norm: float,
+    max_norm: float | Callable[[list[float]], float],
     weighted: bool = True,
     norms: list[float] | None = None,
 ) -> StateDict:
     """``w + sum_k p_k min(1, max_norm / ||w_k - w||) (w_k - w)`` with w = `current` (module docstring);
-    the counted updates' norms before clipping are appended to `norms` when given."""
+    `max_norm` may be a function of the counted updates' norms (max_norm "auto"); those norms, before
+    clipping, are appended to `norms` when given."""
     kept = _counted(states, weights)
     for k in kept:
         if states[k].keys() != current.keys():
@@ -116,12 +135,11 @@ def clipped_mean(
             )
     total = math.fsum(float(weights[k]) for k in kept)
     share = {k: float(weights[k]) / total if weighted else 1.0 / len(kept) for k in kept}
-    coefficient: dict[int, float] = {}
-    for k in kept:
-        norm = update_norm(current, states[k])
-        if norms is not None:
-            norms.append(norm)
-        coefficient[k] = share[k] * min(1.0, max_norm / norm) if norm > 0 else share[k]
+    norm = {k: update_norm(current, states[k]) for k in kept}
+    if norms is not None:
+        norms.extend(norm.values())
+    bound = max_norm(list(norm.values())) if callable(max_norm) else max_norm
+    coefficient = {k: share[k] * min(1.0, bound / norm[k]) if norm[k] > 0 else share[k] for k in kept}
     out: StateDict = {}
     for name, now in current.items():
         if not now.is_floating_point():
@@ -154,15 +172,25 @@ class NormClip:
         self.model = model
         self.norms: list[float] = []
         """The counted updates' delta norms in the last call, before clipping."""
+        self.bound = math.inf
+        """M in the last call (with max_norm "auto", the round's own)."""
 
     def __call__(self, states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
         if self.model is None:
             raise ValueError("the clip aggregator needs the global model to clip against (build it with model=...)")
         self.norms = []
         current = self.model.state_dict()
-        return clipped_mean(
-            current, states, weights, max_norm=self.hp.max_norm, weighted=self.hp.weighted, norms=self.norms
-        )
+        return clipped_mean(current, states, weights, max_norm=self._bound, weighted=self.hp.weighted, norms=self.norms)
+
+    def _bound(self, norms: list[float]) -> float:
+        """M for a round whose updates' delta norms are `norms`: the configured one, or "auto"'s."""
+        max_norm = self.hp.max_norm
+        if max_norm == "auto":
+            median = statistics.median(norms) if norms else 0.0
+            self.bound = self.hp.auto_multiple * median if median > 0 else math.inf
+        else:
+            self.bound = max_norm
+        return self.bound
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -170,10 +198,10 @@ class NormClip:
         if not self.norms:
             return {}
         return {
-            "clip_share": sum(n > self.hp.max_norm for n in self.norms) / len(self.norms),
+            "clip_share": sum(n > self.bound for n in self.norms) / len(self.norms),
             "clip_norm_median": statistics.median(self.norms),
             "clip_norm_max": max(self.norms),
-        }
+        } | ({"clip_max_norm": self.bound} if self.hp.max_norm == "auto" else {})
 
 
 def coordinate_median(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:

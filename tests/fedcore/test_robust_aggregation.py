@@ -109,6 +109,31 @@ def test_clip_moves_the_model_by_at_most_max_norm_and_the_attacker_by_max_norm_o
     assert rule.metrics["clip_norm_median"] < 0.1
 
 
+def test_clip_auto_bounds_the_attacker_by_three_typical_updates_and_keeps_an_honest_round() -> None:
+    """max_norm auto (`fedmq run --secure`'s rule): M = 3 x the round's median delta norm. The
+    attacker's delta (norm 1e6) is cut to M, the honest ones (all near the median) are kept, so the
+    model is the honest mean plus at most M / 10 of the attacker's direction; with no attacker the
+    rule is the plain weighted mean."""
+    model = global_model()
+    w = model.state_dict()
+    states, u = poisoned_round(model)
+    rule = build_aggregator("clip", {"max_norm": "auto", "weighted": False}, model=model)
+    out = rule(states, [1.0] * len(states))
+    bound = 3 * rule.metrics["clip_norm_median"]
+    assert rule.metrics["clip_max_norm"] == pytest.approx(bound) and bound < 0.5
+    for name, now in w.items():
+        if now.is_floating_point():
+            honest = sum(s[name] - now for s in states[:HONEST])
+            torch.testing.assert_close(out[name], now + honest / 10 + bound / 10 * u[name], rtol=0, atol=1e-6)
+    assert rule.metrics["clip_share"] == pytest.approx(0.1)
+    honest_only, rule = states[:HONEST], build_aggregator("clip", {"max_norm": "auto"}, model=model)
+    kept = rule(honest_only, [float(k + 1) for k in range(HONEST)])
+    mean = build_aggregator("mean")(honest_only, [float(k + 1) for k in range(HONEST)])
+    for name in w:
+        torch.testing.assert_close(kept[name], mean[name])
+    assert rule.metrics["clip_share"] == 0.0
+
+
 def test_clip_weighted_bounds_even_an_attacker_claiming_most_samples() -> None:
     """With the method's weights a node claiming 100 times the samples pulls harder, but never past M."""
     model = global_model()
@@ -258,8 +283,9 @@ def test_clip_without_a_model_or_against_other_entries_refuses() -> None:
         ("clip", {"max_norm": 0}, "max_norm must be a positive number"),
         ("clip", {"max_norm": -1.0}, "max_norm must be a positive number"),
         ("clip", {"max_norm": float("inf")}, "max_norm must be a positive number"),
-        ("clip", {"max_norm": "big"}, "'big' is not a float"),
-        ("clip", {"max_norm": True}, "True is not a float"),
+        ("clip", {"max_norm": "big"}, "max_norm must be a positive number or 'auto', got 'big'"),
+        ("clip", {"max_norm": True}, "max_norm must be a positive number or 'auto', got True"),
+        ("clip", {"max_norm": "auto", "auto_multiple": 0.5}, "auto_multiple must be a number of at least 1"),
         ("clip", {"max_norm": 1.0, "weighted": "yes"}, "'yes' is not a bool"),
         ("clip", {"max_norm": 1.0, "norm": 2}, "unknown options ['norm']"),
         ("trimmed_mean", {"trim": 0.5}, "trim must be in [0, 0.5)"),
@@ -299,6 +325,9 @@ def test_a_robust_rule_that_would_be_the_plain_mean_for_the_cohort_is_refused_wi
     with pytest.raises(ConfigError, match=re.escape("median over 2 update(s) a round is their mean")):
         parse_config(_sync(4, 0.5, {"name": "median"}))
     parse_config(_sync(6, 0.5, {"name": "median"}))
+    with pytest.raises(ConfigError, match=re.escape("clip with max_norm auto over 2 update(s) a round")):
+        parse_config(_sync(4, 0.5, {"name": "clip", "options": {"max_norm": "auto"}}))
+    parse_config(_sync(6, 0.5, {"name": "clip", "options": {"max_norm": "auto"}}))
     # with sites the coordinator aggregates one partial per site
     with pytest.raises(ConfigError, match="over 2 update"):
         parse_config(_sync(40, 1.0, {"name": "median"}, hierarchy={"sites": 2}))

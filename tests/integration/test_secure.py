@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import fedmq.experiments.build
 from fedmq.broker import BusClient, BusConfig, BusError, Kind, Message, Topics
@@ -26,6 +27,7 @@ from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto, w
 from fedmq.broker.provision import Provisioned, provision
 from fedmq.experiments.config import load_config
 from fedmq.experiments.local import build_local
+from fedmq.experiments.secure_defaults import secure_aggregator
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
@@ -224,7 +226,12 @@ def test_secure_quickstart_equals_the_in_process_federation_round_for_round(
     daemons = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     monkeypatch.setattr(fedmq.experiments.build, "best_device", lambda: torch.device("cpu"))
-    local = build_local(load_config(QUICKSTART, [f"rounds={rounds}"]), device=torch.device("cpu")).run()
+    # with --secure's averaging rule (clip, max_norm auto), which the run wrote into its config
+    written = yaml.safe_load((out / "config.yaml").read_text())["method"]["aggregator"]
+    assert written == {"name": "clip", "options": {"max_norm": "auto"}}, written
+    secure_cfg, _ = secure_aggregator(load_config(QUICKSTART, [f"rounds={rounds}"]))
+    assert secure_cfg.method.aggregator.name == "clip"
+    local = build_local(secure_cfg, device=torch.device("cpu")).run()
     assert [(r["selected"], r["train_loss"], r["accuracy"]) for r in daemons] == [
         (r["selected"], r["train_loss"], r["accuracy"]) for r in local
     ]
