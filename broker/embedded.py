@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +74,43 @@ def secure_amqtt_config(path: Path) -> dict[str, Any]:
     return {"listeners": {"default": listener}, "plugins": plugins}
 
 
+_CONNECTING: ContextVar[Any] = ContextVar("fedmq_amqtt_connecting", default=None)
+"""The `AclBroker` reading a CONNECT in this task (`_bind_client_ids`)."""
+
+
+def _bind_client_ids() -> None:
+    """Make amqtt hand a client id only to its holder's user, checked before amqtt touches a session.
+
+    amqtt gives a client id to the newest connection that asks for it, and does so before it checks
+    that connection's credentials: with a clean session it deletes the holder's session (and its
+    subscriptions) as soon as the CONNECT is read; otherwise the authenticated newcomer takes the
+    connection over. So any node could knock the coordinator off the broker by connecting with its
+    client id (issue 31, item 5). mosquitto's `use_username_as_clientid` closes this; amqtt has no
+    such option and no hook between reading the CONNECT and looking up the session, so the one step
+    that reads it (`BrokerProtocolHandler.init_from_connect`) is wrapped here, for the connections
+    of an `AclBroker` only (`_CONNECTING`): a connection that asks for a client id held by another user,
+    or whose credentials are wrong, is given a fresh id instead, and the holder keeps its session."""
+    from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+
+    original = BrokerProtocolHandler.__dict__["init_from_connect"]
+    if getattr(original, "fedmq_bound", False):
+        return
+    read_connect = original.__func__
+
+    async def init_from_connect(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        handler, session = await read_connect(cls, *args, **kwargs)
+        broker = _CONNECTING.get()
+        if broker is not None:
+            await broker.bind_client_id(session)
+        return handler, session
+
+    init_from_connect.fedmq_bound = True  # type: ignore[attr-defined]
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+
+
 def _acl_broker_class() -> type[Any]:  # made on demand: the bus itself does not need amqtt
-    """amqtt's broker, with its publish ACL also on the messages it sends on a client's behalf.
+    """amqtt's broker, with its publish ACL also on the messages it sends on a client's behalf, and
+    client ids bound to their users (`_bind_client_ids`).
 
     amqtt checks a client's PUBLISH against the ACL, but not its will: a node could connect with a
     will on the coordinator's state topic, drop its connection, and have amqtt deliver and retain
@@ -81,7 +118,32 @@ def _acl_broker_class() -> type[Any]:  # made on demand: the bus itself does not
     or retained for a session is checked here, the will included; broker-made ones have none."""
     from amqtt.broker import Action, Broker
 
+    _bind_client_ids()
+
     class AclBroker(Broker):  # type: ignore[misc]
+        async def _initialize_client_session(self, *args: Any, **kwargs: Any) -> Any:
+            token = _CONNECTING.set(self)
+            try:
+                return await super()._initialize_client_session(*args, **kwargs)
+            finally:
+                _CONNECTING.reset(token)
+
+        async def bind_client_id(self, session: Any) -> None:
+            """Give `session` a fresh client id if the one it asks for is held by another user's
+            session, or its credentials are wrong (then its connection is refused after this anyway)."""
+            held = self._sessions.get(session.client_id)
+            if held is None:
+                return
+            if held[0].username == session.username and await self._authenticate(session, None):
+                return  # its own id: a reconnection, as MQTT means it
+            logger.warning(
+                "embedded broker: user %r asked for client id %r, which user %r holds; given a fresh id instead",
+                session.username,
+                session.client_id,
+                held[0].username,
+            )
+            session.client_id = f"refused-{os.urandom(8).hex()}"
+
         async def _allowed(self, session: Any, topic: str | None) -> bool:
             if session is None or topic is None:
                 return True
