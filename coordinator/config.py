@@ -67,7 +67,8 @@ class RoundPolicy:
     max_rounds_without_model: Annotated[int | None, Bounds(ge=1)] = 10
     """Fail the run, saying why, after this many rounds in a row end without a new model (too few
     updates after every retry, or a rejected model): a federation that cannot progress stops instead
-    of waiting out deadline after deadline (issue 31). None: never (sync rounds)."""
+    of waiting out deadline after deadline (issue 31); in async mode, folds in a row whose model
+    was rejected (non-finite). None: never."""
 
     node_messages_per_s: Annotated[float | None, Bounds(gt=0)] = 50.0
     """Messages (statuses, acknowledgements, updates) the coordinator takes from one node a second,

@@ -29,10 +29,10 @@ class HalfCalls:
         """FedBuff folds each update as a delta from the model its node received: keep those models."""
         self._sync_kept = config.asynchronous.max_staleness if config.policy.late_updates == "carry" else 0
         """Sync rounds: versions an update may lag and still be folded (a late one carried)."""
-        self._guards = config.engine == "sync"
-        """Sync rounds keep the last good model, to fall back on when a round's model is rejected (a
-        copy a round; asynchronous folding, at thousands of updates a second, keeps none yet)."""
         self._last_good: tuple[StateDict, StateDict] | None = None
+        """The model and the half's state from before the last aggregation, to fall back on when its
+        model is rejected: copied into the same buffers each time (one pass over the model, no
+        allocation), so that asynchronous folding, at thousands of updates a second, keeps one too."""
 
     def configure(self, command: c.Configure) -> Payload | Mapping[str, Payload]:
         payload = self.half.configure_round(command.ctx)
@@ -45,10 +45,9 @@ class HalfCalls:
     def aggregate(self, command: c.Aggregate) -> tuple[e.Aggregated, Records]:
         """The new model, and the metrics the round logs (the averaging rule's, then the half's)."""
         updates = restore(command.updates, self.versions.model) if self._deltas else command.updates
-        if self._guards:
-            self._last_good = self._snapshot()
+        self._snapshot()
         metrics = self.half.aggregate(self.versions.context(command), updates, command.failures)
-        bad = non_finite(dict(self.half.model.state_dict())) if self._guards else None
+        bad = non_finite(dict(self.half.model.state_dict()))
         if bad is not None:  # never published: the round's updates overflowed the average
             self.rollback()
             return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=f"non-finite ({bad})"), {}
@@ -60,9 +59,9 @@ class HalfCalls:
         self.versions.prune(keep_from)
         return e.Aggregated(command.step, metrics, model_sha256(self.half.model)), records
 
-    def _snapshot(self) -> tuple[StateDict, StateDict]:
-        model = {k: v.detach().clone() for k, v in self.half.model.state_dict().items()}
-        return model, {k: v.detach().clone() for k, v in self.half.state_dict().items()}
+    def _snapshot(self) -> None:
+        model, state = self._last_good or (None, None)
+        self._last_good = _copy_into(model, self.half.model.state_dict()), _copy_into(state, self.half.state_dict())
 
     def rollback(self) -> None:
         """Back to the model (and the half's state) from before the last aggregation: the engine
@@ -72,3 +71,15 @@ class HalfCalls:
         model, state = self._last_good
         self.half.model.load_state_dict(model)
         self.half.load_state_dict(state)
+
+
+def _copy_into(kept: StateDict | None, current: Mapping[str, Any]) -> StateDict:
+    """`current`'s tensors copied into `kept`'s when they match it (names, shapes, dtypes), else fresh
+    copies: a method's state may change form between rounds (a teacher appears), its model does not."""
+    if kept is None or kept.keys() != current.keys():
+        return {k: v.detach().clone() for k, v in current.items()}
+    if any(kept[k].shape != v.shape or kept[k].dtype != v.dtype for k, v in current.items()):
+        return {k: v.detach().clone() for k, v in current.items()}
+    for name, tensor in current.items():
+        kept[name].copy_(tensor.detach())
+    return kept

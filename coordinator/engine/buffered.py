@@ -84,6 +84,8 @@ class BufferedAsync(Engine):
         self._evaluating: int | None = None
         self._final_fold = False
         self._stopping = False
+        self.folds_without_model = 0
+        """Folds in a row whose model was rejected (``policy.max_rounds_without_model``)."""
         self._record: dict[str, Any] = {}
         self._last_version_at = 0.0
 
@@ -370,6 +372,10 @@ class BufferedAsync(Engine):
         for change in self._deferred:
             change()
         self._deferred = []
+        if event.rejected:  # the half fell back to the last good model already
+            self._fold_rejected(out, now, f"the folded model holds {event.rejected}")
+            return
+        self.folds_without_model = 0
         self.version += 1
         self._record |= {"aggregated": True, **{k: float(v) for k, v in event.metrics.items()}}
         last = self.version >= self.ap.aggregations
@@ -380,6 +386,32 @@ class BufferedAsync(Engine):
             return
         self._end_version(out, now, checkpoint=last or self._stopping)
 
+    def _fold_rejected(self, out: list[c.Command], now: float, why: str) -> None:
+        """A fold made a model that is never published (issue 31, item 2): the last good model stays,
+        the version does not advance, the folded updates are named as suspects in the version's line,
+        and the engine goes on taking updates; after ``policy.max_rounds_without_model`` such folds in
+        a row the run fails, saying why, instead of folding poison for ever."""
+        suspects = list(self._record.get("folded", []))
+        logger.warning(
+            "version %d: model rejected, %s; the last good model stays (updates from %s)",
+            self.version + 1,
+            why,
+            ", ".join(suspects),
+        )
+        self._record |= {"version": self.version, "aggregated": False, "model_rejected": why, "suspects": suspects}
+        self._final_fold = False  # the last version is still to make: take updates again
+        self.folds_without_model += 1
+        bound = self.config.policy.max_rounds_without_model
+        if bound is not None and self.folds_without_model >= bound:
+            self._end_version(out, now, checkpoint=False, advance=False)
+            self._fail(
+                out,
+                f"{self.folds_without_model} folds in a row made no new model (the last: {why});"
+                " policy.max_rounds_without_model stops a federation that cannot progress",
+            )
+            return
+        self._end_version(out, now, checkpoint=False)
+
     def _evaluated(self, out: list[c.Command], event: e.Evaluated, now: float) -> None:
         if event.step != self._evaluating:
             return
@@ -389,7 +421,9 @@ class BufferedAsync(Engine):
         self._record |= dict(event.metrics)
         self._end_version(out, now, checkpoint=True)
 
-    def _end_version(self, out: list[c.Command], now: float, *, checkpoint: bool) -> None:
+    def _end_version(self, out: list[c.Command], now: float, *, checkpoint: bool, advance: bool = True) -> None:
+        """The version's line, its checkpoint and status, then the next fold and tasks (`advance`),
+        or the run's end."""
         record = self._record | {
             **{k: self._since[k] for k in ("stale", "expired", "lost", "rejected", "failed")},
             "live": len(self.live),
@@ -411,6 +445,8 @@ class BufferedAsync(Engine):
         progress_every = max(1, self.ap.aggregations // 100)
         if checkpoint or done or self.version % progress_every == 0:
             out.append(self.status(round_done=self.version - 1))
+        if not advance:
+            return
         if done:
             self._finish_run(out)
         elif self._stopping:
@@ -461,18 +497,23 @@ class BufferedAsync(Engine):
         }
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {
-            "engine": "async",
-            "round": self.version - 1,
-            "aggregations_completed": self.version,
-            "dispatches": self.dispatches,
-            "updates_folded": self.updates_folded,
-        } | self._common_meta()
+        return (
+            {
+                "engine": "async",
+                "round": self.version - 1,
+                "aggregations_completed": self.version,
+                "dispatches": self.dispatches,
+                "updates_folded": self.updates_folded,
+            }
+            | ({"folds_without_model": self.folds_without_model} if self.folds_without_model else {})
+            | self._common_meta()
+        )
 
     def restore(self, meta: Mapping[str, Any]) -> None:
         self._restore_common(meta)
         self.dispatches = int(meta["dispatches"])
         self.updates_folded = int(meta["updates_folded"])
+        self.folds_without_model = int(meta.get("folds_without_model", 0))
 
     def summary_fields(self) -> dict[str, Any]:
         return super().summary_fields() | {

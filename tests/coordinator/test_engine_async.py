@@ -336,3 +336,37 @@ def test_async_node_with_no_announced_count_is_refused() -> None:
     d = _driver()
     (a, *_) = _configure(d, d.start("a", "b", "c", samples=None))
     assert one(c.Refused, d.feed(update(a))).reason == "samples-unannounced"
+
+
+def test_async_a_fold_holding_nan_is_not_published_and_the_engine_goes_on() -> None:
+    """Issue 31, item 2, in async mode: the half reports its fold held NaN or inf (it fell back to the
+    last good model already): the version does not move, the line names the folded updates as
+    suspects, and the next K updates fold into the version that was missed."""
+    d = _driver(buffer=1, concurrency=2)
+    first, second = _configure(d, d.start("a", "b"))
+    out = d.feed(update(first))
+    aggregate = one(c.Aggregate, out)
+    _configure(d, out)
+    out = d.feed(e.Aggregated(aggregate.step, {}, "sha", rejected="non-finite (w)"))
+    record = one(c.Record, out).record
+    assert record["aggregated"] is False and record["model_rejected"] == "the folded model holds non-finite (w)"
+    assert record["suspects"] == [first.node] and record["model_version"] == 0 and record["version"] == 0
+    assert d.engine.version == 0 and not of(c.Evaluate, out)  # type: ignore[union-attr]
+    retry = one(c.Aggregate, d.feed(update(second)))
+    assert retry.ctx.version == 0
+    out = d.feed(e.Aggregated(retry.step, {}))
+    assert one(c.Record, out).record["model_version"] == 1 and d.engine.folds_without_model == 0  # type: ignore[union-attr]
+
+
+def test_async_folds_that_keep_failing_end_the_run_with_the_reason() -> None:
+    """policy.max_rounds_without_model counts folds in async mode: two rejected folds in a row with a
+    bound of 2 fail the run, saying why, instead of folding poison for ever."""
+    d = _driver(buffer=1, concurrency=2, policy={"max_rounds_without_model": 2})
+    tasks = _configure(d, d.start("a", "b"))
+    out: list[c.Command] = []
+    for task in tasks:
+        aggregate = one(c.Aggregate, d.feed(update(task)))
+        out = d.feed(e.Aggregated(aggregate.step, {}, "sha", rejected="non-finite (w)"))
+        _configure(d, out)
+    finish = one(c.Finish, out)
+    assert finish.state == "failed" and "2 folds in a row made no new model" in d.engine.error  # type: ignore[union-attr]

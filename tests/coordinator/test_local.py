@@ -140,14 +140,16 @@ def test_the_tasks_carry_what_the_engine_asked_for() -> None:
     assert seen == [(n, r, 0) for r in range(2) for n in NODES]
 
 
-def test_half_calls_never_keep_a_model_holding_inf_and_roll_back_on_request() -> None:
+@pytest.mark.parametrize("engine", ["sync", "async"])
+def test_half_calls_never_keep_a_model_holding_inf_and_roll_back_on_request(engine: str) -> None:
     """Issue 31, item 2: finite updates (each passed the non-finite check) that a server step carries
     past float32's range made an infinite global model; the half falls back to the model (and its
-    momentum) from before the aggregation and says why. `rollback` does the same for a model the
-    engine rejects later."""
+    momentum) from before the aggregation and says why, in either engine. `rollback` does the same
+    for a model the engine rejects later. The last good model is copied into the same buffers each
+    time (no allocation per fold)."""
     spec = get_algorithm("fedavgm")
     half = spec.coordinator(build_hyperparams(spec, {"momentum": 0.0, "server_lr": 10.0}), model=scalar_model(0.5))
-    calls = HalfCalls(half, config())
+    calls = HalfCalls(half, config(engine=engine))
     before = model_sha256(half.model)
     huge = {"weight": torch.full((1, 1), 3e38)}
     updates = [node_update("a", huge, 10), node_update("b", huge, 10)]
@@ -155,8 +157,10 @@ def test_half_calls_never_keep_a_model_holding_inf_and_roll_back_on_request() ->
     assert aggregated.rejected == "non-finite (weight)" and aggregated.model_sha256 == before
     assert half.model.weight.item() == 0.5
 
+    kept = calls._last_good[0]["weight"] if calls._last_good else None
     fine = [node_update("a", {"weight": torch.full((1, 1), 0.6)}, 10)]
     aggregated, _ = calls.aggregate(c.Aggregate(2, context(1, ("a",)), fine, []))
+    assert calls._last_good is not None and calls._last_good[0]["weight"] is kept
     assert aggregated.rejected == "" and half.model.weight.item() == pytest.approx(1.5)  # 0.5 + 10 x 0.1
     calls.rollback()  # the engine found its evaluation collapsed
     assert half.model.weight.item() == 0.5 and model_sha256(half.model) == before
