@@ -13,6 +13,7 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, model_sha256, non_finite
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
@@ -46,7 +47,18 @@ class HalfCalls:
         """The new model, and the metrics the round logs (the averaging rule's, then the half's)."""
         updates = restore(command.updates, self.versions.model) if self._deltas else command.updates
         self._snapshot()
-        metrics = self.half.aggregate(self.versions.context(command), updates, command.failures)
+        ctx = self.versions.context(command)
+        begin = getattr(self.half.average, "begin_round", None)  # a rule that needs the round (central DP's noise)
+        calls = getattr(self.half.average, "calls", None)
+        if begin is not None:
+            begin(ctx)
+        metrics = self.half.aggregate(ctx, updates, command.failures)
+        if calls is not None and updates and self.half.average.calls == calls:  # type: ignore[attr-defined]
+            raise AlgorithmError(
+                f"{type(self.half).__module__} aggregated without its averaging rule, so"
+                f" {type(self.half.average).__name__} (privacy.mechanism) never saw the updates: this method"
+                " cannot run with it"
+            )
         bad = non_finite(dict(self.half.model.state_dict()))
         if bad is not None:  # never published: the round's updates overflowed the average
             self.rollback()

@@ -57,6 +57,7 @@ MODEL_GAUGES = {
     "accuracy": "Test accuracy of the global model at its latest evaluation.",
     "loss": "Test loss of the global model at its latest evaluation.",
     "train_loss": "Mean training loss the nodes reported for the latest aggregation, when the method reports it.",
+    "dp_epsilon": "Privacy spent so far: central DP's epsilon at its delta (privacy.mechanism central).",
 }
 PROTOCOL_REJECTIONS = "Messages rejected as breaking the protocol (malformed, forged, out of round, ...), by reason."
 

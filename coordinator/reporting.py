@@ -83,7 +83,17 @@ def outcome_fields(engine: Engine, evaluator: Evaluator | None, half: Coordinato
         **(evaluator.final_model() if evaluator is not None else {}),
         "model_sha256": model_sha256(half.model),
         "participation_totals": participation_totals(engine.participation),
+        **privacy_fields(engine, half),
     }
+
+
+def privacy_fields(engine: Engine, half: CoordinatorHalf) -> dict[str, Any]:
+    """The privacy spent by the rounds completed, where the averaging rule is a private one (`fedcore.privacy`)."""
+    summary = getattr(half.average, "summary", None)
+    if summary is None:
+        return {}
+    completed = engine.summary_fields().get("rounds_completed", 0)
+    return {"privacy": summary(int(completed))}
 
 
 def participation_totals(record: ParticipationRecord) -> dict[str, int]:

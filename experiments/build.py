@@ -6,6 +6,7 @@ The only place where names in a config (dataset, model, method) become objects.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from fedmq.fedcore.data import Split, TensorDataset, hold_out_validation, load_d
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.partition import label_histograms, partition
+from fedmq.fedcore.privacy import DPFedAvg
 from fedmq.fedcore.seeding import torch_seed
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings, best_device
@@ -36,6 +38,8 @@ from fedmq.fednode.config import Faults, NodeConfig
 from fedmq.fednode.daemon import NodeDaemon
 from fedmq.fednode.scenario import NodeScript
 from fedmq.fednode.workspace import Workspace
+
+logger = logging.getLogger(__name__)
 
 
 def bus_config(cfg: ExperimentConfig, url: str, credentials: Credentials | None = None) -> BusConfig:
@@ -176,6 +180,23 @@ def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
         half.average = build_aggregator(
             cfg.method.aggregator.name, cfg.method.aggregator.options, model=half.model, device=half.device
         )
+    central = cfg.privacy.central(cfg.nodes, cfg.fraction, cfg.seed)
+    if central is not None:
+        try:
+            half.average = DPFedAvg(central, model=half.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc), field="privacy.mechanism") from None
+        if cfg.steps < (cfg.rounds or 0):
+            logger.warning(
+                "privacy.target_epsilon %g: the run stops after %d of its %d rounds (epsilon %.3g at delta %g; one"
+                " more round would spend %.3g)",
+                cfg.privacy.target_epsilon,
+                cfg.steps,
+                cfg.rounds,
+                central.epsilon(cfg.steps),
+                central.delta,
+                central.epsilon(cfg.steps + 1),
+            )
     return half
 
 

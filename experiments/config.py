@@ -12,13 +12,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import itertools
 import math
 import textwrap
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from pydantic import (
@@ -44,6 +45,9 @@ from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario
 from fedmq.fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fednode.config import Faults
+
+if TYPE_CHECKING:
+    from fedmq.fedcore.privacy import CentralDP
 
 
 class _Strict(BaseModel):
@@ -560,6 +564,42 @@ class CompressionConfig(_Strict):
         return Compression(mode=self.mode, block=self.block, delta=self.delta)
 
 
+class PrivacyConfig(_Strict):
+    """Differential privacy of the released models (docs/privacy.md; `fedcore.privacy`)."""
+
+    mechanism: Literal["none", "central"] = Field(
+        "none",
+        description="central: DP-FedAvg (McMahan et al. 2018): each update's change clipped to clip_norm, Gaussian"
+        " noise of noise_multiplier x clip_norm on the sum, divided by the cohort; epsilon reported each round",
+    )
+    noise_multiplier: float = Field(1.0, gt=0, le=1000, description="z: the noise in units of clip_norm")
+    clip_norm: float = Field(1.0, gt=0, description="S: the largest L2 norm of an update's change that is kept")
+    delta: float | None = Field(
+        None, gt=0, lt=1, description="the delta epsilon is reported for; default a tenth of 1 / nodes"
+    )
+    target_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="stop the run after the last round whose epsilon stays at or below this (the rounds are cut,"
+        " and the run says so when it starts)",
+    )
+
+    def central(self, nodes: int, fraction: float, seed: int) -> CentralDP | None:
+        """The mechanism's settings for a federation of `nodes` selecting `fraction` a round; None without."""
+        if self.mechanism != "central":
+            return None
+        from fedmq.fedcore.privacy import CentralDP
+
+        return CentralDP(
+            noise_multiplier=self.noise_multiplier,
+            clip_norm=self.clip_norm,
+            delta=self.delta if self.delta is not None else 0.1 / nodes,
+            cohort=max(1, math.floor(fraction * nodes + 1e-9)),
+            nodes=nodes,
+            seed=seed,
+        )
+
+
 class HierarchyConfig(_Strict):
     """Hierarchical aggregation (docs/hierarchy.md): the nodes are split into sites, each behind an
     aggregator (`fedmq aggregator`) that sends the coordinator one partial update per round."""
@@ -626,7 +666,11 @@ class ExperimentConfig(_Strict):
         SimulationConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
         description="how `fedmq simulate` trains a round's nodes (vectorised on a GPU) and checkpoints",
     )
-    _added_later = ("engine", "scenario", "compression", "hierarchy", "simulation")
+    privacy: PrivacyConfig = Field(
+        PrivacyConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        description="differential privacy of the released models (default: none; docs/privacy.md)",
+    )
+    _added_later = ("engine", "scenario", "compression", "hierarchy", "simulation", "privacy")
 
     @field_validator("faults")
     @classmethod
@@ -662,6 +706,8 @@ class ExperimentConfig(_Strict):
                 raise ValueError(
                     "hierarchy: site aggregators do not relay compressed updates yet; set compression.mode: none"
                 )
+        if self.privacy.mechanism != "none":
+            self._check_privacy()
         if self.engine.kind == "sync":
             from fedmq.fedcore.robust import ineffective
 
@@ -681,10 +727,40 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"{what}: {self.method.name} cannot fold stale updates: {reason}")
         return self
 
+    def _check_privacy(self) -> None:
+        """Central DP replaces the averaging of synchronous rounds; what it cannot cover is refused here."""
+        why = None
+        if self.engine.kind != "sync" or self.policy.late_updates == "carry":
+            why = "it is for synchronous rounds, each aggregating its own updates (engine.kind sync, late_updates drop)"
+        elif self.method.aggregator.name != "mean":
+            why = f"it replaces the averaging rule, and method.aggregator is {self.method.aggregator.name!r}"
+        elif self.hierarchy.sites:
+            why = "site aggregators would see and sum the updates before the noise (hierarchy.sites must be 0)"
+        elif self.privacy.delta is not None and self.privacy.delta >= 1 / self.nodes:
+            why = f"delta {self.privacy.delta:g} is not below 1 / nodes ({1 / self.nodes:g}): it could release a node"
+        elif importlib.util.find_spec("opacus") is None:
+            why = "its accountant is Opacus's, which is not installed (pip install 'fedmq[privacy]')"
+        if why is not None:
+            raise ValueError(f"privacy.mechanism central: {why}")
+        central = self.privacy.central(self.nodes, self.fraction, self.seed)
+        target = self.privacy.target_epsilon
+        if central is not None and target is not None and central.rounds_within(target) == 0:
+            raise ValueError(
+                f"privacy.target_epsilon {target:g}: one round already spends epsilon {central.epsilon(1):.3g}"
+                f" (delta {central.delta:g}); raise noise_multiplier or the target"
+            )
+
     @property
     def steps(self) -> int:
-        """What the run counts to: rounds (sync) or model versions (async)."""
-        return self.engine.aggregations if self.engine.kind == "async" else int(self.rounds or 0)
+        """What the run counts to: rounds (sync) or model versions (async); with privacy.target_epsilon,
+        no more rounds than stay within it."""
+        if self.engine.kind == "async":
+            return self.engine.aggregations
+        rounds = int(self.rounds or 0)
+        central = self.privacy.central(self.nodes, self.fraction, self.seed)
+        if central is not None and self.privacy.target_epsilon is not None:
+            return min(rounds, central.rounds_within(self.privacy.target_epsilon))
+        return rounds
 
     @property
     def step_name(self) -> str:

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
         "argon2",
         "prometheus_client",
     },
-    "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors"},
+    "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors", "opacus"},
     "coordinator": {
         "coordinator",
         "broker",
@@ -53,6 +53,7 @@ NARROW = {
     "cryptography": {"broker/provision.py"},  # the federation's CA and the broker's certificate
     "argon2": {"broker/provision.py"},  # amqtt's password hashes (amqtt depends on it)
     "sklearn": {"fedcore/data.py"},
+    "opacus": {"fedcore/privacy.py"},  # the privacy accountant (the privacy extra)
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS
     "safetensors": {"coordinator/run_dir.py", "fedcore/algorithms/kdia/teacher.py"},  # checkpoints, KDIA's disk store

@@ -87,6 +87,9 @@ def test_metrics_sync_lines_count_rounds_outcomes_round_time_and_model_figures_e
     assert value(s, "fedmq_loss") == 1.5 and value(s, "fedmq_train_loss") == 0.9
     assert value(s, "fedmq_model_version") == 2
     assert not names(s) & {"fedmq_live_nodes", "fedmq_state", "fedmq_bus_received_bytes_total"}, "no engine, no bus"
+    assert "fedmq_dp_epsilon" not in names(s)  # no privacy: no gauge
+    metrics(0.0, e.Tick(), [c.Record({**records[0], "dp_epsilon": 2.5, "dp_delta": 1e-5})])
+    assert value(scrape(metrics), "fedmq_dp_epsilon") == 2.5
 
 
 def test_metrics_async_commands_count_staleness_receipts_declines_tasks_and_received_updates() -> None:

@@ -169,9 +169,11 @@ def test_bad_http_options_exit_2_with_the_reason(tmp_path: Path) -> None:
 async def test_the_dashboard_shows_the_nodes_and_a_growing_curve_in_a_browser(
     tmp_path: Path, embedded_broker: str
 ) -> None:
+    """Also the privacy spent, for a federation with central DP (issue 32): the epsilon of the last line."""
     chromium = require_chromium()
     rounds = 6
-    fed = Federation(tmp_path, embedded_broker, base_config(rounds=rounds, nodes=8))
+    private = {"mechanism": "central", "noise_multiplier": 0.1, "clip_norm": 5.0}
+    fed = Federation(tmp_path, embedded_broker, base_config(rounds=rounds, nodes=8, privacy=private))
     fed.start_coordinator("--http", "127.0.0.1:0")
     try:
         url = await api_url(fed)
@@ -205,6 +207,7 @@ async def test_the_dashboard_shows_the_nodes_and_a_growing_curve_in_a_browser(
                 "Object.fromEntries([...document.querySelectorAll('#nodes tr[data-node]')]"
                 ".map(r => [r.dataset.node, +r.dataset.accepted]))"
             )
+            epsilon = await browser.evaluate("document.getElementById('epsilon').textContent")
             await browser.screenshot(ARTIFACTS / "dashboard.png")
     finally:
         code = await asyncio.to_thread(fed.wait)
@@ -213,6 +216,8 @@ async def test_the_dashboard_shows_the_nodes_and_a_growing_curve_in_a_browser(
     assert accepted == {node: entry["count"] for node, entry in fed.participation().items()}
     accuracies = [r["accuracy"] for r in fed.metrics()]
     assert len(accuracies) == rounds
+    spent = fed.metrics()[-1]["dp_epsilon"]
+    assert float(epsilon) == pytest.approx(spent, rel=1e-3) and fed.summary()["privacy"]["epsilon"] == spent
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,183 @@
+"""Central differential privacy for the averaging methods: DP-FedAvg with a privacy accountant.
+
+McMahan, Ramage, Talwar and Zhang, "Learning Differentially Private Recurrent Language Models",
+ICLR 2018 (https://arxiv.org/abs/1710.06963), Algorithm 1 with the fixed-denominator estimator and
+uniform weights: each round K of the N nodes are selected (q = K / N); every update's change from
+the global model, d_k = w_k - w, is clipped to L2 norm at most S (over every floating entry), and
+
+    w' = w + (sum_k min(1, S / ||d_k||) d_k + N(0, (z S)^2 I)) / K
+
+with z the noise multiplier. K is the configured cohort, not the count that arrived: the sum's
+sensitivity to one node is S whatever the others do, and a round with stragglers moves the model
+less instead of revealing how many answered. The guarantee is user-level (one node's whole data)
+for the released models, against everyone but the coordinator, which sees the updates in clear
+(secure aggregation, not built yet, would hide them from it).
+
+The privacy spent is tracked by the Renyi-DP accountant of Opacus (Mironov 2017; Mironov, Talwar and
+Zhang 2019, the sampled Gaussian mechanism), as a function of (z, q, rounds): epsilon for the
+configured delta after each round. Opacus analyses Poisson sampling; fedmq selects exactly K nodes
+without replacement, the usual approximation in the federated DP literature (McMahan et al. 2018,
+section 3), said here and in docs/privacy.md.
+
+What it does not cover: integer entries of the model (BatchNorm's ``num_batches_tracked`` would be
+released without noise), so such models are refused; asynchronous folding, robust rules and site
+aggregators, refused when the experiment is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedmq.fedcore.algorithms.base import RoundContext
+from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.tensors import StateDict
+
+ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [80, 128, 256, 512, 1024]
+"""The Renyi orders the accountant tries (Opacus's defaults and a few larger, for small epsilons)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CentralDP:
+    """The mechanism's settings, from the experiment (``privacy:``)."""
+
+    noise_multiplier: float
+    """z: the noise's standard deviation in units of the clip norm."""
+    clip_norm: float
+    """S: the largest L2 norm an update's change from the global model keeps."""
+    delta: float
+    """The delta the epsilon is reported for (below 1 / N)."""
+    cohort: int
+    """K: the nodes a round selects, the estimator's fixed denominator."""
+    nodes: int
+    """N: the federation's nodes (q = K / N)."""
+    seed: int
+    """The run's seed: each round's noise comes from its own stream (seed, "dp-noise", round, version)."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.noise_multiplier < math.inf and 0 < self.clip_norm < math.inf and 0 < self.delta < 1):
+            raise ValueError("noise_multiplier >= 0, clip_norm > 0 and 0 < delta < 1 are needed")
+        if not 1 <= self.cohort <= self.nodes:
+            raise ValueError(f"the cohort ({self.cohort}) must be between 1 and the nodes ({self.nodes})")
+
+    @property
+    def sample_rate(self) -> float:
+        return self.cohort / self.nodes
+
+    @property
+    def noise_std(self) -> float:
+        """The standard deviation of the noise on the model: z S / K."""
+        return self.noise_multiplier * self.clip_norm / self.cohort
+
+    def epsilon(self, rounds: int) -> float:
+        """The epsilon spent after `rounds` rounds, for `delta` (inf without noise)."""
+        return epsilon(self.noise_multiplier, self.sample_rate, rounds, self.delta)
+
+    def rounds_within(self, target: float) -> int:
+        """The most rounds whose epsilon stays at or below `target` (0 if even one exceeds it)."""
+        low, high = 0, 1
+        while self.epsilon(high) <= target:
+            low, high = high, high * 2
+            if high > 1 << 24:
+                return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self.epsilon(middle) <= target else (low, middle)
+        return low
+
+
+@lru_cache(maxsize=4096)
+def epsilon(noise_multiplier: float, sample_rate: float, rounds: int, delta: float) -> float:
+    """Opacus's RDP accountant for `rounds` steps of the sampled Gaussian mechanism."""
+    if rounds <= 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    from opacus.accountants import RDPAccountant  # only runs with privacy need it
+
+    accountant = RDPAccountant()
+    accountant.history = [(noise_multiplier, sample_rate, rounds)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
+        return float(accountant.get_epsilon(delta, alphas=ALPHAS))
+
+
+class DPFedAvg:
+    """The averaging rule of central DP (module docstring), in place of a method's weighted mean.
+
+    `begin_round` gives it the round (the coordinator's calls do, `coordinator.halfcalls`); each call
+    then clips, sums, adds that round's noise and divides by the cohort, and keeps its `metrics`."""
+
+    def __init__(self, settings: CentralDP, *, model: nn.Module) -> None:
+        integers = [name for name, value in model.state_dict().items() if not value.is_floating_point()]
+        if integers:
+            raise ValueError(
+                f"central DP adds noise to floating entries only, and the model holds integer ones ({integers[:3]},"
+                " BatchNorm's batch counts) that would be released without it: use a model without BatchNorm"
+            )
+        self.settings = settings
+        self.model = model
+        self._round: tuple[int, int] | None = None
+        self.calls = 0
+        """Calls so far: a method whose aggregation never calls its averaging rule cannot be private."""
+        self.metrics: dict[str, float] = {}
+
+    def begin_round(self, ctx: RoundContext) -> None:
+        self._round = (ctx.round, ctx.version)
+
+    def __call__(self, states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
+        if self._round is None:
+            raise RuntimeError("DPFedAvg needs begin_round before each aggregation (its noise is the round's)")
+        rnd, version = self._round
+        self._round = None
+        self.calls += 1
+        s = self.settings
+        current = self.model.state_dict()
+        counted = [state for state, weight in zip(states, weights, strict=True) if float(weight) > 0]
+        norms = [_norm(current, state) for state in counted]
+        scales = [min(1.0, s.clip_norm / norm) if norm > 0 else 1.0 for norm in norms]
+        generator = torch_generator(s.seed, "dp-noise", rnd, version)
+        out: StateDict = {}
+        for name, now in current.items():
+            wide = now.to(torch.float64)
+            total = torch.zeros_like(wide)
+            for state, scale in zip(counted, scales, strict=True):
+                total.add_(state[name].to(torch.float64) - wide, alpha=scale)
+            noise = torch.randn(now.shape, generator=generator, dtype=torch.float64)
+            total.add_(noise, alpha=s.noise_multiplier * s.clip_norm)
+            out[name] = (wide + total / s.cohort).to(now.dtype)
+        self.metrics = {
+            "dp_epsilon": s.epsilon(rnd + 1),
+            "dp_delta": s.delta,
+            "dp_noise_std": s.noise_std,
+            "dp_clip_share": sum(norm > s.clip_norm for norm in norms) / len(norms) if norms else 0.0,
+            "dp_norm_median": statistics.median(norms) if norms else 0.0,
+        }
+        return out
+
+    def summary(self, rounds_completed: int) -> dict[str, Any]:
+        """What summary.json says of the privacy spent by `rounds_completed` rounds."""
+        s = self.settings
+        return {
+            "mechanism": "central",
+            "epsilon": s.epsilon(rounds_completed),
+            "delta": s.delta,
+            "noise_multiplier": s.noise_multiplier,
+            "clip_norm": s.clip_norm,
+            "sample_rate": s.sample_rate,
+            "rounds": rounds_completed,
+            "accountant": "opacus RDP (Poisson sampling assumed)",
+        }
+
+
+def _norm(current: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> float:
+    """||state - current|| over every (floating) entry, summed in float64 in key order."""
+    return math.sqrt(sum(float((state[k].double() - v.double()).square().sum()) for k, v in current.items()))

@@ -1,0 +1,150 @@
+"""Central differential privacy (issue 32, item 2; `fedcore.privacy`): DP-FedAvg's clipping and noise
+against values computed by hand, the accountant against Opacus's own inverse, and the refusals."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from opacus.accountants.utils import get_noise_multiplier
+from torch import nn
+
+from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.halfcalls import HalfCalls
+from fedmq.experiments.config import parse_config
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms.base import NodeUpdate, RoundContext
+from fedmq.fedcore.errors import AlgorithmError, ConfigError
+from fedmq.fedcore.privacy import CentralDP, DPFedAvg
+from fedmq.fedcore.seeding import torch_generator
+from tests.algorithms.common import context, scalar_model
+from tests.algorithms.common import update as node_update
+from tests.coordinator.engine_helpers import config
+
+
+def settings(**changes: Any) -> CentralDP:
+    values: dict[str, Any] = {
+        "noise_multiplier": 0.0, "clip_norm": 1.0, "delta": 1e-3, "cohort": 4, "nodes": 40, "seed": 7,
+    } | changes  # fmt: skip
+    return CentralDP(**values)
+
+
+def aggregate(rule: DPFedAvg, states: Sequence[Mapping[str, torch.Tensor]], rnd: int = 0) -> dict[str, torch.Tensor]:
+    rule.begin_round(context(rnd, ("a",)))
+    return rule([dict(s) for s in states], [1.0] * len(states))
+
+
+def test_clipping_and_the_fixed_denominator_by_hand() -> None:
+    """From w = 0 with S = 1 and K = 4: changes 3 (norm 3, cut to 1) and 0.5 (kept) sum to 1.5, over K
+    = 4 (not the 2 that came): 0.375. Weights are ignored (uniform), a weight of 0 leaves an update out."""
+    rule = DPFedAvg(settings(), model=scalar_model(0.0))
+    out = aggregate(rule, [{"weight": torch.full((1, 1), 3.0)}, {"weight": torch.full((1, 1), 0.5)}])
+    assert out["weight"].item() == pytest.approx(0.375)
+    assert rule.metrics["dp_clip_share"] == 0.5 and rule.metrics["dp_norm_median"] == pytest.approx(1.75)
+
+
+def test_the_noise_is_the_rounds_own_stream_times_z_s_over_k() -> None:
+    """z = 2, S = 0.5, K = 4 on a model of 10,000 zeros with no update change: w' = N(0, 1) draws of the
+    stream (seed, "dp-noise", round, version) x z S / K, exactly; another round draws other noise; the
+    empirical deviation is z S / K."""
+    model = nn.Linear(100, 100, bias=False)
+    nn.init.zeros_(model.weight)
+    rule = DPFedAvg(settings(noise_multiplier=2.0, clip_norm=0.5), model=model)
+    zero = {"weight": torch.zeros(100, 100)}
+    out = aggregate(rule, [zero], rnd=3)
+    draws = torch.randn((100, 100), generator=torch_generator(7, "dp-noise", 3, 0), dtype=torch.float64)
+    torch.testing.assert_close(out["weight"], (draws * 2.0 * 0.5 / 4).float(), rtol=0, atol=1e-7)
+    assert float(out["weight"].std()) == pytest.approx(0.25, rel=0.03) and rule.metrics["dp_noise_std"] == 0.25
+    assert not torch.equal(aggregate(rule, [zero], rnd=4)["weight"], out["weight"])
+
+
+def test_the_rule_needs_its_round_and_refuses_integer_entries() -> None:
+    rule = DPFedAvg(settings(), model=scalar_model(0.0))
+    with pytest.raises(RuntimeError, match="begin_round"):
+        rule([{"weight": torch.zeros(1, 1)}], [1.0])
+    with pytest.raises(ValueError, match="integer ones"):
+        DPFedAvg(settings(), model=nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+
+
+def test_epsilon_is_what_opacus_inverts_to_the_same_noise() -> None:
+    """The accountant against the library's own reference: Opacus's get_noise_multiplier, asked for
+    the epsilon we report after T rounds at q = K / N, gives back our z (to its search's precision);
+    epsilon grows with the rounds and falls with the noise; rounds_within is the last round within."""
+    dp = settings(noise_multiplier=1.1, cohort=10, nodes=100, delta=1e-5)
+    eps = dp.epsilon(200)
+    z = get_noise_multiplier(target_epsilon=eps, target_delta=1e-5, sample_rate=0.1, steps=200, accountant="rdp")
+    assert z == pytest.approx(1.1, abs=0.01)
+    assert dp.epsilon(100) < eps < dp.epsilon(400) and settings(noise_multiplier=2.0, cohort=10, nodes=100).epsilon(
+        200
+    ) < settings(noise_multiplier=1.1, cohort=10, nodes=100).epsilon(200)
+    rounds = dp.rounds_within(eps)
+    assert dp.epsilon(rounds) <= eps < dp.epsilon(rounds + 1) and rounds == 200
+    assert dp.epsilon(0) == 0.0 and math.isinf(settings().epsilon(1))
+
+
+class _BypassingHalf:
+    """A coordinator half that averages by itself instead of through `average` (as no built-in does):
+    central DP would then never see the updates."""
+
+    def __init__(self, average: DPFedAvg) -> None:
+        self.average = average
+        self.model = average.model
+
+    def aggregate(self, ctx: RoundContext, updates: Sequence[NodeUpdate], failures: object) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def averaging_metrics(self) -> dict[str, float]:
+        return {}
+
+    def round_records(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_method_aggregating_around_its_averaging_rule_is_refused_by_the_calls() -> None:
+    rule = DPFedAvg(settings(), model=scalar_model(0.0))
+    updates = [node_update("a", {"weight": torch.zeros(1, 1)}, 10)]
+    calls = HalfCalls(_BypassingHalf(rule), config())  # type: ignore[arg-type]
+    with pytest.raises(AlgorithmError, match="aggregated without its averaging rule"):
+        calls.aggregate(c.Aggregate(1, context(0, ("a",)), updates, []))
+    spec = get_algorithm("fedavg")  # a method that does average through it: the rule ran, with its round
+    half = spec.coordinator(build_hyperparams(spec, {}), model=scalar_model(0.0))
+    half.average = DPFedAvg(settings(), model=half.model)
+    aggregated, _ = HalfCalls(half, config()).aggregate(c.Aggregate(1, context(0, ("a",)), updates, []))
+    assert "dp_epsilon" in aggregated.metrics and half.average.calls == 1
+
+
+BASE = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 50, "privacy": {"mechanism": "central"}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"engine": {"kind": "async"}}, "it is for synchronous rounds"),
+        ({"method": {"aggregator": {"name": "median"}}}, "it replaces the averaging rule"),
+        ({"hierarchy": {"sites": 2}}, "site aggregators would see"),
+        ({"privacy": {"mechanism": "central", "delta": 0.05}}, "delta 0.05 is not below 1 / nodes"),
+        ({"privacy": {"mechanism": "central", "target_epsilon": 0.01}}, "one round already spends epsilon"),
+        ({"privacy": {"mechanism": "central", "noise_multiplier": 0}}, "noise_multiplier"),
+    ],
+)
+def test_what_central_dp_cannot_cover_is_refused_at_load(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(BASE | changes)
+
+
+def test_a_target_epsilon_cuts_the_rounds_and_the_default_delta_is_a_tenth_of_one_over_n() -> None:
+    cfg = parse_config(BASE | {"privacy": {"mechanism": "central", "target_epsilon": 3.0}})
+    central = cfg.privacy.central(cfg.nodes, cfg.fraction, cfg.seed)
+    assert central is not None and central.delta == pytest.approx(0.005) and central.cohort == 5
+    assert cfg.steps == central.rounds_within(3.0) < 50 and central.epsilon(cfg.steps) <= 3.0
+    assert parse_config(BASE).steps == 50
