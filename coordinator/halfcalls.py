@@ -12,7 +12,7 @@ from fedmq.coordinator.config import CoordinatorConfig
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload, half_state, load_half_state
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, model_sha256, non_finite
 
@@ -73,7 +73,7 @@ class HalfCalls:
 
     def _snapshot(self) -> None:
         model, state = self._last_good or (None, None)
-        self._last_good = _copy_into(model, self.half.model.state_dict()), _copy_into(state, self.half.state_dict())
+        self._last_good = _copy_into(model, self.half.model.state_dict()), _copy_into(state, half_state(self.half))
 
     def rollback(self) -> None:
         """Back to the model (and the half's state) from before the last aggregation: the engine
@@ -82,7 +82,7 @@ class HalfCalls:
             raise RuntimeError("no aggregation to roll back")
         model, state = self._last_good
         self.half.model.load_state_dict(model)
-        self.half.load_state_dict(state)
+        load_half_state(self.half, state)
 
 
 def _copy_into(kept: StateDict | None, current: Mapping[str, Any]) -> StateDict:

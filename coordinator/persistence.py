@@ -16,7 +16,7 @@ import torch
 from fedmq.coordinator.checkpoints import CheckpointWriter
 from fedmq.coordinator.errors import CoordinatorError
 from fedmq.coordinator.run_dir import RunDir
-from fedmq.fedcore.algorithms.base import CoordinatorHalf
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, half_state, load_half_state
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Persistence:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the model and the half's extra state (runs in the half's worker lane)."""
         tensors = {f"model/{k}": v for k, v in self.half.model.state_dict().items()}
-        tensors |= {f"extra/{k}": v for k, v in self.half.state_dict().items()}
+        tensors |= {f"extra/{k}": v for k, v in half_state(self.half).items()}
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
 
     def submit(self, key: int, tensors: dict[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -62,7 +62,7 @@ class Persistence:
         extra = {k.removeprefix("extra/"): v for k, v in tensors.items() if k.startswith("extra/")}
         try:
             self.half.model.load_state_dict(model)
-            self.half.load_state_dict(extra)
+            load_half_state(self.half, extra)
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CoordinatorError(f"checkpoint does not match this experiment: {exc}") from exc
         return meta

@@ -583,6 +583,16 @@ class PrivacyConfig(_Strict):
         description="stop the run after the last round whose epsilon stays at or below this (the rounds are cut,"
         " and the run says so when it starts)",
     )
+    adaptive_clipping: bool = Field(
+        False,
+        description="Andrew et al. 2021: clip_norm is where the norm starts; each round it moves toward the"
+        " target_quantile of the updates' norms, estimated with count_noise (part of the privacy budget)",
+    )
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="the share of updates left unclipped")
+    clip_learning_rate: float = Field(0.2, gt=0, description="the geometric step of the clip norm")
+    count_noise: float | None = Field(
+        None, gt=0, description="the noise on the count of unclipped updates; default cohort / 20"
+    )
 
     def central(self, nodes: int, fraction: float, seed: int) -> CentralDP | None:
         """The mechanism's settings for a federation of `nodes` selecting `fraction` a round; None without."""
@@ -597,6 +607,10 @@ class PrivacyConfig(_Strict):
             cohort=max(1, math.floor(fraction * nodes + 1e-9)),
             nodes=nodes,
             seed=seed,
+            adaptive=self.adaptive_clipping,
+            target_quantile=self.target_quantile,
+            clip_learning_rate=self.clip_learning_rate,
+            count_noise=self.count_noise,
         )
 
 
@@ -742,7 +756,10 @@ class ExperimentConfig(_Strict):
             why = "its accountant is Opacus's, which is not installed (pip install 'fedmq[privacy]')"
         if why is not None:
             raise ValueError(f"privacy.mechanism central: {why}")
-        central = self.privacy.central(self.nodes, self.fraction, self.seed)
+        try:
+            central = self.privacy.central(self.nodes, self.fraction, self.seed)
+        except ValueError as exc:
+            raise ValueError(f"privacy: {exc}") from None
         target = self.privacy.target_epsilon
         if central is not None and target is not None and central.rounds_within(target) == 0:
             raise ValueError(

@@ -61,12 +61,41 @@ class CentralDP:
     """N: the federation's nodes (q = K / N)."""
     seed: int
     """The run's seed: each round's noise comes from its own stream (seed, "dp-noise", round, version)."""
+    adaptive: bool = False
+    """Adaptive clipping (Andrew et al. 2021): clip_norm is where the norm starts; each round it moves
+    geometrically toward the `target_quantile` of the updates' norms, estimated privately."""
+    target_quantile: float = 0.5
+    """gamma: the share of updates the clip norm should leave unclipped."""
+    clip_learning_rate: float = 0.2
+    """eta_C: C <- C exp(-eta_C (b - gamma)), b the noisy share of unclipped updates."""
+    count_noise: float | None = None
+    """sigma_b: the noise on the count of unclipped updates; None: K / 20 (the paper's choice)."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.noise_multiplier < math.inf and 0 < self.clip_norm < math.inf and 0 < self.delta < 1):
             raise ValueError("noise_multiplier >= 0, clip_norm > 0 and 0 < delta < 1 are needed")
         if not 1 <= self.cohort <= self.nodes:
             raise ValueError(f"the cohort ({self.cohort}) must be between 1 and the nodes ({self.nodes})")
+        if self.adaptive and not 2 * self.count_sigma > self.noise_multiplier > 0:
+            raise ValueError(
+                f"adaptive clipping spends part of the noise on the count of unclipped updates: it needs"
+                f" 2 x count_noise ({2 * self.count_sigma:g}) above noise_multiplier ({self.noise_multiplier:g});"
+                " raise count_noise (default K / 20) or select more nodes a round"
+            )
+
+    @property
+    def count_sigma(self) -> float:
+        """sigma_b, resolved."""
+        return self.count_noise if self.count_noise is not None else self.cohort / 20
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The noise multiplier of the update sum: z itself, or with adaptive clipping what the count's
+        noise leaves of it, (z^-2 - (2 sigma_b)^-2)^(-1/2) (Andrew et al. 2021, Theorem 1), so that the
+        two releases together are as private as one Gaussian mechanism of multiplier z."""
+        if not self.adaptive:
+            return self.noise_multiplier
+        return (self.noise_multiplier**-2 - (2 * self.count_sigma) ** -2) ** -0.5
 
     @property
     def sample_rate(self) -> float:
@@ -74,8 +103,8 @@ class CentralDP:
 
     @property
     def noise_std(self) -> float:
-        """The standard deviation of the noise on the model: z S / K."""
-        return self.noise_multiplier * self.clip_norm / self.cohort
+        """The standard deviation of the noise on the model at the starting clip norm: z S / K."""
+        return self.update_noise_multiplier * self.clip_norm / self.cohort
 
     def epsilon(self, rounds: int) -> float:
         """The epsilon spent after `rounds` rounds, for `delta` (inf without noise)."""
@@ -125,6 +154,8 @@ class DPFedAvg:
             )
         self.settings = settings
         self.model = model
+        self.clip_norm = torch.tensor([settings.clip_norm], dtype=torch.float64)
+        """C, the clip norm of the next round (moved each round with adaptive clipping; checkpointed)."""
         self._round: tuple[int, int] | None = None
         self.calls = 0
         """Calls so far: a method whose aggregation never calls its averaging rule cannot be private."""
@@ -140,10 +171,11 @@ class DPFedAvg:
         self._round = None
         self.calls += 1
         s = self.settings
+        clip = float(self.clip_norm)
         current = self.model.state_dict()
         counted = [state for state, weight in zip(states, weights, strict=True) if float(weight) > 0]
         norms = [_norm(current, state) for state in counted]
-        scales = [min(1.0, s.clip_norm / norm) if norm > 0 else 1.0 for norm in norms]
+        scales = [min(1.0, clip / norm) if norm > 0 else 1.0 for norm in norms]
         generator = torch_generator(s.seed, "dp-noise", rnd, version)
         out: StateDict = {}
         for name, now in current.items():
@@ -152,16 +184,33 @@ class DPFedAvg:
             for state, scale in zip(counted, scales, strict=True):
                 total.add_(state[name].to(torch.float64) - wide, alpha=scale)
             noise = torch.randn(now.shape, generator=generator, dtype=torch.float64)
-            total.add_(noise, alpha=s.noise_multiplier * s.clip_norm)
+            total.add_(noise, alpha=s.update_noise_multiplier * clip)
             out[name] = (wide + total / s.cohort).to(now.dtype)
         self.metrics = {
             "dp_epsilon": s.epsilon(rnd + 1),
             "dp_delta": s.delta,
-            "dp_noise_std": s.noise_std,
-            "dp_clip_share": sum(norm > s.clip_norm for norm in norms) / len(norms) if norms else 0.0,
+            "dp_noise_std": s.update_noise_multiplier * clip / s.cohort,
+            "dp_clip_norm": clip,
+            "dp_clip_share": sum(norm > clip for norm in norms) / len(norms) if norms else 0.0,
             "dp_norm_median": statistics.median(norms) if norms else 0.0,
         }
+        if s.adaptive:  # after the model's noise, from the same stream: the count's own
+            unclipped = sum(norm <= clip for norm in norms)
+            count_noise = float(torch.randn((), generator=generator, dtype=torch.float64))
+            share = (unclipped + s.count_sigma * count_noise) / s.cohort
+            self.clip_norm.fill_(clip * math.exp(-s.clip_learning_rate * (share - s.target_quantile)))
+            self.metrics["dp_unclipped_estimate"] = share
         return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The clip norm of the next round (`coordinator` checkpoints it with the half's state)."""
+        return {"clip_norm": self.clip_norm} if self.settings.adaptive else {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if set(state) != ({"clip_norm"} if self.settings.adaptive else set()):
+            raise ValueError(f"central DP's state is its clip norm with adaptive clipping only, got {sorted(state)}")
+        if state:
+            self.clip_norm.copy_(state["clip_norm"])
 
     def summary(self, rounds_completed: int) -> dict[str, Any]:
         """What summary.json says of the privacy spent by `rounds_completed` rounds."""
@@ -171,7 +220,8 @@ class DPFedAvg:
             "epsilon": s.epsilon(rounds_completed),
             "delta": s.delta,
             "noise_multiplier": s.noise_multiplier,
-            "clip_norm": s.clip_norm,
+            "clip_norm": float(self.clip_norm) if s.adaptive else s.clip_norm,
+            "adaptive_clipping": s.adaptive,
             "sample_rate": s.sample_rate,
             "rounds": rounds_completed,
             "accountant": "opacus RDP (Poisson sampling assumed)",

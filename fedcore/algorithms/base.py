@@ -274,6 +274,30 @@ class CoordinatorHalf(ABC):
             raise ValueError(f"{type(self).__name__} keeps no extra state, got {sorted(state)[:5]}")
 
 
+AVERAGE_STATE = "average/"
+"""The prefix of the averaging rule's own state in `half_state` (central DP's adaptive clip norm)."""
+
+
+def half_state(half: CoordinatorHalf) -> dict[str, torch.Tensor]:
+    """What a checkpoint or a rollback keeps of the coordinator half besides its model: the method's
+    extra state, and the state of an averaging rule that has one (``state_dict`` on ``half.average``)."""
+    average = getattr(half.average, "state_dict", None)
+    extra = {f"{AVERAGE_STATE}{k}": v for k, v in average().items()} if average is not None else {}
+    return half.state_dict() | extra
+
+
+def load_half_state(half: CoordinatorHalf, state: Mapping[str, torch.Tensor]) -> None:
+    """`half_state`'s inverse: the method's part to the half, the averaging rule's to it."""
+    own = {k: v for k, v in state.items() if not k.startswith(AVERAGE_STATE)}
+    rule = {k.removeprefix(AVERAGE_STATE): v for k, v in state.items() if k.startswith(AVERAGE_STATE)}
+    half.load_state_dict(own)
+    load = getattr(half.average, "load_state_dict", None)
+    if load is not None:
+        load(rule)
+    elif rule:
+        raise ValueError(f"the averaging rule keeps no state, got {sorted(rule)[:5]}")
+
+
 def staleness_weighted(ctx: RoundContext, updates: Sequence[NodeUpdate], weights: Sequence[float]) -> list[float]:
     """w_k s(tau_k): the method's weights discounted by each update's staleness (``ctx.folding.staleness``).
 

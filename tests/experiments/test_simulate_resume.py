@@ -84,6 +84,12 @@ def _outcome(summary: dict[str, Any]) -> dict[str, Any]:
         ("fedavg", None, []),
         ("scaffold", None, []),
         ("moon", "churn.yaml", ["policy.min_nodes=5"]),  # nodes come and go, crash and drop tasks
+        # central DP with adaptive clipping: each round's noise, and the clip norm the checkpoint carries
+        (
+            "fedavg",
+            None,
+            ["privacy.mechanism=central", "privacy.noise_multiplier=0.4", "privacy.adaptive_clipping=true"],
+        ),
     ],
 )
 def test_a_run_cut_after_a_checkpoint_resumes_to_the_uncut_runs_model(

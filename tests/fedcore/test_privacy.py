@@ -148,3 +148,52 @@ def test_a_target_epsilon_cuts_the_rounds_and_the_default_delta_is_a_tenth_of_on
     assert central is not None and central.delta == pytest.approx(0.005) and central.cohort == 5
     assert cfg.steps == central.rounds_within(3.0) < 50 and central.epsilon(cfg.steps) <= 3.0
     assert parse_config(BASE).steps == 50
+
+
+def test_adaptive_clipping_by_hand_moves_the_norm_by_the_noisy_unclipped_share() -> None:
+    """Andrew et al. 2021: with C = 1, norms 3 and 0.5 leave one of K = 4 unclipped; the count's noise
+    is the round stream's draw after the model's, sigma_b = K / 20 = 0.2; C <- C exp(-0.2 (b - 0.5)).
+    The update's noise multiplier is what the count leaves of z: (z^-2 - (2 sigma_b)^-2)^-1/2."""
+    dp = settings(noise_multiplier=0.3, adaptive=True)
+    assert dp.count_sigma == pytest.approx(0.2)
+    assert dp.update_noise_multiplier == pytest.approx((0.3**-2 - 0.4**-2) ** -0.5)
+    rule = DPFedAvg(dp, model=scalar_model(0.0))
+    aggregate(rule, [{"weight": torch.full((1, 1), 3.0)}, {"weight": torch.full((1, 1), 0.5)}], rnd=2)
+    g = torch_generator(7, "dp-noise", 2, 0)
+    torch.randn((1, 1), generator=g, dtype=torch.float64)  # the model's noise
+    share = (1 + 0.2 * float(torch.randn((), generator=g, dtype=torch.float64))) / 4
+    assert rule.metrics["dp_unclipped_estimate"] == pytest.approx(share)
+    assert float(rule.clip_norm) == pytest.approx(math.exp(-0.2 * (share - 0.5)))
+    assert rule.metrics["dp_clip_norm"] == 1.0  # the norm this round used
+    with pytest.raises(ValueError, match=re.escape("2 x count_noise (0.2) above noise_multiplier (1)")):
+        settings(noise_multiplier=1.0, adaptive=True, cohort=2)
+
+
+def test_adaptive_clipping_finds_the_target_quantile_of_the_norms() -> None:
+    """100 updates a round with norms spread evenly over (0, 2]: from C = 0.1, the clip norm settles
+    near their median, 1, within 60 rounds (little noise: the count's sigma_b is 5, z small)."""
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    rule = DPFedAvg(settings(noise_multiplier=0.5, clip_norm=0.1, cohort=100, nodes=1000, adaptive=True), model=model)
+    states = [{"weight": torch.full((1, 1), 2.0 * (k + 1) / 100)} for k in range(100)]
+    for rnd in range(60):
+        aggregate(rule, states, rnd=rnd)
+        nn.init.zeros_(model.weight)  # the same norms every round
+    assert float(rule.clip_norm) == pytest.approx(1.0, abs=0.15)
+
+
+def test_the_adaptive_norm_is_checkpointed_with_the_half_and_restored() -> None:
+    from fedmq.fedcore.algorithms.base import half_state, load_half_state
+
+    spec = get_algorithm("fedavg")
+    half = spec.coordinator(build_hyperparams(spec, {}), model=scalar_model(0.0))
+    half.average = DPFedAvg(settings(noise_multiplier=0.3, adaptive=True), model=half.model)
+    half.average.clip_norm.fill_(0.42)
+    state = {k: v.clone() for k, v in half_state(half).items()}
+    assert set(state) == {"average/clip_norm"}
+    half.average.clip_norm.fill_(9.0)
+    load_half_state(half, state)
+    assert float(half.average.clip_norm) == 0.42
+    plain = DPFedAvg(settings(), model=scalar_model(0.0))
+    with pytest.raises(ValueError, match="adaptive clipping only"):
+        plain.load_state_dict({"clip_norm": torch.ones(1)})
