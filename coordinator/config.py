@@ -164,6 +164,10 @@ class CoordinatorConfig:
     ``samples-over-limit``, so one node's credentials cannot buy the federation's weight by claiming
     10^11 samples (issue 31). A node not named is bounded by `policy.max_node_samples` only."""
 
+    node_dp_delta: Annotated[float | None, Bounds(gt=0, lt=1)] = None
+    """With node DP-SGD (``train.dp_noise_multiplier``), the delta each node's epsilon is reported for
+    (`fedcore.privacy.NodePrivacy`); None: a tenth of 1 / the nodes."""
+
     def __post_init__(self) -> None:
         check_fields(self)
         if self.nodes is not None:

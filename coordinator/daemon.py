@@ -783,7 +783,7 @@ class Coordinator:
             "engine": self.config.engine,
             "state": self._state,
             "nodes": len(self.registry),
-            **outcome_fields(self.engine, self.evaluator, self.half),
+            **outcome_fields(self.engine, self.evaluator, self.half, self._calls.node_privacy),
             "wall_seconds": round(wall, 3),
             "checkpoints": {
                 "written_round": checkpoints.written_round,

@@ -14,6 +14,7 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload, half_state, load_half_state
 from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.privacy import NodePrivacy
 from fedmq.fedcore.tensors import StateDict, model_sha256, non_finite
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
@@ -30,6 +31,8 @@ class HalfCalls:
         """FedBuff folds each update as a delta from the model its node received: keep those models."""
         self._sync_kept = config.asynchronous.max_staleness if config.policy.late_updates == "carry" else 0
         """Sync rounds: versions an update may lag and still be folded (a late one carried)."""
+        self.node_privacy = node_privacy(config)
+        """What node DP-SGD has spent, reported with each aggregation (None without it)."""
         self._last_good: tuple[StateDict, StateDict] | None = None
         """The model and the half's state from before the last aggregation, to fall back on when its
         model is rejected: copied into the same buffers each time (one pass over the model, no
@@ -64,6 +67,8 @@ class HalfCalls:
             self.rollback()
             return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=f"non-finite ({bad})"), {}
         metrics = {**self.half.averaging_metrics(), **metrics}
+        if self.node_privacy is not None:
+            metrics |= self.node_privacy.metrics(ctx.participation)
         records = self.half.round_records()
         keep_from = command.keep_from
         if keep_from is None and self._deltas:  # sync rounds: no later update can come from older versions
@@ -95,3 +100,11 @@ def _copy_into(kept: StateDict | None, current: Mapping[str, Any]) -> StateDict:
     for name, tensor in current.items():
         kept[name].copy_(tensor.detach())
     return kept
+
+
+def node_privacy(config: CoordinatorConfig) -> NodePrivacy | None:
+    """The node DP-SGD accounting `config`'s training asks for: its delta, or a tenth of 1 / the nodes."""
+    if config.train.dp_noise_multiplier is None:
+        return None
+    delta = config.node_dp_delta if config.node_dp_delta is not None else 0.1 / max(len(config.nodes or ()), 1)
+    return NodePrivacy(config.train, delta)

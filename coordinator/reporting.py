@@ -17,6 +17,7 @@ from fedmq.coordinator.run_dir import RunDir
 from fedmq.fedcore.algorithms.base import CoordinatorHalf
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord
+from fedmq.fedcore.privacy import NodePrivacy
 from fedmq.fedcore.tensors import model_sha256
 from fedmq.fedcore.training import evaluate
 
@@ -72,7 +73,9 @@ class Evaluator:
         }
 
 
-def outcome_fields(engine: Engine, evaluator: Evaluator | None, half: CoordinatorHalf) -> dict[str, Any]:
+def outcome_fields(
+    engine: Engine, evaluator: Evaluator | None, half: CoordinatorHalf, node_privacy: NodePrivacy | None = None
+) -> dict[str, Any]:
     """What summary.json says of a run's outcome, for a daemon's run and an in-process one alike:
     the engine's counts, final and best accuracy, the model to deploy, the final model's hash."""
     accuracies = engine.accuracies
@@ -84,6 +87,7 @@ def outcome_fields(engine: Engine, evaluator: Evaluator | None, half: Coordinato
         "model_sha256": model_sha256(half.model),
         "participation_totals": participation_totals(engine.participation),
         **privacy_fields(engine, half),
+        **({"privacy": node_privacy.summary(engine.participation)} if node_privacy is not None else {}),
     }
 
 

@@ -162,7 +162,13 @@ def preflight(cfg: ExperimentConfig) -> None:
 
 
 def train_settings(cfg: ExperimentConfig) -> TrainSettings:
-    return TrainSettings(**cfg.train.model_dump())
+    """The nodes' training, with node DP-SGD's noise and per-sample clip when the experiment asks for it."""
+    settings = TrainSettings(**cfg.train.model_dump())
+    if cfg.privacy.mechanism == "node":
+        return dataclasses.replace(
+            settings, dp_noise_multiplier=cfg.privacy.noise_multiplier, max_grad_norm=cfg.privacy.clip_norm
+        )
+    return settings
 
 
 def make_model(cfg: ExperimentConfig, data: TensorDataset) -> torch.nn.Module:
@@ -247,6 +253,7 @@ def coordinator_config(
         compression=cfg.compression.compression(),
         nodes=frozenset(cfg.hierarchy.site_names() if sites else cfg.node_ids()),
         node_samples=node_samples,
+        node_dp_delta=cfg.privacy.node_delta(cfg.nodes) if cfg.privacy.mechanism == "node" else None,
     )
 
 

@@ -564,13 +564,20 @@ class CompressionConfig(_Strict):
         return Compression(mode=self.mode, block=self.block, delta=self.delta)
 
 
+NODE_DP_METHODS = frozenset({"fedavg", "fedavgm"})
+"""Methods whose node trains `local_sgd` on the plain cross-entropy, which Opacus's per-sample
+gradients cover whole (a proximal or distillation term would be left out of them)."""
+
+
 class PrivacyConfig(_Strict):
     """Differential privacy of the released models (docs/privacy.md; `fedcore.privacy`)."""
 
-    mechanism: Literal["none", "central"] = Field(
+    mechanism: Literal["none", "central", "node"] = Field(
         "none",
         description="central: DP-FedAvg (McMahan et al. 2018): each update's change clipped to clip_norm, Gaussian"
-        " noise of noise_multiplier x clip_norm on the sum, divided by the cohort; epsilon reported each round",
+        " noise of noise_multiplier x clip_norm on the sum, divided by the cohort; node: DP-SGD on every node"
+        " (Abadi et al. 2016, Opacus): each sample's gradient clipped to clip_norm, noise on each batch's sum;"
+        " epsilon reported each round",
     )
     noise_multiplier: float = Field(1.0, gt=0, le=1000, description="z: the noise in units of clip_norm")
     clip_norm: float = Field(1.0, gt=0, description="S: the largest L2 norm of an update's change that is kept")
@@ -593,6 +600,10 @@ class PrivacyConfig(_Strict):
     count_noise: float | None = Field(
         None, gt=0, description="the noise on the count of unclipped updates; default cohort / 20"
     )
+
+    def node_delta(self, nodes: int) -> float:
+        """The delta a node's epsilon is reported for (node DP-SGD)."""
+        return self.delta if self.delta is not None else 0.1 / nodes
 
     def central(self, nodes: int, fraction: float, seed: int) -> CentralDP | None:
         """The mechanism's settings for a federation of `nodes` selecting `fraction` a round; None without."""
@@ -742,7 +753,11 @@ class ExperimentConfig(_Strict):
         return self
 
     def _check_privacy(self) -> None:
-        """Central DP replaces the averaging of synchronous rounds; what it cannot cover is refused here."""
+        """Central DP replaces the averaging of synchronous rounds, node DP the nodes' SGD; what either
+        cannot cover is refused here."""
+        if self.privacy.mechanism == "node":
+            self._check_node_privacy()
+            return
         why = None
         if self.engine.kind != "sync" or self.policy.late_updates == "carry":
             why = "it is for synchronous rounds, each aggregating its own updates (engine.kind sync, late_updates drop)"
@@ -766,6 +781,26 @@ class ExperimentConfig(_Strict):
                 f"privacy.target_epsilon {target:g}: one round already spends epsilon {central.epsilon(1):.3g}"
                 f" (delta {central.delta:g}); raise noise_multiplier or the target"
             )
+
+    def _check_node_privacy(self) -> None:
+        why = None
+        if self.method.name not in NODE_DP_METHODS:
+            why = (
+                f"method {self.method.name!r} trains on its own objective, whose terms outside the model's layers"
+                f" Opacus's per-sample gradients would drop; node DP-SGD is for {', '.join(sorted(NODE_DP_METHODS))}"
+            )
+        elif self.train.max_grad_norm is not None:
+            why = "each sample's gradient is clipped to privacy.clip_norm: leave train.max_grad_norm unset"
+        elif self.simulation.vectorize is True or self.hosting.vectorize:
+            why = "vectorised training has no per-sample clipping: leave simulation.vectorize and hosting.vectorize off"
+        elif self.privacy.target_epsilon is not None or self.privacy.adaptive_clipping:
+            why = "target_epsilon and adaptive_clipping are for the central mechanism"
+        elif self.privacy.delta is not None and self.privacy.delta >= 1 / self.nodes:
+            why = f"delta {self.privacy.delta:g} is not below 1 / nodes ({1 / self.nodes:g})"
+        elif importlib.util.find_spec("opacus") is None:
+            why = "it is Opacus's DP-SGD, which is not installed (pip install 'fedmq[privacy]')"
+        if why is not None:
+            raise ValueError(f"privacy.mechanism node: {why}")
 
     @property
     def steps(self) -> int:

@@ -96,7 +96,7 @@ def build_local(
         compute_s=compute_s or fault_delays(cfg),
         scratch=workspace.scratch,
         event_log=event_log,
-        vectorize=cfg.simulation.vectorizes(device.type),
+        vectorize=cfg.simulation.vectorizes(device.type) and cfg.privacy.mechanism != "node",  # no per-sample clips
         graphs=cfg.simulation.graph_mode(),
         **extra,
     )

@@ -272,7 +272,7 @@ def write_local_run(
         "engine": cfg.engine.kind,
         "state": fed.engine.state,
         "nodes": len(fed.nodes),
-        **outcome_fields(fed.engine, evaluator, fed.half),
+        **outcome_fields(fed.engine, evaluator, fed.half, fed.node_privacy),
         "wall_seconds": round(wall_s, 3),
         "simulated_seconds": round(simulated, 3),
         "simulated_per_wall_second": round(simulated / wall_s, 1) if wall_s > 0 else None,

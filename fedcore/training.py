@@ -35,6 +35,10 @@ class TrainSettings:
     """Skip each epoch's last batch when it is short of `batch_size` (PyTorch's DataLoader
     ``drop_last=True``, what the FedVLS authors' MNIST loaders use); false: train on it, unless it is
     a single sample (BatchNorm cannot train on one)."""
+    dp_noise_multiplier: float | None = None
+    """Node-level DP-SGD (Abadi et al. 2016, through Opacus): every sample's gradient clipped to
+    `max_grad_norm` and Gaussian noise of this times it added to each batch's sum; None: plain SGD.
+    Sent in a task only when set, so tasks without it are as before (`fedcore.privacy`)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,6 +51,11 @@ class TrainSettings:
             ("lr_decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
             ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0, "positive or null"),
             ("drop_last", isinstance(self.drop_last, bool), "true or false"),
+            (
+                "dp_noise_multiplier",
+                self.dp_noise_multiplier is None or (0 < self.dp_noise_multiplier <= 1000 and self.max_grad_norm),
+                "positive, with max_grad_norm set (each sample's gradient is clipped to it)",
+            ),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -56,7 +65,10 @@ class TrainSettings:
         return replace(self, lr=self.lr * self.lr_decay ** max(round, 0))
 
     def to_meta(self) -> dict[str, Any]:
-        return asdict(self)
+        meta = asdict(self)
+        if meta["dp_noise_multiplier"] is None:
+            del meta["dp_noise_multiplier"]  # tasks without DP-SGD stay byte for byte what they were
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> TrainSettings:
@@ -109,8 +121,30 @@ def local_sgd(
     """
     model.train()
     optimizer = make_optimizer(model, settings)
+    trained, close = model, None
+    if settings.dp_noise_multiplier is not None:
+        from fedmq.fedcore.privacy import private_training  # Opacus, only for DP-SGD
+
+        trained, optimizer, close = private_training(model, optimizer, settings, generator)
+    try:
+        return _epochs(trained, optimizer, data, settings, generator, loss_fn, after_backward)
+    finally:
+        if close is not None:
+            close()
+
+
+def _epochs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: TensorDataset,
+    settings: TrainSettings,
+    generator: torch.Generator,
+    loss_fn: LossFn,
+    after_backward: Callable[[nn.Module], None] | None,
+) -> TrainStats:
     n = len(data)
     total, steps, seen = 0.0, 0, 0
+    private = settings.dp_noise_multiplier is not None  # the DP optimizer clips each sample's gradient itself
     for _ in range(settings.local_epochs):
         order = torch.randperm(n, generator=generator, device=generator.device).to(data.x.device)
         for start in range(0, n, settings.batch_size):
@@ -125,7 +159,7 @@ def local_sgd(
             loss.backward()
             if after_backward is not None:
                 after_backward(model)
-            if settings.max_grad_norm is not None:
+            if settings.max_grad_norm is not None and not private:
                 nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             optimizer.step()
             total += float(loss.detach()) * len(idx)

@@ -124,6 +124,7 @@ class LocalFederation:
         self._order = itertools.count()
         self._steps: dict[int, _Step] = {}
         self._half_calls = HalfCalls(self.half, self.engine.config)
+        self.node_privacy = self._half_calls.node_privacy
         self._started = False
         self._online: set[str] = set()
         self._epochs: Counter[str] = Counter()

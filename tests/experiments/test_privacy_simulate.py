@@ -43,3 +43,25 @@ def test_a_private_simulation_reports_its_epsilon_stops_at_the_target_and_replay
     _, again = _run(tmp_path / "again", rounds_only)  # the same rounds without a target: the same run
     _, quieter = _run(tmp_path / "quieter", rounds_only, "privacy.noise_multiplier=0.001")
     assert again["model_sha256"] == summary["model_sha256"] != quieter["model_sha256"]
+
+
+def test_a_simulation_with_dp_sgd_on_every_node_reports_each_nodes_epsilon_and_replays(tmp_path: Path) -> None:
+    from fedmq.experiments.build import train_settings
+    from fedmq.fedcore.privacy import node_epsilon
+
+    node = ["privacy.mechanism=node", "privacy.noise_multiplier=1.0", "privacy.clip_norm=1.0", "rounds=2"]
+    data = apply_overrides(read_yaml(ROOT / "experiments" / "quickstart.yaml"), ["train.local_epochs=1", *node])
+    cfg = parse_config(data)
+    simulate(cfg, tmp_path / "run", device=torch.device("cpu"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    participation = json.loads((tmp_path / "run" / "participation.json").read_text())
+    settings = train_settings(cfg)  # the experiment's, with DP-SGD's noise and per-sample clip
+    assert (settings.dp_noise_multiplier, settings.max_grad_norm) == (1.0, 1.0)
+    expected = {
+        n: node_epsilon(settings, p["num_samples"], max(p["rounds_selected"], p["count"]), 0.005)
+        for n, p in participation.items()
+    }
+    assert summary["privacy"]["epsilon_by_node"] == expected and summary["privacy"]["mechanism"] == "node"
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["node_dp_epsilon_max"] == max(expected.values()) > 0
+    assert replay_run(tmp_path / "run").ok

@@ -197,3 +197,95 @@ def test_the_adaptive_norm_is_checkpointed_with_the_half_and_restored() -> None:
     plain = DPFedAvg(settings(), model=scalar_model(0.0))
     with pytest.raises(ValueError, match="adaptive clipping only"):
         plain.load_state_dict({"clip_norm": torch.ones(1)})
+
+
+# -- node-level DP-SGD -------------------------------------------------------------------------------
+
+
+def _dp_settings(**changes: Any) -> Any:
+    from fedmq.fedcore.training import TrainSettings
+
+    return TrainSettings(**({"batch_size": 4, "lr": 0.5, "max_grad_norm": 1.0, "dp_noise_multiplier": 0.7} | changes))
+
+
+def test_dp_sgd_clips_each_samples_gradient_and_adds_the_seeded_noise_by_hand() -> None:
+    """One DP-SGD step of a linear model on 4 samples: w' = w - lr (sum_i clip(g_i) + N(0, (z C)^2)) / B,
+    with g_i each sample's gradient (torch.func, by hand), clipped to C = 1 over all parameters, and the
+    noise drawn as Opacus draws it from a generator seeded by one draw of the node's generator."""
+    from torch.func import functional_call, grad, vmap
+
+    from fedmq.fedcore.data import TensorDataset
+    from fedmq.fedcore.training import local_sgd
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(4, 3) * 3, torch.tensor([0, 1, 1, 0])
+    data = TensorDataset(x, y, 2)
+    settings = _dp_settings()
+    node = torch.Generator().manual_seed(5)
+    local_sgd(model, data, settings, node)
+
+    replay = torch.Generator().manual_seed(5)
+    seed = int(torch.randint(2**62, (1,), generator=replay))  # the noise's seed, drawn before training
+    order = torch.randperm(4, generator=replay)
+    xb, yb = x[order], y[order]
+
+    shape = nn.Linear(3, 2)
+
+    def loss(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(functional_call(shape, params, (xi[None],)), yi[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(start, xb, yb)
+    norms = torch.stack([g.reshape(4, -1).norm(dim=1) for g in per_sample.values()]).norm(dim=0)
+    factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)  # Opacus's clip factor
+    noise = torch.Generator().manual_seed(seed)
+    for name in ("weight", "bias"):  # Opacus draws the noise per parameter, in the model's order
+        summed = torch.einsum("i,i...->...", factor, per_sample[name])
+        drawn = torch.normal(mean=0, std=0.7 * 1.0, size=summed.shape, generator=noise)
+        expected = start[name] - 0.5 * (summed + drawn) / 4
+        torch.testing.assert_close(model.state_dict()[name], expected, rtol=0, atol=1e-5)
+    # Opacus's hooks are gone: the same model trains plainly afterwards, with no per-sample gradients
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+    assert not model._forward_hooks and not model._backward_hooks
+    local_sgd(model, data, _dp_settings(dp_noise_multiplier=None, max_grad_norm=None), torch.Generator())
+
+
+def test_tasks_without_dp_sgd_carry_the_same_train_settings_as_before() -> None:
+    from fedmq.fedcore.training import TrainSettings
+
+    assert "dp_noise_multiplier" not in TrainSettings().to_meta()
+    meta = _dp_settings().to_meta()
+    assert meta["dp_noise_multiplier"] == 0.7 and TrainSettings.from_meta(meta) == _dp_settings()
+    with pytest.raises(ConfigError, match="with max_grad_norm set"):
+        _dp_settings(max_grad_norm=None)
+
+
+def test_a_nodes_epsilon_counts_every_step_of_every_task_it_was_given() -> None:
+    """60 samples, batch 16: 4 batches an epoch (ceil), q = 16/60; 3 tasks of 2 epochs are 24 steps of
+    the sampled Gaussian mechanism; the record counts a node's selections or its updates, the more."""
+    from fedmq.fedcore.participation import ParticipationRecord
+    from fedmq.fedcore.privacy import NodePrivacy, epsilon, node_epsilon
+
+    settings = _dp_settings(batch_size=16, local_epochs=2, dp_noise_multiplier=1.0)
+    assert node_epsilon(settings, 60, 3, 1e-4) == epsilon(1.0, 16 / 60, 24, 1e-4)
+    record = ParticipationRecord()
+    node = record.ensure("a", num_samples=60)
+    node.rounds_selected, node.count, node.late = 2, 2, 1  # a late update too: 3 releases
+    record.ensure("b", num_samples=60).rounds_selected = 1
+    spent = NodePrivacy(settings, 1e-4).spent(record)
+    assert spent == {"a": node_epsilon(settings, 60, 3, 1e-4), "b": node_epsilon(settings, 60, 1, 1e-4)}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"method": {"name": "fedprox"}}, "method 'fedprox' trains on its own objective"),
+        ({"train": {"max_grad_norm": 1.0}}, "leave train.max_grad_norm unset"),
+        ({"simulation": {"vectorize": True}}, "vectorised training has no per-sample clipping"),
+        ({"privacy": {"mechanism": "node", "target_epsilon": 3}}, "are for the central mechanism"),
+    ],
+)
+def test_what_node_dp_sgd_cannot_cover_is_refused_at_load(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(BASE | {"privacy": {"mechanism": "node"}} | changes)
