@@ -35,6 +35,9 @@ from fedmq.broker.errors import BusError, CodecError, CredentialsError, MessageT
 from fedmq.broker.message import Kind, Message, new_message_id
 from fedmq.broker.throttle import LogThrottle
 
+Frame = bytes | bytearray
+"""An encoded frame, as the publish calls take it."""
+
 logger = logging.getLogger(__name__)
 
 _SESSION_EXPIRY_S = 3600
@@ -624,7 +627,7 @@ class BusClient:
             )
         async with self._publish_slots:
             if qos == 1:  # paho's queue and one wait for the acknowledgement, not a task and two waits
-                if await self._publish_acked([topic], payload, retain=retain, expiry_s=expiry_s):
+                if await self._publish_acked([topic], {topic: payload}, retain=retain, expiry_s=expiry_s):
                     raise BusError(f"publish failed: {self._last_error}", topic=topic)
                 return
             await self._with_connection(
@@ -651,21 +654,24 @@ class BusClient:
     async def publish_many(
         self,
         topics: Sequence[str],
-        frame: bytes | bytearray,
+        frame: Frame | Mapping[str, Frame],
         *,
         round: int,
         qos: int = 1,
         expiry_s: float | None = None,
     ) -> list[str]:
-        """One frame to many topics (a round's tasks, identical for all its nodes): every PUBLISH handed
-        to the connection at once and their acknowledgements awaited together, where `publish_frame`
-        would take a task and two waits each. Unacknowledged ones are sent again after a reconnection,
-        until `operation_timeout_s`. Returns the topics that could not be published."""
+        """One frame to many topics, or each topic its own (a map by topic: a round's tasks, which
+        differ in their task ids only): every PUBLISH handed to the connection at once and their
+        acknowledgements awaited together, where `publish_frame` would take a task and two waits each.
+        Unacknowledged ones are sent again after a reconnection, until `operation_timeout_s`. Returns
+        the topics that could not be published."""
         if not topics:
             return []
-        if qos != 1 or len(frame) > self.chunk_bytes:  # chunks and QoS 0 take the general path
+        frames: Mapping[str, Frame] = frame if isinstance(frame, Mapping) else dict.fromkeys(topics, frame)
+        largest = max(len(frames[t]) for t in topics)
+        if qos != 1 or largest > self.chunk_bytes:  # chunks and QoS 0 take the general path
             results = await asyncio.gather(
-                *(self.publish_frame(t, frame, round=round, qos=qos, expiry_s=expiry_s) for t in topics),
+                *(self.publish_frame(t, frames[t], round=round, qos=qos, expiry_s=expiry_s) for t in topics),
                 return_exceptions=True,
             )
             for result in results:
@@ -673,12 +679,12 @@ class BusClient:
                     raise result
             return [t for t, r in zip(topics, results, strict=True) if isinstance(r, BaseException)]
         longest = max(len(t) for t in topics)
-        if len(frame) + longest + PUBLISH_OVERHEAD > self.max_message_bytes:
-            raise MessageTooLarge(f"{len(frame)} bytes exceed the broker limit of {self.max_message_bytes}")
-        return await self._publish_acked(topics, frame, retain=False, expiry_s=expiry_s)
+        if largest + longest + PUBLISH_OVERHEAD > self.max_message_bytes:
+            raise MessageTooLarge(f"{largest} bytes exceed the broker limit of {self.max_message_bytes}")
+        return await self._publish_acked(topics, frames, retain=False, expiry_s=expiry_s)
 
     async def _publish_acked(
-        self, topics: Sequence[str], frame: bytes | bytearray, *, retain: bool, expiry_s: float | None
+        self, topics: Sequence[str], frames: Mapping[str, Frame], *, retain: bool, expiry_s: float | None
     ) -> list[str]:
         """QoS 1 PUBLISHes of `frame` to `topics`, handed to paho at once and acknowledged together
         (`_hook_acks`); what a lost connection left unacknowledged goes again on the next one, until
@@ -698,7 +704,7 @@ class BusClient:
             acks: dict[int, _Batch] = paho._fedmq_batches  # type: ignore[attr-defined]
             sent: dict[int, str] = {}
             for topic in todo:
-                info = paho.publish(topic, frame, 1, retain, props)
+                info = paho.publish(topic, frames[topic], 1, retain, props)
                 if info.rc in _CONNECTION_LOST_CODES:
                     break  # the connection is going: the rest go after the reconnection
                 if info.rc != mqtt.MQTT_ERR_SUCCESS:
@@ -713,9 +719,8 @@ class BusClient:
                 await asyncio.wait({lost}, timeout=max(deadline - time.monotonic(), 0))
             for mid in batch.pending:
                 acks.pop(mid, None)
-            acked = len(sent) - len(batch.pending)
-            self.stats.published += acked
-            self.stats.bytes_out += acked * len(frame)
+            self.stats.published += len(sent) - len(batch.pending)
+            self.stats.bytes_out += sum(len(frames[t]) for m, t in sent.items() if m not in batch.pending)
             todo = [sent[m] for m in batch.pending] + todo[len(sent) :]
             if todo and time.monotonic() >= deadline:
                 self._last_error = f"unacknowledged after {self.config.operation_timeout_s:g} s"
