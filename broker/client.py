@@ -813,6 +813,9 @@ class BusClient:
             return
         topic = raw.topic.value
         size = len(payload)
+        if size == 0:  # MQTT's deletion of a retained message, delivered to subscribers: nothing to read
+            self._log.debug("empty message on %s (a retained message cleared) ignored", topic[:200])
+            return
         self.stats.received += 1
         self.stats.bytes_in += size
         if size > self.config.max_message_bytes:

@@ -283,6 +283,13 @@ class Coordinator:
                 f"topic {envelope.topic[:200]!r} is outside the scheme (node ids are 1 to 64 letters, digits,"
                 " '_', '.' or '-')",
             )
+        if envelope.retained and route.channel in ("acks", "updates"):
+            self._clear_retained(envelope.topic)
+            raise ProtocolError(
+                "retained",
+                f"a retained {route.channel[:-1]} on the topic of {route.node!r} (acks and updates are never"
+                " retained: the broker replayed a stored message); refused, and the broker's copy cleared",
+            )
         if route.node is not None and message.sender != route.node:
             raise ProtocolError("wrong-sender", f"sender {message.sender[:80]!r} on the topic of {route.node!r}")
         if route.node is not None and self.config.nodes is not None and route.node not in self.config.nodes:
@@ -318,6 +325,16 @@ class Coordinator:
         else:
             self._answered(message.sender, message.meta.get("task"))
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
+
+    def _clear_retained(self, topic: str) -> None:
+        """Publish an empty retained message on `topic`, which deletes the broker's stored one (issue
+        31, item 9): a node may publish with the retain flag on its own ack and update topics (the
+        ACL cannot forbid the flag on mosquitto), and the broker would replay that message to every
+        coordinator that subscribes, this one after each reconnection included."""
+        if self._bus is None:
+            return
+        logger.warning("clearing the retained message a client left on %s", topic[:200])
+        self._spawn(self._bus.publish_frame(topic, b"", round=-1, retain=True))
 
     def _reconnected(self, node: str, connection: int | None) -> bool:
         """Whether this status is the node's first on a newer connection than its last status said

@@ -143,3 +143,30 @@ def test_a_large_per_node_task_frame_is_not_held_to_send_again(tmp_path: Path) -
     limit = min(coordinator.config.policy.inline_model_bytes, coordinator.bus_config.chunk_bytes // 2)
     assert coordinator._held_for_resend(bytearray(limit + 100))
     assert not coordinator._held_for_resend(bytearray(limit + 10_000))
+
+
+async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -> None:
+    """Issue 31, item 9: the broker replays a node's retained ack or update to every coordinator that
+    subscribes. Such a message is refused as `retained` (before anything else is read of it) and an
+    empty retained publish clears the broker's copy; a retained status is a node's announcement."""
+    coordinator = _coordinator(tmp_path)
+    cleared: list[tuple[str, bytes, bool]] = []
+
+    class _Bus:
+        async def publish_frame(self, topic: str, frame: bytes, *, retain: bool = False, **kw: object) -> int:
+            cleared.append((topic, bytes(frame), retain))
+            return 0
+
+    coordinator._bus = _Bus()  # type: ignore[assignment]
+    t = Topics("f")
+    update = Message(kind=Kind.UPDATE, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
+    ack = Message(kind=Kind.ACK, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
+    for topic, message in ((t.update("node-000"), update), (t.ack("node-000"), ack)):
+        with pytest.raises(ProtocolError) as info:
+            coordinator._dispatch(Envelope(topic, message, 10, retained=True))
+        assert info.value.reason == "retained"
+    coordinator._dispatch(_status("node-000", retained=True))
+    while coordinator._background:
+        await asyncio.sleep(0)
+    assert cleared == [(t.update("node-000"), b"", True), (t.ack("node-000"), b"", True)]
+    assert isinstance(coordinator._events.get_nowait(), e.NodeSeen) and coordinator._events.empty()  # the status only

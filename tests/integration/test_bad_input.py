@@ -337,3 +337,38 @@ async def test_an_insider_quoting_another_nodes_task_id_or_the_broadcasts_is_ref
     assert summary["final_accuracy"] > 0.5, metrics
     log = fed.log("coordinator.log")
     assert "node-002 quotes the task id sent to another node" in log and "quotes the model broadcast's id" in log
+
+
+async def test_a_retained_update_or_ack_is_refused_and_cleared(tmp_path: Path, broker_url: str) -> None:
+    """Issue 31, item 9: a node may publish with the retain flag on its own update and ack topics (the
+    ACL cannot forbid the flag), and the broker replays the stored message to every coordinator that
+    subscribes. Left there before the coordinator starts, a retained update (node-001's) and ack
+    (node-000's) are refused as `retained`, and cleared: nothing is replayed to the next subscriber,
+    and the run, the nodes' own updates included, goes as if they had never been sent."""
+    cfg = base_config(nodes=3, rounds=1, deadline_s=10, policy={"min_nodes": 3})
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    left = {
+        t.update("node-001"): Message(
+            kind=Kind.UPDATE, federation=fed.federation, round=0, sender="node-001",
+            meta={"task": os.urandom(16), "num_samples": 10}, tensors={"model/w": np.zeros(3, np.float32)},
+        ),
+        t.ack("node-000"): Message(
+            kind=Kind.ACK, federation=fed.federation, round=0, sender="node-000", meta={"task": os.urandom(16)}
+        ),
+    }  # fmt: skip
+    async with raw_client(broker_url) as evil:
+        for topic, message in left.items():
+            await evil.publish(topic, bytes(encode(message)), qos=1, retain=True)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert await asyncio.to_thread(fed.wait) == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert summary["bus"]["rejected"] == {"retained": 2}, summary["bus"]["rejected"]
+    assert sorted(metrics[0]["accepted"]) == ["node-000", "node-001", "node-002"], metrics
+    assert "clearing the retained message a client left on" in fed.log("coordinator.log")
+    async with raw_client(broker_url) as later:
+        await later.subscribe([(topic, 1) for topic in left])
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.5):
+                await anext(aiter(later.messages))
