@@ -26,6 +26,7 @@ import paho.mqtt.client as mqtt
 from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from fedmq.broker import paho_fast
 from fedmq.broker.chunking import Reassembler, process_budget, split
@@ -175,6 +176,8 @@ class BusClient:
         self._mqtt_log = self._log.getChild("mqtt")
         self._mqtt_log.addFilter(quiet_pending_publishes)
         self._subscriptions: dict[str, int] = {}
+        self._as_published: set[str] = set()
+        """Subscriptions whose messages keep their publisher's retain flag (MQTT v5; `subscribe`)."""
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._client: aiomqtt.Client | None = None
         self._generation = 0
@@ -494,7 +497,8 @@ class BusClient:
     async def _on_connected(self, client: aiomqtt.Client) -> None:
         self._fit_to_broker()
         for topic, qos in self._subscriptions.items():
-            granted = await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
+            wanted = self._subscription([topic], qos)
+            granted = await client.subscribe(wanted, timeout=self.config.operation_timeout_s)
             if _refused_subscriptions([topic], granted):
                 self._log.error("the broker refused %s's subscription to %s on reconnecting", self.client_id, topic)
         async with self._state:
@@ -539,16 +543,23 @@ class BusClient:
 
     # -- outgoing --------------------------------------------------------------------------
 
-    async def subscribe(self, *topics: str, qos: int = 1) -> None:
+    async def subscribe(self, *topics: str, qos: int = 1, retain_as_published: bool = False) -> None:
         """Subscribe (restored on every reconnection); BusError names the topics the broker refused
-        (an ACL that does not let this identity read them), which would otherwise never deliver."""
+        (an ACL that does not let this identity read them), which would otherwise never deliver.
+
+        `retain_as_published`: a message published retained keeps the flag when it is delivered at
+        once (`Envelope.retained`), where MQTT otherwise clears it, so a receiver can refuse what
+        should never be retained however it arrives. MQTT v5 only: over 3.1.1 (amqtt) only a stored
+        message replayed on subscribing says it was retained."""
         granted: list[object] = []
 
         async def call(client: aiomqtt.Client, limit_s: float) -> None:
-            granted[:] = [await client.subscribe([(x, qos) for x in topics], timeout=limit_s)]
+            granted[:] = [await client.subscribe(self._subscription(topics, qos), timeout=limit_s)]
 
         for topic in topics:
             self._subscriptions[topic] = qos
+            if retain_as_published:
+                self._as_published.add(topic)
         await self._with_connection("subscribe", call)
         refused = _refused_subscriptions(list(topics), granted[0] if granted else None)
         if refused:
@@ -560,9 +571,19 @@ class BusClient:
                 " (is this identity's node id its user name?)"
             )
 
+    def _subscription(
+        self, topics: Sequence[str], qos: int
+    ) -> list[tuple[str, SubscribeOptions]] | list[tuple[str, int]]:
+        """What SUBSCRIBE asks for `topics`: their QoS (3.1.1), or v5 options, which keep the retain
+        flag for the topics subscribed `retain_as_published`."""
+        if self._protocol != aiomqtt.ProtocolVersion.V5:
+            return [(t, qos) for t in topics]
+        return [(t, SubscribeOptions(qos=qos, retainAsPublished=t in self._as_published)) for t in topics]
+
     async def unsubscribe(self, *topics: str) -> None:
         for topic in topics:
             self._subscriptions.pop(topic, None)
+            self._as_published.discard(topic)
         await self._with_connection("unsubscribe", lambda c, t: c.unsubscribe(list(topics), timeout=t))
 
     async def publish(

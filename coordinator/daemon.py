@@ -189,7 +189,9 @@ class Coordinator:
         )
         async with client as bus:
             self._bus = bus
-            await bus.subscribe(self.topics.all_node_status, self.topics.all_acks, self.topics.all_updates)
+            await bus.subscribe(self.topics.all_node_status)
+            # acks and updates keep a retained publish's flag even live (MQTT v5), to be refused (`_dispatch`)
+            await bus.subscribe(self.topics.all_acks, self.topics.all_updates, retain_as_published=True)
             self.connected.set()
             receiver = asyncio.create_task(self._receive(bus), name="coordinator-receive")
             driver = asyncio.create_task(self._drive(), name="coordinator-drive")
@@ -244,7 +246,7 @@ class Coordinator:
                 self._dispatch(envelope)
             except ProtocolError as exc:
                 bus.reject(exc.reason, envelope, exc.detail)
-                if envelope.retained:
+                if envelope.retained and exc.reason != "retained":
                     logger.warning(
                         "the retained message on %s is ignored (%s); its node is seen when it announces again",
                         envelope.topic[:200],
