@@ -26,6 +26,7 @@ import paho.mqtt.client as mqtt
 from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from fedmq.broker import paho_fast
 from fedmq.broker.chunking import Reassembler, process_budget, split
@@ -34,6 +35,9 @@ from fedmq.broker.config import MQTT_MAX_PACKET, PUBLISH_OVERHEAD, BusConfig
 from fedmq.broker.errors import BusError, CodecError, CredentialsError, MessageTooLarge
 from fedmq.broker.message import Kind, Message, new_message_id
 from fedmq.broker.throttle import LogThrottle
+
+Frame = bytes | bytearray
+"""An encoded frame, as the publish calls take it."""
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +176,8 @@ class BusClient:
         self._mqtt_log = self._log.getChild("mqtt")
         self._mqtt_log.addFilter(quiet_pending_publishes)
         self._subscriptions: dict[str, int] = {}
+        self._as_published: set[str] = set()
+        """Subscriptions whose messages keep their publisher's retain flag (MQTT v5; `subscribe`)."""
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._client: aiomqtt.Client | None = None
         self._generation = 0
@@ -491,7 +497,8 @@ class BusClient:
     async def _on_connected(self, client: aiomqtt.Client) -> None:
         self._fit_to_broker()
         for topic, qos in self._subscriptions.items():
-            granted = await client.subscribe(topic, qos=qos, timeout=self.config.operation_timeout_s)
+            wanted = self._subscription([topic], qos)
+            granted = await client.subscribe(wanted, timeout=self.config.operation_timeout_s)
             if _refused_subscriptions([topic], granted):
                 self._log.error("the broker refused %s's subscription to %s on reconnecting", self.client_id, topic)
         async with self._state:
@@ -536,16 +543,23 @@ class BusClient:
 
     # -- outgoing --------------------------------------------------------------------------
 
-    async def subscribe(self, *topics: str, qos: int = 1) -> None:
+    async def subscribe(self, *topics: str, qos: int = 1, retain_as_published: bool = False) -> None:
         """Subscribe (restored on every reconnection); BusError names the topics the broker refused
-        (an ACL that does not let this identity read them), which would otherwise never deliver."""
+        (an ACL that does not let this identity read them), which would otherwise never deliver.
+
+        `retain_as_published`: a message published retained keeps the flag when it is delivered at
+        once (`Envelope.retained`), where MQTT otherwise clears it, so a receiver can refuse what
+        should never be retained however it arrives. MQTT v5 only: over 3.1.1 (amqtt) only a stored
+        message replayed on subscribing says it was retained."""
         granted: list[object] = []
 
         async def call(client: aiomqtt.Client, limit_s: float) -> None:
-            granted[:] = [await client.subscribe([(x, qos) for x in topics], timeout=limit_s)]
+            granted[:] = [await client.subscribe(self._subscription(topics, qos), timeout=limit_s)]
 
         for topic in topics:
             self._subscriptions[topic] = qos
+            if retain_as_published:
+                self._as_published.add(topic)
         await self._with_connection("subscribe", call)
         refused = _refused_subscriptions(list(topics), granted[0] if granted else None)
         if refused:
@@ -557,9 +571,19 @@ class BusClient:
                 " (is this identity's node id its user name?)"
             )
 
+    def _subscription(
+        self, topics: Sequence[str], qos: int
+    ) -> list[tuple[str, SubscribeOptions]] | list[tuple[str, int]]:
+        """What SUBSCRIBE asks for `topics`: their QoS (3.1.1), or v5 options, which keep the retain
+        flag for the topics subscribed `retain_as_published`."""
+        if self._protocol != aiomqtt.ProtocolVersion.V5:
+            return [(t, qos) for t in topics]
+        return [(t, SubscribeOptions(qos=qos, retainAsPublished=t in self._as_published)) for t in topics]
+
     async def unsubscribe(self, *topics: str) -> None:
         for topic in topics:
             self._subscriptions.pop(topic, None)
+            self._as_published.discard(topic)
         await self._with_connection("unsubscribe", lambda c, t: c.unsubscribe(list(topics), timeout=t))
 
     async def publish(
@@ -624,7 +648,7 @@ class BusClient:
             )
         async with self._publish_slots:
             if qos == 1:  # paho's queue and one wait for the acknowledgement, not a task and two waits
-                if await self._publish_acked([topic], payload, retain=retain, expiry_s=expiry_s):
+                if await self._publish_acked([topic], {topic: payload}, retain=retain, expiry_s=expiry_s):
                     raise BusError(f"publish failed: {self._last_error}", topic=topic)
                 return
             await self._with_connection(
@@ -651,21 +675,24 @@ class BusClient:
     async def publish_many(
         self,
         topics: Sequence[str],
-        frame: bytes | bytearray,
+        frame: Frame | Mapping[str, Frame],
         *,
         round: int,
         qos: int = 1,
         expiry_s: float | None = None,
     ) -> list[str]:
-        """One frame to many topics (a round's tasks, identical for all its nodes): every PUBLISH handed
-        to the connection at once and their acknowledgements awaited together, where `publish_frame`
-        would take a task and two waits each. Unacknowledged ones are sent again after a reconnection,
-        until `operation_timeout_s`. Returns the topics that could not be published."""
+        """One frame to many topics, or each topic its own (a map by topic: a round's tasks, which
+        differ in their task ids only): every PUBLISH handed to the connection at once and their
+        acknowledgements awaited together, where `publish_frame` would take a task and two waits each.
+        Unacknowledged ones are sent again after a reconnection, until `operation_timeout_s`. Returns
+        the topics that could not be published."""
         if not topics:
             return []
-        if qos != 1 or len(frame) > self.chunk_bytes:  # chunks and QoS 0 take the general path
+        frames: Mapping[str, Frame] = frame if isinstance(frame, Mapping) else dict.fromkeys(topics, frame)
+        largest = max(len(frames[t]) for t in topics)
+        if qos != 1 or largest > self.chunk_bytes:  # chunks and QoS 0 take the general path
             results = await asyncio.gather(
-                *(self.publish_frame(t, frame, round=round, qos=qos, expiry_s=expiry_s) for t in topics),
+                *(self.publish_frame(t, frames[t], round=round, qos=qos, expiry_s=expiry_s) for t in topics),
                 return_exceptions=True,
             )
             for result in results:
@@ -673,12 +700,12 @@ class BusClient:
                     raise result
             return [t for t, r in zip(topics, results, strict=True) if isinstance(r, BaseException)]
         longest = max(len(t) for t in topics)
-        if len(frame) + longest + PUBLISH_OVERHEAD > self.max_message_bytes:
-            raise MessageTooLarge(f"{len(frame)} bytes exceed the broker limit of {self.max_message_bytes}")
-        return await self._publish_acked(topics, frame, retain=False, expiry_s=expiry_s)
+        if largest + longest + PUBLISH_OVERHEAD > self.max_message_bytes:
+            raise MessageTooLarge(f"{largest} bytes exceed the broker limit of {self.max_message_bytes}")
+        return await self._publish_acked(topics, frames, retain=False, expiry_s=expiry_s)
 
     async def _publish_acked(
-        self, topics: Sequence[str], frame: bytes | bytearray, *, retain: bool, expiry_s: float | None
+        self, topics: Sequence[str], frames: Mapping[str, Frame], *, retain: bool, expiry_s: float | None
     ) -> list[str]:
         """QoS 1 PUBLISHes of `frame` to `topics`, handed to paho at once and acknowledged together
         (`_hook_acks`); what a lost connection left unacknowledged goes again on the next one, until
@@ -698,7 +725,7 @@ class BusClient:
             acks: dict[int, _Batch] = paho._fedmq_batches  # type: ignore[attr-defined]
             sent: dict[int, str] = {}
             for topic in todo:
-                info = paho.publish(topic, frame, 1, retain, props)
+                info = paho.publish(topic, frames[topic], 1, retain, props)
                 if info.rc in _CONNECTION_LOST_CODES:
                     break  # the connection is going: the rest go after the reconnection
                 if info.rc != mqtt.MQTT_ERR_SUCCESS:
@@ -713,9 +740,8 @@ class BusClient:
                 await asyncio.wait({lost}, timeout=max(deadline - time.monotonic(), 0))
             for mid in batch.pending:
                 acks.pop(mid, None)
-            acked = len(sent) - len(batch.pending)
-            self.stats.published += acked
-            self.stats.bytes_out += acked * len(frame)
+            self.stats.published += len(sent) - len(batch.pending)
+            self.stats.bytes_out += sum(len(frames[t]) for m, t in sent.items() if m not in batch.pending)
             todo = [sent[m] for m in batch.pending] + todo[len(sent) :]
             if todo and time.monotonic() >= deadline:
                 self._last_error = f"unacknowledged after {self.config.operation_timeout_s:g} s"
@@ -808,6 +834,9 @@ class BusClient:
             return
         topic = raw.topic.value
         size = len(payload)
+        if size == 0:  # MQTT's deletion of a retained message, delivered to subscribers: nothing to read
+            self._log.debug("empty message on %s (a retained message cleared) ignored", topic[:200])
+            return
         self.stats.received += 1
         self.stats.bytes_in += size
         if size > self.config.max_message_bytes:

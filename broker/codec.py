@@ -187,6 +187,26 @@ def encode(message: Message, out: bytearray | None = None) -> bytearray:
     return buf
 
 
+def with_bytes_replaced(frame: bytes | bytearray, old: bytes, new: bytes) -> bytearray:
+    """A copy of `frame` whose header holds the byte string `new` where it held `old` (of the same
+    length, found exactly once), its checksum redone: one encoding made for many receivers that
+    differ in one id (a round's tasks, each with its node's own task id), without encoding the
+    tensors again. ValueError if `old` is not in the header exactly once."""
+    if len(old) != len(new):
+        raise ValueError(f"replacing {len(old)} bytes with {len(new)}")
+    header_len = PREFIX.unpack_from(frame, 0)[2]
+    header = bytes(memoryview(frame)[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    packed = msgpack.packb(old, use_bin_type=True)
+    at = header.find(packed)
+    if at < 0 or header.find(packed, at + 1) >= 0:
+        raise ValueError("the bytes to replace are not in the frame's header exactly once")
+    out = bytearray(frame)
+    start = PREFIX_BYTES + at + len(packed) - len(old)
+    out[start : start + len(new)] = new
+    PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, header_len, checksum(out))
+    return out
+
+
 def decode(data: bytes | bytearray | memoryview, *, verify: bool = True) -> Message:
     """Decode and validate a frame. Raises `CodecError` with a `reason` for every malformed input,
     and nothing else: a frame is the one input any client can send to every daemon.

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
+from fedmq.broker.credentials import COORDINATOR
 from fedmq.broker.errors import CredentialsError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ def secure_amqtt_config(path: Path) -> dict[str, Any]:
 
     What amqtt does not enforce that mosquitto does: it checks subscriptions, not each message
     delivered; it keeps no persistent sessions across its own restart. Its publish ACL covers wills
-    here (`_acl_broker_class`), not in amqtt itself."""
+    here (`_acl_broker_class`), not in amqtt itself, and a node's retained messages are kept only on
+    its status topic (`_may_retain`)."""
     try:
         spec = json.loads(path.read_text())
         listener = {
@@ -157,10 +159,28 @@ def _acl_broker_class() -> type[Any]:  # made on demand: the bus itself does not
                 await super()._broadcast_message(session, topic, data, force_qos)
 
         async def retain_message(self, session: Any, topic_name: Any, data: Any, qos: Any = None) -> None:
+            if data and not _may_retain(session, topic_name):
+                logger.warning(
+                    "embedded broker: %s may not retain a message on %s; delivered, not kept",
+                    session.username, topic_name,
+                )  # fmt: skip
+                return
             if await self._allowed(session, topic_name):
                 await super().retain_message(session, topic_name, data, qos)
 
     return AclBroker
+
+
+def _may_retain(session: Any, topic: str | None) -> bool:
+    """Whether the secure embedded broker keeps a message `session` published (or willed) retained:
+    the coordinator's always; a node's only on a node status topic (its own, as the publish ACL
+    checks), the one topic fedmq's nodes retain. A retained ack or update would be replayed to every
+    coordinator that subscribes (issue 31, item 9); the coordinator refuses and clears such messages
+    on either broker, and here they are not kept in the first place."""
+    if session is None or topic is None or session.username == COORDINATOR:
+        return True
+    parts = topic.split("/")
+    return len(parts) == 5 and parts[2] == "nodes" and parts[4] == "status"
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
-from fedmq.broker.codec import encoded_size
+from fedmq.broker.codec import encoded_size, with_bytes_replaced
 from fedmq.broker.errors import BusError
 from fedmq.broker.throttle import LogThrottle
 from fedmq.coordinator.budgets import node_budgets
@@ -60,11 +60,25 @@ class Summary:
     state: str
 
 
+@dataclass(frozen=True, slots=True)
+class _TaskFrame:
+    """The task frame of the nodes that share a payload (a sync round's), encoded once with `task`,
+    one of their task ids. Each node's own task id is its own (issue 31): its frame is a copy with
+    that id written over this one (`for_task`), so that the model riding inline is not encoded again
+    for every node; a copy lives only until its publish is acknowledged."""
+
+    frame: bytearray
+    task: bytes
+
+    def for_task(self, task: bytes) -> bytearray:
+        return self.frame if task == self.task else with_bytes_replaced(self.frame, self.task, task)
+
+
 @dataclass(slots=True)
 class _Prepared:
     """What a `Configure` step made ready: an encoded task per node and, for a broadcast, the model."""
 
-    frames: dict[str, bytearray]
+    frames: dict[str, _TaskFrame]
     round: int
     tasks: dict[str, bytes]
     inline: bool
@@ -123,13 +137,13 @@ class Coordinator:
         """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
         latest broadcast step, whose model a late acknowledgement may still need)."""
         self._statuses: asyncio.Queue[Message] = asyncio.Queue()
-        self._outbox: list[tuple[str, bytes, int, bytearray]] = []
+        self._outbox: list[tuple[str, bytes, int, _TaskFrame]] = []
         """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
         round, frame)."""
         self._published_state: RunState | None = None
         self._connections: dict[str, int] = {}
         """Each node's connection count, from its statuses: a higher one means it reconnected."""
-        self._open_tasks: dict[str, tuple[bytes, int, bytearray]] = {}
+        self._open_tasks: dict[str, tuple[bytes, int, _TaskFrame]] = {}
         """Each node's last task frame (task id, round, frame) until the node acknowledges or answers it:
         sent again when the node announces itself again while it holds it (`_resend_open_task`)."""
         self._background: set[asyncio.Task[Any]] = set()
@@ -175,7 +189,9 @@ class Coordinator:
         )
         async with client as bus:
             self._bus = bus
-            await bus.subscribe(self.topics.all_node_status, self.topics.all_acks, self.topics.all_updates)
+            await bus.subscribe(self.topics.all_node_status)
+            # acks and updates keep a retained publish's flag even live (MQTT v5), to be refused (`_dispatch`)
+            await bus.subscribe(self.topics.all_acks, self.topics.all_updates, retain_as_published=True)
             self.connected.set()
             receiver = asyncio.create_task(self._receive(bus), name="coordinator-receive")
             driver = asyncio.create_task(self._drive(), name="coordinator-drive")
@@ -230,7 +246,7 @@ class Coordinator:
                 self._dispatch(envelope)
             except ProtocolError as exc:
                 bus.reject(exc.reason, envelope, exc.detail)
-                if envelope.retained:
+                if envelope.retained and exc.reason != "retained":
                     logger.warning(
                         "the retained message on %s is ignored (%s); its node is seen when it announces again",
                         envelope.topic[:200],
@@ -269,6 +285,13 @@ class Coordinator:
                 f"topic {envelope.topic[:200]!r} is outside the scheme (node ids are 1 to 64 letters, digits,"
                 " '_', '.' or '-')",
             )
+        if envelope.retained and route.channel in ("acks", "updates"):
+            self._clear_retained(envelope.topic)
+            raise ProtocolError(
+                "retained",
+                f"a retained {route.channel[:-1]} on the topic of {route.node!r} (acks and updates are never"
+                " retained: the broker replayed a stored message); refused, and the broker's copy cleared",
+            )
         if route.node is not None and message.sender != route.node:
             raise ProtocolError("wrong-sender", f"sender {message.sender[:80]!r} on the topic of {route.node!r}")
         if route.node is not None and self.config.nodes is not None and route.node not in self.config.nodes:
@@ -305,6 +328,16 @@ class Coordinator:
             self._answered(message.sender, message.meta.get("task"))
             self._events.put_nowait(e.UpdateArrived(message, envelope.received_at))
 
+    def _clear_retained(self, topic: str) -> None:
+        """Publish an empty retained message on `topic`, which deletes the broker's stored one (issue
+        31, item 9): a node may publish with the retain flag on its own ack and update topics (the
+        ACL cannot forbid the flag on mosquitto), and the broker would replay that message to every
+        coordinator that subscribes, this one after each reconnection included."""
+        if self._bus is None:
+            return
+        logger.warning("clearing the retained message a client left on %s", topic[:200])
+        self._spawn(self._bus.publish_frame(topic, b"", round=-1, retain=True))
+
     def _reconnected(self, node: str, connection: int | None) -> bool:
         """Whether this status is the node's first on a newer connection than its last status said
         (a repeated announcement on the same connection is not: the node holds what it held)."""
@@ -328,9 +361,13 @@ class Coordinator:
         held = self._open_tasks.get(node)
         if held is None or self._bus is None:
             return
-        _, round, frame = held
+        task_id, round, frame = held
         logger.info("round %d: %s announced itself again with its task unanswered: the task is sent again", round, node)
-        self._spawn(self._bus.publish_frame(self.topics.task(node), frame, round=round, expiry_s=self._expiry()))
+        self._spawn(
+            self._bus.publish_frame(
+                self.topics.task(node), frame.for_task(task_id), round=round, expiry_s=self._expiry()
+            )
+        )
 
     def _method_refusal(self, announcement: Announcement) -> str | None:
         """Why an online announcement is refused for its method (None: it matches, or says none)."""
@@ -488,14 +525,18 @@ class Coordinator:
             inline = model is None or self._fits_in_task(model)
         else:  # one payload per node: each rides in its own task
             payloads, model, inline = payload, None, True
-        if isinstance(payload, Payload):  # one payload: each task (a sync round has one) encoded once, its frame shared
-            by_task: dict[bytes, bytearray] = {}
+        frames: dict[str, _TaskFrame] = {}
+        if isinstance(payload, Payload):  # one payload: the tasks that differ only in their ids encoded once
+            shared: dict[tuple[int, int, int, bytes | None], _TaskFrame] = {}
             for t in command.tasks:
-                if t.task not in by_task:
-                    by_task[t.task] = encode(self._task_message(command, t, payload if inline else None))
-            frames = {t.node: by_task[t.task] for t in command.tasks}
+                key = (t.round, t.attempt, t.version, t.model)
+                if key not in shared:
+                    message = self._task_message(command, t, payload if inline else None)
+                    shared[key] = _TaskFrame(encode(message), t.task)
+                frames[t.node] = shared[key]
         else:
-            frames = {t.node: encode(self._task_message(command, t, payloads[t.node])) for t in command.tasks}
+            for t in command.tasks:
+                frames[t.node] = _TaskFrame(encode(self._task_message(command, t, payloads[t.node])), t.task)
         prepared = _Prepared(frames, command.ctx.round, {t.node: t.task for t in command.tasks}, inline)
         if not inline:
             assert model is not None
@@ -525,7 +566,8 @@ class Coordinator:
             federation=self.config.federation,
             round=first.round,
             sender=SENDER,
-            meta={"task": first.task, "payload": dict(payload.meta)},
+            # the attempt's public id, not a task id: every node may read the broadcast (issue 31)
+            meta={"model_id": first.model, "payload": dict(payload.meta)},
             tensors=flatten_groups(payload.tensors),
         )
 
@@ -536,6 +578,7 @@ class Coordinator:
             attempt=task.attempt,
             version=task.version,
             model_topic=self.topics.model(task.round),
+            model_id=task.model,
             deadline_s=command.expiry_s,
             settings=TrainSettings.from_meta(command.settings),
             method=self.fingerprint.digest,
@@ -583,23 +626,25 @@ class Coordinator:
         self._forget_if_sent(command.step)
 
     def _send_tasks(self) -> None:
-        """Publish the queued tasks: the nodes that share a frame (a round's, identical for all) in one
-        `publish_many`; a node whose task could not be published is reported (TaskUnsent)."""
+        """Publish the queued tasks: the nodes that share a frame (a round's, the same but for each
+        node's task id) in one `publish_many`; a node whose task could not be published is reported
+        (TaskUnsent)."""
         outbox, self._outbox = self._outbox, []
-        groups: dict[int, list[tuple[str, bytes, int, bytearray]]] = {}
+        groups: dict[int, list[tuple[str, bytes, int, _TaskFrame]]] = {}
         for item in outbox:
             groups.setdefault(id(item[3]), []).append(item)
         for items in groups.values():
             self._spawn(self._publish_tasks(items))
 
-    async def _publish_tasks(self, items: list[tuple[str, bytes, int, bytearray]]) -> None:
-        round, frame = items[0][2], items[0][3]
+    async def _publish_tasks(self, items: list[tuple[str, bytes, int, _TaskFrame]]) -> None:
+        round, shared = items[0][2], items[0][3]
         topics = {self.topics.task(node): (node, task_id) for node, task_id, _, _ in items}
-        if self._held_for_resend(frame):
+        if self._held_for_resend(shared.frame):
             for node, task_id, _, _ in items:
-                self._open_tasks[node] = (task_id, round, frame)
+                self._open_tasks[node] = (task_id, round, shared)
+        frames = {topic: shared.for_task(task_id) for topic, (_, task_id) in topics.items()}
         try:
-            failed = await self._bus_or_fail().publish_many(list(topics), frame, round=round, expiry_s=self._expiry())
+            failed = await self._bus_or_fail().publish_many(list(topics), frames, round=round, expiry_s=self._expiry())
         except BusError as exc:
             logger.warning("round %d: %d tasks failed: %s", round, len(topics), exc)
             failed = list(topics)

@@ -25,7 +25,9 @@ from fedmq.fedcore.tensors import arrays_sha256
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+"""2: a synchronous attempt's tasks carry each node's own id (`engine.base.node_task_id`), derived from
+the id drawn; format 1 logs, whose nodes shared one id, no longer replay (issue 31)."""
 FILENAME = "events.jsonl"
 
 

@@ -38,6 +38,8 @@ class RoundState:
     round: int
     attempt: int
     task_id: bytes
+    """The attempt's secret (`SyncRounds` draws it): never sent; the node's task ids derive from it
+    (`engine.base.node_task_id`)."""
     selected: tuple[str, ...]
     target: int
     """Updates (carried ones included) that close the round early."""
@@ -56,6 +58,9 @@ class RoundState:
     offline: set[str] = field(default_factory=set)
     model_published: bool = False
     closed: bool = False
+    issued: frozenset[bytes] = frozenset()
+    """The task ids sent in this attempt, one per selected node: an id among them that is not the
+    sender's own is another node's (``foreign-task``)."""
 
     def __post_init__(self) -> None:
         # kept as nodes answer, so that each update costs O(1), not O(K), at K in the thousands

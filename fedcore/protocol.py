@@ -251,12 +251,18 @@ class Task:
     tensors without `inline` are the receiving node's checks."""
 
     task_id: bytes = field(metadata={"wire": "task"})
-    """`task` on the wire: 16 bytes that the node's ack and update quote."""
+    """`task` on the wire: 16 bytes that the node's ack and update quote, the node's own (a
+    synchronous round gives each node another, `engine.base.node_task_id`)."""
     attempt: int = 0
     version: int | None = None
     """The model version the task carries, echoed as the update's `base_version` (None from
     coordinators that send none)."""
     model_topic: str
+    model_id: bytes | None = None
+    """The id the model broadcast of the task's round attempt carries (16 bytes), by which the node
+    matches the model to its task and nodes of one host train together. Not the task id: since
+    issue 31 each node's `task` is its own, and the broadcast, which every node may read, reveals
+    none. None from coordinators older than per-node ids (their broadcast quoted the shared `task`)."""
     deadline_s: float | None = None
     """How long the coordinator waits for the update; a node that receives the task later (by its
     `ts`, allowing for clock skew) does not act on it. None: never expires."""
@@ -273,6 +279,7 @@ class Task:
         meta: dict[str, Any] = {"task": self.task_id, "attempt": self.attempt}
         _put(meta, "version", self.version)
         meta["model_topic"] = self.model_topic
+        _put(meta, "model_id", self.model_id)
         _put(meta, "deadline_s", self.deadline_s)
         meta["settings"] = self.settings.to_meta()
         _put(meta, "method", self.method)
@@ -288,6 +295,9 @@ class Task:
             raise ProtocolError(cls.REASON, "task id must be 16 bytes")
         if not isinstance(topic, str):
             raise ProtocolError(cls.REASON, f"model topic {topic!r} is not a topic")
+        model_id = meta.get("model_id")
+        if model_id is not None and (not isinstance(model_id, bytes) or len(model_id) != TASK_ID_BYTES):
+            raise ProtocolError(cls.REASON, "model id must be 16 bytes")
         attempt = meta.get("attempt", 0)
         if not _is_int(attempt) or attempt < 0:
             raise ProtocolError(cls.REASON, f"attempt {attempt!r}")
@@ -313,6 +323,7 @@ class Task:
             attempt=attempt,
             version=version,
             model_topic=topic,
+            model_id=model_id,
             deadline_s=deadline,
             settings=settings,
             # a digest that is not a string matches no node's: refused as method-mismatch, as always

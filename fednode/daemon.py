@@ -81,6 +81,14 @@ class Task:
     """How long after its `sent_at` the task may still be acted on (None: always)."""
     method: str | None = None
     """The coordinator's method digest (None: it named none)."""
+    model_id: bytes | None = None
+    """The id the task's model broadcast carries (None from older coordinators, whose broadcast
+    quoted the task id)."""
+
+    @property
+    def model_key(self) -> bytes:
+        """What the task's model quotes: its `model_id`, or (older coordinators) the task id."""
+        return self.task_id if self.model_id is None else self.model_id
 
 
 class NodeDaemon:
@@ -429,7 +437,7 @@ class NodeDaemon:
             raise TaskError("bad-task", "tensors in a task that does not say it carries the model")
         return Task(
             message.round, spec.attempt, spec.task_id, spec.model_topic, spec.settings, time.monotonic(),
-            spec.inline, spec.version, size, spec.deadline_s, spec.method,
+            spec.inline, spec.version, size, spec.deadline_s, spec.method, spec.model_id,
         )  # fmt: skip
 
     def _check_deadline(self, task: Task, sent_at: float) -> None:
@@ -452,7 +460,8 @@ class NodeDaemon:
 
     async def _on_model(self, message: Message, size: int = 0) -> None:
         task = self._task
-        if task is None or message.round != task.round or message.meta.get("task") != task.task_id:
+        quoted = message.meta.get("model_id", message.meta.get("task"))
+        if task is None or message.round != task.round or quoted != task.model_key:
             self.log.debug("model for round %d matches no pending task; ignored", message.round)
             return
         self._task = None
@@ -677,7 +686,7 @@ class NodeDaemon:
 
 def _group_key(task: Task) -> tuple[int, int, bytes, TrainSettings]:
     """Nodes train together only for one task: one round attempt, one broadcast, one set of settings."""
-    return (task.round, task.attempt, task.task_id, task.settings)
+    return (task.round, task.attempt, task.model_key, task.settings)
 
 
 async def serve_nodes(daemons: list[NodeDaemon]) -> list[str]:

@@ -8,6 +8,8 @@ calls no algorithm half (the commands ask for that), so its tests run in millise
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -30,12 +32,33 @@ from fedmq.fedcore.tensors import TensorSpec
 logger = logging.getLogger(__name__)
 
 Schema = Mapping[str, Mapping[str, TensorSpec]]
-NO_RECEIPT = frozenset({"duplicate-update", "wrong-round", "not-selected", "wrong-sender"})
+NO_RECEIPT = frozenset({"duplicate-update", "wrong-round", "not-selected", "wrong-sender", "foreign-task"})
 """Refusals not answered with a receipt: the sender has no task to hear about, or is not who it says."""
 
 
 def new_task_id() -> bytes:
     return os.urandom(16)
+
+
+def node_task_id(secret: bytes, node: str) -> bytes:
+    """The task id `node` gets for the round attempt whose secret is `secret` (a drawn `new_id`):
+    HMAC-SHA256(secret, "node/" + node), its first 16 bytes.
+
+    A synchronous attempt used to give every selected node the same id, and the model broadcast,
+    which every node may read, carried it: a node able to publish on another's topic quoted a valid
+    id (issue 31, item 4). Now each node's id reaches that node alone (on its task topic), and neither
+    another node's id nor the broadcast's `model_id` tells anything of it. Derived rather than drawn
+    per node, so that the engine still draws (and the event log records, and a replay draws back)
+    one id an attempt, and checks an id by recomputing it: nothing to store per node. Pure: the
+    engine stays free of I/O."""
+    return hmac.new(secret, b"node/" + node.encode(), hashlib.sha256).digest()[:16]
+
+
+def public_model_id(secret: bytes) -> bytes:
+    """What the attempt's model broadcast (and every task of it, as `model_id`) carries so that a
+    node matches the model to its task and nodes sharing a host train together: derived from the
+    secret like the nodes' task ids ("model" cannot collide with "node/..."), and no use in an update."""
+    return hmac.new(secret, b"model", hashlib.sha256).digest()[:16]
 
 
 class Engine(ABC):

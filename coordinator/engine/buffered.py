@@ -186,7 +186,7 @@ class BufferedAsync(Engine):
             return
         spec = task.spec
         if spec.node != node:
-            raise ProtocolError("not-selected", f"the task {task_id.hex()} was not sent to {node}")  # type: ignore[union-attr]
+            raise ProtocolError("foreign-task", f"the task {task_id.hex()} was sent to another node, not {node}")  # type: ignore[union-attr]
         try:
             update = self._parse(event, task)
         except ProtocolError as exc:  # the task stays open for the node's valid update
@@ -250,7 +250,7 @@ class BufferedAsync(Engine):
             raise ProtocolError("wrong-round", f"update matches no task sent to {message.sender}")
         node, why = closed
         if node != message.sender:
-            raise ProtocolError("not-selected", f"that task was not sent to {message.sender}")
+            raise ProtocolError("foreign-task", f"that task was sent to another node, not {message.sender}")
         if why == "answered":
             raise ProtocolError("duplicate-update", f"{node} already answered that task")
         self.late_arrivals += 1

@@ -26,6 +26,9 @@ class TaskSpec:
     """Sync: the round's attempt; async: how many tasks the node had before at this version. With
     the round it seeds the node's training stream, so that no two tasks of a node train alike."""
     version: int
+    model: bytes | None = None
+    """Sync: the attempt's public model id (`base.public_model_id`), which its model broadcast
+    carries; `task` is the node's own (`base.node_task_id`). Async: None (no broadcast)."""
 
 
 @dataclass(frozen=True, slots=True)

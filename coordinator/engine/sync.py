@@ -24,7 +24,7 @@ from typing import Any
 
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.engine.base import Engine
+from fedmq.coordinator.engine.base import Engine, node_task_id, public_model_id
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.coordinator.rounds import RoundOutcome, RoundState
 from fedmq.coordinator.sampler import Selection, sample
@@ -96,10 +96,14 @@ class SyncRounds(Engine):
         self._attempt_started = now
         selection = self._select(live)
         ctx = self._context(self.round, selection.selected, "configure")
-        task_id = self.new_id()
-        self._selection = (selection.selected, selection.target, task_id)
+        secret = self.new_id()  # the attempt's: never sent; each node's task id is derived from it
+        self._selection = (selection.selected, selection.target, secret)
         self._configure_step = self._next_step()
-        tasks = tuple(c.TaskSpec(n, task_id, self.round, self.attempt, self.version) for n in selection.selected)
+        model = public_model_id(secret)
+        tasks = tuple(
+            c.TaskSpec(n, node_task_id(secret, n), self.round, self.attempt, self.version, model)
+            for n in selection.selected
+        )
         self.phase = "configuring"
         out.append(c.Configure(self._configure_step, ctx, tasks, ctx.settings.to_meta(), self.policy.deadline_s))
 
@@ -129,6 +133,7 @@ class SyncRounds(Engine):
             carried=dict(self._carried),
             started=now,
             version=self.version,
+            issued=frozenset(node_task_id(task_id, n) for n in selected),
         )
         if self.current is not None:
             self.current.forget_tensors()
@@ -179,12 +184,26 @@ class SyncRounds(Engine):
             self._evaluated(out, event, now)
 
     def _state_for(self, node: str, round: int, task: object) -> RoundState | None:
-        """The attempt a message answers: its round and task id must match one sent to its sender."""
-        for state in ([self.current] if self.current else []) + list(reversed(self._past)):
-            if state.round == round and state.task_id == task:
+        """The attempt a message answers: its round and task id must be those sent to its sender, the
+        id being the node's own (`node_task_id`). An id sent to another node of the round, or the
+        broadcast's model id, is refused as ``foreign-task``: its sender is not who the id was for."""
+        if not isinstance(task, bytes):
+            return None
+        states = ([self.current] if self.current else []) + list(reversed(self._past))
+        for state in states:
+            if state.round == round and node_task_id(state.task_id, node) == task:
                 if node not in state.selected:
                     raise ProtocolError("not-selected", f"{node} was not selected for round {state.round}")
                 return state
+        for state in states:  # only for a message that matched nothing: the cost of a refusal
+            if state.round != round:
+                continue
+            if task == public_model_id(state.task_id):
+                raise ProtocolError(
+                    "foreign-task", f"{node} quotes the model broadcast's id of round {round}, not a task id"
+                )
+            if task in state.issued:
+                raise ProtocolError("foreign-task", f"{node} quotes the task id sent to another node in round {round}")
         return None
 
     def _acked(self, out: list[c.Command], event: e.Acked, now: float) -> None:

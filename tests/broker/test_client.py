@@ -44,6 +44,37 @@ async def test_client_small_message_round_trip(
         assert a.protocol == {"embedded": "3.1.1", "mosquitto": "5"}[request.node.callspec.params["broker_url"]]
 
 
+async def test_a_live_retained_publish_keeps_its_flag_where_asked_and_v5_allows(
+    broker_url: str, federation: str, request: pytest.FixtureRequest
+) -> None:
+    """Issue 31, item 9: MQTT clears the retain flag of a message delivered at once, so a coordinator
+    could tell a node's retained update only when the broker replayed it later. Subscribed
+    `retain_as_published` (the coordinator's acks and updates), a v5 client sees the flag live too;
+    over 3.1.1 (amqtt) it cannot, and the other subscriptions are as before. Both survive a
+    reconnection (the subscriptions are restored with their options)."""
+    t = Topics(federation)
+    async with (
+        BusClient(config(broker_url), client_id=f"{federation}-a", federation=federation) as a,
+        BusClient(config(broker_url), client_id=f"{federation}-b", federation=federation) as b,
+        BusClient(config(broker_url), client_id=f"{federation}-c", federation=federation) as c,
+    ):
+        await a.subscribe(t.all_updates, retain_as_published=True)
+        await b.subscribe(t.all_updates)
+        await c.publish(t.update("n1"), update(federation), retain=True)
+        kept = (await next_message(a)).retained
+        assert not (await next_message(b)).retained
+        assert kept == (request.node.callspec.params["broker_url"] == "mosquitto")
+        await c.publish_frame(t.update("n1"), b"", round=-1, retain=True)  # cleared: no message
+        BusClient._drop_socket(a._client)  # a new connection, its subscription restored
+        async with asyncio.timeout(30):
+            while not (a.connected and a.stats.reconnects >= 1):
+                await asyncio.sleep(0.05)
+        await c.publish(t.update("n2"), update(federation, sender="n2"), retain=True)
+        got = await next_message(a, timeout=30)
+        assert got.topic == t.update("n2") and got.retained == kept
+        await c.publish_frame(t.update("n2"), b"", round=-1, retain=True)
+
+
 async def test_client_large_frame_is_chunked_and_arrives_intact(broker_url: str, federation: str) -> None:
     """A 20 MB model crosses the broker as concurrent chunks and decodes to the same bytes."""
     t = Topics(federation)
@@ -96,7 +127,8 @@ async def test_client_redelivered_message_is_dropped_once(broker_url: str, feder
 
 
 async def test_client_bad_input_is_counted_and_the_client_goes_on(broker_url: str, federation: str) -> None:
-    """Garbage, corrupted, wrong-version, wrong-federation and oversized payloads are rejected by reason."""
+    """Garbage, truncated, corrupted, wrong-version, wrong-federation and oversized payloads are rejected
+    by reason; an empty one, MQTT's deletion of a retained message, is no message and no rejection."""
     t = Topics(federation)
     cfg = config(broker_url, max_message_bytes=200_000, chunk_bytes=65_536)
     good = bytes(encode(update(federation)))
@@ -106,6 +138,7 @@ async def test_client_bad_input_is_counted_and_the_client_goes_on(broker_url: st
         for payload in [
             b"not a frame at all",
             b"",
+            b"FMQ\x02",
             corrupted,
             b"FMQ\x09" + good[4:],
             bytes(encode(update("another-federation"))),

@@ -21,6 +21,7 @@ from fedmq.broker.codec import (
     decode,
     encode,
     encoded_size,
+    with_bytes_replaced,
 )
 from fedmq.broker.errors import CodecError
 from fedmq.broker.message import Kind, Message
@@ -270,3 +271,19 @@ def test_codec_zero_size_tensors_with_large_dimensions_still_decode() -> None:
     """A zero-size tensor whose other dimensions are large but possible is a valid tensor."""
     out = decode(bytes(encode(msg({"w": np.zeros((0, 100_000), np.float32)}))))
     assert out.tensors["w"].shape == (0, 100_000)
+
+
+def test_with_bytes_replaced_gives_a_valid_frame_differing_in_that_id_only() -> None:
+    """A round's task frame is encoded once and copied per node with its own task id (issue 31): the
+    copy decodes (checksum redone) to the same message but for the id; the original is untouched."""
+    old, new = bytes(range(16)), bytes(range(100, 116))
+    frame = encode(msg({"w": np.arange(300, dtype=np.float32)}, task=old, other=b"x" * 16))
+    copy = with_bytes_replaced(frame, old, new)
+    a, b = decode(frame), decode(copy)
+    assert a.meta["task"] == old and b.meta == {"task": new, "other": b"x" * 16}
+    assert a.message_id == b.message_id and len(copy) == len(frame)
+    assert_same(a.tensors["w"], b.tensors["w"])
+    with pytest.raises(ValueError, match="exactly once"):
+        with_bytes_replaced(frame, b"z" * 16, new)
+    with pytest.raises(ValueError):
+        with_bytes_replaced(frame, old, b"short")

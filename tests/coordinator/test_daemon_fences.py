@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
+from fedmq.coordinator.daemon import Coordinator, _TaskFrame
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
 from tests.coordinator.engine_helpers import config
@@ -98,8 +98,8 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
         def __init__(self) -> None:
             self.sent: list[tuple[str, bytes]] = []
 
-        async def publish_many(self, topics: list[str], frame: bytearray, **kw: object) -> list[str]:
-            self.sent += [(t, bytes(frame)) for t in topics]
+        async def publish_many(self, topics: list[str], frames: dict[str, bytearray], **kw: object) -> list[str]:
+            self.sent += [(t, bytes(frames[t])) for t in topics]
             return []
 
         async def publish_frame(self, topic: str, frame: bytearray, **kw: object) -> int:
@@ -110,9 +110,11 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
     t = Topics("f")
     coordinator._dispatch(_status("node-000", connection=1))
     coordinator._dispatch(_status("node-001", connection=1))
-    task, frame = b"t" * 16, bytearray(b"the task frame")
-    await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", task, 1, frame)])
-    assert len(bus.sent) == 2
+    task, other = b"t" * 16, b"u" * 16  # each node's own task id, in frames that share the rest
+    message = Message(kind=Kind.TASK, federation="f", round=1, sender="coordinator", meta={"task": task})
+    frame = _TaskFrame(encode(message), task)
+    await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", other, 1, frame)])
+    assert [decode(f).meta["task"] for _, f in bus.sent] == [task, other]
 
     async def settle() -> None:
         while coordinator._background:
@@ -123,7 +125,7 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
     assert len(bus.sent) == 2
     coordinator._dispatch(_status("node-000", connection=2))
     await settle()
-    assert bus.sent[2:] == [(t.task("node-000"), b"the task frame")]
+    assert bus.sent[2:] == [(t.task("node-000"), bytes(frame.frame))]
     ack = Message(kind=Kind.ACK, federation="f", round=1, sender="node-000", meta={"task": task})
     coordinator._dispatch(Envelope(t.ack("node-000"), ack, 10))
     coordinator._dispatch(_status("node-000", connection=3))
@@ -131,7 +133,7 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
     assert len(bus.sent) == 3  # acknowledged: not again
     coordinator._dispatch(_status("node-001", connection=2, retained=True))
     await settle()
-    assert bus.sent[3:] == [(t.task("node-001"), b"the task frame")]
+    assert bus.sent[3:] == [(t.task("node-001"), bytes(frame.for_task(other)))]
 
 
 def test_a_large_per_node_task_frame_is_not_held_to_send_again(tmp_path: Path) -> None:
@@ -141,3 +143,30 @@ def test_a_large_per_node_task_frame_is_not_held_to_send_again(tmp_path: Path) -
     limit = min(coordinator.config.policy.inline_model_bytes, coordinator.bus_config.chunk_bytes // 2)
     assert coordinator._held_for_resend(bytearray(limit + 100))
     assert not coordinator._held_for_resend(bytearray(limit + 10_000))
+
+
+async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -> None:
+    """Issue 31, item 9: the broker replays a node's retained ack or update to every coordinator that
+    subscribes. Such a message is refused as `retained` (before anything else is read of it) and an
+    empty retained publish clears the broker's copy; a retained status is a node's announcement."""
+    coordinator = _coordinator(tmp_path)
+    cleared: list[tuple[str, bytes, bool]] = []
+
+    class _Bus:
+        async def publish_frame(self, topic: str, frame: bytes, *, retain: bool = False, **kw: object) -> int:
+            cleared.append((topic, bytes(frame), retain))
+            return 0
+
+    coordinator._bus = _Bus()  # type: ignore[assignment]
+    t = Topics("f")
+    update = Message(kind=Kind.UPDATE, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
+    ack = Message(kind=Kind.ACK, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
+    for topic, message in ((t.update("node-000"), update), (t.ack("node-000"), ack)):
+        with pytest.raises(ProtocolError) as info:
+            coordinator._dispatch(Envelope(topic, message, 10, retained=True))
+        assert info.value.reason == "retained"
+    coordinator._dispatch(_status("node-000", retained=True))
+    while coordinator._background:
+        await asyncio.sleep(0)
+    assert cleared == [(t.update("node-000"), b"", True), (t.ack("node-000"), b"", True)]
+    assert isinstance(coordinator._events.get_nowait(), e.NodeSeen) and coordinator._events.empty()  # the status only

@@ -137,7 +137,7 @@ def test_async_forged_duplicate_and_unknown_updates_are_refused_with_reasons() -
     a, b, cc = _configure(d, d.start("a", "b", "c"))
     forged = update(a)
     object.__setattr__(forged.message, "sender", b.node)
-    assert one(c.Refused, d.feed(forged)).reason == "not-selected"
+    assert one(c.Refused, d.feed(forged)).reason == "foreign-task"
     wrong = update(b)
     object.__setattr__(wrong.message, "round", 7)
     assert one(c.Refused, d.feed(wrong)).reason == "wrong-base-version"

@@ -341,6 +341,39 @@ def test_sync_forged_update_does_not_block_the_real_one() -> None:
     assert d.engine.participation.get("a").rejected == 0  # type: ignore[union-attr]
 
 
+def test_sync_each_node_gets_its_own_task_id_and_one_quoting_anothers_is_refused() -> None:
+    """Issue 31, item 4: an attempt's nodes used to share one task id, which the model broadcast
+    carried, so a node publishing as another quoted a valid id. Each node's id is now its own
+    (derived from the attempt's secret, which is never sent), the broadcast's model id is none of
+    them, and an ack or update quoting another node's id, or the model id, is refused as
+    foreign-task (no receipt: its sender is not who the id was for) and answers nothing."""
+    d = Driver(config())
+    d.start(*NODES)
+    configure = _round(d)
+    tasks = {t.node: t for t in configure.tasks}
+    ids = [t.task for t in configure.tasks]
+    assert len(set(ids)) == len(ids) == 3 and all(len(i) == 16 for i in ids)
+    model = {t.model for t in configure.tasks}
+    assert len(model) == 1 and None not in model and not model & set(ids)
+    assert d.engine.current is not None and d.engine.current.task_id not in ids  # the secret stays home
+    for quoted in (tasks["b"].task, tasks["a"].model):
+        out = d.feed(update(dataclasses.replace(tasks["a"], task=quoted), value=1e6))
+        refused = one(c.Refused, out)
+        assert refused.reason == "foreign-task" and refused.node == "a" and not of(c.Receipt, out)
+        assert one(c.Refused, d.feed(e.Acked("a", 0, quoted))).reason == "foreign-task"
+    assert not of(c.Refused, d.feed(e.Acked("a", 0, tasks["a"].task)))
+    d.feed(update(tasks["a"]), at=1.0)
+    d.feed(update(tasks["b"]), at=1.5)
+    aggregate = one(c.Aggregate, d.feed(update(tasks["c"]), at=2.0))
+    assert [(u.node_id, u.num_samples) for u in aggregate.updates] == [("a", 10), ("b", 10), ("c", 10)]
+    assert d.engine.refused == {"foreign-task": 4}
+    # the next attempt's ids are new ones: an old id is no one's now
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.9}))
+    following = {t.node: t.task for t in _round(d).tasks}
+    assert not set(following.values()) & set(ids)
+
+
 def test_sync_update_claiming_more_samples_than_announced_is_refused_and_as_many_accepted() -> None:
     d = Driver(config())
     d.start(*NODES)

@@ -8,12 +8,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from fedmq.broker import BusConfig, decode
 from fedmq.coordinator.daemon import Coordinator
 from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.base import Engine
 from fedmq.coordinator.engine.local import LocalFederation, LocalNode
@@ -67,9 +69,48 @@ def test_daemon_prepares_one_inline_task_per_node_with_its_own_payload(tmp_path:
     step, prepared = coordinator._configure(c.Configure(1, _ctx(("a", "b")), tasks, TrainSettings().to_meta(), 10.0))
     assert step == 1 and prepared.inline and prepared.model is None
     for i, node in enumerate(("a", "b")):
-        message = decode(prepared.frames[node])
+        message = decode(prepared.frames[node].for_task(tasks[i].task))
+        assert message.meta["task"] == tasks[i].task
         assert message.meta["inline"] and message.meta["payload"] == {"k": i} and message.meta["version"] == 0
         assert np.array_equal(message.tensors["model/w"], np.full(2, float(i), np.float32))
+
+
+class Shared(PerNode):
+    """One payload for every node (the usual case: a sync round's model)."""
+
+    def configure_round(self, ctx: base.RoundContext) -> base.Payload:  # type: ignore[override]
+        return base.Payload(tensors={"model": {"w": torch.full((2,), 7.0)}}, meta={"k": 7})
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 16])
+def test_a_sync_rounds_tasks_each_carry_their_nodes_own_id_and_the_broadcast_none(
+    tmp_path: Path, inline_bytes: int
+) -> None:
+    """Issue 31, item 4: one encoding of the round's task, and each node's frame is it with the
+    node's own task id (the model inline or not); the broadcast carries the attempt's model id,
+    which every task also carries, and no node's task id anywhere in its bytes."""
+    cfg = config(policy={"inline_model_bytes": inline_bytes})
+    engine = make_engine(cfg, Shared(None, model=_model()).update_schema(), evaluates=False)
+    for node in ("a", "b", "c"):
+        engine.handle(e.NodeSeen(node, True, 10), 0.0)
+    configure = next(x for x in engine.handle(e.Start(), 0.0) if isinstance(x, c.Configure))
+    coordinator = Coordinator(
+        dataclasses.replace(cfg, out_dir=tmp_path),
+        BusConfig.from_url("mqtt://127.0.0.1:1"),
+        Shared(None, model=_model()),
+    )
+    _, prepared = coordinator._configure(configure)
+    assert len({id(f) for f in prepared.frames.values()}) == 1  # encoded once
+    ids = {t.task for t in configure.tasks}
+    for t in configure.tasks:
+        message = decode(prepared.frames[t.node].for_task(t.task))
+        assert message.meta["task"] == t.task and message.meta["model_id"] == t.model
+        assert bool(message.tensors) == (inline_bytes > 0)
+    assert prepared.inline == (inline_bytes > 0)
+    if prepared.model is not None:
+        broadcast = decode(prepared.model)
+        assert "task" not in broadcast.meta and broadcast.meta["model_id"] == configure.tasks[0].model
+        assert not any(bytes(prepared.model).find(i) >= 0 for i in ids)
 
 
 def test_local_driver_gives_each_node_its_own_payload() -> None:

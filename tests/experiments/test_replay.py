@@ -173,10 +173,10 @@ def test_the_command_exits_0_on_a_match_and_5_with_a_message_on_a_difference(
         ('{"not": "a log"}\n', "not a fedmq event log"),
         ('{"log": "fedmq-events", "format": 99}\n', "format 99"),
         (
-            '{"log": "fedmq-events", "format": 1}\n{"n": 1, "t": 0, "ev": "Start"}\n{"resume": {"round": 3}}\n',
+            '{"log": "fedmq-events", "format": 2}\n{"n": 1, "t": 0, "ev": "Start"}\n{"resume": {"round": 3}}\n',
             "resumed",
         ),
-        ('{"log": "fedmq-events", "format": 1}\n[1, 2]\n', "line 2"),
+        ('{"log": "fedmq-events", "format": 2}\n[1, 2]\n', "line 2"),
     ],
 )
 def test_logs_that_cannot_be_replayed_are_refused_clearly(tmp_path: Path, content: str, message: str) -> None:

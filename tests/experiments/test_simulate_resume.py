@@ -251,7 +251,7 @@ def test_a_resumed_event_log_drops_the_half_written_line_a_kill_left(tmp_path: P
     from fedmq.coordinator.eventlog import EventLog
 
     path = tmp_path / "events.jsonl"
-    path.write_text('{"log": "fedmq-events", "format": 1}\n{"n": 1, "t": 0.0, "ev": "Start"}\n{"n": 2, "t": 1.5, "e')
+    path.write_text('{"log": "fedmq-events", "format": 2}\n{"n": 1, "t": 0.0, "ev": "Start"}\n{"n": 2, "t": 1.5, "e')
     log = EventLog(path)
     log.start({}, resumed={"round": 0, "version": 1, "clock": 1.5})
     log.close()

@@ -77,7 +77,7 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
                     (t.update("node-001"), bytes(encode(dataclasses.replace(good, meta={"task": task}, message_id=b"n" * 16)))),
                     # a second bad answer, fresh message id: refused too, node-001's task still open
                     (t.update("node-001"), bytes(encode(dataclasses.replace(good, message_id=b"d" * 16)))),
-                    # right round and task, wrong tensors: wrong-shape (node-000 is delayed enough to be beaten)
+                    # node-001's task id on node-000's behalf: foreign-task, each node's id is its own (issue 31)
                     (t.update("node-000"), bytes(encode(dataclasses.replace(good, sender="node-000")))),
                     (t.task("node-002"), b"not a task"),
                     (t.task("node-002"), bytes(encode(Message(kind=Kind.TASK, federation=fed.federation, round=1,
@@ -99,7 +99,8 @@ async def test_daemons_survive_and_count_every_kind_of_bad_message(tmp_path: Pat
     assert summary["state"] == "finished" and summary["rounds_completed"] == 5
     rejected = summary["bus"]["rejected"]
     for reason in ["bad-magic", "checksum", "wrong-version", "wrong-federation", "oversized", "wrong-round",
-                   "wrong-sender", "unexpected-kind", "bad-update", "wrong-shape", "duplicate-update"]:  # fmt: skip
+                   "wrong-sender", "unexpected-kind", "bad-update", "wrong-shape", "duplicate-update",
+                   "foreign-task"]:  # fmt: skip
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
     assert summary["bus"]["duplicates"] >= 1
     # the forged updates for node-000 and node-001 did not answer for them: their own came later and were taken
@@ -257,3 +258,117 @@ async def test_forged_chunk_headers_no_longer_lock_out_the_real_updates(tmp_path
     summary, metrics = fed.summary(), fed.metrics()
     assert [sorted(line["accepted"]) for line in metrics] == [["node-000", "node-001", "node-002"]] * 2, metrics
     assert summary["bus"]["rejected"].get("oversized", 0) == 2, summary["bus"]["rejected"]
+
+
+async def test_an_insider_quoting_another_nodes_task_id_or_the_broadcasts_is_refused(
+    tmp_path: Path, broker_url: str
+) -> None:
+    """Issue 31, item 4: every node of a round attempt got the same task id, and the model broadcast,
+    which every node may read, carried it. The insider (node-002, a raw client) reads node-000's task
+    (as any client can on this unsecured broker; under --secure only through a leak) and the
+    broadcast, and on its own topic sends the model x -1000 quoting node-000's task id, then quoting
+    the broadcast's id, then an update whose sender is node-000: each is refused with its reason
+    (foreign-task, foreign-task, wrong-sender) and none is aggregated; its honest update, quoting its
+    own id, is taken. Before, the first was taken (node-000's id was node-002's too)."""
+    cfg = base_config(nodes=3, rounds=2, deadline_s=10, policy={"min_nodes": 3, "inline_model_bytes": 0})
+    experiment = parse_config(cfg)
+    shard = len(shards(experiment, load_split(experiment))["node-002"])
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    fed.start_coordinator()
+    seen: dict[int, dict[str, Message]] = {}
+    done: set[int] = set()
+
+    def update(round: int, task: object, tensors: dict[str, np.ndarray], sender: str = "node-002") -> bytes:
+        forged = Message(
+            kind=Kind.UPDATE, federation=fed.federation, round=round, sender=sender,
+            meta={"task": task, "num_samples": shard, "train_seconds": 1.0}, tensors=tensors,
+        )  # fmt: skip
+        return bytes(encode(forged))
+
+    async with raw_client(broker_url) as insider:
+        await insider.subscribe([(t.task("node-002"), 1), (t.task("node-000"), 1), (f"{t.prefix}/model/+", 1)])
+        status = Message(
+            kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
+            meta={"state": "online", "num_samples": shard},
+        )  # fmt: skip
+        await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
+        fed.start_nodes("node-000", "node-001")
+        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
+        while not waiter.done():
+            try:
+                async with asyncio.timeout(0.5):
+                    m = await anext(aiter(insider.messages))
+            except TimeoutError:
+                continue
+            message = decode(bytes(m.payload))  # type: ignore[arg-type]
+            route = t.route(m.topic.value)
+            assert route is not None
+            got = seen.setdefault(message.round, {})
+            got["model" if route.channel == "model" else str(route.node)] = message
+            if route.node == "node-002":  # its own task: acknowledged with its own id, as a node does
+                ack = Message(
+                    kind=Kind.ACK, federation=fed.federation, round=message.round, sender="node-002",
+                    meta={"task": message.meta["task"]},
+                )  # fmt: skip
+                await insider.publish(t.ack("node-002"), bytes(encode(ack)), qos=1)
+            if message.round in done or set(got) != {"node-000", "node-002", "model"}:
+                continue
+            done.add(message.round)
+            own, other, model = got["node-002"].meta["task"], got["node-000"].meta["task"], got["model"]
+            assert own != other and "task" not in model.meta and model.meta["model_id"] not in (own, other)
+            poison = {k: np.asarray(v) * -1000.0 for k, v in model.tensors.items()}
+            for frame in (
+                update(message.round, other, poison),
+                update(message.round, model.meta["model_id"], poison),
+                update(message.round, own, poison, sender="node-000"),
+                update(message.round, own, {k: np.asarray(v) for k, v in model.tensors.items()}),
+            ):
+                await insider.publish(t.update("node-002"), frame, qos=1)
+        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)
+    assert await waiter == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert done == {0, 1}, seen.keys()
+    rejected = summary["bus"]["rejected"]
+    assert rejected.get("foreign-task") == 4 and rejected.get("wrong-sender") == 2, rejected
+    assert summary["refused_updates"] == {"foreign-task": 4}, summary["refused_updates"]
+    assert all(sorted(line["accepted"]) == ["node-000", "node-001", "node-002"] for line in metrics), metrics
+    assert all(line["rejected"] == [] and line["aggregated"] for line in metrics), metrics
+    assert summary["final_accuracy"] > 0.5, metrics
+    log = fed.log("coordinator.log")
+    assert "node-002 quotes the task id sent to another node" in log and "quotes the model broadcast's id" in log
+
+
+async def test_a_retained_update_or_ack_is_refused_and_cleared(tmp_path: Path, broker_url: str) -> None:
+    """Issue 31, item 9: a node may publish with the retain flag on its own update and ack topics (the
+    ACL cannot forbid the flag), and the broker replays the stored message to every coordinator that
+    subscribes. Left there before the coordinator starts, a retained update (node-001's) and ack
+    (node-000's) are refused as `retained`, and cleared: nothing is replayed to the next subscriber,
+    and the run, the nodes' own updates included, goes as if they had never been sent."""
+    cfg = base_config(nodes=3, rounds=1, deadline_s=10, policy={"min_nodes": 3})
+    fed = Federation(tmp_path, broker_url, cfg)
+    t = Topics(fed.federation)
+    left = {
+        t.update("node-001"): Message(
+            kind=Kind.UPDATE, federation=fed.federation, round=0, sender="node-001",
+            meta={"task": os.urandom(16), "num_samples": 10}, tensors={"model/w": np.zeros(3, np.float32)},
+        ),
+        t.ack("node-000"): Message(
+            kind=Kind.ACK, federation=fed.federation, round=0, sender="node-000", meta={"task": os.urandom(16)}
+        ),
+    }  # fmt: skip
+    async with raw_client(broker_url) as evil:
+        for topic, message in left.items():
+            await evil.publish(topic, bytes(encode(message)), qos=1, retain=True)
+    fed.start_coordinator()
+    fed.start_nodes("node-000", "node-001", "node-002")
+    assert await asyncio.to_thread(fed.wait) == 0, fed.log("coordinator.log")
+    summary, metrics = fed.summary(), fed.metrics()
+    assert summary["bus"]["rejected"] == {"retained": 2}, summary["bus"]["rejected"]
+    assert sorted(metrics[0]["accepted"]) == ["node-000", "node-001", "node-002"], metrics
+    assert "clearing the retained message a client left on" in fed.log("coordinator.log")
+    async with raw_client(broker_url) as later:
+        await later.subscribe([(topic, 1) for topic in left])
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.5):
+                await anext(aiter(later.messages))

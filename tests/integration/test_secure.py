@@ -156,6 +156,37 @@ async def test_a_will_on_a_forbidden_topic_is_never_delivered_nor_retained(
         assert await _drain(later, 1.0) == []
 
 
+async def test_a_nodes_retained_update_is_kept_only_where_the_broker_cannot_refuse_it(
+    secure_broker: Provisioned, request: pytest.FixtureRequest
+) -> None:
+    """Issue 31, item 9: a node may publish with the retain flag on its own update and ack topics, and
+    the broker replays that message to every coordinator that subscribes. The embedded broker keeps a
+    node's retained message only on its status topic; mosquitto's ACL cannot refuse the flag, so it
+    keeps it, and the coordinator refuses and clears it (`test_a_retained_update_or_ack_is_refused_and_cleared`)."""
+    topics = Topics(FEDERATION)
+    fresh = {"persistent_session": False}
+    status = Message(
+        kind=Kind.NODE_STATUS, federation=FEDERATION, round=-1, sender="node-001", meta={"state": "online"}
+    )
+    left = [topics.update("node-001"), topics.ack("node-001"), topics.node_status("node-001")]
+    node = BusClient(_config(secure_broker, "node-001", **fresh), client_id="node-001-retain", federation=FEDERATION)
+    async with node:
+        await node.publish(left[0], _update("node-001"), retain=True)
+        ack = Message(kind=Kind.ACK, federation=FEDERATION, round=0, sender="node-001", meta={"task": b"t" * 16})
+        await node.publish(left[1], ack, retain=True)
+        await node.publish(left[2], status, retain=True)
+    later = BusClient(_config(secure_broker, "coordinator", **fresh), client_id="retain-watch", federation=FEDERATION)
+    async with later as coordinator:
+        await coordinator.subscribe(*left)
+        replayed = sorted(await _drain(coordinator, 1.0))
+        for topic in left:  # leave nothing for the other tests
+            await coordinator.publish_frame(topic, b"", round=-1, retain=True)
+    if request.node.callspec.params["secure_broker"] == "mosquitto":
+        assert replayed == sorted(left)
+    else:
+        assert replayed == [topics.node_status("node-001")]
+
+
 async def test_a_node_cannot_take_over_the_coordinators_connection(secure_broker: Provisioned) -> None:
     """Issue 31, item 5: a node connecting with the coordinator's client id (it is the federation's
     name and a suffix) made the broker close the coordinator's connection; 16 takeovers stalled a

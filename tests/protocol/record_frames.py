@@ -1,7 +1,8 @@
 """Record the protocol's frames as today's code builds them: `python -m tests.protocol.record_frames`.
 
 Run at a3d964b, before the protocol module replaced the hand-written builders (see `wire_builders.py`;
-the last two builders' frames were recorded from a3d964b's code later). Running it again overwrites
+the last two builders' frames were recorded from a3d964b's code later; `task-broadcast` and
+`task-inline` again when tasks gained `model_id`, issue 31, every other frame unchanged by it). Running it again overwrites
 the record with what the code builds now, which defeats its purpose unless the wire format is meant
 to change.
 """

@@ -41,6 +41,8 @@ FED = "wire"
 NODE = "node-007"
 TASK_ID = bytes(range(16))
 UPDATE_ID = bytes(range(16, 32))
+MODEL_ID = bytes(range(32, 48))
+"""A sync attempt's model id (issue 31): in the task frames since then, which were recorded again."""
 SENT_AT = 1_767_225_600.25
 """2026-01-01 00:00:00.25 UTC: every recorded frame's `ts`."""
 RUN_ID = "0123456789abcdef"
@@ -102,7 +104,7 @@ class _Bus:
 
 
 def _configure(settings: TrainSettings, version: int = 4) -> tuple[c.Configure, c.TaskSpec]:
-    spec = c.TaskSpec(node=NODE, task=TASK_ID, round=5, attempt=1, version=version)
+    spec = c.TaskSpec(node=NODE, task=TASK_ID, round=5, attempt=1, version=version, model=MODEL_ID)
     ctx = RoundContext(round=5, selected=(NODE,), participation=ParticipationRecord(), settings=settings)
     return c.Configure(step=1, ctx=ctx, tasks=(spec,), settings=settings.to_meta(), expiry_s=30.0), spec
 
