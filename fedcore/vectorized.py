@@ -216,6 +216,29 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
 
 
+class _Method(nn.Module):
+    """``model.<name>`` as a module's forward: `functional_call` calls only ``forward``."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        super().__init__()
+        self.model, self.name = model, name
+
+    def forward(self, *args: torch.Tensor) -> object:
+        return getattr(self.model, self.name)(*args)
+
+
+def functional_method(model: nn.Module, name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], object]:
+    """``model.<name>(x)`` (``represent``, ``forward_taps``) run on the parameters given, as
+    `NodeBatch.forward` runs ``model(x)``: for an objective that needs more than the logits. A parameter
+    not given is the model's own (its frozen ones, which every node shares)."""
+    wrapper = _Method(model, name)
+
+    def call(params: dict[str, torch.Tensor], x: torch.Tensor) -> object:
+        return functional_call(wrapper, {f"model.{n}": p for n, p in params.items()}, (x,))
+
+    return call
+
+
 def cross_entropy_objective(batch: NodeBatch) -> torch.Tensor:
     """FedAvg's objective: the mean cross-entropy over the node's real samples."""
     return batch.mean(nll(batch.logits(), batch.y))

@@ -226,6 +226,11 @@ class LossTermNode(base.NodeHalf):
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
             objective=objective, inputs=inputs,
         )  # fmt: skip
+        if not neutral:  # each member keeps what `train` keeps of its model (MOON: its previous model)
+            with torch.no_grad():
+                for member, (state, _) in zip(members, results, strict=True):
+                    model.load_state_dict(state)
+                    member.half.trained(model)  # type: ignore[attr-defined]
         return [
             base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
             for state, stats in results
@@ -233,10 +238,12 @@ class LossTermNode(base.NodeHalf):
 
     def group_refusal(self, model: nn.Module) -> str | None:
         """A subclass trains in groups when it writes its objective as a `GroupTerm` and keeps the
-        template's training (`train`, `fit`) and keeps nothing of the trained model (`trained`)."""
+        template's training (`train`, `fit`). `trained` is called on each member's half with its
+        trained model loaded into the workspace, as `train` calls it, so what a half keeps of its
+        model (MOON's previous models) is kept; its `group_term` must then read that state."""
         cls = type(self)
         name = f"{cls.__module__}.{cls.__qualname__}"
-        for hook in ("train", "fit", "trained", "train_group"):
+        for hook in ("train", "fit", "train_group"):
             if _owner(cls, hook) is not LossTermNode:
                 return f"{name} overrides {hook}, which group training does not reproduce"
         if _owner(cls, "group_term") is LossTermNode:

@@ -31,6 +31,16 @@ CASES: dict[str, dict[str, Any]] = {
     "fedntd": {"beta": 1.0, "temperature": 2.0},
     "fedgkd": {"gamma": 0.5},
     "kdia": {"lambda_kd": 0.5, "lambda_gen": 0.5, "kd_direction": "reverse", "noise_dim": 8},
+    "moon": {"mu": 1.0, "temperature": 0.5, "previous_models": 2},
+}
+NEUTRAL: dict[str, dict[str, Any]] = {
+    "fedprox": {"mu": 0.0},
+    "fedlc": {"tau": 0.0},
+    "fedrs": {"alpha": 1.0},
+    "fedntd": {"beta": 0.0},
+    "fedgkd": {"gamma": 0.0},
+    "kdia": {"lambda_kd": 0.0, "lambda_gen": 0.0},
+    "moon": {"mu": 0.0},
 }
 
 
@@ -78,7 +88,7 @@ def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset
             scratch[key] = module.double()
         return scratch[key]
 
-    return [
+    group = [
         GroupMember(
             half=spec.node(params, node_id=f"node-{i}"),
             task=TaskInput(
@@ -93,6 +103,13 @@ def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset
         )
         for i, data in enumerate(datasets)
     ]
+    if method == "moon":  # node i has min(i, 2) previous models of its own: none, one, a full FIFO
+        for i, member in enumerate(group):
+            member.half.previous = [  # type: ignore[attr-defined]
+                build_model("cnn", datasets[0].input_shape, 10, seed=20 + 2 * i + j).double().state_dict()
+                for j in range(min(i, 2))
+            ]
+    return group
 
 
 def difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
@@ -123,10 +140,8 @@ def test_group_term_trains_each_node_as_its_own_objective(digits: TensorDataset,
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_group_term_at_the_neutral_setting_is_fedavg(digits: TensorDataset, method: str) -> None:
-    neutral = {"fedprox": {"mu": 0.0}, "fedlc": {"tau": 0.0}, "fedrs": {"alpha": 1.0}, "fedntd": {"beta": 0.0},
-               "fedgkd": {"gamma": 0.0}, "kdia": {"lambda_kd": 0.0, "lambda_gen": 0.0}}[method]  # fmt: skip
     datasets = shards(digits)
-    group = members(method, neutral, datasets)
+    group = members(method, NEUTRAL[method], datasets)
     workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
     plain = members("fedavg", {}, datasets)
     for got, want in zip(
@@ -135,3 +150,23 @@ def test_group_term_at_the_neutral_setting_is_fedavg(digits: TensorDataset, meth
         strict=True,
     ):
         assert difference(got.tensors["model"], want.tensors["model"]) == 0.0
+
+
+def test_moon_group_keeps_each_members_trained_model_and_reads_its_own_previous_ones(digits: TensorDataset) -> None:
+    """Each member's half keeps its own trained model as `train` keeps it (FIFO of previous_models), and
+    the negatives are each member's own previous models: swapping two members' histories changes the
+    result (so a group that read one member's history for all would fail the agreement above)."""
+    datasets = shards(digits)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    group = members("moon", CASES["moon"], datasets)
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    for i, (member, payload) in enumerate(zip(group, grouped, strict=True)):
+        previous = member.half.previous  # type: ignore[attr-defined]
+        assert len(previous) == min(i + 1, 2)
+        assert difference(previous[-1], payload.tensors["model"]) == 0.0
+        assert previous[-1]["classifier.3.bias"].data_ptr() != payload.tensors["model"]["classifier.3.bias"].data_ptr()
+    swapped = members("moon", CASES["moon"], datasets)
+    history = [m.half.previous for m in swapped]  # type: ignore[attr-defined]
+    swapped[2].half.previous, swapped[3].half.previous = history[3], history[2]  # type: ignore[attr-defined]
+    other = swapped[0].half.train_group(swapped, copy.deepcopy(workspace))
+    assert difference(other[2].tensors["model"], grouped[2].tensors["model"]) > 1e-6

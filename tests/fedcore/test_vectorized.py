@@ -255,7 +255,7 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
 @pytest.mark.parametrize(
     ("method", "reason"),
     [
-        ("moon", "overrides trained"),  # keeps its previous models
+        ("fedacd", "no group form"),  # its own `train`: Mixup with numpy Beta draws, P updated per epoch
         ("scaffold", "no group form"),
         ("feddisco", "no group form"),  # subclasses FedAvg's node half and changes `train`
         ("fedrcl", "overrides fit"),
