@@ -145,6 +145,11 @@ class NodeHalf(shared.LossTermNode):
 
         return shared.GroupTerm(objective, inputs)
 
+    def group_refusal(self, model: nn.Module) -> str | None:
+        if not callable(getattr(model, "represent", None)):  # `train` then says so, as an AlgorithmError
+            return f"MOON needs a model with represent(x) -> (z, logits), not {type(model).__name__}"
+        return super().group_refusal(model)
+
     def trained(self, model: nn.Module) -> None:
         # the model just trained is this node's newest previous model (FIFO of `previous_models`)
         self.previous.append(cpu_copy(model.state_dict()))

@@ -18,6 +18,7 @@ from fedmq.fedcore.data import TensorDataset, load_dataset
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
+from fedmq.fedcore.vectorized import NodeBatch
 
 SETTINGS = TrainSettings(local_epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3)
 SIZES = (30, 17, 1, 45)
@@ -32,6 +33,7 @@ CASES: dict[str, dict[str, Any]] = {
     "fedgkd": {"gamma": 0.5},
     "kdia": {"lambda_kd": 0.5, "lambda_gen": 0.5, "kd_direction": "reverse", "noise_dim": 8},
     "moon": {"mu": 1.0, "temperature": 0.5, "previous_models": 2},
+    "fedvls": {"lam": 1.0, "logit_scale": 0.5},
 }
 NEUTRAL: dict[str, dict[str, Any]] = {
     "fedprox": {"mu": 0.0},
@@ -41,6 +43,7 @@ NEUTRAL: dict[str, dict[str, Any]] = {
     "fedgkd": {"gamma": 0.0},
     "kdia": {"lambda_kd": 0.0, "lambda_gen": 0.0},
     "moon": {"mu": 0.0},
+    "fedvls": {"calibration": "none", "lam": 0.0, "logit_scale": 0.0},
 }
 
 
@@ -118,15 +121,21 @@ def difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> 
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_group_term_trains_each_node_as_its_own_objective(digits: TensorDataset, method: str) -> None:
-    datasets = shards(digits)
-    group = members(method, CASES[method], datasets)
+    assert_group_is_each_own_train(digits, method, CASES[method], shards(digits))
+
+
+def assert_group_is_each_own_train(
+    digits: TensorDataset, method: str, hp: Mapping[str, Any], datasets: list[TensorDataset]
+) -> None:
+    """The group's updates are each member's own `train`'s (float64, 1e-10), and differ from FedAvg's."""
+    group = members(method, hp, datasets)
     workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
     assert group[0].half.group_refusal(workspace) is None
     grouped = group[0].half.train_group(group, workspace)
     plain = members("fedavg", {}, datasets)
     fedavg = plain[0].half.train_group(plain, copy.deepcopy(workspace))
     moved = []
-    for member, payload, baseline in zip(members(method, CASES[method], datasets), grouped, fedavg, strict=True):
+    for member, payload, baseline in zip(members(method, hp, datasets), grouped, fedavg, strict=True):
         alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
         assert payload.meta["steps"] == alone.meta["steps"] and set(payload.meta) == set(alone.meta)
         for term in ("kd_loss", "gen_loss"):
@@ -170,3 +179,48 @@ def test_moon_group_keeps_each_members_trained_model_and_reads_its_own_previous_
     swapped[2].half.previous, swapped[3].half.previous = history[3], history[2]  # type: ignore[attr-defined]
     other = swapped[0].half.train_group(swapped, copy.deepcopy(workspace))
     assert difference(other[2].tensors["model"], grouped[2].tensors["model"]) > 1e-6
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {"logit_suppression": "paper", "logit_scale": 1.0, "calibration": "fedlc", "fedlc_tau": 1.0, "lam": 1.0},
+        {"calibration": "none", "logit_scale": 0.0, "lam": 1.0},  # L_dis alone
+        {"calibration": "none", "logit_scale": 0.5, "lam": 0.0},  # the code's L_logit alone
+    ],
+    ids=["paper-fedlc", "distillation", "suppression"],
+)
+def test_fedvls_group_forms_of_each_term(digits: TensorDataset, hp: dict[str, Any]) -> None:
+    """Each FedVLS term alone, and the paper's L_logit with FedLC's margins, on the skewed shards and on
+    two shards that hold every class or all but one (|O| < 2: no L_dis, while the others distil)."""
+    datasets = shards(digits)
+    gen = torch.Generator().manual_seed(8)
+    spread = digits.subset(torch.randperm(len(digits), generator=gen)[:70].numpy())
+    one_missing = digits.subset(torch.nonzero(digits.y != 3).flatten()[:40].numpy())
+    assert len(spread.label_histogram()) == 10 and min(spread.label_histogram()) > 0
+    assert_group_is_each_own_train(digits, "fedvls", hp, [*datasets, spread, one_missing])
+
+
+@pytest.mark.parametrize("method", ["moon", "fedvls"])
+def test_group_term_of_a_node_with_no_batch_left_stays_finite(digits: TensorDataset, method: str) -> None:
+    """A captured CUDA graph steps all K nodes, a node with no batch left with every weight 0 (and its
+    count clamped to 1): its loss and gradient must stay finite, or its masked update (0 x NaN) is NaN."""
+    datasets = shards(digits)
+    member = members(method, CASES[method], datasets)[3]
+    model = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    model.load_state_dict(member.task.payload.tensors["model"])
+    term = member.half.group_term(member.task, model, member.data)  # type: ignore[attr-defined]
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    start = {n: p.detach() for n, p in model.named_parameters()}
+    x, y = member.data.x[:16], member.data.y[:16]
+
+    def forward(p: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, p, (inputs,))
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    weight, count = torch.zeros(16, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    loss = term.objective(NodeBatch(forward, params, start, x, y, weight, count, term.inputs))
+    assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
+    grads = torch.autograd.grad(loss, list(params.values()))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)

@@ -259,7 +259,7 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
         ("scaffold", "no group form"),
         ("feddisco", "no group form"),  # subclasses FedAvg's node half and changes `train`
         ("fedrcl", "overrides fit"),
-        ("fedvls", "no vectorised form"),
+        ("feddecorr", "no vectorised form"),
     ],
 )
 def test_methods_with_their_own_training_refuse_group_training(method: str, reason: str) -> None:
