@@ -35,6 +35,7 @@ CASES: dict[str, dict[str, Any]] = {
     "moon": {"mu": 1.0, "temperature": 0.5, "previous_models": 2},
     "fedvls": {"lam": 1.0, "logit_scale": 0.5},
     "fedrcl": {"threshold": 0.3, "topk_pos": 2, "topk_neg": 3},  # local_lr_decay 0.998: epoch by epoch
+    "fedacd": {"logit_adjust": False},  # Mixup (alpha 1); with log Delta FedACD trains one by one
 }
 FLOAT32 = 1e-5
 """FedRCL computes its similarities in float32 (in `train` too): agreement to float32 rounding only."""
@@ -49,6 +50,7 @@ NEUTRAL: dict[str, dict[str, Any]] = {
     "moon": {"mu": 0.0},
     "fedvls": {"calibration": "none", "lam": 0.0, "logit_scale": 0.0},
     "fedrcl": {"scl_weight": 0.0, "beta": 0.0, "local_lr_decay": 1.0},
+    "fedacd": {"l1_weight": 0.0, "logit_adjust": False, "mixup_alpha": 0.0},
 }
 
 
@@ -147,6 +149,8 @@ def assert_group_is_each_own_train(
             if term in alone.meta:
                 assert payload.meta[term] == pytest.approx(alone.meta[term], rel=1e-9)
         assert payload.meta["loss"] == pytest.approx(alone.meta["loss"], rel=TOLERANCE.get(method, 1e-9))
+        if "score" in alone.meta:  # FedACD's, from a float32 softmax of the trained model
+            assert payload.meta["score"] == pytest.approx(alone.meta["score"], rel=1e-6)
         assert difference(payload.tensors["model"], alone.tensors["model"]) < TOLERANCE.get(method, EXACT)
         moved.append(difference(payload.tensors["model"], baseline.tensors["model"]))
     assert max(moved) > 1e-4, "the term changed nothing"
@@ -244,3 +248,23 @@ def test_fedrcl_group_forms_of_each_term(digits: TensorDataset, hp: dict[str, An
     """FedRCL's paper form with Eq. 5's penalty set, the penalty alone at a steep lr decay, and the code's
     defaults on two taps: each node as its own `train` (float32 similarities: to 1e-5)."""
     assert_group_is_each_own_train(digits, "fedrcl", hp, shards(digits))
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {"l2_weight": 0.0, "mixup_alpha": 0.4, "detach_target": False},
+        {"logit_adjust": False, "mixup_alpha": 0.0, "l2_weight": 2.0},
+    ],
+    ids=["flatten-mixup", "no-mixup"],
+)
+def test_fedacd_group_forms_without_log_delta(digits: TensorDataset, hp: dict[str, Any]) -> None:
+    """FedACD's L1 alone (gradient through q) with Mixup, and L1 + lambda CE without Mixup (no draws)."""
+    assert_group_is_each_own_train(digits, "fedacd", hp, shards(digits))
+
+
+def test_fedacd_with_log_delta_trains_one_by_one() -> None:
+    """The paper's setting renews P from each node's model every epoch: refused, with the reason."""
+    spec = get_algorithm("fedacd")
+    half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
+    assert "log Delta" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")

@@ -255,7 +255,10 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
 @pytest.mark.parametrize(
     ("method", "reason"),
     [
-        ("fedacd", "no group form"),  # its own `train`: Mixup with numpy Beta draws, P updated per epoch
+        (
+            "fedacd",
+            "log Delta",
+        ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
         ("scaffold", "no group form"),
         ("feddisco", "no group form"),  # subclasses FedAvg's node half and changes `train`
         ("feddecorr", "no vectorised form"),
