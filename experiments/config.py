@@ -482,7 +482,8 @@ class HostingConfig(_Strict):
     vectorize: bool = Field(
         False,
         description="train a process's nodes of the same task together, as one vectorised computation (the"
-        " methods with a group form, docs/simulation.md; no BatchNorm): equal to one-by-one training within"
+        " methods with a group form: FedAvg, FedAvgM, FedProx, FedLC, FedRS, FedNTD, FedGKD, MOON, FedVLS, FedRCL,"
+        " KDIA, FedACD without log Delta, docs/simulation.md; no BatchNorm): equal to one-by-one training within"
         " float tolerance, so a run is then reproducible from its seed only within that tolerance",
     )
     vectorize_wait_s: float = Field(
@@ -498,7 +499,9 @@ class SimulationConfig(_Strict):
     vectorize: Literal["auto"] | bool = Field(
         "auto",
         description="train each round's selected nodes (each async wave's) as one vectorised computation where"
-        " the method allows (fedcore.vectorized; equal to one by one within float tolerance): true, false, or"
+        " the method allows (FedAvg, FedAvgM, FedProx, FedLC, FedRS, FedNTD, FedGKD, MOON, FedVLS, FedRCL, KDIA,"
+        " FedACD without log Delta;"
+        " fedcore.vectorized; equal to one by one within float tolerance): true, false, or"
         " auto (true with a CUDA device, where it is several times faster; false on a CPU, where one by one is"
         " as fast and bitwise equal to the daemons)",
     )

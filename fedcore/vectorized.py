@@ -216,6 +216,29 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
 
 
+class _Method(nn.Module):
+    """``model.<name>`` as a module's forward: `functional_call` calls only ``forward``."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        super().__init__()
+        self.model, self.name = model, name
+
+    def forward(self, *args: torch.Tensor) -> object:
+        return getattr(self.model, self.name)(*args)
+
+
+def functional_method(model: nn.Module, name: str) -> Callable[[dict[str, torch.Tensor], torch.Tensor], object]:
+    """``model.<name>(x)`` (``represent``, ``forward_taps``) run on the parameters given, as
+    `NodeBatch.forward` runs ``model(x)``: for an objective that needs more than the logits. A parameter
+    not given is the model's own (its frozen ones, which every node shares)."""
+    wrapper = _Method(model, name)
+
+    def call(params: dict[str, torch.Tensor], x: torch.Tensor) -> object:
+        return functional_call(wrapper, {f"model.{n}": p for n, p in params.items()}, (x,))
+
+    return call
+
+
 def cross_entropy_objective(batch: NodeBatch) -> torch.Tensor:
     """FedAvg's objective: the mean cross-entropy over the node's real samples."""
     return batch.mean(nll(batch.logits(), batch.y))
@@ -445,9 +468,21 @@ class _Stack:
     """(K,) optimizer steps taken by each node (Adam's bias correction)."""
 
     @classmethod
-    def of(cls, model: nn.Module, k: int, settings: TrainSettings, device: torch.device) -> _Stack:
+    def of(
+        cls,
+        model: nn.Module,
+        k: int,
+        settings: TrainSettings,
+        device: torch.device,
+        starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    ) -> _Stack:
+        """`model`'s trainable parameters repeated K times, or each node's own in `starts` (in stack order)."""
         params = {
-            name: p.detach().to(device).unsqueeze(0).repeat(k, *([1] * p.dim()))
+            name: (
+                p.detach().to(device).unsqueeze(0).repeat(k, *([1] * p.dim()))
+                if starts is None
+                else torch.stack([start[name].detach().to(device, p.dtype) for start in starts])
+            )
             for name, p in model.named_parameters()
             if p.requires_grad
         }
@@ -586,12 +621,13 @@ class _Round:
         objective: GroupObjective,
         inputs: dict[str, torch.Tensor],
         device: torch.device,
+        starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
         k = len(datasets)
-        self.stack = _Stack.of(model, k, settings, device)
+        self.stack = _Stack.of(model, k, settings, device, starts)
         self.frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-        self.start = {n: p[0].clone() for n, p in self.stack.params.items()}
+        self.start = {n: p.detach().to(device).clone() for n, p in model.named_parameters() if p.requires_grad}
         self.x = torch.cat([d.x.to(device) for d in datasets]) if plan.inputs is None else None
         self.y = torch.cat([d.y.to(device) for d in datasets])
         self.inputs = inputs
@@ -729,6 +765,7 @@ def train_vectorized(
     inputs: Mapping[str, torch.Tensor] | None = None,
     draws: StepDraws | None = None,
     graphs: str | None = None,
+    starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -737,7 +774,9 @@ def train_vectorized(
     by node from its own generator in `local_sgd`'s order; the steps then run on the device with no
     host synchronisation, and on a CUDA device as replays of one captured graph (`graphs`: auto, on,
     off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked
-    along dimension 0; `draws`, what the objective draws from the node's generator besides the batches.
+    along dimension 0; `draws`, what the objective draws from the node's generator besides the batches;
+    `starts`, each node's own trainable parameters to start from instead of `model`'s (a method that
+    trains in several calls, FedRCL epoch by epoch); `NodeBatch.start` is `model`'s either way.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -747,6 +786,8 @@ def train_vectorized(
         raise VectorizeError(reason)
     if len(datasets) != len(generators) or not datasets:
         raise ValueError(f"{len(datasets)} datasets and {len(generators)} generators: one of each per node")
+    if starts is not None and len(starts) != len(datasets):
+        raise ValueError(f"{len(starts)} starting models for {len(datasets)} nodes")
     first = next(model.parameters())
     device, dtype = first.device, first.dtype
     steps = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size, settings.drop_last) for d in datasets]
@@ -765,14 +806,15 @@ def train_vectorized(
         if num_steps > 0:
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
-            round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device)
+            own = [starts[k] for k in order] if starts is not None else None
+            round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device, own)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
             terms = {name: t.cpu() for name, t in round_.terms.items()}
         else:
             terms = {}
-            stack = _Stack.of(model, len(order), settings, device)
+            stack = _Stack.of(model, len(order), settings, device, [starts[k] for k in order] if starts else None)
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:

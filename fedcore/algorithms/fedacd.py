@@ -60,6 +60,16 @@ it; `logit_adjust` false replaces L2 by plain CE. With l1_weight = 0, logit_adju
 l2_weight = 1, mixup_alpha = 0 and weighting = "samples", FedACD trains and aggregates exactly as
 FedAvg does (the terms are skipped, and no random number is drawn beyond FedAvg's).
 
+Group form (`NodeHalf.train_group`, `fedcore.vectorized`) only where training does not use P, i.e.
+with ``logit_adjust: false`` or ``l2_weight: 0``: Eq. 9 as a pure function of each node's batch, its
+Mixup draws (the numpy seed first, then each batch's lam and permutation) drawn into the plan in the
+order `train` draws them, each member's score from its own trained model. With log Delta (the paper's
+setting and the default) the nodes train one by one (`group_refusal` says why): P is renewed every
+epoch from the node's own model as it trains (the detached outputs of its previous epoch, or a clean
+pass of it), state carried across the steps that a pure function of one step's batch cannot hold, and
+epoch-by-epoch vectorised calls would restart the optimiser's momentum, which `train`'s one
+`local_sgd` keeps across epochs.
+
 The coordinator never trusts the wire: a score that is missing, not a finite number or outside
 (0.5, 1] (the range of Sigmoid(1 / KL) for KL >= 0) leaves its update out of a score-weighted average,
 with a warning and the metric ``acd_invalid``; if no update is left the round fails with
@@ -82,7 +92,8 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -372,12 +383,7 @@ class NodeHalf(base.NodeHalf):
     ) -> base.Payload:
         shared.load_group(task, "model", model, node_id=self.node_id)
         hp = self.hp
-        num_classes = data.num_classes
-        if num_classes < 2 or len(data) == 0:
-            message = f"FedACD needs at least 2 classes and 1 sample, got {num_classes} classes, {len(data)} samples"
-            raise AlgorithmError(message, node_id=self.node_id, round=task.round)
-        # the label histogram stays here: only which classes are present is used
-        present = torch.bincount(data.y, minlength=num_classes).to(data.y.device) > 0
+        present = self._present(task, data)
         uses_delta = hp.logit_adjust and hp.l2_weight != 0.0
         rng = numpy_stream(generator) if hp.mixup_alpha > 0.0 else None
         l1_weight, l2_weight, detach = hp.l1_weight, hp.l2_weight, hp.detach_target
@@ -407,12 +413,97 @@ class NodeHalf(base.NodeHalf):
                 return loss
 
             stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
-        # V_m from P of the final local model over the clean local data (Eq. 10)
-        final = probability_matrix(model, data)
-        kl = template_kl(final, present.to(final.device), tau=hp.tau, reduction=hp.kl_reduction)
-        score = adaptability_score(kl, hp.eps)
-        meta = {"loss": stats.loss, "steps": stats.steps, SCORE: score}
+        meta = {"loss": stats.loss, "steps": stats.steps, SCORE: self._score(model, data, present)}
         return base.Payload(tensors={"model": model.state_dict()}, meta=meta)
+
+    def _present(self, task: base.TaskInput, data: TensorDataset) -> torch.Tensor:
+        """Which classes the node has (the label histogram stays here: only that is used)."""
+        num_classes = data.num_classes
+        if num_classes < 2 or len(data) == 0:
+            message = f"FedACD needs at least 2 classes and 1 sample, got {num_classes} classes, {len(data)} samples"
+            raise AlgorithmError(message, node_id=self.node_id, round=task.round)
+        return torch.bincount(data.y, minlength=num_classes).to(data.y.device) > 0
+
+    def _score(self, model: nn.Module, data: TensorDataset, present: torch.Tensor) -> float:
+        """V_m from P of the final local model over the clean local data (Eq. 10)."""
+        final = probability_matrix(model, data)
+        kl = template_kl(final, present.to(final.device), tau=self.hp.tau, reduction=self.hp.kl_reduction)
+        return adaptability_score(kl, self.hp.eps)
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once, where training does not use P (`group_refusal`): Eq. 9 on
+        each node's batch mixed as `train` mixes it, the Mixup draws in the plan (`_MixupDraws`)."""
+        reason = self.group_refusal(model)
+        if reason is not None:
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        present = [m.half._present(m.task, m.data) for m in members]  # type: ignore[attr-defined]
+        hp = self.hp
+        draws = _MixupDraws(hp.mixup_alpha) if hp.mixup_alpha > 0.0 else None
+
+        def loss_of(logits: torch.Tensor, y: torch.Tensor, batch: NodeBatch) -> torch.Tensor:
+            # l1_weight L1 + lambda CE (Eq. 9 without log Delta), each a mean over the real samples
+            loss = hp.l2_weight * batch.mean(nll(logits, y)) if hp.l2_weight != 0.0 else None
+            if hp.l1_weight != 0.0:
+                l1 = hp.l1_weight * batch.mean(flatten_loss(logits, y, detach_target=hp.detach_target))
+                loss = l1 if loss is None else loss + l1
+            assert loss is not None  # Hyperparams refuses both weights 0
+            return loss
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            if draws is None:
+                return loss_of(batch.logits(), batch.y, batch)
+            lam, perm = batch.step["lam"][0].to(batch.x.dtype), batch.step["perm"]
+            logits = batch.forward(batch.params, lam * batch.x + (1.0 - lam) * batch.x[perm])
+            # l = lam l(x~, y_a) + (1 - lam) l(x~, y_b); lam = 1 (no mixing drawn) gives l(x, y) exactly
+            return lam * loss_of(logits, batch.y, batch) + (1.0 - lam) * loss_of(logits, batch.y[perm], batch)
+
+        results = train_vectorized(
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members],
+            objective=objective, draws=draws,
+        )  # fmt: skip
+        payloads = []
+        for member, own, (state, stats) in zip(members, present, results, strict=True):
+            model.load_state_dict(state)
+            score = member.half._score(model, member.data, own)  # type: ignore[attr-defined]
+            meta = {"loss": stats.loss, "steps": stats.steps, SCORE: score}
+            payloads.append(base.Payload(tensors={"model": state}, meta=meta))
+        return payloads
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        if self.hp.logit_adjust and self.hp.l2_weight != 0.0:
+            return (
+                "FedACD's log Delta comes from P, which its training renews every epoch from the node's own model"
+                " as it trains: per-node state across the steps, which a vectorised step (a pure function of one"
+                " batch) cannot carry (logit_adjust: false or l2_weight: 0 trains in groups)"
+            )
+        return super().group_refusal(model) or unsupported(model)
+
+
+class _MixupDraws:
+    """FedACD's draws besides the batches (`fedcore.vectorized.StepDraws`), as `NodeHalf.train` makes
+    them: the numpy stream's seed before the first batch, then per batch lam ~ Beta(alpha, alpha) from
+    it and, unless lam is 1, the batch's permutation from the node's generator."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
+        return numpy_stream(generator)
+
+    def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        assert isinstance(state, np.random.Generator)
+        lam = mixup_lambda(self.alpha, state)
+        perm = (
+            torch.randperm(rows, generator=generator, device=generator.device)
+            if lam != 1.0
+            else torch.arange(rows, device=generator.device)
+        )
+        return {"lam": torch.full((rows,), lam, dtype=torch.float64), "perm": perm}
+
+    def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return drawn
 
 
 class _Estimate:

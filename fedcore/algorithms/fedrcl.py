@@ -65,6 +65,15 @@ Paper vs code, and choices (each an option defaulting to the spec's recommendati
   computed. Nothing but the model is exchanged; nodes keep no state between rounds.
 - ``scl_weight = beta = 0`` and ``local_lr_decay = 1`` train exactly as FedAvg does (the terms are
   skipped, not multiplied by zero; the forward pass is the model's plain one).
+
+Group form (`NodeHalf.group_term`, `fit_group`; `fedcore.vectorized`): the same loss as a pure
+function of a node's padded batch, the taps from ``forward_taps`` run on the node's parameters. A
+padding row is neither an anchor (weight 0) nor a positive, negative or penalty partner of any anchor
+(masked as a sample of no class); what `train` gets from the batch size (min(k, B) slots, an anchor
+without another sample) comes from the node's real count. The epochs train as `fit` trains them: one
+vectorised call per epoch at lr x local_lr_decay^e, each node starting from its model of the epoch
+before, the optimiser restarted. The similarities are float32 here as in `train`, so a group equals
+one-by-one training to float32 rounding (about 1e-7), not to float64's.
 """
 
 from __future__ import annotations
@@ -81,7 +90,9 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, fedavg, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
+from fedmq.fedcore.vectorized import GroupObjective, NodeBatch, functional_method, nll, train_vectorized
 
 RCL_VARIANTS = ("official", "paper")
 TAP_CHOICES = ("auto", "all")
@@ -245,6 +256,74 @@ def rcl_loss(features: Sequence[torch.Tensor], labels: torch.Tensor, hp: Hyperpa
     return total
 
 
+def _scl_official_masked(
+    sim: torch.Tensor, labels: torch.Tensor, real: torch.Tensor, count: torch.Tensor, hp: Hyperparams
+) -> torch.Tensor:
+    """`scl_official` on a padded batch: the padding rows `~real` are no anchor's positive or negative,
+    and the positives' slots are min(topk_pos, count) as in a batch of `count` samples."""
+    b = sim.shape[0]
+    same = labels[:, None] == labels[None, :]
+    kp, kn = min(hp.topk_pos, b), min(hp.topk_neg, b)
+    pos = sim.masked_fill(~(same & real[None, :]), math.inf).topk(kp, dim=1, largest=False).values
+    neg = sim.masked_fill(same | ~real[None, :], -math.inf).topk(kn, dim=1, largest=True).values
+    has_pos = torch.isfinite(pos)
+    pos = torch.where(has_pos, pos, torch.zeros_like(pos))
+    logits = torch.cat([pos.unsqueeze(2), neg.unsqueeze(1).expand(b, kp, kn)], dim=2) / hp.temperature
+    per_slot = torch.logsumexp(logits, dim=2) - logits[:, :, 0]
+    return torch.where(has_pos, per_slot, torch.zeros_like(per_slot)).sum(1) / count.clamp(max=hp.topk_pos)
+
+
+def _scl_paper_masked(sim: torch.Tensor, labels: torch.Tensor, real: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`scl_paper` on a padded batch; an anchor with no other real sample (a batch of one) gets 0, its
+    row kept finite (unmasked) so that its zero has a zero gradient, not a NaN one."""
+    b = sim.shape[0]
+    pair = ~torch.eye(b, dtype=torch.bool, device=sim.device) & real[None, :]
+    positives = (labels[:, None] == labels[None, :]) & pair
+    usable = pair | ~pair.any(dim=1, keepdim=True)
+    logits = (sim / temperature).masked_fill(~usable, -math.inf)
+    log_prob = logits - torch.logsumexp(logits, dim=1, keepdim=True)
+    total = torch.where(positives, log_prob, torch.zeros_like(log_prob)).sum(1)
+    return -total / positives.sum(1).clamp(min=1)
+
+
+def _penalty_masked(sim: torch.Tensor, labels: torch.Tensor, real: torch.Tensor, hp: Hyperparams) -> torch.Tensor:
+    """`divergence_penalty` on a padded batch: padding rows are no anchor's same-class partner."""
+    b = sim.shape[0]
+    eye = torch.eye(b, dtype=torch.bool, device=sim.device)
+    others = (labels[:, None] == labels[None, :]) & ~eye & real[None, :]
+    k = b if hp.penalty_topk == 0 else min(hp.penalty_topk, b)
+    order = sim.masked_fill(~others, math.inf).sort(dim=1, stable=True).indices[:, :k]
+    s = sim.gather(1, order)
+    fires = others.gather(1, order) & (s >= hp.threshold)
+    terms = torch.where(fires, torch.exp((s - 1.0) / hp.temperature), torch.zeros_like(s))
+    return torch.log1p(terms.sum(1))
+
+
+def group_rcl_loss(features: Sequence[torch.Tensor], batch: NodeBatch, hp: Hyperparams) -> torch.Tensor:
+    """`rcl_loss` of a node's padded batch (`NodeBatch`), each level's mean over its real anchors in
+    float32 as `rcl_loss` takes it. A node with no batch left (every weight 0, under a captured step)
+    counts all its rows as real, so that its (unused) loss and gradient stay finite."""
+    real = (batch.weight > 0) | (batch.weight == 0).all()
+    weight, count = batch.weight.float(), batch.count.float()
+    scl_levels, pen_levels = [], []
+    for z in features:
+        sim = similarity(z, relu=hp.feature_relu)
+        if hp.scl_weight != 0.0:
+            if hp.rcl_variant == "official":
+                scl = _scl_official_masked(sim, batch.y, real, count, hp)
+            else:
+                scl = _scl_paper_masked(sim, batch.y, real, hp.temperature)
+            scl_levels.append((scl * weight).sum() / count)
+        if hp.beta != 0.0:
+            pen_levels.append((_penalty_masked(sim, batch.y, real, hp) * weight).sum() / count)
+    total = torch.zeros((), device=batch.y.device)
+    if scl_levels:
+        total = total + hp.scl_weight * torch.stack(scl_levels).mean()
+    if pen_levels:
+        total = total + hp.beta * torch.stack(pen_levels).mean()
+    return total
+
+
 class CoordinatorHalf(fedavg.CoordinatorHalf):
     """FedAvg's server: the (size-weighted, or plain with ``weighted: false``) average of the updates."""
 
@@ -286,6 +365,53 @@ class NodeHalf(shared.LossTermNode):
             steps += stats.steps
             seen += stats.samples_seen
         return TrainStats(loss=total / max(seen, 1), steps=steps, samples_seen=seen)
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        hp = self.hp
+        if hp.scl_weight == 0.0 and hp.beta == 0.0:
+            return None
+        names = self._taps(model, task.round)
+        forward_taps = functional_method(model, "forward_taps")
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            out = forward_taps(batch.params, batch.x)
+            assert isinstance(out, tuple)
+            logits, taps = out
+            return batch.mean(nll(logits, batch.y)) + group_rcl_loss([taps[n] for n in names], batch, hp)
+
+        return shared.GroupTerm(objective)
+
+    def fit_group(
+        self,
+        model: nn.Module,
+        datasets: Sequence[TensorDataset],
+        settings: TrainSettings,
+        generators: Sequence[torch.Generator],
+        objective: GroupObjective,
+        inputs: dict[str, torch.Tensor],
+    ) -> list[tuple[StateDict, TrainStats]]:
+        """`fit` for a group: epoch e at lr x local_lr_decay^e, one vectorised call per epoch, each node
+        going on from its own model of the epoch before."""
+        decay = self.hp.local_lr_decay
+        if decay == 1.0 or settings.local_epochs == 1:
+            return super().fit_group(model, datasets, settings, generators, objective, inputs)
+        states: list[StateDict] | None = None
+        totals = [(0.0, 0, 0)] * len(datasets)
+        for epoch in range(settings.local_epochs):
+            epoch_settings = replace(settings, local_epochs=1, lr=settings.lr * decay**epoch)
+            results = train_vectorized(
+                model, datasets, epoch_settings, generators, objective=objective, inputs=inputs, starts=states
+            )
+            states = [state for state, _ in results]
+            totals = [
+                (total + stats.loss * stats.samples_seen, steps + stats.steps, seen + stats.samples_seen)
+                for (total, steps, seen), (_, stats) in zip(totals, results, strict=True)
+            ]
+        assert states is not None
+        return [
+            (state, TrainStats(loss=total / max(seen, 1), steps=steps, samples_seen=seen))
+            for state, (total, steps, seen) in zip(states, totals, strict=True)
+        ]
 
     def _taps(self, model: nn.Module, round: int) -> tuple[str, ...]:
         available = getattr(model, "tap_names", None)

@@ -52,6 +52,14 @@ Paper vs code, and choices (fedvls.md sections 5 and 7):
 - The prior and vacant set come from the whole local training set (A3), recomputed every round
   (the shard is static; the code computes them once).
 - ``calibration: none, lam: 0, logit_scale: 0`` trains exactly as FedAvg does (every term skipped).
+
+Group form (`NodeHalf.group_term`, `fedcore.vectorized`): the same loss as a pure function of a node's
+padded batch. Each member's offsets, prior and vacant set are its own tensors (`GroupTerm.inputs`);
+the teacher is the global model every member started from (`NodeBatch.start`). What `train` decides
+per node with Python branches is a mask or a factor here: the vacant set is a class mask (the KL over
+O is the softmax over the masked logits), a node with |O| < 2 gets its L_dis times 0 (computed on
+every class, so that it stays finite), and L_logit's sums over the batch leave the padding rows out
+(log B is the log of the node's real batch size).
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.algorithms.fedlc import calibrated_cross_entropy, fedlc_offsets
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, nll
 
 LOGIT_SUPPRESSIONS = ("official", "paper")
 CALIBRATIONS = ("prior", "fedlc", "none")
@@ -253,6 +262,36 @@ class NodeHalf(shared.LossTermNode):
 
         return objective
 
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        hp = self.hp
+        if hp.calibration == "none" and hp.lam == 0.0 and hp.logit_scale == 0.0:
+            return None  # FedAvg's cross-entropy for every node, as `objective` gives then
+        counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)
+        offsets = self._offsets(counts)
+        distill = vacant_classes(counts).numel() >= 2
+        inputs = {
+            "offsets": torch.zeros_like(counts) if offsets is None else offsets,  # logits + 0 is the logits
+            "prior": counts / counts.sum(),
+            "vacant": counts == 0 if distill else torch.ones_like(counts, dtype=torch.bool),
+            "distill": torch.tensor(1.0 if distill else 0.0, dtype=counts.dtype),
+        }
+        eps, form = hp.prior_eps, hp.logit_suppression
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            logits = batch.logits()
+            node = batch.inputs
+            loss = batch.mean(nll(logits + node["offsets"].to(logits.dtype), batch.y))  # L_cal
+            if hp.logit_scale > 0.0:  # + L_logit, over the real rows of the batch
+                real = (batch.weight > 0) | (batch.weight == 0).all()  # a node with no batch left: all, finite
+                loss = loss + hp.logit_scale * _group_suppression(logits, batch.y, real, batch.count, node, eps, form)
+            if hp.lam > 0.0:  # + lambda L_dis, the teacher being the global model
+                teacher = batch.forward(batch.start, batch.x).detach()
+                kl = batch.mean(_vacant_kl(logits, teacher, node["vacant"]))
+                loss = loss + hp.lam * (node["distill"].to(logits.dtype) * kl)
+            return loss
+
+        return shared.GroupTerm(objective, inputs)
+
     def _offsets(self, counts: torch.Tensor) -> torch.Tensor | None:
         """The per-class offsets of the base loss; None for plain cross-entropy."""
         if self.hp.calibration == "prior":
@@ -260,6 +299,42 @@ class NodeHalf(shared.LossTermNode):
         if self.hp.calibration == "fedlc":
             return fedlc_offsets(counts, self.hp.fedlc_tau)
         return None
+
+
+def _vacant_kl(student: torch.Tensor, teacher: torch.Tensor, vacant: torch.Tensor) -> torch.Tensor:
+    """Each sample's KL(softmax(teacher[O]) || softmax(student[O])) with O the classes of the mask
+    `vacant`: `vacant_distillation` before its batch mean, with no indexing by a per-node set. The
+    log-probabilities of the other classes (-inf) are replaced by 0 before they meet, so that no NaN
+    enters the forward or the backward pass."""
+    s = F.log_softmax(student.masked_fill(~vacant, float("-inf")), dim=-1)
+    t = F.log_softmax(teacher.masked_fill(~vacant, float("-inf")), dim=-1)
+    s, t = torch.where(vacant, s, 0.0), torch.where(vacant, t, 0.0)
+    return torch.where(vacant, t.exp() * (t - s), 0.0).sum(-1)
+
+
+def _group_suppression(
+    logits: torch.Tensor,
+    y: torch.Tensor,
+    real: torch.Tensor,
+    count: torch.Tensor,
+    node: Mapping[str, torch.Tensor],
+    eps: float,
+    form: str,
+) -> torch.Tensor:
+    """`logit_suppression` over the rows `real` of a padded batch (`count` of them): a padding row
+    is left out of every class's sum over the batch, as a row the batch does not have."""
+    classes = logits.shape[-1]
+    prior = node["prior"]
+    others = y[:, None] != torch.arange(classes, device=y.device)[None, :]
+    if form == "official":
+        adjusted = logits - torch.log(prior + eps) + math.log(1.0 / classes + eps)
+        entries = torch.where(real[:, None], adjusted * others.to(logits.dtype), float("-inf"))
+        return (prior * (torch.logsumexp(entries, dim=0) - torch.log(count))).sum()
+    others = others & real[:, None]
+    has_others = others.any(dim=0)
+    fill = torch.where(has_others, float("-inf"), 0.0).to(logits.dtype)
+    per_class = torch.logsumexp(torch.where(others, logits, fill[None, :]), dim=0) - torch.log(count)
+    return (prior * torch.where(has_others, per_class, torch.zeros_like(per_class))).sum()
 
 
 SPEC = base.AlgorithmSpec(name="fedvls", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -27,6 +27,15 @@ Choices and deviations:
   negative, a by-product of keeping N networks, not part of the method.
 - The previous models live as long as the node daemon: a restarted node starts without one.
 - ``mu = 0`` trains exactly as FedAvg does (the term is skipped, not multiplied by zero).
+
+Group form (`group_term`, `fedcore.vectorized`): the same objective as a pure function of a node's
+batch. The global model is the model every member started from (`NodeBatch.start`); each member's
+previous models enter as its own tensors (`GroupTerm.inputs`, ``previous{j}.{name}``), in
+`previous_models` slots with a mask ``present``: an empty slot (a node with fewer previous models,
+or none on its first participation) is filled with the global model and its similarity set to -inf,
+so it drops out of the softmax, and a node with none gets l_con = log(e^s / e^s) = 0 with zero
+gradient, as `train`'s skipped term. After the group trains, each member's half keeps its own trained
+model (`trained`, called by `LossTermNode.train_group`).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, cpu_copy
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,6 +111,44 @@ class NodeHalf(shared.LossTermNode):
             return loss
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        mu, tau, slots = self.hp.mu, self.hp.temperature, self.hp.previous_models
+        if mu == 0.0:
+            return None
+        self._representation(model, task.round)  # the same AlgorithmError as `train` for a model without one
+        represent = functional_method(model, "represent")
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        start = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+        inputs = {"present": torch.arange(slots) < len(self.previous)}
+        for j in range(slots):  # an empty slot holds the global model, masked out by `present`
+            state = self.previous[j] if j < len(self.previous) else start
+            inputs |= {f"previous{j}.{name}": state[name].to(start[name]) for name in names}
+
+        def z_of(params: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = represent(params, x)
+            assert isinstance(out, tuple)
+            return out[0], out[1]
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            z, logits = z_of(batch.params, batch.x)
+            z_glob = z_of(batch.start, batch.x)[0].detach()
+            sims = [F.cosine_similarity(z, z_glob, dim=-1)]
+            for j in range(slots):
+                previous = {name: batch.inputs[f"previous{j}.{name}"] for name in batch.params}
+                z_prev = z_of(previous, batch.x)[0].detach()
+                sim = F.cosine_similarity(z, z_prev, dim=-1)
+                sims.append(torch.where(batch.inputs["present"][j], sim, float("-inf")))
+            con = torch.stack(sims, dim=-1) / tau  # l_con: -log softmax of the positive (column 0)
+            l_con = torch.logsumexp(con, dim=-1) - con[..., 0]
+            return batch.mean(nll(logits, batch.y)) + mu * batch.mean(l_con)  # l_sup + mu l_con
+
+        return shared.GroupTerm(objective, inputs)
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        if not callable(getattr(model, "represent", None)):  # `train` then says so, as an AlgorithmError
+            return f"MOON needs a model with represent(x) -> (z, logits), not {type(model).__name__}"
+        return super().group_refusal(model)
 
     def trained(self, model: nn.Module) -> None:
         # the model just trained is this node's newest previous model (FIFO of `previous_models`)

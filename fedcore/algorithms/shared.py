@@ -31,6 +31,7 @@ from fedmq.fedcore.aggregation import weighted_average
 from fedmq.fedcore.algorithms import base
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
 from fedmq.fedcore.vectorized import GroupObjective, cross_entropy_objective, train_vectorized, unsupported
 
@@ -222,10 +223,14 @@ class LossTermNode(base.NodeHalf):
         objective = cross_entropy_objective if neutral else terms[0].objective
         names = [] if neutral else list(terms[0].inputs)
         inputs = {name: torch.stack([t.inputs[name] for t in terms]) for name in names}  # type: ignore[union-attr]
-        results = train_vectorized(
-            model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, inputs=inputs,
-        )  # fmt: skip
+        results = self.fit_group(
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members], objective, inputs
+        )
+        if not neutral:  # each member keeps what `train` keeps of its model (MOON: its previous model)
+            with torch.no_grad():
+                for member, (state, _) in zip(members, results, strict=True):
+                    model.load_state_dict(state)
+                    member.half.trained(model)  # type: ignore[attr-defined]
         return [
             base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
             for state, stats in results
@@ -233,12 +238,16 @@ class LossTermNode(base.NodeHalf):
 
     def group_refusal(self, model: nn.Module) -> str | None:
         """A subclass trains in groups when it writes its objective as a `GroupTerm` and keeps the
-        template's training (`train`, `fit`) and keeps nothing of the trained model (`trained`)."""
+        template's training (`train`, `fit`). `trained` is called on each member's half with its
+        trained model loaded into the workspace, as `train` calls it, so what a half keeps of its
+        model (MOON's previous models) is kept; its `group_term` must then read that state."""
         cls = type(self)
         name = f"{cls.__module__}.{cls.__qualname__}"
-        for hook in ("train", "fit", "trained", "train_group"):
+        for hook in ("train", "train_group"):
             if _owner(cls, hook) is not LossTermNode:
                 return f"{name} overrides {hook}, which group training does not reproduce"
+        if _owner(cls, "fit") is not _owner(cls, "fit_group"):
+            return f"{name} overrides fit, which group training does not reproduce (no fit_group beside it)"
         if _owner(cls, "group_term") is LossTermNode:
             return f"{name} has no vectorised form of its objective (group_term)"
         return unsupported(model)
@@ -255,6 +264,19 @@ class LossTermNode(base.NodeHalf):
         if objective is None:
             return local_sgd(model, data, settings, generator)
         return local_sgd(model, data, settings, generator, loss_fn=objective)
+
+    def fit_group(
+        self,
+        model: nn.Module,
+        datasets: Sequence[TensorDataset],
+        settings: TrainSettings,
+        generators: Sequence[torch.Generator],
+        objective: GroupObjective,
+        inputs: dict[str, torch.Tensor],
+    ) -> list[tuple[StateDict, TrainStats]]:
+        """`fit` for a group: one vectorised `local_sgd` on the group's objective. A subclass that
+        trains otherwise (`fit`) trains the group alike here, or its nodes train one by one."""
+        return train_vectorized(model, datasets, settings, generators, objective=objective, inputs=inputs)
 
 
 def _owner(cls: type, name: str) -> type:

@@ -255,11 +255,13 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
 @pytest.mark.parametrize(
     ("method", "reason"),
     [
-        ("moon", "overrides trained"),  # keeps its previous models
+        (
+            "fedacd",
+            "log Delta",
+        ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
         ("scaffold", "no group form"),
         ("feddisco", "no group form"),  # subclasses FedAvg's node half and changes `train`
-        ("fedrcl", "overrides fit"),
-        ("fedvls", "no vectorised form"),
+        ("feddecorr", "no vectorised form"),
     ],
 )
 def test_methods_with_their_own_training_refuse_group_training(method: str, reason: str) -> None:
@@ -270,6 +272,17 @@ def test_methods_with_their_own_training_refuse_group_training(method: str, reas
     assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
     with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
         half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
+
+
+def test_a_loss_term_method_that_trains_otherwise_refuses_group_training() -> None:
+    """A subclass that changes `fit` without a `fit_group` beside it (FedRCL has both) trains one by one."""
+    from fedmq.fedcore.algorithms import fedprox
+
+    class Refitted(fedprox.NodeHalf):
+        fit = fedprox.NodeHalf.fit  # defined here, not on LossTermNode
+
+    half = Refitted(fedprox.Hyperparams(mu=0.1), node_id="node-0")
+    assert "overrides fit" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
 
 
 def test_fedavg_refuses_group_training_of_a_batchnorm_model() -> None:
