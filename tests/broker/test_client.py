@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import subprocess
 
+import aiomqtt
 import numpy as np
 import pytest
 
@@ -471,3 +472,32 @@ async def test_publish_many_resends_what_a_lost_connection_left_unacknowledged(f
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_a_connecting_client_gets_only_its_own_subscriptions_retained_messages(
+    broker_url: str, federation: str
+) -> None:
+    """amqtt 0.12 sent a newly connected client the retained messages of every topic filter any
+    session had subscribed to, not only its own (a retained node status reached a coordinator that
+    subscribed to updates only). Client a holds a subscription to a retained topic; client b, which
+    subscribes elsewhere, must get nothing from it, and gets it once it subscribes itself."""
+    held, elsewhere = f"fedmq/{federation}/nodes/n1/status", f"fedmq/{federation}/updates/+"
+    async with raw_client(broker_url) as a:
+        await a.subscribe(held, qos=1)
+        await a.publish(held, b"retained status", qos=1, retain=True)
+        await _raw_next(a)  # a's own copy: the broker holds it now
+        try:
+            async with raw_client(broker_url) as b:
+                await b.subscribe(elsewhere, qos=1)
+                with pytest.raises(TimeoutError):
+                    await _raw_next(b, timeout=1.0)
+                await b.subscribe(held, qos=1)
+                message = await _raw_next(b)
+                assert message.topic.value == held and message.retain
+        finally:
+            await a.publish(held, b"", qos=1, retain=True)  # leave nothing retained
+
+
+async def _raw_next(client: aiomqtt.Client, timeout: float = 10.0) -> aiomqtt.Message:
+    async with asyncio.timeout(timeout):
+        return await anext(aiter(client.messages))
