@@ -41,8 +41,10 @@ class Configure:
     settings: Mapping[str, Any]
     """The training settings every task of this step carries (`TrainSettings.to_meta`)."""
     expiry_s: float
-    """MQTT message expiry of the tasks and the model: a node that reconnects late does not train
-    on a stale task."""
+    """MQTT message expiry of the tasks and the model (each task also carries it as its deadline): a
+    node that reconnects late does not train on a stale task. The engine's deadline (sync: the
+    round's, async: a task's); the daemon publishes every frame of the step with it, even when it
+    sends one again, rather than reading a deadline from the config, so the two cannot disagree."""
     inline_only: bool = False
     """Every task carries its model (async mode: tasks go out one by one, so there is no broadcast)."""
 
