@@ -69,6 +69,8 @@ class _TaskFrame:
 
     frame: bytearray
     task: bytes
+    expiry_s: float
+    """Its MQTT message expiry, as the engine's `Configure` says (the engine decides deadlines)."""
 
     def for_task(self, task: bytes) -> bytearray:
         return self.frame if task == self.task else with_bytes_replaced(self.frame, self.task, task)
@@ -82,6 +84,8 @@ class _Prepared:
     round: int
     tasks: dict[str, bytes]
     inline: bool
+    expiry_s: float
+    """The MQTT message expiry of the step's tasks and model: its `Configure`'s `expiry_s`."""
     model: bytearray | None = None
 
 
@@ -365,7 +369,7 @@ class Coordinator:
         logger.info("round %d: %s announced itself again with its task unanswered: the task is sent again", round, node)
         self._spawn(
             self._bus.publish_frame(
-                self.topics.task(node), frame.for_task(task_id), round=round, expiry_s=self._expiry()
+                self.topics.task(node), frame.for_task(task_id), round=round, expiry_s=frame.expiry_s
             )
         )
 
@@ -518,7 +522,7 @@ class Coordinator:
         """The half's payload for the step's tasks, encoded (in the lane: the model is read whole)."""
         payload = self._calls.configure(command)
         if not command.tasks:
-            return command.step, _Prepared({}, command.ctx.round, {}, inline=True)
+            return command.step, _Prepared({}, command.ctx.round, {}, inline=True, expiry_s=command.expiry_s)
         if isinstance(payload, Payload):
             payloads: Mapping[str, Payload] = dict.fromkeys((t.node for t in command.tasks), payload)
             model = None if command.inline_only else self._model_message(command, payload)
@@ -532,12 +536,14 @@ class Coordinator:
                 key = (t.round, t.attempt, t.version, t.model)
                 if key not in shared:
                     message = self._task_message(command, t, payload if inline else None)
-                    shared[key] = _TaskFrame(encode(message), t.task)
+                    shared[key] = _TaskFrame(encode(message), t.task, command.expiry_s)
                 frames[t.node] = shared[key]
         else:
             for t in command.tasks:
-                frames[t.node] = _TaskFrame(encode(self._task_message(command, t, payloads[t.node])), t.task)
-        prepared = _Prepared(frames, command.ctx.round, {t.node: t.task for t in command.tasks}, inline)
+                message = self._task_message(command, t, payloads[t.node])
+                frames[t.node] = _TaskFrame(encode(message), t.task, command.expiry_s)
+        tasks = {t.node: t.task for t in command.tasks}
+        prepared = _Prepared(frames, command.ctx.round, tasks, inline, command.expiry_s)
         if not inline:
             assert model is not None
             prepared.model = encode(model)
@@ -644,7 +650,7 @@ class Coordinator:
                 self._open_tasks[node] = (task_id, round, shared)
         frames = {topic: shared.for_task(task_id) for topic, (_, task_id) in topics.items()}
         try:
-            failed = await self._bus_or_fail().publish_many(list(topics), frames, round=round, expiry_s=self._expiry())
+            failed = await self._bus_or_fail().publish_many(list(topics), frames, round=round, expiry_s=shared.expiry_s)
         except BusError as exc:
             logger.warning("round %d: %d tasks failed: %s", round, len(topics), exc)
             failed = list(topics)
@@ -661,20 +667,17 @@ class Coordinator:
         limit = min(max(self.config.policy.inline_model_bytes, 0), self.bus_config.chunk_bytes // 2) + 4096
         return len(frame) <= limit
 
-    def _expiry(self) -> float:
-        return self.config.asynchronous.deadline_s if self.config.engine == "async" else self.config.policy.deadline_s
-
     def _broadcast(self, command: c.Broadcast) -> None:
         prepared = self._prepared.get(command.step)
         if prepared is None or prepared.model is None:
             logger.error("no model prepared for the broadcast of step %d", command.step)
             return
-        frame = prepared.model
+        frame, expiry_s = prepared.model, prepared.expiry_s
 
         async def send() -> None:
             try:
                 await self._bus_or_fail().publish_frame(
-                    self.topics.model(command.round), frame, round=command.round, expiry_s=self._expiry()
+                    self.topics.model(command.round), frame, round=command.round, expiry_s=expiry_s
                 )
             except BusError as exc:
                 logger.error("round %d: model broadcast failed: %s", command.round, exc)
@@ -687,7 +690,7 @@ class Coordinator:
             return
         self._spawn(
             self._bus_or_fail().publish_frame(
-                self.topics.direct_model(command.node), prepared.model, round=prepared.round, expiry_s=self._expiry()
+                self.topics.direct_model(command.node), prepared.model, round=prepared.round, expiry_s=prepared.expiry_s
             )
         )
 

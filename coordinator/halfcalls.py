@@ -25,12 +25,10 @@ class HalfCalls:
     def __init__(self, half: CoordinatorHalf, config: CoordinatorConfig) -> None:
         self.half = half
         self.versions = ModelVersions()
+        """The models tasks carried, kept and let go as the engine's commands say (`Configure.keep_model`,
+        `Aggregate.keep_from`): the engine decides which an update may still need, nothing here does."""
         self._deltas = config.compression.enabled and config.compression.delta
-        """Delta-compressed updates are differences from their task's model: keep those models."""
-        self._keep_versions = self._deltas or (config.engine == "async" and config.asynchronous.rule == "fedbuff")
-        """FedBuff folds each update as a delta from the model its node received: keep those models."""
-        self._sync_kept = config.asynchronous.max_staleness if config.policy.late_updates == "carry" else 0
-        """Sync rounds: versions an update may lag and still be folded (a late one carried)."""
+        """Delta-compressed updates are differences from their task's model: added back before aggregating."""
         self.node_privacy = node_privacy(config)
         """What node DP-SGD has spent, reported with each aggregation (None without it)."""
         self._last_good: tuple[StateDict, StateDict] | None = None
@@ -42,7 +40,7 @@ class HalfCalls:
         payload = self.half.configure_round(command.ctx)
         if self._deltas and not isinstance(payload, Payload):
             check_one_model(payload)
-        if self._keep_versions:
+        if command.keep_model:
             self.versions.keep(command.ctx.version, payload, self.half)
         return payload
 
@@ -70,10 +68,7 @@ class HalfCalls:
         if self.node_privacy is not None:
             metrics |= self.node_privacy.metrics(ctx.participation)
         records = self.half.round_records()
-        keep_from = command.keep_from
-        if keep_from is None and self._deltas:  # sync rounds: no later update can come from older versions
-            keep_from = command.ctx.version + 1 - self._sync_kept
-        self.versions.prune(keep_from)
+        self.versions.prune(command.keep_from)
         return e.Aggregated(command.step, metrics, model_sha256(self.half.model)), records
 
     def _snapshot(self) -> None:

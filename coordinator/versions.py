@@ -15,7 +15,8 @@ from fedmq.fedcore.tensors import StateDict, cpu_copy
 
 class ModelVersions:
     """Version -> a copy of the 'model' group its tasks carried. Filled when a version's first task
-    is configured, read by the `Aggregate` that folds its updates, pruned by `Aggregate.keep_from`."""
+    is configured with `Configure.keep_model`, read by the `Aggregate` that folds its updates, pruned
+    by `Aggregate.keep_from`: the engine decides all three."""
 
     def __init__(self) -> None:
         self._models: dict[int, StateDict] = {}

@@ -308,6 +308,12 @@ class Engine(ABC):
             folding=folding or Folding(),
         )
 
+    def keeps_models(self) -> bool:
+        """Whether the model each task carries must be kept until no update can come from it
+        (`Configure.keep_model`, let go by `Aggregate.keep_from`): delta-compressed updates are
+        differences from their task's model, which the coordinator adds back before aggregating."""
+        return self.config.compression.enabled and self.config.compression.delta
+
     def _eval_due(self, index: int, last: int) -> bool:
         """Evaluate after step `index` (0-based) of `last + 1`: every eval_every, and the last."""
         return index == last or (index + 1) % self.config.eval_every == 0

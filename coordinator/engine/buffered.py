@@ -133,7 +133,14 @@ class BufferedAsync(Engine):
         step = self._next_step()
         self._reserved[step] = tasks
         self._reserved_nodes.update(chosen)
-        out.append(c.Configure(step, ctx, tasks, ctx.settings.to_meta(), self.ap.deadline_s, inline_only=True))
+        keep = self.keeps_models()
+        out.append(
+            c.Configure(step, ctx, tasks, ctx.settings.to_meta(), self.ap.deadline_s, inline_only=True, keep_model=keep)
+        )
+
+    def keeps_models(self) -> bool:
+        """FedBuff folds each update as a delta from the model its node received: keep those models too."""
+        return super().keeps_models() or self.ap.rule == "fedbuff"
 
     def _attempt(self, node: str, version: int) -> int:
         """How many tasks `node` had before at `version`: with the version it seeds the node's

@@ -41,10 +41,17 @@ class Configure:
     settings: Mapping[str, Any]
     """The training settings every task of this step carries (`TrainSettings.to_meta`)."""
     expiry_s: float
-    """MQTT message expiry of the tasks and the model: a node that reconnects late does not train
-    on a stale task."""
+    """MQTT message expiry of the tasks and the model (each task also carries it as its deadline): a
+    node that reconnects late does not train on a stale task. The engine's deadline (sync: the
+    round's, async: a task's); the daemon publishes every frame of the step with it, even when it
+    sends one again, rather than reading a deadline from the config, so the two cannot disagree."""
     inline_only: bool = False
     """Every task carries its model (async mode: tasks go out one by one, so there is no broadcast)."""
+    keep_model: bool = False
+    """Keep a copy of the model these tasks carry (version `ctx.version`) until an `Aggregate`'s
+    `keep_from` passes it: an update will be read (a delta-compressed one is a difference from it) or
+    folded (FedBuff adds each update's delta from it) against it. The engine decides (`keeps_models`);
+    the half's calls (`coordinator.halfcalls`) keep what it says and derive nothing from the config."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +105,9 @@ class Refused:
 @dataclass(frozen=True, slots=True)
 class Aggregate:
     """Call the half's `aggregate` (then `Aggregated`). With `bases`, fill `ctx.folding.bases` with
-    those versions' models; versions below `keep_from` are no longer needed by anything."""
+    those versions' models; kept versions below `keep_from` are no longer needed by anything (no task
+    in flight, buffered update or update still to come, late ones included, was built from them) and
+    are let go (None: nothing to let go)."""
 
     step: int
     ctx: RoundContext

@@ -105,7 +105,16 @@ class SyncRounds(Engine):
             for n in selection.selected
         )
         self.phase = "configuring"
-        out.append(c.Configure(self._configure_step, ctx, tasks, ctx.settings.to_meta(), self.policy.deadline_s))
+        out.append(
+            c.Configure(
+                self._configure_step,
+                ctx,
+                tasks,
+                ctx.settings.to_meta(),
+                self.policy.deadline_s,
+                keep_model=self.keeps_models(),
+            )
+        )
 
     def _select(self, live: list[str], stratum: str | None = None) -> Selection:
         return sample(
@@ -318,6 +327,13 @@ class SyncRounds(Engine):
             return True
         return self.round + 1 < self.config.rounds
 
+    def _keep_from(self) -> int:
+        """The oldest version an update may come from once this aggregation is done: the next round's
+        (kept when it is configured), or with late updates carried, max_staleness versions before it
+        (`_late_update` refuses those staler still)."""
+        lag = self.config.asynchronous.max_staleness if self.policy.late_updates == "carry" else 0
+        return self.version + 1 - lag
+
     def _fold_version(self) -> int:
         """The version the next aggregation folds from (one more while an aggregation is running)."""
         return self.version + (1 if self.phase == "aggregating" else 0)
@@ -380,7 +396,8 @@ class SyncRounds(Engine):
             self._late, self._late_from = {}, {}
             self.phase = "aggregating"
             self._outcome_step = self._next_step()
-            out.append(c.Aggregate(self._outcome_step, ctx, ordered, self._failures(state.round, outcome)))
+            failures = self._failures(state.round, outcome)
+            out.append(c.Aggregate(self._outcome_step, ctx, ordered, failures, keep_from=self._keep_from()))
             return
         self._record_participation(state, outcome, {}, aggregated=False)
         record["aggregated"] = False

@@ -20,10 +20,12 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.local import LocalFederation, LocalNode
+from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.compression import SCALES, Compression, compress
-from tests.algorithms.common import SETTINGS, shards, tiny_model
+from tests.algorithms.common import SETTINGS, context, scalar_model, shards, tiny_model
+from tests.algorithms.common import update as node_update
 from tests.coordinator.engine_helpers import Driver, config, of, one
 
 NODES = ("a", "b", "c")
@@ -95,6 +97,73 @@ def test_delta_update_is_restored_from_its_base_versions_model() -> None:
     (whole,) = restore([update], models.__getitem__)
     assert type(whole.payload) is Payload
     assert torch.allclose(whole.payload.tensors["model"]["w"], torch.tensor([1.0, -0.5]), atol=1e-2)
+
+
+CARRY = {"policy": {"late_updates": "carry"}, "max_staleness": 2}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "compression", "keeps", "keep_from"),
+    [
+        ({}, Compression(), False, 1),
+        ({}, INT8, False, 1),
+        ({}, Compression(mode="int8"), True, 1),
+        (CARRY, Compression(mode="int8"), True, -1),
+    ],
+    ids=["uncompressed", "int8-weights", "int8-delta", "int8-delta-carry"],
+)
+def test_sync_engine_says_which_models_to_keep_and_from_which_version(
+    kwargs: dict[str, Any], compression: Compression, keeps: bool, keep_from: int
+) -> None:
+    """Issue 30, item 4: the engine decides what the half's calls keep. A round's Configure asks for
+    its model to be kept when the updates will be deltas from it; its Aggregate lets go of every
+    version older than the next round's, or max_staleness before it while late updates are carried."""
+    d = Driver(_config(compression, **kwargs))
+    tasks = _sync_round(d)
+    assert one(c.Configure, d.log).keep_model is keeps
+    for node in NODES:
+        d.feed(compressed(tasks[node], compression))
+    assert one(c.Aggregate, d.log).keep_from == keep_from
+
+
+@pytest.mark.parametrize(
+    ("buffer", "compression", "keeps"),
+    [(1, Compression(), False), (1, INT8, False), (1, Compression(mode="int8"), True), (2, Compression(), True)],
+    ids=["fedasync", "fedasync-int8-weights", "fedasync-int8-delta", "fedbuff"],
+)
+def test_async_engine_says_which_models_to_keep(buffer: int, compression: Compression, keeps: bool) -> None:
+    """Issue 30, item 4: an asynchronous task's model is kept when its update will be a delta from it
+    or FedBuff (buffer above 1) folds the update as a delta from it; the Aggregate's keep_from (the
+    oldest version a task in flight or a buffered update came from) lets it go."""
+    d = Driver(_config(compression, engine="async", buffer=buffer, concurrency=3))
+    d.start(*NODES)
+    assert one(c.Configure, d.log).keep_model is keeps
+
+
+def test_half_calls_keep_and_let_go_exactly_the_models_the_commands_say() -> None:
+    """Issue 30, item 4: the half's calls derive nothing from the config. A Configure that asks for
+    its model to be kept has it kept (uncompressed sync rounds never need one), one that does not
+    ask has none kept, and an Aggregate lets go of the versions below its keep_from and of no other
+    (None: of none, where late updates carried would once have made the calls work out their own)."""
+    spec = get_algorithm("fedavg")
+    half = spec.coordinator(build_hyperparams(spec, {}), model=scalar_model(0.5))
+    calls = HalfCalls(half, _config(Compression(), **CARRY))
+
+    def configure(version: int, keep: bool) -> None:
+        ctx = dataclasses.replace(context(version, ("a",)), version=version)
+        calls.configure(c.Configure(version, ctx, (), {}, 10.0, keep_model=keep))
+
+    def aggregate(version: int, keep_from: int | None) -> list[int]:
+        ctx = dataclasses.replace(context(version, ("a",)), version=version)
+        update = node_update("a", {"weight": torch.full((1, 1), 0.5)}, 10, round=version)
+        calls.aggregate(c.Aggregate(version, ctx, [update], [], keep_from=keep_from))
+        return [v for v in range(10) if v in calls.versions._models]
+
+    for version in range(4):
+        configure(version, keep=version != 2)
+    assert aggregate(3, None) == [0, 1, 3]
+    assert aggregate(3, 1) == [1, 3]
+    assert calls.versions.model(1)["weight"].item() == 0.5
 
 
 def _scales(value: float) -> Callable[[dict[str, np.ndarray]], None]:

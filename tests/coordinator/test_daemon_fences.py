@@ -13,10 +13,12 @@ import pytest
 
 from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
 from fedmq.coordinator.daemon import Coordinator, _TaskFrame
+from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
+from fedmq.fedcore.training import TrainSettings
 from tests.coordinator.engine_helpers import config
-from tests.coordinator.test_payloads import PerNode, _model
+from tests.coordinator.test_payloads import PerNode, Shared, _ctx, _model
 
 
 def _coordinator(tmp_path: Path, **changes: object) -> Coordinator:
@@ -112,7 +114,7 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
     coordinator._dispatch(_status("node-001", connection=1))
     task, other = b"t" * 16, b"u" * 16  # each node's own task id, in frames that share the rest
     message = Message(kind=Kind.TASK, federation="f", round=1, sender="coordinator", meta={"task": task})
-    frame = _TaskFrame(encode(message), task)
+    frame = _TaskFrame(encode(message), task, 10.0)
     await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", other, 1, frame)])
     assert [decode(f).meta["task"] for _, f in bus.sent] == [task, other]
 
@@ -170,3 +172,49 @@ async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -
         await asyncio.sleep(0)
     assert cleared == [(t.update("node-000"), b"", True), (t.ack("node-000"), b"", True)]
     assert isinstance(coordinator._events.get_nowait(), e.NodeSeen) and coordinator._events.empty()  # the status only
+
+
+async def test_tasks_and_models_expire_when_the_engines_configure_says(tmp_path: Path) -> None:
+    """Issue 30, item 4: the engine decides deadlines. Every frame of a step (its tasks, the model
+    broadcast, a model sent to a late acknowledger, a task sent again to a reconnected node) expires
+    after its `Configure`'s `expiry_s`, not after a deadline the daemon reads from the config (10 s)."""
+    cfg = dataclasses.replace(config(policy={"inline_model_bytes": 0}), out_dir=tmp_path)
+    coordinator = Coordinator(cfg, BusConfig.from_url("mqtt://127.0.0.1:1"), Shared(None, model=_model()))
+    expiries: list[tuple[str, float]] = []
+
+    class _Bus:
+        async def publish_many(self, topics: list[str], frames: object, *, expiry_s: float, **kw: object) -> list[str]:
+            expiries.extend((topic, expiry_s) for topic in topics)
+            return []
+
+        async def publish_frame(self, topic: str, frame: bytearray, *, expiry_s: float, **kw: object) -> int:
+            expiries.append((topic, expiry_s))
+            return len(frame)
+
+    coordinator._bus = _Bus()  # type: ignore[assignment]
+    coordinator._dispatch(_status("node-000", connection=1))
+    spec = c.TaskSpec("node-000", b"t" * 16, 0, 0, 0, b"m" * 16)
+    command = c.Configure(1, _ctx(("node-000",)), (spec,), TrainSettings().to_meta(), expiry_s=123.0)
+    assert coordinator.config.policy.deadline_s != command.expiry_s
+    assert not coordinator._prepare(coordinator._configure(command)).inline  # a broadcast step
+    coordinator._send_task(c.SendTask(1, "node-000"))
+    coordinator._send_tasks()
+    coordinator._broadcast(c.Broadcast(1, 0))
+    coordinator._resend(c.Resend(1, "node-000"))
+
+    async def settle() -> None:
+        while coordinator._background:
+            await asyncio.sleep(0)
+
+    await settle()
+    coordinator._dispatch(_status("node-000", connection=2))  # unanswered: its task goes again
+    await settle()
+    t = Topics("f")
+    assert sorted(expiries) == sorted(
+        [
+            (t.task("node-000"), 123.0),
+            (t.model(0), 123.0),
+            (t.direct_model("node-000"), 123.0),
+            (t.task("node-000"), 123.0),
+        ]
+    )

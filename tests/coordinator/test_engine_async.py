@@ -46,6 +46,15 @@ def test_async_start_fills_the_slots_with_a_seeded_draw_of_inline_tasks() -> Non
     assert [s.node for s in of(c.SendTask, out)] == [t.node for t in configure.tasks]
 
 
+def test_async_tasks_expire_after_the_async_deadline() -> None:
+    """The engine decides when a task goes stale (issue 30, item 4): its Configure carries the
+    asynchronous deadline_s (20 s here), which the daemon sets as the tasks' MQTT expiry and each
+    task's deadline, not the synchronous policy's (10 s)."""
+    d = _driver()
+    configure = one(c.Configure, d.start(*NODES))
+    assert configure.expiry_s == 20.0 and d.engine.policy.deadline_s == 10.0
+
+
 def test_async_delivery_refills_the_slot_at_once_and_no_node_holds_two_tasks() -> None:
     """A delivery frees its slot and a new task goes to an idle node; slots freed while that task is
     prepared are filled together once it is (one Configure in flight)."""

@@ -48,6 +48,14 @@ def test_sync_round_closes_when_everyone_answered_then_aggregates_evaluates_and_
     assert d.engine.participation.get("a").last_round == 0  # type: ignore[union-attr]
 
 
+def test_sync_tasks_expire_at_the_rounds_deadline() -> None:
+    """The engine decides when a task goes stale (issue 30, item 4): every attempt's Configure
+    carries policy.deadline_s, which the daemon sets as its tasks' and model's MQTT expiry."""
+    d = Driver(config(policy={"deadline_s": 7.0}))
+    d.start(*NODES)
+    assert _round(d).expiry_s == 7.0
+
+
 def test_sync_round_closes_at_the_deadline_and_the_silent_node_is_late() -> None:
     """No update from c: the engine asks for a tick at started + deadline_s and closes then, c late."""
     d = Driver(config())
