@@ -1,5 +1,6 @@
-"""The broker-access flags (`--credentials`, `--username`, TLS files) that every command reaching a
-broker takes: how they are declared, what Access they describe, and how `fedmq run` passes them on."""
+"""The broker flags that every command reaching a broker takes: `--broker URL`, and the access flags
+(`--credentials`, `--username`, TLS files): how they are declared, what Access they describe, and how
+`fedmq run` passes them on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import argparse
 from pathlib import Path
 
 from fedmq.broker.errors import CredentialsError
+
+BROKER_URL_HELP = "mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS"
+
+
+def add_broker(p: argparse.ArgumentParser, help: str = BROKER_URL_HELP, *, required: bool = True) -> None:
+    """`--broker URL`: the broker a daemon connects to (`fedmq run`'s is optional: it starts one without)."""
+    p.add_argument("--broker", required=required, metavar="URL", help=help)
 
 
 def add_access(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ from fedmq.broker.provision import Provisioned, provision
 from fedmq.coordinator.run_dir import write_json, write_text
 from fedmq.experiments.broker_flags import access_flags, broker_access
 from fedmq.experiments.build import bus_config, federation_id, preflight, site_federation
+from fedmq.experiments.cli.exits import EXIT_BUS, EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from fedmq.experiments.config import ExperimentConfig, split_evenly
 from fedmq.experiments.grid import Grid, cell_is_done, load_experiment
 from fedmq.experiments.report import write_report
@@ -40,7 +41,6 @@ from fedmq.experiments.secure_defaults import secure_aggregator
 from fedmq.experiments.service import PARENT_ENV, wait_for_broker
 from fedmq.fedcore.errors import ConfigError
 
-EXIT_OK, EXIT_CONFIG, EXIT_BUS, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 CONNECT_TIMEOUT_S = 10.0
 """How long `fedmq run --broker URL` waits for that broker (the daemons' default --connect-timeout)."""
 

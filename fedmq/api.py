@@ -8,10 +8,11 @@ and a run directory give on the command line, as typed calls and objects.
     print(run.final_accuracy, run.metrics[-1]["accuracy"])
     run.replay()                      # every model hash again, or ReplayDiffers
 
-The errors are the command line's, each standing for one exit code: `ConfigError`, `DataError`,
-`CredentialsError` and `CoordinatorError` (2: the configuration, its data or credentials),
-`BusError` (3: the broker), `FederationFailed` (4: the run ended without finishing) and
-`ReplayDiffers` (5: a replay went another way than its recorded run).
+The errors are the command line's, each standing for one exit code (the command line's table of
+them is `fedmq.experiments.cli.exits`): `ConfigError`, `DataError`, `CredentialsError` and
+`CoordinatorError` (2: the configuration, its data or credentials), `BusError` (3: the broker),
+`FederationFailed` (4: the run ended without finishing) and `ReplayDiffers` (5: a replay went
+another way than its recorded run).
 """
 
 from __future__ import annotations

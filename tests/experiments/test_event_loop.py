@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from fedmq.experiments.cli import _run_async, event_loop_factory
+from fedmq.experiments.cli.loop import event_loop_factory, run_async
 from fedmq.fedcore.errors import ConfigError
 
 
@@ -18,10 +18,10 @@ def test_uvloop_by_default_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatc
     uvloop = pytest.importorskip("uvloop")
     monkeypatch.delenv("FEDMQ_EVENT_LOOP", raising=False)
     assert event_loop_factory() is uvloop.new_event_loop
-    assert _run_async(_loop_module()) == 1
+    assert run_async(_loop_module()) == 1
     monkeypatch.setenv("FEDMQ_EVENT_LOOP", "asyncio")
     assert event_loop_factory() is None
-    assert _run_async(_loop_module()) == 0
+    assert run_async(_loop_module()) == 0
 
 
 def test_an_unknown_event_loop_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,52 @@
+"""The command line as a package: each command a module in the table, and one table of exit codes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fedmq.broker.errors import BusError, CredentialsError
+from fedmq.coordinator.errors import CoordinatorError
+from fedmq.experiments.cli import COMMANDS, build_parser
+from fedmq.experiments.cli.exits import exit_for
+from fedmq.fedcore.errors import ConfigError, DataError
+
+
+def test_commands_each_module_adds_the_subparser_of_its_name_in_the_tables_order() -> None:
+    """`fedmq --help` lists the commands as COMMANDS holds them, each added by its own module."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == list(COMMANDS)
+    for name, module in COMMANDS.items():
+        alone = argparse.ArgumentParser(prog="fedmq").add_subparsers()
+        module.add_parser(alone)
+        assert list(alone.choices) == [name], module
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "line"),
+    [
+        (ConfigError("rounds: must be 1 or more"), 2, "fedmq: configuration error: rounds: must be 1 or more"),
+        (DataError("no such dataset"), 2, "fedmq: data error: no such dataset"),
+        (CredentialsError("bad.json does not exist"), 2, "fedmq: credentials error: bad.json does not exist"),
+        (CoordinatorError("checkpoint unreadable"), 2, "fedmq: coordinator error: checkpoint unreadable"),
+        (
+            FileNotFoundError(2, "No such file or directory", "exp.yaml"),
+            2,
+            "fedmq: exp.yaml: No such file or directory",
+        ),
+        (PermissionError("denied"), 2, "fedmq: denied"),
+        (BusError("cannot connect"), 3, "fedmq: broker error: cannot connect"),
+        (KeyboardInterrupt(), 130, None),
+    ],
+)
+def test_exit_for_an_expected_error_gives_its_code_and_one_line(error: BaseException, code: int, line: str) -> None:
+    """Each error a command raises on purpose is one exit code and one line, never a traceback."""
+    assert exit_for(error) == (code, line)
+
+
+def test_exit_for_an_unexpected_error_is_none_so_it_keeps_its_traceback() -> None:
+    """A bug is no exit code of the table: `main` lets it through."""
+    assert exit_for(RuntimeError("a bug")) is None
+    assert exit_for(OSError("not a file error")) is None
