@@ -22,12 +22,11 @@ from rich.console import Console
 
 from fedmq.coordinator.run_dir import CHECKPOINT, write_json
 from fedmq.experiments.build import preflight
+from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
 from fedmq.experiments.grid import Cell, Grid, cell_is_done
 from fedmq.experiments.report import write_report
 from fedmq.experiments.sim_checkpoint import ResumeError, resume_refusal
 from fedmq.experiments.simulate import made_by_another
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def simulate_cell(
