@@ -39,12 +39,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from fedmq.broker.config import BusConfig
-from fedmq.broker.fields import Bounds, field_bounds, unannotated
 from fedmq.coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
 from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario
 from fedmq.fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fednode.config import Faults
+from fedmq.fields import Bounds, field_bounds, unannotated
 
 if TYPE_CHECKING:
     from fedmq.fedcore.privacy import CentralDP
@@ -67,7 +67,7 @@ class _Strict(BaseModel):
 
 def _field(cls: type, name: str, *, unset: str | None = None, default_factory: Any = None) -> Any:
     """The pydantic field of setting `name` of the daemons' config dataclass `cls`: its default, bounds
-    (`broker.fields.Bounds`) and docstring as written there. `unset`: the experiment file's default is
+    (`fedmq.fields.Bounds`) and docstring as written there. `unset`: the experiment file's default is
     None instead, which `experiments.build` resolves as this says."""
     spec = next(f for f in dataclasses.fields(cls) if f.name == name)
     bounds = field_bounds(get_type_hints(cls, include_extras=True)[name]) or Bounds()

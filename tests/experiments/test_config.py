@@ -9,7 +9,6 @@ from typing import get_type_hints
 import pytest
 
 from fedmq.broker.config import BusConfig
-from fedmq.broker.fields import field_bounds
 from fedmq.coordinator.config import AsyncPolicy, RoundPolicy
 from fedmq.experiments.build import bus_config, coordinator_config, node_faults
 from fedmq.experiments.config import (
@@ -23,6 +22,7 @@ from fedmq.experiments.config import (
 )
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fednode.config import Faults
+from fedmq.fields import field_bounds
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "t", "nodes": 4, "rounds": 2}

@@ -1,10 +1,14 @@
 """Bounds and choices of config fields, declared once on the field and checked here.
 
-A config dataclass of the daemons (`BusConfig`, `RoundPolicy`, `NodeConfig`, ...) writes a number's
+A config dataclass (`BusConfig`, `RoundPolicy`, `NodeConfig`, ...) writes a number's
 range as ``Annotated[float, Bounds(gt=0, le=1)]`` and a choice as a ``Literal``; its `__post_init__`
 calls `check_fields`. `experiments.config` derives the experiment file's sections from the same
 fields, so that pydantic checks the same bounds when a file is loaded: each setting's type, default,
 bounds and docstring are written only on its dataclass.
+
+This module is the floor under every layer: it imports only the standard library, so the bus
+(`broker`), the core (`fedcore`) and the daemons may all declare their settings with it without
+importing one another (tests/test_boundaries.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import pytest
 
-from fedmq.broker.fields import Bounds, check_fields
+from fedmq.fields import Bounds, check_fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
