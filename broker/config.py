@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote, urlsplit
 
-from fedmq.broker.fields import Bounds, check_fields
+from fedmq.fields import Bounds, check_fields
 
 #: The MQTT protocol's own cap on a message: 256 MiB minus one byte.
 MQTT_MAX_PACKET = 268_435_455

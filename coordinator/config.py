@@ -9,10 +9,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Literal
 
-from fedmq.broker.fields import Bounds, check_fields
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
+from fedmq.fields import Bounds, check_fields
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,9 @@
 Every error names the field and says what is allowed; an unknown key is an error, never ignored.
 `ExperimentConfig` composes the daemons' own settings (`CoordinatorConfig`, `NodeConfig`,
 `BusConfig`); only this package parses files. The sections that carry those settings (`policy`,
-`engine`, `bus`, `faults`) are derived from the daemons' dataclasses, where each setting's type,
-default, bounds and docstring are written once (`_section`).
+`engine` and its `staleness`, `bus`, `faults`, `train`, `compression`) are derived from the daemons'
+and the core's dataclasses, where each setting's type, default, bounds and docstring are written once
+(`_section`).
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from fedmq.broker.config import BusConfig
-from fedmq.broker.fields import Bounds, field_bounds, unannotated
 from fedmq.coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
 from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario
-from fedmq.fedcore.compression import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Compression
+from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.staleness import Staleness
+from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import Faults
+from fedmq.fields import Bounds, field_bounds, unannotated
 
 if TYPE_CHECKING:
     from fedmq.fedcore.privacy import CentralDP
@@ -65,12 +68,15 @@ class _Strict(BaseModel):
         return data
 
 
-def _field(cls: type, name: str, *, unset: str | None = None, default_factory: Any = None) -> Any:
-    """The pydantic field of setting `name` of the daemons' config dataclass `cls`: its default, bounds
-    (`broker.fields.Bounds`) and docstring as written there. `unset`: the experiment file's default is
-    None instead, which `experiments.build` resolves as this says."""
+def _field(
+    cls: type, name: str, *, unset: str | None = None, default_factory: Any = None, bounds: Bounds | None = None
+) -> Any:
+    """The pydantic field of setting `name` of the config dataclass `cls`: its default, bounds
+    (`fedmq.fields.Bounds`) and docstring as written there. `unset`: the experiment file's default is
+    None instead, which `experiments.build` resolves as this says. `bounds`: the file's, where they are
+    narrower than the dataclass's."""
     spec = next(f for f in dataclasses.fields(cls) if f.name == name)
-    bounds = field_bounds(get_type_hints(cls, include_extras=True)[name]) or Bounds()
+    bounds = bounds or field_bounds(get_type_hints(cls, include_extras=True)[name]) or Bounds()
     doc = _docstrings(cls).get(name)
     default: Any = ... if spec.default is dataclasses.MISSING else spec.default
     if unset is not None:
@@ -89,13 +95,15 @@ def _section(
     unset: Mapping[str, str] | None = None,
     types: Mapping[str, Any] | None = None,
     before: Mapping[str, tuple[type, str]] | None = None,
+    bounds: Mapping[str, Bounds] | None = None,
 ) -> type[_Strict]:
-    """A section of the experiment file holding settings of the daemons' config dataclass `cls`:
-    `include` (in that order) or all but `exclude`, each as `_field` derives it. `unset`: settings
-    whose file default is None (see `_field`); `types`: a setting's type in the file where it is not
-    the daemon's (a section of its own for a nested dataclass, a list for a set); `before`: settings
-    of other dataclasses, by their name in the file, ahead of these."""
-    unset, types = unset or {}, types or {}
+    """A section of the experiment file holding settings of the config dataclass `cls` (a daemon's or
+    the core's): `include` (in that order) or all but `exclude`, each as `_field` derives it. `unset`:
+    settings whose file default is None (see `_field`); `types`: a setting's type in the file where it
+    is not the dataclass's (a section of its own for a nested dataclass, a list for a set); `before`:
+    settings of other dataclasses, by their name in the file, ahead of these; `bounds`: a setting's
+    bounds in the file where they are narrower than the dataclass's (see `_field`)."""
+    unset, types, bounds = unset or {}, types or {}, bounds or {}
     fields: dict[str, Any] = {
         name: (unannotated(get_type_hints(owner)[setting]), _field(owner, setting))
         for name, (owner, setting) in (before or {}).items()
@@ -105,7 +113,9 @@ def _section(
     for name in names:
         kind = types.get(name, unannotated(hints[name]))
         nested = isinstance(kind, type) and issubclass(kind, BaseModel)
-        info = _field(cls, name, unset=unset.get(name), default_factory=kind if nested else None)
+        info = _field(
+            cls, name, unset=unset.get(name), default_factory=kind if nested else None, bounds=bounds.get(name)
+        )
         fields[name] = (kind | None if name in unset else kind, info)
     model: type[_Strict] = create_model(f"{cls.__name__}Fields", __base__=_Strict, **fields)
     return model
@@ -394,20 +404,13 @@ class MethodConfig(_Strict):
     )
 
 
-class TrainConfig(_Strict):
-    local_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(32, ge=1)
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    lr_decay: float = Field(1.0, gt=0, le=1)
-    max_grad_norm: float | None = Field(None, gt=0)
-    drop_last: bool = Field(
-        False,
-        description="skip each epoch's last batch when short of batch_size (DataLoader drop_last; the FedVLS"
-        " authors' MNIST loaders). Weight decay is weight_decay (their FedVLS client: 0, the rest 1e-5)",
+class TrainConfig(
+    _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
+        TrainSettings,
+        exclude=("dp_noise_multiplier",),  # set from privacy: (experiments.build.train_settings)
     )
+):
+    # `train:` the nodes' local training (`fedcore.training.TrainSettings`)
     _added_later = ("drop_last",)
 
 
@@ -524,14 +527,13 @@ class SimulationConfig(_Strict):
         return "auto" if self.graphs == "auto" else ("on" if self.graphs else "off")
 
 
-class StalenessConfig(_Strict):
-    """s(tau), the weight of an update tau model versions old (`fedcore.staleness`)."""
-
-    fn: Literal["constant", "polynomial", "hinge", "sqrt"] = Field(
-        "polynomial", description="constant 1 | polynomial (1+tau)^-a | hinge (a, b) | sqrt 1/sqrt(1+tau)"
+class StalenessConfig(
+    _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
+        Staleness,
+        bounds={"a": Bounds(gt=0)},  # for every function, where Staleness asks it only of those that use a
     )
-    a: float = Field(0.5, gt=0, description="polynomial's exponent; hinge's slope")
-    b: float = Field(4.0, ge=0, description="hinge: versions of staleness before the weight starts to fall")
+):
+    """s(tau), the weight of an update tau model versions old (`fedcore.staleness`)."""
 
 
 class EngineConfig(
@@ -545,26 +547,12 @@ class EngineConfig(
     aggregation (`coordinator.config.AsyncPolicy`)."""
 
 
-class CompressionConfig(_Strict):
+class CompressionConfig(_section(Compression)):  # type: ignore[misc]  # a base built at runtime
     """How nodes compress their updates for thin links (`fedcore.compression`, docs/compression.md);
     the coordinator decodes them and refuses any other compression."""
 
-    mode: Literal["none", "float16", "bfloat16", "int8", "int8-block"] = Field(
-        "none",
-        description="none | float16 | bfloat16 (half the bytes) | int8 (a quarter: one scale per tensor)"
-        " | int8-block (one scale per block of elements)",
-    )
-    block: int = Field(
-        DEFAULT_BLOCK, ge=MIN_BLOCK, le=MAX_BLOCK, description="elements per scale for int8-block (4 bytes each)"
-    )
-    delta: bool = Field(
-        True,
-        description="compress the model's change from the model the task carried (finer; the coordinator keeps"
-        " that model) rather than the weights themselves",
-    )
-
     def compression(self) -> Compression:
-        return Compression(mode=self.mode, block=self.block, delta=self.delta)
+        return Compression(**dict(self))
 
 
 NODE_DP_METHODS = frozenset({"fedavg", "fedavgm"})

@@ -37,16 +37,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
 import torch
 
-from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.errors import ConfigError, check_section
 from fedmq.fedcore.tensors import BFLOAT16, StateDict, TensorSpec, flatten_groups, from_numpy, to_numpy
+from fedmq.fields import Bounds
 
-MODES = ("none", "float16", "bfloat16", "int8", "int8-block")
 Mode = Literal["none", "float16", "bfloat16", "int8", "int8-block"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 DELTA_GROUP = "model"
 """With `Compression.delta`, this group's compressed tensors are differences from the task's model."""
@@ -57,6 +58,8 @@ SCALES = "_compression/scales"
 DEFAULT_BLOCK = 256
 MIN_BLOCK = 8
 MAX_BLOCK = 1 << 24
+BLOCK = Bounds(ge=MIN_BLOCK, le=MAX_BLOCK)
+"""The bounds of `Compression.block`."""
 
 _META_KEYS = frozenset({"mode", "block", "delta"})
 
@@ -72,23 +75,25 @@ class Compression:
     """How a node compresses its updates (and how the coordinator reads one back)."""
 
     mode: Mode = "none"
-    """none | float16 | bfloat16 | int8 (one scale per tensor) | int8-block (one scale per block)."""
-    block: int = DEFAULT_BLOCK
-    """Elements per scale for int8-block (ignored by the other modes)."""
+    """none | float16 | bfloat16 (half the bytes) | int8 (a quarter: one scale per tensor) | int8-block (one
+    scale per block of elements)"""
+    block: Annotated[int, BLOCK] = DEFAULT_BLOCK
+    """elements per scale for int8-block (4 bytes each)"""
+    # ignored by the other modes
     delta: bool = True
-    """Compress the ``model`` group's difference from the model the task carried (True), or the
-    weights themselves (False: nothing kept at the coordinator, and a coarser update)."""
+    """compress the model's change from the model the task carried (finer; the coordinator keeps that model)
+    rather than the weights themselves"""
+    # False: nothing kept at the coordinator, and a coarser update
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}; allowed: {', '.join(MODES)}", field="compression.mode")
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or not MIN_BLOCK <= self.block <= MAX_BLOCK:
-            raise ConfigError(
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or not BLOCK.allows(self.block):
+            raise ConfigError(  # in these words: a malformed update's refusal carries them (its detail)
                 f"block {self.block!r} must be a whole number from {MIN_BLOCK} to {MAX_BLOCK}",
                 field="compression.block",
             )
         if not isinstance(self.delta, bool):
             raise ConfigError(f"delta {self.delta!r} must be true or false", field="compression.delta")
+        check_section(self, "compression")
 
     @property
     def enabled(self) -> bool:

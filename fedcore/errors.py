@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fedmq.fields import FieldError, check_fields
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names it and says what is allowed."""
@@ -9,6 +11,17 @@ class ConfigError(ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
+
+
+def check_section(config: object, section: str) -> None:
+    """`check_fields` of the dataclass `config`, whose fields are the settings of `section` ("train"): a
+    value outside its bounds or choices is a ConfigError naming it as ``section.name``."""
+    try:
+        check_fields(config)
+    except FieldError as exc:
+        raise ConfigError(
+            f"{exc.value!r} is not allowed; must be {exc.allowed}", field=f"{section}.{exc.field}"
+        ) from None
 
 
 class DataError(RuntimeError):

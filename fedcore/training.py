@@ -6,14 +6,15 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.errors import ConfigError, check_section
+from fedmq.fields import Bounds
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -22,44 +23,35 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 class TrainSettings:
     """Local training hyperparameters, sent by the coordinator with every task."""
 
-    local_epochs: int = 1
-    batch_size: int = 32
+    local_epochs: Annotated[int, Bounds(ge=1)] = 1
+    batch_size: Annotated[int, Bounds(ge=1)] = 32
     optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    lr_decay: float = 1.0
+    lr: Annotated[float, Bounds(gt=0)] = 0.01
+    momentum: Annotated[float, Bounds(ge=0, lt=1)] = 0.0
+    weight_decay: Annotated[float, Bounds(ge=0)] = 0.0
+    lr_decay: Annotated[float, Bounds(gt=0, le=1)] = 1.0
     """Per-round multiplier: round r trains with lr * lr_decay**r."""
-    max_grad_norm: float | None = None
+    max_grad_norm: Annotated[float | None, Bounds(gt=0)] = None
     drop_last: bool = False
-    """Skip each epoch's last batch when it is short of `batch_size` (PyTorch's DataLoader
-    ``drop_last=True``, what the FedVLS authors' MNIST loaders use); false: train on it, unless it is
-    a single sample (BatchNorm cannot train on one)."""
-    dp_noise_multiplier: float | None = None
+    """skip each epoch's last batch when short of batch_size (DataLoader drop_last; the FedVLS authors' MNIST
+    loaders). Weight decay is weight_decay (their FedVLS client: 0, the rest 1e-5)"""
+    # false: the short last batch trains too, unless it is a single sample (BatchNorm cannot train on one)
+    dp_noise_multiplier: Annotated[float | None, Bounds(gt=0, le=1000)] = None
     """Node-level DP-SGD (Abadi et al. 2016, through Opacus): every sample's gradient clipped to
     `max_grad_norm` and Gaussian noise of this times it added to each batch's sum; None: plain SGD.
-    Sent in a task only when set, so tasks without it are as before (`fedcore.privacy`)."""
+    Sent in a task only when set, so tasks without it are as before (`fedcore.privacy`). Set from the
+    experiment file's ``privacy:`` section, not from ``train:``."""
 
     def __post_init__(self) -> None:
-        checks = [
-            ("local_epochs", self.local_epochs >= 1, "at least 1"),
-            ("batch_size", self.batch_size >= 1, "at least 1"),
-            ("optimizer", self.optimizer in ("sgd", "adam"), "'sgd' or 'adam'"),
-            ("lr", self.lr > 0, "positive"),
-            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
-            ("weight_decay", self.weight_decay >= 0, "non-negative"),
-            ("lr_decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
-            ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0, "positive or null"),
-            ("drop_last", isinstance(self.drop_last, bool), "true or false"),
-            (
-                "dp_noise_multiplier",
-                self.dp_noise_multiplier is None or (0 < self.dp_noise_multiplier <= 1000 and self.max_grad_norm),
-                "positive, with max_grad_norm set (each sample's gradient is clipped to it)",
-            ),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"{getattr(self, name)!r} is not allowed; must be {allowed}", field=f"train.{name}")
+        check_section(self, "train")
+        if not isinstance(self.drop_last, bool):
+            raise ConfigError(f"{self.drop_last!r} is not allowed; must be true or false", field="train.drop_last")
+        if self.dp_noise_multiplier is not None and self.max_grad_norm is None:
+            raise ConfigError(
+                f"{self.dp_noise_multiplier!r} is not allowed; must be given with max_grad_norm set"
+                " (each sample's gradient is clipped to it)",
+                field="train.dp_noise_multiplier",
+            )
 
     def for_round(self, round: int) -> TrainSettings:
         return replace(self, lr=self.lr * self.lr_decay ** max(round, 0))

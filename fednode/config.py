@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fedmq.broker.fields import Bounds, check_fields
 from fedmq.fedcore.compression import Compression
 from fedmq.fednode.scenario import NodeScript
+from fedmq.fields import Bounds, check_fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

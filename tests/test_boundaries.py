@@ -3,6 +3,7 @@
 broker/ knows nothing of learning; fedcore/ nothing of transport; the daemons use the bus and the
 core's interfaces and know no algorithm by name; nothing imports pickle or torchvision. Every
 first-party import goes through the one import name, `fedmq` (`fedmq.broker`, never `broker`).
+Under them all lies `fedmq.fields` (the bounds of config fields), which every layer may import.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ NARROW = {
 # by fedcore/datasets/safe_unpickle.py, which interprets the opcodes itself and needs no exception.
 EXCEPTIONS = {"torchvision": {"fedcore/datasets/download.py"}}
 
+# The floor every layer may import: `fedmq.fields` (`Bounds`, `check_fields`), so that the bus's settings
+# and the core's (`TrainSettings`, `Staleness`, `Compression`) declare their bounds the same way, and the
+# experiment file derives its sections from them, without broker and fedcore importing each other. It
+# imports only the standard library (test_floor_imports_only_the_standard_library).
+FLOOR = {"fields"}
 
 FIRST_PARTY = {"broker", "coordinator", "fednode", "aggregator", "fedcore", "experiments"}
 
@@ -125,9 +131,19 @@ def test_package_imports_only_what_its_layer_allows(package: str) -> None:
             top = name.split(".")[0]
             if top in STDLIB and top not in FORBIDDEN_EVERYWHERE:
                 continue
+            if name in FLOOR:
+                continue
             if top not in ALLOWED[package] or (top in NARROW and rel not in NARROW[top]):
                 violations.append(f"{rel}: {name}")
     assert not violations, "imports across layer boundaries:\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize("module", sorted(FLOOR))
+def test_floor_imports_only_the_standard_library(module: str) -> None:
+    """The floor lies under every layer: importing anything of ours, or a third party's, would carry it into all."""
+    path = ROOT / "fedmq" / f"{module}.py"
+    outside = sorted(name for name in raw_imports(path) if name.split(".")[0] not in STDLIB)
+    assert not outside, f"fedmq/{module}.py imports beyond the standard library: {outside}"
 
 
 def test_daemons_know_no_algorithm_by_name() -> None:

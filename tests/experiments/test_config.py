@@ -9,20 +9,26 @@ from typing import get_type_hints
 import pytest
 
 from fedmq.broker.config import BusConfig
-from fedmq.broker.fields import field_bounds
 from fedmq.coordinator.config import AsyncPolicy, RoundPolicy
 from fedmq.experiments.build import bus_config, coordinator_config, node_faults
 from fedmq.experiments.config import (
     BusSettings,
+    CompressionConfig,
     EngineConfig,
     FaultConfig,
     PolicyConfig,
+    StalenessConfig,
+    TrainConfig,
     load_config,
     parse_config,
     read_yaml,
 )
+from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.staleness import Staleness
+from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import Faults
+from fedmq.fields import field_bounds
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "t", "nodes": 4, "rounds": 2}
@@ -195,6 +201,8 @@ def _bounded_settings() -> list[tuple[str, type, str]]:
     """(file section, daemon dataclass, setting) for every setting with bounds that a file can set."""
     sections = {"policy": (PolicyConfig, RoundPolicy), "engine": (EngineConfig, AsyncPolicy)}
     sections |= {"bus": (BusSettings, BusConfig), "faults.node-001": (FaultConfig, Faults)}
+    sections |= {"train": (TrainConfig, TrainSettings), "compression": (CompressionConfig, Compression)}
+    sections |= {"engine.staleness": (StalenessConfig, Staleness)}
     return [
         (section, settings, f.name)
         for section, (model, settings) in sections.items()
@@ -225,6 +233,22 @@ def test_section_fields_carry_the_daemons_docstrings() -> None:
     described = PolicyConfig.model_fields
     assert (described["late_updates"].description or "").startswith("An update that comes after its round closed")
     assert (described["min_nodes"].description or "").endswith("None: all of them.")
+    assert (TrainConfig.model_fields["lr_decay"].description or "").startswith("Per-round multiplier")
+
+
+def test_core_sections_keep_the_file_schema() -> None:
+    """train, engine.staleness and compression are derived from the core's dataclasses with the file's own
+    rules kept: dp_noise_multiplier comes from privacy (not train), staleness a > 0 for every function
+    (Staleness asks it only of the functions that use a), drop_last is left out of a dump at its default."""
+    assert "dp_noise_multiplier" not in TrainConfig.model_fields
+    assert list(TrainConfig.model_fields) == [f.name for f in fields(TrainSettings) if f.name != "dp_noise_multiplier"]
+    with pytest.raises(ConfigError, match=r"engine\.staleness\.a: Input should be greater than 0"):
+        parse_config(MINIMAL | {"engine": {"staleness": {"fn": "constant", "a": 0}}})
+    assert Staleness(fn="constant", a=0.0)(3) == 1.0
+    dumped = parse_config(MINIMAL).model_dump()
+    assert "drop_last" not in dumped["train"] and "compression" not in dumped
+    chosen = parse_config(MINIMAL | {"compression": {"mode": "int8-block", "block": 64}})
+    assert chosen.compression.compression() == Compression(mode="int8-block", block=64)  # type: ignore[attr-defined]
 
 
 def test_bus_chunk_without_room_for_headers_is_refused_by_the_bus_rule() -> None:

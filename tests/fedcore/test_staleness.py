@@ -58,7 +58,7 @@ def test_staleness_sqrt_equals_polynomial_with_half_exponent() -> None:
         ({"fn": "exponential"}, "must be one of .*constant.*polynomial.*hinge.*sqrt"),
         ({"fn": "polynomial", "a": 0.0}, "a must be positive for the polynomial"),
         ({"fn": "hinge", "a": -1.0}, "a must be positive for the hinge"),
-        ({"fn": "hinge", "b": -0.5}, "b must be non-negative"),
+        ({"fn": "hinge", "b": -0.5}, "b must be at least 0"),
         ({"fn": "polynomial", "a": math.nan}, "a must be a finite number"),
         ({"fn": "hinge", "b": math.inf}, "b must be a finite number"),
         ({"fn": "sqrt", "a": True}, "a must be a finite number"),

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import pytest
 
-from fedmq.broker.fields import Bounds, check_fields
+from fedmq.fields import Bounds, FieldError, check_fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,9 +36,10 @@ def test_check_fields_value_outside_its_bounds_or_choices_names_the_field(
     change: dict[str, object], message: str
 ) -> None:
     """A value outside the declared range (NaN included) or not among the Literal's choices is refused."""
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(FieldError) as info:
         _Settings(**change)  # type: ignore[arg-type]
-    assert str(info.value) == message
+    assert str(info.value) == message and isinstance(info.value, ValueError)
+    assert info.value.field in change and message.startswith(f"{info.value.field} must be {info.value.allowed},")
 
 
 def test_check_fields_bounds_edges_none_and_undeclared_fields_pass() -> None:

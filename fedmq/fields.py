@@ -1,10 +1,14 @@
 """Bounds and choices of config fields, declared once on the field and checked here.
 
-A config dataclass of the daemons (`BusConfig`, `RoundPolicy`, `NodeConfig`, ...) writes a number's
+A config dataclass (`BusConfig`, `RoundPolicy`, `TrainSettings`, ...) writes a number's
 range as ``Annotated[float, Bounds(gt=0, le=1)]`` and a choice as a ``Literal``; its `__post_init__`
 calls `check_fields`. `experiments.config` derives the experiment file's sections from the same
 fields, so that pydantic checks the same bounds when a file is loaded: each setting's type, default,
 bounds and docstring are written only on its dataclass.
+
+This module is the floor under every layer: it imports only the standard library, so the bus
+(`broker`), the core (`fedcore`) and the daemons may all declare their settings with it without
+importing one another (tests/test_boundaries.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class Bounds:
 
 _TESTS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 _WORDS = {"gt": "greater than", "ge": "at least", "lt": "less than", "le": "at most"}
+
+
+class FieldError(ValueError):
+    """A field outside its bounds or choices: which `field`, its `value` and what is `allowed` (in words)."""
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        super().__init__(f"{field} must be {allowed}, got {value!r}")
+        self.field = field
+        self.value = value
+        self.allowed = allowed
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +95,14 @@ def _rules(cls: type) -> tuple[_Rule, ...]:
 
 
 def check_fields(config: object) -> None:
-    """Raise ValueError naming the first field of the dataclass `config` outside its bounds or choices."""
+    """Raise `FieldError` (a ValueError) naming the first field of the dataclass `config` outside its bounds
+    or choices. A value the bounds cannot compare (a string for a number) raises TypeError."""
     kind: type = type(config)
     for rule in _rules(kind):
         value = getattr(config, rule.name)
         if value is None and rule.optional:
             continue
         if rule.choices is not None and value not in rule.choices:
-            raise ValueError(f"{rule.name} must be one of {', '.join(map(repr, rule.choices))}, got {value!r}")
+            raise FieldError(rule.name, value, f"one of {', '.join(map(repr, rule.choices))}")
         if rule.bounds is not None and not rule.bounds.allows(value):
-            raise ValueError(f"{rule.name} must be {rule.bounds}, got {value!r}")
+            raise FieldError(rule.name, value, str(rule.bounds))
