@@ -14,7 +14,7 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload, half_state, load_half_state
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.privacy import NodePrivacy
+from fedmq.fedcore.privacy import NodePrivacy, default_delta
 from fedmq.fedcore.tensors import StateDict, model_sha256, non_finite
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
@@ -101,5 +101,5 @@ def node_privacy(config: CoordinatorConfig) -> NodePrivacy | None:
     """The node DP-SGD accounting `config`'s training asks for: its delta, or a tenth of 1 / the nodes."""
     if config.train.dp_noise_multiplier is None:
         return None
-    delta = config.node_dp_delta if config.node_dp_delta is not None else 0.1 / max(len(config.nodes or ()), 1)
+    delta = config.node_dp_delta if config.node_dp_delta is not None else default_delta(len(config.nodes or ()))
     return NodePrivacy(config.train, delta)

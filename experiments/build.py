@@ -253,7 +253,7 @@ def coordinator_config(
         compression=cfg.compression.compression(),
         nodes=frozenset(cfg.hierarchy.site_names() if sites else cfg.node_ids()),
         node_samples=node_samples,
-        node_dp_delta=cfg.privacy.node_delta(cfg.nodes) if cfg.privacy.mechanism == "node" else None,
+        node_dp_delta=cfg.privacy.resolved_delta(cfg.nodes) if cfg.privacy.mechanism == "node" else None,
     )
 
 

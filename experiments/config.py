@@ -592,9 +592,11 @@ class PrivacyConfig(_Strict):
         None, gt=0, description="the noise on the count of unclipped updates; default cohort / 20"
     )
 
-    def node_delta(self, nodes: int) -> float:
-        """The delta a node's epsilon is reported for (node DP-SGD)."""
-        return self.delta if self.delta is not None else 0.1 / nodes
+    def resolved_delta(self, nodes: int) -> float:
+        """The delta epsilon is reported for: the file's, or `fedcore.privacy.default_delta`."""
+        from fedmq.fedcore.privacy import default_delta
+
+        return self.delta if self.delta is not None else default_delta(nodes)
 
     def central(self, nodes: int, fraction: float, seed: int) -> CentralDP | None:
         """The mechanism's settings for a federation of `nodes` selecting `fraction` a round; None without."""
@@ -605,7 +607,7 @@ class PrivacyConfig(_Strict):
         return CentralDP(
             noise_multiplier=self.noise_multiplier,
             clip_norm=self.clip_norm,
-            delta=self.delta if self.delta is not None else 0.1 / nodes,
+            delta=self.resolved_delta(nodes),
             cohort=max(1, math.floor(fraction * nodes + 1e-9)),
             nodes=nodes,
             seed=seed,
@@ -745,23 +747,46 @@ class ExperimentConfig(_Strict):
 
     def _check_privacy(self) -> None:
         """Central DP replaces the averaging of synchronous rounds, node DP the nodes' SGD; what either
-        cannot cover is refused here."""
-        if self.privacy.mechanism == "node":
-            self._check_node_privacy()
-            return
-        why = None
-        if self.engine.kind != "sync" or self.policy.late_updates == "carry":
-            why = "it is for synchronous rounds, each aggregating its own updates (engine.kind sync, late_updates drop)"
-        elif self.method.aggregator.name != "mean":
-            why = f"it replaces the averaging rule, and method.aggregator is {self.method.aggregator.name!r}"
-        elif self.hierarchy.sites:
-            why = "site aggregators would see and sum the updates before the noise (hierarchy.sites must be 0)"
-        elif self.privacy.delta is not None and self.privacy.delta >= 1 / self.nodes:
+        cannot cover is refused here, with what both need (a delta below 1 / nodes, Opacus)."""
+        mechanism = self.privacy.mechanism
+        why = self._central_refusal() if mechanism == "central" else self._node_refusal()
+        if why is None and self.privacy.delta is not None and self.privacy.delta >= 1 / self.nodes:
             why = f"delta {self.privacy.delta:g} is not below 1 / nodes ({1 / self.nodes:g}): it could release a node"
-        elif importlib.util.find_spec("opacus") is None:
-            why = "its accountant is Opacus's, which is not installed (pip install 'fedmq[privacy]')"
+        if why is None and importlib.util.find_spec("opacus") is None:
+            why = "it needs Opacus (its accountant and DP-SGD), which is not installed (pip install 'fedmq[privacy]')"
         if why is not None:
-            raise ValueError(f"privacy.mechanism central: {why}")
+            raise ValueError(f"privacy.mechanism {mechanism}: {why}")
+        if mechanism == "central":
+            self._check_target_epsilon()
+
+    def _central_refusal(self) -> str | None:
+        if self.engine.kind != "sync" or self.policy.late_updates == "carry":
+            return (
+                "it is for synchronous rounds, each aggregating its own updates (engine.kind sync, late_updates drop)"
+            )
+        if self.method.aggregator.name != "mean":
+            return f"it replaces the averaging rule, and method.aggregator is {self.method.aggregator.name!r}"
+        if self.hierarchy.sites:
+            return "site aggregators would see and sum the updates before the noise (hierarchy.sites must be 0)"
+        return None
+
+    def _node_refusal(self) -> str | None:
+        if self.method.name not in NODE_DP_METHODS:
+            return (
+                f"method {self.method.name!r} trains on its own objective, whose terms outside the model's layers"
+                f" Opacus's per-sample gradients would drop; node DP-SGD is for {', '.join(sorted(NODE_DP_METHODS))}"
+            )
+        if self.train.max_grad_norm is not None:
+            return "each sample's gradient is clipped to privacy.clip_norm: leave train.max_grad_norm unset"
+        if self.simulation.vectorize is True or self.hosting.vectorize:
+            return (
+                "vectorised training has no per-sample clipping: leave simulation.vectorize and hosting.vectorize off"
+            )
+        if self.privacy.target_epsilon is not None or self.privacy.adaptive_clipping:
+            return "target_epsilon and adaptive_clipping are for the central mechanism"
+        return None
+
+    def _check_target_epsilon(self) -> None:
         try:
             central = self.privacy.central(self.nodes, self.fraction, self.seed)
         except ValueError as exc:
@@ -772,26 +797,6 @@ class ExperimentConfig(_Strict):
                 f"privacy.target_epsilon {target:g}: one round already spends epsilon {central.epsilon(1):.3g}"
                 f" (delta {central.delta:g}); raise noise_multiplier or the target"
             )
-
-    def _check_node_privacy(self) -> None:
-        why = None
-        if self.method.name not in NODE_DP_METHODS:
-            why = (
-                f"method {self.method.name!r} trains on its own objective, whose terms outside the model's layers"
-                f" Opacus's per-sample gradients would drop; node DP-SGD is for {', '.join(sorted(NODE_DP_METHODS))}"
-            )
-        elif self.train.max_grad_norm is not None:
-            why = "each sample's gradient is clipped to privacy.clip_norm: leave train.max_grad_norm unset"
-        elif self.simulation.vectorize is True or self.hosting.vectorize:
-            why = "vectorised training has no per-sample clipping: leave simulation.vectorize and hosting.vectorize off"
-        elif self.privacy.target_epsilon is not None or self.privacy.adaptive_clipping:
-            why = "target_epsilon and adaptive_clipping are for the central mechanism"
-        elif self.privacy.delta is not None and self.privacy.delta >= 1 / self.nodes:
-            why = f"delta {self.privacy.delta:g} is not below 1 / nodes ({1 / self.nodes:g})"
-        elif importlib.util.find_spec("opacus") is None:
-            why = "it is Opacus's DP-SGD, which is not installed (pip install 'fedmq[privacy]')"
-        if why is not None:
-            raise ValueError(f"privacy.mechanism node: {why}")
 
     @property
     def steps(self) -> int:

@@ -118,11 +118,17 @@ class CentralDP:
         while self.epsilon(high) <= target:
             low, high = high, high * 2
             if high > 1 << 24:
-                return high
+                return low  # the last count checked: more rounds than any run has
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if self.epsilon(middle) <= target else (low, middle)
         return low
+
+
+def default_delta(nodes: int) -> float:
+    """The delta reported when the experiment names none: a tenth of 1 / nodes, below the 1 / N at which
+    a mechanism could publish one node's data outright and still claim it."""
+    return 0.1 / max(nodes, 1)
 
 
 @lru_cache(maxsize=4096)

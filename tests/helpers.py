@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiomqtt
 import msgpack
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedmq.broker import BusClient, Envelope
+from fedmq.broker import BusClient, Envelope, Topics
 from fedmq.broker.codec import ALIGN, FORMAT_VERSION, PREFIX, PREFIX_BYTES, checksum
+
+if TYPE_CHECKING:
+    from tests.integration.federation import Federation
 
 
 async def next_message(bus: BusClient, timeout: float = 10.0) -> Envelope:
@@ -65,3 +69,15 @@ def frame_with_header(header: object, body: bytes = b"", *, version: int = FORMA
     buf[start:] = body
     PREFIX.pack_into(buf, 0, b"FMQ", version, len(packed), checksum(buf))
     return bytes(buf)
+
+
+@contextlib.asynccontextmanager
+async def raw_client_with_coordinator_up(fed: Federation, url: str) -> AsyncIterator[aiomqtt.Client]:
+    """A raw client (`raw_client`), once `fed`'s coordinator, started here, has published its first
+    status: it is connected and subscribed, so what the client sends next reaches it."""
+    async with raw_client(url) as client:
+        await client.subscribe(Topics(fed.federation).coordinator_status, qos=1)
+        fed.start_coordinator()
+        async with asyncio.timeout(60):
+            await anext(aiter(client.messages))
+        yield client

@@ -17,7 +17,7 @@ import pytest
 from fedmq.broker import CodecError, Kind, Message, Topics, decode, encode
 from fedmq.experiments.build import load_split, shards
 from fedmq.experiments.config import parse_config
-from tests.helpers import raw_client
+from tests.helpers import raw_client, raw_client_with_coordinator_up
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow
@@ -241,11 +241,7 @@ async def test_forged_chunk_headers_no_longer_lock_out_the_real_updates(tmp_path
     cfg = base_config(nodes=3, rounds=2, bus={"chunk_bytes": 4096}, policy={"min_nodes": 3})
     fed = Federation(tmp_path, broker_url, cfg)
     t = Topics(fed.federation)
-    async with raw_client(broker_url) as evil:
-        await evil.subscribe(t.coordinator_status, qos=1)
-        fed.start_coordinator()
-        async with asyncio.timeout(60):
-            await anext(aiter(evil.messages))  # the coordinator is up and subscribed
+    async with raw_client_with_coordinator_up(fed, broker_url) as evil:
         for node in ("node-000", "node-001"):
             header = Message(
                 kind=Kind.CHUNK, federation=fed.federation, round=0, sender=node,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedmq.broker import Kind, Message, Topics, encode
-from tests.helpers import raw_client
+from tests.helpers import raw_client_with_coordinator_up
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow
@@ -25,11 +25,7 @@ async def test_a_flood_on_a_nodes_topic_is_dropped_over_budget_and_the_node_stil
     cfg = base_config(nodes=3, rounds=2, deadline_s=20, policy={"min_nodes": 3})
     fed = Federation(tmp_path, broker_url, cfg)
     t = Topics(fed.federation)
-    async with raw_client(broker_url) as evil:
-        await evil.subscribe(t.coordinator_status, qos=1)
-        fed.start_coordinator()
-        async with asyncio.timeout(60):
-            await anext(aiter(evil.messages))  # the coordinator is up and subscribed
+    async with raw_client_with_coordinator_up(fed, broker_url) as evil:
         for _ in range(FLOOD):  # each a decodable update of its own id: without a budget, each an event
             forged = Message(
                 kind=Kind.UPDATE, federation=fed.federation, round=0, sender="node-002",
