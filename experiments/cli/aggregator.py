@@ -16,8 +16,6 @@ from fedmq.experiments.cli.options import (
     add_federation,
     add_out,
     add_threads,
-    experiment,
-    set_threads,
 )
 
 if TYPE_CHECKING:
@@ -65,12 +63,8 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, signals: Any) -> int:
     from fedmq.broker.tuning import tune_process
     from fedmq.experiments.build import build_site_aggregator
-    from fedmq.experiments.service import Notifier
 
-    cfg = experiment(args)
-    notifier = Notifier()
-    signals.on_stop = notifier.stopping
-    set_threads(args.threads)
+    cfg, notifier = daemon.start(args, signals)
     aggregator = build_site_aggregator(
         cfg,
         args.broker,

@@ -21,8 +21,6 @@ from fedmq.experiments.cli.options import (
     add_http,
     add_out,
     add_threads,
-    experiment,
-    set_threads,
 )
 from fedmq.fedcore.errors import ConfigError
 
@@ -74,17 +72,14 @@ async def _serve(args: argparse.Namespace, signals: Any) -> int:
     from fedmq.coordinator.run_dir import write_json, write_text
     from fedmq.experiments.build import build_coordinator, load_split, partition_report
     from fedmq.experiments.plots import partition_png
-    from fedmq.experiments.service import Notifier, coordinator_status
+    from fedmq.experiments.service import coordinator_status
 
     if args.tensorboard is not None:
         from fedmq.coordinator.tensorboard import check_installed
 
         check_installed()  # before loading anything: exit 2 saying what to install
-    cfg = experiment(args)
-    notifier = Notifier()
-    signals.on_stop = notifier.stopping
+    cfg, notifier = daemon.start(args, signals)
     notifier.status("loading the data")
-    set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resume:
         _resume_or_start(args.out)

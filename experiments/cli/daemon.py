@@ -47,6 +47,19 @@ def serve(command: Daemon, args: argparse.Namespace) -> int:
     return run_async(command(args, signals), signals)
 
 
+def start(args: argparse.Namespace, signals: Any) -> tuple[Any, Any]:
+    """What every daemon does first: load its experiment (a mistake exits 2 here), make the notifier a
+    stop signal reaches (systemd's status), and set its threads. Returns (the experiment, the notifier)."""
+    from fedmq.experiments.cli.options import experiment, set_threads
+    from fedmq.experiments.service import Notifier
+
+    cfg = experiment(args)
+    notifier = Notifier()
+    signals.on_stop = notifier.stopping
+    set_threads(args.threads)
+    return cfg, notifier
+
+
 async def wait_for_broker(args: argparse.Namespace, cfg: Any, notifier: Any) -> None:
     """`--connect-timeout`: once what can be checked locally is (config, data, node ids: exit 2), a
     daemon waits for its broker, and exits 3 naming it if it does not come."""

@@ -19,9 +19,7 @@ from fedmq.experiments.cli.options import (
     add_federation,
     add_threads,
     device,
-    experiment,
     http_address,
-    set_threads,
 )
 from fedmq.fedcore.errors import ConfigError
 
@@ -79,13 +77,10 @@ async def _serve(args: argparse.Namespace, signals: Any) -> int:
 
     from fedmq.broker.tuning import tune_process
     from fedmq.experiments.build import build_nodes
-    from fedmq.experiments.service import Notifier, nodes_status
+    from fedmq.experiments.service import nodes_status
     from fedmq.fednode.daemon import serve_nodes
 
-    cfg = experiment(args)
-    notifier = Notifier()
-    signals.on_stop = notifier.stopping
-    set_threads(args.threads)
+    cfg, notifier = daemon.start(args, signals)
     ids = cfg.node_ids() if args.node_ids == ["all"] else args.node_ids
     daemons = build_nodes(
         cfg,
