@@ -27,6 +27,12 @@ class Kind(StrEnum):
     UPDATE = "update"  # node -> coordinator: the result of local training
     RECEIPT = "receipt"  # coordinator -> node: what became of its update
     CHUNK = "chunk"  # one piece of a frame larger than the chunk size
+    SECAGG_KEYS = "secagg-keys"  # node -> coordinator: secure aggregation, its public keys
+    SECAGG_DIRECTORY = "secagg-directory"  # coordinator -> node: its neighbours' keys
+    SECAGG_SHARES = "secagg-shares"  # node -> coordinator: its encrypted shares for its neighbours
+    SECAGG_SHARED = "secagg-shared"  # coordinator -> node: the shares addressed to it
+    SECAGG_UNMASK = "secagg-unmask"  # coordinator -> node: which shares to reveal
+    SECAGG_REVEAL = "secagg-reveal"  # node -> coordinator: the revealed shares
 
 
 MESSAGE_ID_BYTES = 16

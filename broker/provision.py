@@ -153,7 +153,7 @@ def topic_rules(topics: Topics, nodes: Sequence[str]) -> tuple[dict[str, list[st
     publish: dict[str, list[str]] = {COORDINATOR: everything, MONITOR: []}
     subscribe: dict[str, list[str]] = {COORDINATOR: everything, MONITOR: [topics.coordinator_status]}
     for node in nodes:
-        publish[node] = [topics.node_status(node), topics.ack(node), topics.update(node)]
+        publish[node] = [topics.node_status(node), topics.ack(node), topics.update(node), topics.secagg(node)]
         subscribe[node] = [
             *topics.node_inbox(node),
             f"{topics.prefix}/model/+",

@@ -9,6 +9,8 @@ fedmq/{fed}/nodes/{node}/receipt            coordinator -> node    what became o
 fedmq/{fed}/model/{round}                   coordinator -> selected nodes (one publish, broker fan-out)
 fedmq/{fed}/acks/{node}                     node -> coordinator    task acknowledged, model topic subscribed
 fedmq/{fed}/updates/{node}                  node -> coordinator    the update
+fedmq/{fed}/secagg/{node}                   node -> coordinator    secure aggregation: keys, shares, reveals
+fedmq/{fed}/nodes/{node}/secagg             coordinator -> node    secure aggregation: directory, shares, unmask
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ class Topics:
     def receipt(self, node: str) -> str:
         return f"{self.prefix}/nodes/{node}/receipt"
 
+    def node_secagg(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/secagg"
+
     def node_inbox(self, node: str) -> list[str]:
         """What a node subscribes to for messages addressed to it alone."""
-        return [self.task(node), self.direct_model(node), self.receipt(node)]
+        return [self.task(node), self.direct_model(node), self.receipt(node), self.node_secagg(node)]
 
     def model(self, round: int) -> str:
         return f"{self.prefix}/model/{round}"
@@ -97,6 +102,13 @@ class Topics:
     def all_updates(self) -> str:
         return f"{self.prefix}/updates/+"
 
+    def secagg(self, node: str) -> str:
+        return f"{self.prefix}/secagg/{node}"
+
+    @property
+    def all_secagg(self) -> str:
+        return f"{self.prefix}/secagg/+"
+
     def route(self, topic: str) -> Route | None:
         """Parse a topic of this federation; None for anything outside the scheme, a node id that is
         not a valid id (`check_id`) included: daemons build topics from the node a topic names (its
@@ -110,9 +122,9 @@ class Topics:
             return Route("coordinator-status")
         if rest == ["coordinator", "state"]:
             return Route("coordinator-state")
-        if len(rest) == 3 and rest[0] == "nodes" and rest[2] in ("status", "task", "model", "receipt"):
+        if len(rest) == 3 and rest[0] == "nodes" and rest[2] in ("status", "task", "model", "receipt", "secagg"):
             return Route(f"node-{rest[2]}", node=rest[1]) if _ID.fullmatch(rest[1]) else None
-        if len(rest) == 2 and rest[0] in ("acks", "updates"):
+        if len(rest) == 2 and rest[0] in ("acks", "updates", "secagg"):
             return Route(rest[0], node=rest[1]) if _ID.fullmatch(rest[1]) else None
         if len(rest) == 2 and rest[0] == "model" and rest[1].isdigit():
             return Route("model", round=int(rest[1]))

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Annotated, Literal
 
 from fedmq.fedcore.compression import Compression
+from fedmq.fedcore.secagg import SecAggSettings
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fields import Bounds, check_fields
@@ -163,6 +164,12 @@ class CoordinatorConfig:
     partition, or a site's nodes' together): an announcement or update above it is refused as
     ``samples-over-limit``, so one node's credentials cannot buy the federation's weight by claiming
     10^11 samples (issue 31). A node not named is bounded by `policy.max_node_samples` only."""
+
+    secure_aggregation: SecAggSettings | None = None
+    """Secure aggregation (`fedcore.secagg`, `engine.secure`): the nodes mask their updates and the
+    coordinator unmasks only their sum. None: updates are read in clear."""
+    secure_timeout_s: Annotated[float, Bounds(gt=0)] = 30.0
+    """How long each step of secure aggregation (keys, shares, reveals) waits for the nodes."""
 
     node_dp_delta: Annotated[float | None, Bounds(gt=0, lt=1)] = None
     """With node DP-SGD (``train.dp_noise_multiplier``), the delta each node's epsilon is reported for

@@ -32,7 +32,7 @@ from fedmq.coordinator.engine.clock import Clock, MonotonicClock
 from fedmq.coordinator.errors import CoordinatorError, ProtocolError
 from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
 from fedmq.coordinator.eventlog import EventLog, log_header
-from fedmq.coordinator.halfcalls import HalfCalls
+from fedmq.coordinator.halfcalls import HalfCalls, update_schema
 from fedmq.coordinator.lane import Lane
 from fedmq.coordinator.persistence import Persistence
 from fedmq.coordinator.registry import NodeRegistry
@@ -42,13 +42,36 @@ from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord
-from fedmq.fedcore.protocol import Announcement, CoordinatorStatus, Receipt, RunState, Task
+from fedmq.fedcore.protocol import (
+    Announcement,
+    CoordinatorStatus,
+    Receipt,
+    RunState,
+    SecAggDirectory,
+    SecAggShared,
+    SecAggUnmask,
+    Task,
+)
 from fedmq.fedcore.tensors import flatten_groups, schema_of
 from fedmq.fedcore.training import TrainSettings
 
 logger = logging.getLogger(__name__)
 
 SENDER = "coordinator"
+
+
+CHANNEL_KINDS: dict[str, frozenset[Kind]] = {
+    "node-status": frozenset({Kind.NODE_STATUS}),
+    "acks": frozenset({Kind.ACK}),
+    "updates": frozenset({Kind.UPDATE}),
+    "secagg": frozenset({Kind.SECAGG_KEYS, Kind.SECAGG_SHARES, Kind.SECAGG_REVEAL}),
+}
+"""What may come on each channel the coordinator subscribes to."""
+SECAGG_KINDS = {
+    SecAggDirectory: Kind.SECAGG_DIRECTORY,
+    SecAggShared: Kind.SECAGG_SHARED,
+    SecAggUnmask: Kind.SECAGG_UNMASK,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +188,10 @@ class Coordinator:
     def _new_engine(self, *, evaluates: bool) -> Engine:
         """The round policy the config names, its task ids recorded in the event log."""
         return make_engine(
-            self.config, self.half.update_schema(), evaluates=evaluates, new_id=self.event_log.recording(new_task_id)
+            self.config,
+            update_schema(self.half, self.config),
+            evaluates=evaluates,
+            new_id=self.event_log.recording(new_task_id),
         )
 
     def _new_calls(self) -> HalfCalls:
@@ -195,7 +221,10 @@ class Coordinator:
             self._bus = bus
             await bus.subscribe(self.topics.all_node_status)
             # acks and updates keep a retained publish's flag even live (MQTT v5), to be refused (`_dispatch`)
-            await bus.subscribe(self.topics.all_acks, self.topics.all_updates, retain_as_published=True)
+            subscriptions = [self.topics.all_acks, self.topics.all_updates]
+            if self.config.secure_aggregation is not None:
+                subscriptions.append(self.topics.all_secagg)
+            await bus.subscribe(*subscriptions, retain_as_published=True)
             self.connected.set()
             receiver = asyncio.create_task(self._receive(bus), name="coordinator-receive")
             driver = asyncio.create_task(self._drive(), name="coordinator-drive")
@@ -289,7 +318,7 @@ class Coordinator:
                 f"topic {envelope.topic[:200]!r} is outside the scheme (node ids are 1 to 64 letters, digits,"
                 " '_', '.' or '-')",
             )
-        if envelope.retained and route.channel in ("acks", "updates"):
+        if envelope.retained and route.channel in ("acks", "updates", "secagg"):
             self._clear_retained(envelope.topic)
             raise ProtocolError(
                 "retained",
@@ -300,10 +329,10 @@ class Coordinator:
             raise ProtocolError("wrong-sender", f"sender {message.sender[:80]!r} on the topic of {route.node!r}")
         if route.node is not None and self.config.nodes is not None and route.node not in self.config.nodes:
             raise ProtocolError("unknown-node", f"{route.node!r} is not a node of this experiment")
-        expected = {"node-status": Kind.NODE_STATUS, "acks": Kind.ACK, "updates": Kind.UPDATE}.get(route.channel)
+        expected = CHANNEL_KINDS.get(route.channel)
         if expected is None:
             return  # our own topics echo nothing we subscribed to; ignore anything else
-        if message.kind != expected:
+        if message.kind not in expected:
             raise ProtocolError("unexpected-kind", f"{message.kind} on a {route.channel} topic")
         if route.channel == "node-status":
             announcement = Announcement.from_meta(message.meta)
@@ -324,6 +353,8 @@ class Coordinator:
                 self._resend_open_task(message.sender)
             if refusal:
                 raise ProtocolError("method-mismatch", refusal)
+        elif route.channel == "secagg":
+            self._events.put_nowait(e.SecAggArrived(message, envelope.received_at))
         elif route.channel == "acks":
             task = message.meta.get("task")
             self._answered(message.sender, task)
@@ -482,6 +513,8 @@ class Coordinator:
             self._receipt(command)
         elif isinstance(command, c.Refused):
             self._refused(command)
+        elif isinstance(command, c.SendSecAgg):
+            self._send_secagg(command)
         elif isinstance(command, c.Aggregate):
             self._heavy(lambda: self._aggregate(command), "aggregate")
         elif isinstance(command, c.Evaluate):
@@ -588,6 +621,7 @@ class Coordinator:
             deadline_s=command.expiry_s,
             settings=TrainSettings.from_meta(command.settings),
             method=self.fingerprint.digest,
+            secure_aggregation=self.config.secure_aggregation,
             inline=inline is not None,
             payload=None if inline is None else inline.meta,
         )
@@ -693,6 +727,18 @@ class Coordinator:
                 self.topics.direct_model(command.node), prepared.model, round=prepared.round, expiry_s=prepared.expiry_s
             )
         )
+
+    def _send_secagg(self, command: c.SendSecAgg) -> None:
+        """A step of secure aggregation to one node; it expires with the step (`secure_timeout_s`)."""
+        message = Message(
+            kind=Kind(SECAGG_KINDS[type(command.message)]),
+            federation=self.config.federation,
+            round=command.round,
+            sender=SENDER,
+            meta=command.message.to_meta(),
+        )
+        topic = self.topics.node_secagg(command.node)
+        self._spawn(self._bus_or_fail().publish(topic, message, expiry_s=self.config.secure_timeout_s))
 
     def _receipt(self, command: c.Receipt) -> None:
         receipt = Message(

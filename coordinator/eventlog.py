@@ -9,6 +9,7 @@ documented in docs/replay.md. Lines are JSON; bytes are written as ``{"$b": HEX}
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+import msgpack
 import numpy as np
 
 from fedmq.coordinator.config import CoordinatorConfig
@@ -85,6 +87,16 @@ def encode_event(event: e.Event) -> dict[str, Any]:
             "bytes": int(sum(np.asarray(a).nbytes for a in m.tensors.values())),
             "sha256": arrays_sha256(m.tensors),
         }
+    if isinstance(event, e.SecAggArrived):
+        m = event.message
+        return {
+            "ev": name,
+            "node": m.sender,
+            "kind": str(m.kind),
+            "round": m.round,
+            "received_at": event.received_at,
+            "meta": tagged(m.meta),
+        }
     if isinstance(event, e.TaskUnsent):
         return {"ev": name, "node": event.node, "task": event.task.hex()}
     if isinstance(event, e.Configured):
@@ -100,7 +112,8 @@ def encode_event(event: e.Event) -> dict[str, Any]:
 
 
 LOGGED_COMMANDS = (
-    c.Configure, c.SendTask, c.Broadcast, c.Resend, c.Refused, c.Aggregate, c.Evaluate, c.Rollback, c.Finish
+    c.Configure, c.SendTask, c.Broadcast, c.Resend, c.Refused, c.Aggregate, c.SendSecAgg, c.Evaluate, c.Rollback,
+    c.Finish,
 )  # fmt: skip
 """Decisions worth reading and checking; receipts, records, statuses and checkpoints follow from them."""
 
@@ -132,6 +145,9 @@ def encode_command(command: c.Command) -> dict[str, Any] | None:
             "failures": [[f.node_id, f.round, f.reason] for f in command.failures],
             "bases": list(command.bases),
         }
+    if isinstance(command, c.SendSecAgg):  # its content follows from the logged events: a digest of it
+        meta = msgpack.packb(command.message.to_meta())
+        return {"cmd": name, "node": command.node, "sha256": hashlib.sha256(meta).hexdigest()}
     if isinstance(command, c.Evaluate):
         return {"cmd": name, "step": command.step}
     if isinstance(command, c.Rollback):

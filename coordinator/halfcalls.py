@@ -4,26 +4,46 @@ so that both call the half the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from fedmq.coordinator.compressed import check_one_model, restore
 from fedmq.coordinator.config import CoordinatorConfig
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload, half_state, load_half_state
+from fedmq.fedcore import masked as m
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeUpdate, Payload, half_state, load_half_state
+from fedmq.fedcore.algorithms.shared import mean_reported_loss
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.privacy import NodePrivacy, default_delta
-from fedmq.fedcore.tensors import StateDict, model_sha256, non_finite
+from fedmq.fedcore.secagg import SecAggError, dequantise, unmask
+from fedmq.fedcore.tensors import StateDict, TensorSpec, model_sha256, non_finite
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
 """The half's `round_records`, by log name."""
 
 
+SECURE_SUM = "secure-sum"
+"""The node id of the one update a secure aggregation hands the half: the survivors' mean."""
+
+
+def update_schema(half: CoordinatorHalf, config: CoordinatorConfig) -> dict[str, dict[str, TensorSpec]]:
+    """What the engine checks updates against: the half's schema, or with secure aggregation the
+    masked vector (`fedcore.masked`)."""
+    if config.secure_aggregation is not None:
+        return m.masked_schema(half.model.state_dict())
+    return {g: dict(specs) for g, specs in half.update_schema().items()}
+
+
 class HalfCalls:
-    def __init__(self, half: CoordinatorHalf, config: CoordinatorConfig) -> None:
+    def __init__(self, half: CoordinatorHalf, config: CoordinatorConfig, *, masks: bool = True) -> None:
         self.half = half
+        self.masks = masks
+        """False in a replay: the recomputed updates are not masked (the nodes' masks are random and
+        never logged), so their sum is taken as it is; the unmasking is exact, so the model is the same."""
         self.versions = ModelVersions()
         """The models tasks carried, kept and let go as the engine's commands say (`Configure.keep_model`,
         `Aggregate.keep_from`): the engine decides which an update may still need, nothing here does."""
@@ -47,6 +67,13 @@ class HalfCalls:
     def aggregate(self, command: c.Aggregate) -> tuple[e.Aggregated, Records]:
         """The new model, and the metrics the round logs (the averaging rule's, then the half's)."""
         updates = restore(command.updates, self.versions.model) if self._deltas else command.updates
+        secure_metrics: dict[str, float] = {}
+        if command.secure is not None:
+            try:
+                updates, secure_metrics = self._unmask(command)
+            except SecAggError as exc:  # never a wrong model: the attempt ends without one
+                why = f"secure aggregation: {exc}"
+                return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=why), {}
         self._snapshot()
         ctx = self.versions.context(command)
         begin = getattr(self.half.average, "begin_round", None)  # a rule that needs the round (central DP's noise)
@@ -64,12 +91,55 @@ class HalfCalls:
         if bad is not None:  # never published: the round's updates overflowed the average
             self.rollback()
             return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=f"non-finite ({bad})"), {}
-        metrics = {**self.half.averaging_metrics(), **metrics}
+        metrics = {**self.half.averaging_metrics(), **secure_metrics, **metrics}
         if self.node_privacy is not None:
             metrics |= self.node_privacy.metrics(ctx.participation)
         records = self.half.round_records()
         self.versions.prune(command.keep_from)
         return e.Aggregated(command.step, metrics, model_sha256(self.half.model)), records
+
+    def _unmask(self, command: c.Aggregate) -> tuple[list[NodeUpdate], dict[str, float]]:
+        """The survivors' masked updates as the one update they sum to (the weighted mean model), and
+        what the unmasking reports. The half never sees a node's own update."""
+        secure = command.secure
+        assert secure is not None
+        masked = {u.node_id: m.from_wire(u.payload.tensors[m.GROUP][m.TENSOR]) for u in command.updates}
+        if self.masks:
+            result = unmask(
+                secure.settings,
+                secure.key,
+                masked=masked,
+                graph=secure.graph,
+                shared=secure.shared,
+                public_keys=secure.public_keys,
+                commitments=secure.commitments,
+                b_shares=secure.seed_shares,
+                s_shares=secure.key_shares,
+            )
+            total, bad = result.total, len(result.bad_shares)
+        else:
+            total, bad = dequantise(sum_mod(masked.values()), secure.settings), 0
+        counts = [u.num_samples for u in command.updates]
+        weights = sum(counts) / secure.weight_total
+        model = m.mean_model(self.half.model.state_dict(), total, weights)
+        loss = mean_reported_loss(command.updates, [float(n) for n in counts])
+        clipped = sum(int(u.payload.meta.get("secagg_clipped", 0) or 0) for u in command.updates)
+        first = command.updates[0]
+        update = NodeUpdate(
+            node_id=SECURE_SUM,
+            round=first.round,
+            num_samples=sum(counts),
+            payload=Payload(tensors={"model": model}, meta={} if loss != loss else {"loss": loss}),
+            base_version=first.base_version,
+        )
+        metrics = {
+            "secagg_survivors": float(len(masked)),
+            "secagg_dropped": float(len(secure.shared) - len(masked)),
+            "secagg_clipped": float(clipped),
+            "secagg_error_bound": secure.settings.error_bound(len(masked)) / weights,
+            "secagg_bad_shares": float(bad),
+        }
+        return [update], metrics
 
     def _snapshot(self) -> None:
         model, state = self._last_good or (None, None)
@@ -103,3 +173,13 @@ def node_privacy(config: CoordinatorConfig) -> NodePrivacy | None:
         return None
     delta = config.node_dp_delta if config.node_dp_delta is not None else default_delta(len(config.nodes or ()))
     return NodePrivacy(config.train, delta)
+
+
+def sum_mod(vectors: Iterable[np.ndarray]) -> np.ndarray:
+    """The sum of uint32 vectors modulo 2^32 (what unmasking yields, for unmasked vectors)."""
+    total: np.ndarray | None = None
+    for vector in vectors:
+        total = vector.copy() if total is None else total + vector
+    if total is None:
+        raise ValueError("no vector to sum")
+    return total

@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,6 +187,12 @@ def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
         half.average = build_aggregator(
             cfg.method.aggregator.name, cfg.method.aggregator.options, model=half.model, device=half.device
         )
+    if cfg.privacy.secure_aggregation is not None:
+        why = secure_refusal(half)
+        if why is not None:
+            raise ConfigError(
+                f"{cfg.method.name} cannot run with secure aggregation: {why}", field="privacy.secure_aggregation"
+            )
     central = cfg.privacy.central(cfg.nodes, cfg.fraction, cfg.seed)
     if central is not None:
         try:
@@ -204,6 +211,19 @@ def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
                 central.epsilon(cfg.steps + 1),
             )
     return half
+
+
+def secure_refusal(half: CoordinatorHalf) -> str | None:
+    """Why `half` cannot aggregate from the unmasked sum alone: its aggregation must read each update
+    (the condition is the one site aggregators' partial means need), or its updates carry more than
+    the model."""
+    why = half.partial_refusal()
+    if why is not None:
+        return why
+    groups = sorted(half.update_schema())
+    if groups != ["model"]:
+        return f"its updates carry the groups {groups}, and only the model is masked"
+    return None
 
 
 def round_policy(cfg: ExperimentConfig, **changes: object) -> RoundPolicy:
@@ -254,7 +274,16 @@ def coordinator_config(
         nodes=frozenset(cfg.hierarchy.site_names() if sites else cfg.node_ids()),
         node_samples=node_samples,
         node_dp_delta=cfg.privacy.resolved_delta(cfg.nodes) if cfg.privacy.mechanism == "node" else None,
+        **secure_settings(cfg),
     )
+
+
+def secure_settings(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The coordinator's secure-aggregation fields, when the experiment asks for it."""
+    secure = cfg.privacy.secure_aggregation
+    if secure is None:
+        return {}
+    return {"secure_aggregation": secure.settings(), "secure_timeout_s": secure.timeout_s}
 
 
 def build_coordinator(

@@ -51,6 +51,7 @@ from fedmq.fields import Bounds, field_bounds, unannotated
 
 if TYPE_CHECKING:
     from fedmq.fedcore.privacy import CentralDP
+    from fedmq.fedcore.secagg import SecAggSettings
 
 
 class _Strict(BaseModel):
@@ -560,8 +561,49 @@ NODE_DP_METHODS = frozenset({"fedavg", "fedavgm"})
 gradients cover whole (a proximal or distillation term would be left out of them)."""
 
 
+class SecureAggregationConfig(_Strict):
+    """SecAgg+ (Bell et al. 2020; docs/privacy.md#secure-aggregation): each node masks its update so
+    that the coordinator (and the broker) can unmask only the sum of those that arrived."""
+
+    neighbours: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="each node's neighbours in the masking graph (SecAgg+: a few dozen keep the cost logarithmic);"
+        " 0: every other participant (SecAgg)",
+    )
+    threshold: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="the share of a node's neighbours whose shares recover its secrets: a node's mask survives"
+        " fewer colluders than this, and the sum survives fewer dropouts among its neighbours than the rest",
+    )
+    clip: float = Field(
+        8.0,
+        gt=0,
+        le=1e6,
+        description="each entry of a node's weighted change from the global model is clipped to [-clip, clip]"
+        " before 32-bit fixed-point quantisation (resolution clip / 2^30)",
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, le=86_400, description="how long each step (keys, shares, reveals) waits for the nodes"
+    )
+
+    def settings(self) -> SecAggSettings:
+        from fedmq.fedcore.secagg import SecAggSettings
+
+        return SecAggSettings(neighbours=self.neighbours, threshold=self.threshold, clip=self.clip)
+
+
 class PrivacyConfig(_Strict):
     """Differential privacy of the released models (docs/privacy.md; `fedcore.privacy`)."""
+
+    secure_aggregation: SecureAggregationConfig | None = Field(
+        None,
+        description="mask the updates so that the coordinator sees only their sum ({} for the defaults; default:"
+        " updates in clear)",
+    )
 
     mechanism: Literal["none", "central", "node"] = Field(
         "none",
@@ -726,6 +768,10 @@ class ExperimentConfig(_Strict):
                 )
         if self.privacy.mechanism != "none":
             self._check_privacy()
+        if self.privacy.secure_aggregation is not None:
+            why = self._secure_refusal()
+            if why is not None:
+                raise ValueError(f"privacy.secure_aggregation: {why}")
         if self.engine.kind == "sync":
             from fedmq.fedcore.robust import ineffective
 
@@ -768,6 +814,29 @@ class ExperimentConfig(_Strict):
             return f"it replaces the averaging rule, and method.aggregator is {self.method.aggregator.name!r}"
         if self.hierarchy.sites:
             return "site aggregators would see and sum the updates before the noise (hierarchy.sites must be 0)"
+        return None
+
+    def _secure_refusal(self) -> str | None:
+        """What secure aggregation cannot run with: anything that must see one node's update."""
+        cohort = max(1, math.floor(self.fraction * self.nodes + 1e-9))
+        if self.engine.kind != "sync" or self.policy.late_updates == "carry":
+            return (
+                "it unmasks one attempt's updates together, so it is for synchronous rounds whose late updates"
+                " are dropped (engine.kind sync, policy.late_updates drop)"
+            )
+        if self.method.aggregator.name != "mean":
+            return (
+                f"method.aggregator {self.method.aggregator.name!r} must see each update to weigh it against the"
+                " others, which the masks hide; secure aggregation sums them (aggregator mean)"
+            )
+        if self.privacy.mechanism == "central":
+            return "central DP clips each update on the coordinator, which the masks hide; use one or the other for now"
+        if self.hierarchy.sites:
+            return "site aggregators would unmask their nodes' updates (hierarchy.sites must be 0)"
+        if self.compression.mode != "none":
+            return "masked integers do not compress (compression.mode must be none)"
+        if cohort < 3:
+            return f"a round selects {cohort} node(s) (fraction x nodes); it takes at least 3 to hide one in the sum"
         return None
 
     def _node_refusal(self) -> str | None:

@@ -19,6 +19,7 @@ from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.commands import TaskSpec
 from fedmq.coordinator.engine.local import ComputeTime, LocalFederation, LocalNode
 from fedmq.coordinator.eventlog import EventLog
+from fedmq.coordinator.halfcalls import update_schema
 from fedmq.coordinator.reporting import Evaluator
 from fedmq.experiments.build import (
     coordinator_config,
@@ -84,7 +85,7 @@ def build_local(
     return kind(
         engine=make_engine(
             config,
-            half.update_schema(),
+            update_schema(half, config),
             evaluates=True,
             new_id=event_log.recording(new_id) if event_log is not None else new_id,
         ),

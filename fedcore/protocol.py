@@ -23,6 +23,7 @@ from enum import StrEnum
 from typing import Any, Literal, TypeGuard
 
 from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.secagg import SecAggSettings
 from fedmq.fedcore.training import TrainSettings
 
 TASK_ID_BYTES = 16
@@ -269,6 +270,9 @@ class Task:
     settings: TrainSettings
     method: str | None = None
     """The coordinator's method digest; a node whose own differs refuses the task."""
+    secure_aggregation: SecAggSettings | None = None
+    """With secure aggregation, its settings (`neighbours`, `threshold`, `clip` on the wire): the node
+    masks its update and answers the `secagg-*` messages (docs/privacy.md)."""
     inline: bool = False
     payload: Mapping[str, Any] | None = None
     """With `inline`, the algorithm's scalars that go with the model."""
@@ -283,6 +287,11 @@ class Task:
         _put(meta, "deadline_s", self.deadline_s)
         meta["settings"] = self.settings.to_meta()
         _put(meta, "method", self.method)
+        secure = self.secure_aggregation
+        if secure is not None:
+            meta["secure_aggregation"] = {
+                "neighbours": secure.neighbours, "threshold": secure.threshold, "clip": secure.clip
+            }  # fmt: skip
         if self.inline:
             meta |= {"inline": True, "payload": dict(self.payload or {})}
         return meta
@@ -328,9 +337,23 @@ class Task:
             settings=settings,
             # a digest that is not a string matches no node's: refused as method-mismatch, as always
             method=None if method is None else method if isinstance(method, str) else str(method),
+            secure_aggregation=_secure_settings(_optional_map(meta, "secure_aggregation", cls.REASON)),
             inline=inline,
             payload=payload,
         )
+
+
+def _secure_settings(meta: Mapping[str, Any] | None) -> SecAggSettings | None:
+    """A task's `secure_aggregation` map as settings (ProtocolError bad-task: it is not one)."""
+    if meta is None:
+        return None
+    neighbours, threshold, clip = meta.get("neighbours"), meta.get("threshold"), meta.get("clip")
+    if not _is_int(neighbours) or not _is_number(threshold) or not _is_number(clip):
+        raise ProtocolError("bad-task", "secure_aggregation needs neighbours (an integer), threshold and clip")
+    try:
+        return SecAggSettings(neighbours=neighbours, threshold=float(threshold), clip=float(clip))
+    except ValueError as exc:
+        raise ProtocolError("bad-task", f"secure_aggregation: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -465,7 +488,225 @@ class Receipt:
         return cls(status=status, reason=reason, task_id=task_id, update_id=update_id)
 
 
-ProtocolMessage = Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt
+# -- secure aggregation (fedcore/secagg.py; docs/privacy.md) ---------------------------------------
+
+SECAGG_KEY_BYTES = 32
+"""An X25519 public key, a self-mask commitment (sha256)."""
+SECAGG_SHARE_BYTES = 34
+"""A revealed Shamir share: its 2-byte index and the two 16-byte halves of a 32-byte secret."""
+MAX_SECAGG_CIPHERTEXT = 256
+"""An encrypted pair of shares is 12 + 68 + 16 = 96 bytes; anything much longer is not one."""
+MAX_SECAGG_NODES = 100_000
+"""The most nodes a secure-aggregation map may name (the experiment's nodes, at most)."""
+_SECAGG_ID_CHARS = 64
+
+
+def _node_bytes(meta: Mapping[str, Any], key: str, reason: str, *, size: int | None, limit: int) -> dict[str, bytes]:
+    """`meta[key]`: a map from node ids to bytes of `size` (or at most `limit` bytes)."""
+    value = meta.get(key)
+    if not isinstance(value, Mapping) or len(value) > MAX_SECAGG_NODES:
+        raise ProtocolError(reason, f"{key} must be a map from node ids to bytes")
+    for node, data in value.items():
+        if not isinstance(node, str) or not 0 < len(node) <= _SECAGG_ID_CHARS:
+            raise ProtocolError(reason, f"{key} names {node!r}, which is not a node id")
+        if not isinstance(data, bytes) or (len(data) != size if size is not None else not 0 < len(data) <= limit):
+            raise ProtocolError(reason, f"{key}[{node}] must be {size or f'at most {limit}'} bytes")
+    return dict(value)
+
+
+def _node_list(meta: Mapping[str, Any], key: str, reason: str) -> tuple[str, ...]:
+    value = meta.get(key)
+    if not isinstance(value, list) or len(value) > MAX_SECAGG_NODES:
+        raise ProtocolError(reason, f"{key} must be a list of node ids")
+    if not all(isinstance(n, str) and 0 < len(n) <= _SECAGG_ID_CHARS for n in value) or len(set(value)) < len(value):
+        raise ProtocolError(reason, f"{key} must hold distinct node ids")
+    return tuple(value)
+
+
+def _task_bytes(meta: Mapping[str, Any], reason: str) -> bytes:
+    task = meta.get("task")
+    if not isinstance(task, bytes) or len(task) != TASK_ID_BYTES:
+        raise ProtocolError(reason, "task id must be 16 bytes")
+    return task
+
+
+def _key_bytes(value: object, what: str, reason: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != SECAGG_KEY_BYTES:
+        raise ProtocolError(reason, f"{what} must be {SECAGG_KEY_BYTES} bytes")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecAggKeys:
+    """Secure aggregation, step 1 (`secagg-keys`, node -> coordinator): the node's two ephemeral X25519
+    public keys for this task, one to encrypt shares to it, one to agree pairwise masks with it."""
+
+    task_id: bytes = field(metadata={"wire": "task"})
+    encryption_key: bytes
+    mask_key: bytes
+
+    REASON = "bad-secagg"
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"task": self.task_id, "encryption_key": self.encryption_key, "mask_key": self.mask_key}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SecAggKeys:
+        meta = _meta(meta, cls.REASON)
+        return cls(
+            task_id=_task_bytes(meta, cls.REASON),
+            encryption_key=_key_bytes(meta.get("encryption_key"), "encryption_key", cls.REASON),
+            mask_key=_key_bytes(meta.get("mask_key"), "mask_key", cls.REASON),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecAggDirectory:
+    """Step 2 (`secagg-directory`, coordinator -> node): the public keys of the node's neighbours in
+    the round's masking graph, and the sample total its vector is weighted by (n / weight_total)."""
+
+    task_id: bytes = field(metadata={"wire": "task"})
+    neighbours: Mapping[str, tuple[bytes, bytes]]
+    """Each neighbour's (encryption_key, mask_key); on the wire a map to two-element lists."""
+    weight_total: int
+    """The samples the participants announced, together: each node weights its update by its own
+    count over this, so that the unmasked sum is the sample-weighted sum and stays within the clip."""
+
+    REASON = "bad-secagg"
+
+    def to_meta(self) -> dict[str, Any]:
+        neighbours = {node: [c, s] for node, (c, s) in self.neighbours.items()}
+        return {"task": self.task_id, "neighbours": neighbours, "weight_total": self.weight_total}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SecAggDirectory:
+        meta = _meta(meta, cls.REASON)
+        value = meta.get("neighbours")
+        if not isinstance(value, Mapping) or len(value) > MAX_SECAGG_NODES:
+            raise ProtocolError(cls.REASON, "neighbours must be a map from node ids to their two keys")
+        neighbours: dict[str, tuple[bytes, bytes]] = {}
+        for node, keys in value.items():
+            if not isinstance(node, str) or not 0 < len(node) <= _SECAGG_ID_CHARS:
+                raise ProtocolError(cls.REASON, f"neighbours names {node!r}, which is not a node id")
+            if not isinstance(keys, list) or len(keys) != 2:
+                raise ProtocolError(cls.REASON, f"neighbours[{node}] must be its two keys")
+            neighbours[node] = (
+                _key_bytes(keys[0], "an encryption key", cls.REASON),
+                _key_bytes(keys[1], "a mask key", cls.REASON),
+            )
+        total = meta.get("weight_total")
+        if not _is_int(total) or not 0 < total < MAX_SAMPLES * MAX_SECAGG_NODES:
+            raise ProtocolError(cls.REASON, f"weight_total {total!r} is not a positive integer")
+        return cls(task_id=_task_bytes(meta, cls.REASON), neighbours=neighbours, weight_total=total)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecAggShares:
+    """Step 3 (`secagg-shares`, node -> coordinator): its self-mask seed and mask key, Shamir-shared
+    among its neighbours, each neighbour's pair encrypted to it (the coordinator cannot read them), and
+    the commitment (sha256) by which the coordinator checks the seed it later reconstructs."""
+
+    task_id: bytes = field(metadata={"wire": "task"})
+    commitment: bytes
+    shares: Mapping[str, bytes]
+    """Per neighbour, its encrypted pair of shares."""
+
+    REASON = "bad-secagg"
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"task": self.task_id, "commitment": self.commitment, "shares": dict(self.shares)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SecAggShares:
+        meta = _meta(meta, cls.REASON)
+        return cls(
+            task_id=_task_bytes(meta, cls.REASON),
+            commitment=_key_bytes(meta.get("commitment"), "commitment", cls.REASON),
+            shares=_node_bytes(meta, "shares", cls.REASON, size=None, limit=MAX_SECAGG_CIPHERTEXT),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecAggShared:
+    """Step 4 (`secagg-shared`, coordinator -> node): the encrypted shares its neighbours addressed to
+    it, from those whose shares reached the coordinator in time: the node masks its update against
+    exactly these neighbours, and keeps the shares for the unmasking."""
+
+    task_id: bytes = field(metadata={"wire": "task"})
+    shares: Mapping[str, bytes]
+    """Per neighbour, the pair of shares it encrypted to this node."""
+
+    REASON = "bad-secagg"
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"task": self.task_id, "shares": dict(self.shares)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SecAggShared:
+        meta = _meta(meta, cls.REASON)
+        shares = _node_bytes(meta, "shares", cls.REASON, size=None, limit=MAX_SECAGG_CIPHERTEXT)
+        return cls(task_id=_task_bytes(meta, cls.REASON), shares=shares)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecAggUnmask:
+    """Step 6 (`secagg-unmask`, coordinator -> a node whose masked update was accepted): which of its
+    neighbours' updates are in the sum (reveal their self-mask shares) and which dropped after sharing
+    (reveal their mask-key shares). A node never reveals both for one neighbour."""
+
+    task_id: bytes = field(metadata={"wire": "task"})
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+    REASON = "bad-secagg"
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"task": self.task_id, "survivors": list(self.survivors), "dropped": list(self.dropped)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SecAggUnmask:
+        meta = _meta(meta, cls.REASON)
+        return cls(
+            task_id=_task_bytes(meta, cls.REASON),
+            survivors=_node_list(meta, "survivors", cls.REASON),
+            dropped=_node_list(meta, "dropped", cls.REASON),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecAggReveal:
+    """Step 7 (`secagg-reveal`, node -> coordinator): the shares `secagg-unmask` asked for, decrypted."""
+
+    task_id: bytes = field(metadata={"wire": "task"})
+    seed_shares: Mapping[str, bytes]
+    """Per surviving neighbour, this node's share of its self-mask seed."""
+    key_shares: Mapping[str, bytes]
+    """Per dropped neighbour, this node's share of its mask key."""
+
+    REASON = "bad-secagg"
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"task": self.task_id, "seed_shares": dict(self.seed_shares), "key_shares": dict(self.key_shares)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SecAggReveal:
+        meta = _meta(meta, cls.REASON)
+        size = SECAGG_SHARE_BYTES
+        return cls(
+            task_id=_task_bytes(meta, cls.REASON),
+            seed_shares=_node_bytes(meta, "seed_shares", cls.REASON, size=size, limit=size),
+            key_shares=_node_bytes(meta, "key_shares", cls.REASON, size=size, limit=size),
+        )
+
+
+SecAggUp = SecAggKeys | SecAggShares | SecAggReveal
+"""What a node sends the coordinator in secure aggregation (on `fedmq/{fed}/secagg/{node}`)."""
+SecAggDown = SecAggDirectory | SecAggShared | SecAggUnmask
+"""What the coordinator sends one node (on `fedmq/{fed}/nodes/{node}/secagg`)."""
+
+ProtocolMessage = (
+    Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt | SecAggUp | SecAggDown
+)
 
 
 def wire_keys(cls: type[ProtocolMessage]) -> tuple[str, ...]:
@@ -479,6 +720,12 @@ MESSAGES: dict[str, type[ProtocolMessage]] = {
     "task": Task,
     "update": Update,
     "receipt": Receipt,
+    "secagg-keys": SecAggKeys,
+    "secagg-directory": SecAggDirectory,
+    "secagg-shares": SecAggShares,
+    "secagg-shared": SecAggShared,
+    "secagg-unmask": SecAggUnmask,
+    "secagg-reveal": SecAggReveal,
 }
 """The class of each kind's meta (an `update` that says `failed` is an `UpdateFailed`)."""
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
@@ -29,13 +32,27 @@ from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.protocol import Announcement, CoordinatorStatus, ProtocolError, Receipt, Update, UpdateFailed
+from fedmq.fedcore.masked import round_key, weighted_change
+from fedmq.fedcore.protocol import (
+    Announcement,
+    CoordinatorStatus,
+    ProtocolError,
+    Receipt,
+    SecAggDirectory,
+    SecAggShared,
+    SecAggUnmask,
+    SecAggUp,
+    Update,
+    UpdateFailed,
+)
+from fedmq.fedcore.secagg import SecAggSettings
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import flatten_groups, schema_mismatch, split_groups
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.scenario import Transition
 from fedmq.fednode.scripted import ScriptPlayer
+from fedmq.fednode.secure import SecureTask
 from fedmq.fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -57,6 +74,9 @@ class NoUpdate(Exception):
     """The node has no update for a task, for a reason it reports to the coordinator (a site
     aggregator whose nodes sent nothing): a failure of the round, not of the daemon."""
 
+
+SECAGG_DOWN = frozenset({Kind.SECAGG_DIRECTORY, Kind.SECAGG_SHARED, Kind.SECAGG_UNMASK})
+"""What the coordinator sends a node on its secagg topic."""
 
 TaskError = ProtocolError
 """What the node rejects a message with (the protocol's error: its reason is the counter)."""
@@ -84,11 +104,34 @@ class Task:
     model_id: bytes | None = None
     """The id the task's model broadcast carries (None from older coordinators, whose broadcast
     quoted the task id)."""
+    secure: SecAggSettings | None = None
+    """With secure aggregation, its settings: the update is masked (`fednode.secure`)."""
 
     @property
     def model_key(self) -> bytes:
         """What the task's model quotes: its `model_id`, or (older coordinators) the task id."""
         return self.task_id if self.model_id is None else self.model_id
+
+
+SECURE_TASKS_KEPT = 4
+"""Tasks whose secure aggregation a node keeps answering (its unmask step comes after its update)."""
+
+
+@dataclass(slots=True)
+class _Secure:
+    """A task's secure aggregation on this node, and the event its masked update waits for."""
+
+    task: SecureTask
+    shared: asyncio.Event
+
+
+@dataclass(frozen=True, slots=True)
+class _Draft:
+    """A secure task's update before masking: its meta and the model's change (a copy: the workspace
+    is free again), masked and encoded once the shared step says against whom."""
+
+    meta: Update
+    change: np.ndarray
 
 
 class NodeDaemon:
@@ -129,6 +172,8 @@ class NodeDaemon:
         """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
         self._subscribed = asyncio.Event()
         """Set once the first connection's subscriptions are granted (later ones restore them first)."""
+        self._secure: OrderedDict[bytes, _Secure] = OrderedDict()
+        """By task id, the secure aggregation of the latest tasks (`SECURE_TASKS_KEPT`)."""
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -321,9 +366,14 @@ class NodeDaemon:
             raise TaskError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
         if route.channel == "node-status":
             return  # our own retained status echoes back through the inbox wildcard-free topics; ignore
-        if route.channel in ("node-task", "node-model", "node-receipt", "model", "coordinator-state") and (
-            message.sender != "coordinator"
-        ):
+        if route.channel in (
+            "node-task",
+            "node-model",
+            "node-receipt",
+            "node-secagg",
+            "model",
+            "coordinator-state",
+        ) and (message.sender != "coordinator"):
             raise TaskError("wrong-sender", f"{route.channel} from {message.sender!r}, expected the coordinator")
         if route.channel == "coordinator-state" and message.kind == Kind.COORDINATOR_STATUS:
             self._on_coordinator_status(message)
@@ -333,6 +383,8 @@ class NodeDaemon:
             await self._on_model(message, envelope.size)
         elif route.channel == "node-receipt" and message.kind == Kind.RECEIPT:
             self._on_receipt(message)
+        elif route.channel == "node-secagg" and message.kind in SECAGG_DOWN:
+            await self._on_secagg(message)
         else:
             raise TaskError("unexpected-kind", f"{message.kind} on {envelope.topic}")
 
@@ -401,6 +453,8 @@ class NodeDaemon:
             if not self._task.inline and self._task.model_topic != task.model_topic:
                 await self._unsubscribe_model(self._task)
         self._task = task
+        if task.secure is not None:
+            await self._secure_start(task)
         groups = self.workspace.groups if self._grouped(task) else None
         if groups is not None:
             groups.expect(_group_key(task), self.node_id)
@@ -437,7 +491,7 @@ class NodeDaemon:
             raise TaskError("bad-task", "tensors in a task that does not say it carries the model")
         return Task(
             message.round, spec.attempt, spec.task_id, spec.model_topic, spec.settings, time.monotonic(),
-            spec.inline, spec.version, size, spec.deadline_s, spec.method, spec.model_id,
+            spec.inline, spec.version, size, spec.deadline_s, spec.method, spec.model_id, spec.secure_aggregation,
         )  # fmt: skip
 
     def _check_deadline(self, task: Task, sent_at: float) -> None:
@@ -514,6 +568,78 @@ class NodeDaemon:
         except BusError as exc:
             self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
 
+    # -- secure aggregation (fednode.secure) ------------------------------------------------
+
+    async def _secure_start(self, task: Task) -> None:
+        """A secure task: its keys go out at once (the directory and the masking follow)."""
+        assert task.secure is not None
+        if task.model_id is None:
+            raise TaskError("bad-task", "a secure-aggregation task without the attempt's model_id")
+        secure = SecureTask(
+            task.secure,
+            round_key(self.config.federation, task.round, task.attempt, task.model_id),
+            node=self.node_id,
+            task_id=task.task_id,
+            num_samples=len(self.data),
+        )
+        self._secure[task.task_id] = _Secure(secure, asyncio.Event())
+        while len(self._secure) > SECURE_TASKS_KEPT:
+            self._secure.popitem(last=False)
+        await self._send_secagg(task.round, Kind.SECAGG_KEYS, secure.keys())
+
+    async def _send_secagg(self, round: int, kind: Kind, step: SecAggUp) -> None:
+        message = Message(
+            kind=kind, federation=self.config.federation, round=round, sender=self.node_id, meta=step.to_meta()
+        )
+        await self._bus_or_fail().publish(self.topics.secagg(self.node_id), message)
+
+    async def _on_secagg(self, message: Message) -> None:
+        """A step of a secure task's aggregation from the coordinator: answered at once (the unmask
+        step after the update), or refused (ProtocolError: counted, never answered)."""
+        step = protocol.parse(str(message.kind), message.meta)
+        assert isinstance(step, SecAggDirectory | SecAggShared | SecAggUnmask)
+        mine = self._secure.get(step.task_id)
+        if mine is None:
+            raise TaskError("wrong-round", f"a {message.kind} message for no secure task this node holds")
+        if isinstance(step, SecAggDirectory):
+            await self._send_secagg(message.round, Kind.SECAGG_SHARES, mine.task.on_directory(step))
+        elif isinstance(step, SecAggShared):
+            mine.task.on_shared(step)
+            mine.shared.set()
+        else:
+            await self._send_secagg(message.round, Kind.SECAGG_REVEAL, mine.task.on_unmask(step))
+
+    async def _masked(self, task: Task, draft: _Draft, spell: asyncio.Event) -> bytearray | None:
+        """The draft masked and encoded once the shared step came (None: it did not within the task's
+        deadline, or the node went offline meanwhile)."""
+        mine = self._secure.get(task.task_id)
+        if mine is None:
+            self.log.warning("round %d: the secure task is no longer held; no update", task.round)
+            return None
+        waiter = asyncio.ensure_future(mine.shared.wait())
+        offline = asyncio.ensure_future(spell.wait())
+        try:
+            await asyncio.wait({waiter, offline}, timeout=task.deadline_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            offline.cancel()
+        if spell.is_set():
+            self._abandoned(task)
+            return None
+        if not mine.shared.is_set():
+            self.log.warning(
+                "round %d: no shared step from the coordinator in time; the update is not sent", task.round
+            )
+            return None
+        masked = await asyncio.to_thread(mine.task.mask_change, draft.change)
+        payload = {**draft.meta.payload, "secagg_clipped": masked.clipped}
+        meta = dataclasses.replace(draft.meta, payload=payload)
+        update = Message(
+            kind=Kind.UPDATE, federation=self.config.federation, round=task.round, sender=self.node_id,
+            meta=meta.to_meta(), tensors=flatten_groups(masked.tensors),
+        )  # fmt: skip
+        return encode(update)
+
     # -- training --------------------------------------------------------------------------
 
     def _grouped(self, task: Task) -> bool:
@@ -528,7 +654,7 @@ class NodeDaemon:
         if self.workspace.groups is not None:
             self.workspace.groups.withdraw(_group_key(task), self.node_id)
 
-    async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray, float]:
+    async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray | _Draft, float]:
         """The encoded update: trained with this task's group when it forms, else alone under the lock."""
         groups = self.workspace.groups
         if groups is not None and self._grouped(task):
@@ -538,7 +664,7 @@ class NodeDaemon:
             grouped = await groups.train(_group_key(task), member)
             if grouped is not None:
                 result, train_s = grouped
-                return await asyncio.to_thread(self._encode, task, result, train_s, received=payload), train_s
+                return await asyncio.to_thread(self._frame, task, result, train_s, payload), train_s
         async with self.workspace.lock:
             return await asyncio.to_thread(self._train_and_encode, task, payload)
 
@@ -573,6 +699,11 @@ class NodeDaemon:
             self.log.info("fault injection: delaying round %d's update by %g s", task.round, delay)
             if not await hold(delay, spell):
                 return self._abandoned(task)
+        if isinstance(frame, _Draft):
+            masked = await self._masked(task, frame, spell)
+            if masked is None:
+                return None
+            frame = masked
         if not await hold(script.transfer_s(len(frame)), spell):
             return self._abandoned(task)
         await self._bus_or_fail().publish_frame(self.topics.update(self.node_id), frame, round=task.round)
@@ -597,7 +728,7 @@ class NodeDaemon:
         except BusError as exc:
             self.log.warning("could not report the failure of round %d: %s", task.round, exc)
 
-    def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray, float]:
+    def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray | _Draft, float]:
         """Runs in a worker thread; encodes before releasing the workspace, whose tensors the update aliases."""
         if self.config.faults.error_at_round == task.round:
             raise RuntimeError(f"fault injection: training error at round {task.round}")
@@ -606,7 +737,18 @@ class NodeDaemon:
             self._task_input(task, payload), self.workspace.model, self.data, self._generator(task)
         )
         train_s = time.perf_counter() - started
-        return self._encode(task, result, train_s, received=payload), train_s
+        return self._frame(task, result, train_s, payload), train_s
+
+    def _frame(self, task: Task, result: Payload, train_s: float, received: Payload) -> bytearray | _Draft:
+        """The update's frame; with secure aggregation, the draft the shared step lets it mask (`_masked`):
+        the change from the model the task carried, copied out of the workspace."""
+        if task.secure is None:
+            return self._encode(task, result, train_s, received=received)
+        meta = Update(
+            task_id=task.task_id, num_samples=len(self.data), train_seconds=train_s, payload=result.meta,
+            base_version=task.version,
+        )  # fmt: skip
+        return _Draft(meta, weighted_change(result.tensors["model"], received.tensors["model"], 1.0))
 
     def _generator(self, task: Task) -> torch.Generator:
         return torch_generator(

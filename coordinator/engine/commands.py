@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedmq.fedcore.algorithms.base import Failure, NodeUpdate, RoundContext
-from fedmq.fedcore.protocol import ReceiptStatus
+from fedmq.fedcore.protocol import ReceiptStatus, SecAggDown
+
+if TYPE_CHECKING:
+    from fedmq.coordinator.engine.secure import SecureSum
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,18 @@ class Aggregate:
     failures: Sequence[Failure]
     bases: tuple[int, ...] = ()
     keep_from: int | None = None
+    secure: SecureSum | None = None
+    """With secure aggregation, the `engine.secure.SecureSum` that unmasks the sum of `updates` (which
+    are masked): the half then aggregates that sum as one update, never a node's own."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendSecAgg:
+    """Send one node a step of secure aggregation (`coordinator.engine.secure`), on its secagg topic."""
+
+    node: str
+    round: int
+    message: SecAggDown
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +198,7 @@ Command = (
     | Receipt
     | Refused
     | Aggregate
+    | SendSecAgg
     | Evaluate
     | Record
     | Rollback

@@ -51,6 +51,15 @@ class UpdateArrived:
 
 
 @dataclass(frozen=True, slots=True)
+class SecAggArrived:
+    """A node's secure-aggregation message (`secagg-keys`, `secagg-shares` or `secagg-reveal`) passed
+    the bus's checks; its meta is checked here (`fedcore.protocol`)."""
+
+    message: Message
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class TaskUnsent:
     """Publishing a task failed: the node is treated as offline for that task."""
 
@@ -119,6 +128,7 @@ Event = (
     | NodeSeen
     | Acked
     | UpdateArrived
+    | SecAggArrived
     | TaskUnsent
     | Tick
     | Configured
@@ -137,6 +147,7 @@ __all__ = [
     "Event",
     "NodeSeen",
     "RoundRequested",
+    "SecAggArrived",
     "Start",
     "Stop",
     "TaskUnsent",

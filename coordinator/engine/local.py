@@ -35,11 +35,21 @@ from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, GroupMember, NodeHalf, Payload, TaskInput
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.protocol import Update, UpdateFailed
-from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.masked import round_key
+from fedmq.fedcore.protocol import (
+    ProtocolError,
+    SecAggDirectory,
+    SecAggShared,
+    SecAggUnmask,
+    SecAggUp,
+    Update,
+    UpdateFailed,
+)
+from fedmq.fedcore.seeding import stream, torch_generator
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fedcore.vectorized import graph_mode
+from fedmq.fednode.secure import SecureTask
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +76,29 @@ class LocalNode:
 
 @dataclass(frozen=True, slots=True)
 class _Arrival:
-    """An update on its way: it arrives only if its node has not gone offline since it was sent."""
+    """An update (or a secure-aggregation message) on its way: it arrives only if its node has not
+    gone offline since it was sent."""
 
-    event: e.UpdateArrived
+    event: e.UpdateArrived | e.SecAggArrived
     node: str
     epoch: int
+
+
+@dataclass(slots=True)
+class _SecureNode:
+    """A node's task under secure aggregation: trained at once, its masked update sent when it may."""
+
+    task: SecureTask
+    spec: c.TaskSpec
+    base: Payload
+    """What the task carried: the node masks its change from this model."""
+    trained: Payload
+    compute: float | None
+    sent_at: float
+
+
+SECURE_STEPS = ("keys", "shares", "update", "reveal")
+"""Where a node may go silent in secure aggregation (`LocalFederation.secure_faults`)."""
 
 
 @dataclass(slots=True)
@@ -118,6 +146,9 @@ class LocalFederation:
     """Node-training images: each trained task's local epochs times its shard."""
     train_seconds: float = 0.0
     """Wall seconds spent training the nodes (the share of a simulation's time its training takes)."""
+    secure_faults: Mapping[str, str] = field(default_factory=dict)
+    """With secure aggregation, per node, the step it goes silent at (one of `SECURE_STEPS`): it sends
+    nothing from then on, in every round (a node that drops mid-protocol)."""
 
     def __post_init__(self) -> None:
         self._queue: list[tuple[float, int, e.Event | _Arrival]] = []
@@ -129,6 +160,10 @@ class LocalFederation:
         self._online: set[str] = set()
         self._epochs: Counter[str] = Counter()
         self._refusals: dict[type, str | None] = {}
+        self._secure: dict[str, _SecureNode] = {}
+        unknown = {n: s for n, s in self.secure_faults.items() if s not in SECURE_STEPS}
+        if unknown:
+            raise ValueError(f"secure_faults name steps other than {', '.join(SECURE_STEPS)}: {unknown}")
 
     # -- the outside world ---------------------------------------------------------------------------
 
@@ -268,6 +303,8 @@ class LocalFederation:
             logger.debug("refused from %s: %s: %s", command.node, command.reason, command.detail)
         elif isinstance(command, c.Receipt):
             self.receipts.append(command)
+        elif isinstance(command, c.SendSecAgg):
+            self._secure_step(command)
         # Broadcast and Resend never come (every task carries its model); statuses and Finish need nothing
 
     def _configure(self, command: c.Configure) -> None:
@@ -307,6 +344,9 @@ class LocalFederation:
             compute = self.compute_s(spec.node, spec) if self.compute_s is not None else 0.0
             if compute is None:
                 self.dropped += 1
+                continue
+            if self.engine.config.secure_aggregation is not None:
+                self._secure_start(spec, payload, settings, compute, grouped.get(spec.node))
                 continue
             started = time.perf_counter()
             message = self.produce(spec, payload, settings, compute, trained=grouped.get(spec.node))
@@ -404,6 +444,89 @@ class LocalFederation:
             kind=Kind.UPDATE, federation=self.engine.config.federation, round=spec.round, sender=spec.node,
             meta=meta.to_meta(), tensors=tensors,
         )  # fmt: skip
+
+    # -- secure aggregation: the node's side, as `fednode.secure` plays it ------------------------------
+
+    def _secure_start(
+        self, spec: c.TaskSpec, payload: Payload, settings: TrainSettings, compute: float, trained: Payload | None
+    ) -> None:
+        """Train now; send the keys; the masked update waits for the shared step (`_secure_step`)."""
+        settings_ = self.engine.config.secure_aggregation
+        assert settings_ is not None and spec.model is not None
+        node = self.nodes[spec.node]
+        started = time.perf_counter()
+        try:
+            out = trained or node.half.train(
+                self._task(spec, payload, settings), self.workspace, node.data, self._generator(spec)
+            )
+            out = Payload(
+                tensors={g: {k: v.detach().clone() for k, v in t.items()} for g, t in out.tensors.items()},
+                meta=dict(out.meta),
+            )
+        except Exception:  # the node reports it as `produce` does
+            self.train_seconds += time.perf_counter() - started
+            message = self.produce(spec, payload, settings, compute)
+            self.at(
+                self.clock.now() + compute,
+                _Arrival(e.UpdateArrived(message, self.clock.now() + compute), spec.node, self._epochs[spec.node]),
+            )
+            return
+        self.train_seconds += time.perf_counter() - started
+        draws = stream(self.seed, "secagg", spec.node, spec.round, spec.attempt)
+        task = SecureTask(
+            settings_,
+            round_key(self.engine.config.federation, spec.round, spec.attempt, spec.model),
+            node=spec.node,
+            task_id=spec.task,
+            num_samples=len(node.data),
+            random=draws.bytes,
+        )
+        self._secure[spec.node] = _SecureNode(task, spec, payload, out, compute, self.clock.now())
+        self._secure_send(spec.node, spec.round, "keys", task.keys())
+
+    def _secure_send(self, node: str, round: int, step: str, message: SecAggUp) -> None:
+        if self.secure_faults.get(node) in SECURE_STEPS[: SECURE_STEPS.index(step) + 1]:
+            return  # silent from this step on
+        kind = {"keys": Kind.SECAGG_KEYS, "shares": Kind.SECAGG_SHARES, "reveal": Kind.SECAGG_REVEAL}[step]
+        wire = Message(
+            kind=kind, federation=self.engine.config.federation, round=round, sender=node, meta=message.to_meta()
+        )
+        self.at(self.clock.now(), _Arrival(e.SecAggArrived(wire, self.clock.now()), node, self._epochs[node]))
+
+    def _secure_step(self, command: c.SendSecAgg) -> None:
+        mine = self._secure.get(command.node)
+        if mine is None:
+            return
+        message, task = command.message, mine.task
+        try:
+            if isinstance(message, SecAggDirectory):
+                self._secure_send(command.node, mine.spec.round, "shares", task.on_directory(message))
+            elif isinstance(message, SecAggShared):
+                task.on_shared(message)
+                self._secure_update(mine)
+            elif isinstance(message, SecAggUnmask):
+                self._secure_send(command.node, mine.spec.round, "reveal", task.on_unmask(message))
+        except ProtocolError as exc:
+            logger.warning("%s refuses a secure-aggregation step: %s", command.node, exc)
+
+    def _secure_update(self, mine: _SecureNode) -> None:
+        node, spec = mine.spec.node, mine.spec
+        if self.secure_faults.get(node) in ("keys", "shares", "update"):
+            return
+        masked = mine.task.mask(mine.trained.tensors["model"], mine.base.tensors["model"])
+        meta = Update(
+            task_id=spec.task,
+            num_samples=len(self.nodes[node].data),
+            train_seconds=float(mine.compute or 0.0),
+            payload={**mine.trained.meta, "secagg_clipped": masked.clipped},
+            base_version=spec.version,
+        )
+        message = Message(
+            kind=Kind.UPDATE, federation=self.engine.config.federation, round=spec.round, sender=node,
+            meta=meta.to_meta(), tensors=flatten_groups(masked.tensors),
+        )  # fmt: skip
+        arrives = max(self.clock.now(), mine.sent_at + float(mine.compute or 0.0))
+        self.at(arrives, _Arrival(e.UpdateArrived(message, arrives), node, self._epochs[node]))
 
     # -- what tests read -----------------------------------------------------------------------------
 

@@ -25,12 +25,14 @@ from typing import Any
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.base import Engine, node_task_id, public_model_id
+from fedmq.coordinator.engine.secure import SecurePhase, SecureRound, SecureSum, graph_seed
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.coordinator.rounds import RoundOutcome, RoundState
 from fedmq.coordinator.sampler import Selection, sample
 from fedmq.coordinator.updates import check_base_version, parse_update
 from fedmq.fedcore.algorithms.base import Failure, Folding, NodeUpdate
-from fedmq.fedcore.protocol import RunState, UpdateFailed
+from fedmq.fedcore.masked import round_key
+from fedmq.fedcore.protocol import RunState, SecAggKeys, SecAggReveal, SecAggShares, UpdateFailed, parse
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,10 @@ class SyncRounds(Engine):
         """Nodes given no more tasks after too many rejected models."""
         self.rounds_without_model = 0
         """Rounds in a row that ended without aggregating (``policy.max_rounds_without_model``)."""
+        self._secure: SecureRound | None = None
+        """The attempt's secure aggregation (`engine.secure`), with ``secure_aggregation`` configured."""
+        self._secure_outcome: RoundOutcome | None = None
+        """The round's outcome, fixed when its unmask step began."""
 
     # -- starting an attempt -----------------------------------------------------------------------
 
@@ -149,6 +155,7 @@ class SyncRounds(Engine):
             self._past.append(self.current)
         self.current = state
         self.participation.selected(selected, self.round)
+        self._secure = self._secure_round(state, now)
         self.phase = "collecting"
         self._inline = event.inline
         for node in selected:
@@ -185,6 +192,8 @@ class SyncRounds(Engine):
             self._configured(out, event, now)
         elif isinstance(event, e.Acked):
             self._acked(out, event, now)
+        elif isinstance(event, e.SecAggArrived):
+            self._on_secagg(out, event, now)
         elif isinstance(event, e.TaskUnsent):
             self._offline(out, event.node, now)
         elif isinstance(event, e.Aggregated):
@@ -254,6 +263,8 @@ class SyncRounds(Engine):
         if state.closed:
             self._late_update(out, state, event)
             return
+        if self._secure is not None and not UpdateFailed.is_failure(message.meta):
+            self._check_masking(state, node)
         if UpdateFailed.is_failure(message.meta):
             detail = UpdateFailed.from_meta(message.meta).reason
             logger.warning("node %s reports its training for round %d failed: %s", node, state.round, detail)
@@ -338,17 +349,105 @@ class SyncRounds(Engine):
         """The version the next aggregation folds from (one more while an aggregation is running)."""
         return self.version + (1 if self.phase == "aggregating" else 0)
 
+    # -- secure aggregation (engine.secure) -----------------------------------------------------------
+
+    def _secure_round(self, state: RoundState, now: float) -> SecureRound | None:
+        settings = self.config.secure_aggregation
+        if settings is None:
+            return None
+        secure = SecureRound(
+            settings=settings,
+            key=round_key(self.config.federation, state.round, state.attempt, public_model_id(state.task_id)),
+            tasks={n: node_task_id(state.task_id, n) for n in state.selected},
+            announced={n: self.announced.get(n) for n in state.selected},
+            timeout_s=self.config.secure_timeout_s,
+            seed=graph_seed(state.task_id),
+        )
+        secure.start(now)
+        return secure
+
+    def _check_masking(self, state: RoundState, node: str) -> None:
+        """A masked update is taken only in its attempt's masking step, from a node whose shares are out."""
+        secure = self._secure
+        if secure is None or state is not self.current or secure.phase != SecurePhase.MASKED:
+            raise ProtocolError("secagg-out-of-step", f"{node}'s update came outside its attempt's masking step")
+        if node not in secure.shared:
+            raise ProtocolError("secagg-out-of-step", f"{node}'s update came, but its shares did not in time")
+
+    def _on_secagg(self, out: list[c.Command], event: e.SecAggArrived, now: float) -> None:
+        message = event.message
+        try:
+            parsed = parse(str(message.kind), message.meta)
+            if not isinstance(parsed, SecAggKeys | SecAggShares | SecAggReveal):
+                raise ProtocolError("unexpected-kind", f"{message.kind} is not sent by nodes")
+            state = self._state_for(message.sender, message.round, parsed.task_id)
+            secure = self._secure
+            if state is None or state is not self.current or secure is None:
+                raise ProtocolError("secagg-out-of-step", f"{message.kind} from {message.sender} answers no open step")
+            secure.receive(message.sender, parsed)
+        except ProtocolError as exc:
+            self.refused[exc.reason] += 1
+            out.append(c.Refused(message.sender, exc.reason, exc.detail))
+            return
+        self._maybe_close(out, now)
+
+    def _advance_secure(self, out: list[c.Command], state: RoundState, secure: SecureRound, now: float) -> bool:
+        """Move the keys and shares steps on; True once the masked updates are what the round waits
+        for (the usual closing then applies), False while a step runs or when the attempt ended."""
+        still_in = state.pending.__contains__
+        steps = (SecurePhase.KEYS, secure.send_directory), (SecurePhase.SHARES, lambda o, _: secure.send_shared(o))
+        for phase, send in steps:
+            if secure.phase == phase and secure.due(now, still_in):
+                left, why = send(out, now)
+                for node in left:
+                    if not state.answered(node) and node not in state.offline:
+                        state.on_failed(node, f"secure aggregation: no {phase} from it in time")
+                if why is not None:
+                    self._close(out, state, state.close(self.live.__contains__), now, secure_failure=why)
+                    return False
+        if secure.phase == SecurePhase.MASKED:
+            return True
+        if now >= state.started + self.policy.deadline_s:
+            why = f"the round's deadline passed in its {secure.phase} step"
+            self._close(out, state, state.close(self.live.__contains__), now, secure_failure=why)
+        return False
+
+    def _unmask(self, out: list[c.Command], state: RoundState, secure: SecureRound, now: float) -> None:
+        """The round closed: ask the survivors for the shares that unmask their sum."""
+        outcome = state.close(self.live.__contains__)
+        why = secure.send_unmask(out, frozenset(state.accepted), now)
+        if why is not None:
+            self._close(out, state, outcome, now, secure_failure=why)
+            return
+        self.phase = "unmasking"
+        self._secure_outcome = outcome
+
+    def _unmasked(self, out: list[c.Command], now: float) -> None:
+        state, secure, outcome = self.current, self._secure, self._secure_outcome
+        if state is None or secure is None or outcome is None or not secure.unmask_due(now):
+            return
+        self._secure_outcome = None
+        material, why = secure.finish(frozenset(state.accepted))
+        self.phase = "collecting"  # what _close expects of an attempt it ends
+        self._close(out, state, outcome, now, secure=material, secure_failure=why)
+
     # -- closing ---------------------------------------------------------------------------------------
 
     def _deadlines(self) -> Sequence[float | None]:
         state = self.current
+        secure = self._secure
+        if self.phase == "unmasking" and secure is not None:
+            return (secure.deadline,)
         if self.phase != "collecting" or state is None:
             return ()
+        steps = (secure.deadline,) if secure is not None and secure.phase != SecurePhase.MASKED else ()
         if not state.model_published:
-            return (self._ack_deadline,)
-        return (state.started + self.policy.deadline_s,)
+            return (self._ack_deadline, *steps)
+        return (state.started + self.policy.deadline_s, *steps)
 
     def _on_tick(self, out: list[c.Command], now: float) -> None:
+        if self.phase == "unmasking":
+            self._maybe_close(out, now)
         if self.phase != "collecting":
             return
         if self._ack_deadline is not None and now >= self._ack_deadline:
@@ -356,21 +455,43 @@ class SyncRounds(Engine):
         self._maybe_close(out, now)
 
     def _maybe_close(self, out: list[c.Command], now: float) -> None:
+        if self.phase == "unmasking":
+            self._unmasked(out, now)
+            return
         state = self.current
-        if self.phase != "collecting" or state is None or not state.model_published:
+        if self.phase != "collecting" or state is None:
+            return
+        secure = self._secure
+        if secure is not None and not self._advance_secure(out, state, secure, now):
+            return
+        if not state.model_published:
             return
         past_deadline = now >= state.started + self.policy.deadline_s
         if not (state.done or past_deadline):
             return
         if past_deadline and not state.done:
             logger.info("round %d: deadline of %g s reached", state.round, self.policy.deadline_s)
+        if secure is not None:
+            self._unmask(out, state, secure, now)
+            return
         self._close(out, state, state.close(self.live.__contains__), now)
 
-    def _close(self, out: list[c.Command], state: RoundState, outcome: RoundOutcome, now: float) -> None:
+    def _close(
+        self,
+        out: list[c.Command],
+        state: RoundState,
+        outcome: RoundOutcome,
+        now: float,
+        *,
+        secure: SecureSum | None = None,
+        secure_failure: str | None = None,
+    ) -> None:
+        """End the attempt's collecting: aggregate what it holds, or try again, or move on. With secure
+        aggregation, `secure` unmasks the sum, or `secure_failure` says why it cannot be."""
         policy = self.policy
         updates = state.updates
         late, superseded = self._late_for(updates)
-        enough = len(updates) + len(late) >= policy.min_updates
+        enough = len(updates) + len(late) >= policy.min_updates and secure_failure is None
         last_try = policy.on_insufficient == "skip" or self.attempt == policy.max_retries
         record: dict[str, Any] = {
             "round": state.round,
@@ -386,6 +507,11 @@ class SyncRounds(Engine):
         }
         if late or superseded:
             record |= {"late_folded": sorted(late), "superseded": superseded}
+        if secure_failure is not None:
+            logger.warning(
+                "round %d attempt %d: secure aggregation cannot unmask: %s", state.round, state.attempt, secure_failure
+            )
+            record["secure_aggregation_failed"] = secure_failure
         self._record = record
         if enough:
             self._record_participation(state, outcome, late)
@@ -397,7 +523,9 @@ class SyncRounds(Engine):
             self.phase = "aggregating"
             self._outcome_step = self._next_step()
             failures = self._failures(state.round, outcome)
-            out.append(c.Aggregate(self._outcome_step, ctx, ordered, failures, keep_from=self._keep_from()))
+            out.append(
+                c.Aggregate(self._outcome_step, ctx, ordered, failures, keep_from=self._keep_from(), secure=secure)
+            )
             return
         self._record_participation(state, outcome, {}, aggregated=False)
         record["aggregated"] = False
@@ -412,7 +540,7 @@ class SyncRounds(Engine):
             )
             record["discarded"] = kept
             self._late, self._late_from = {}, {}
-        elif updates:
+        elif updates and self._secure is None:  # masked updates are the attempt's alone
             self._carried = dict(updates)  # the global model is unchanged, so these stay valid
         self._end_attempt(out, now, aggregated=False, last_try=last_try)
 
@@ -467,7 +595,8 @@ class SyncRounds(Engine):
         if self.phase != "aggregating" or event.step != self._outcome_step:
             return
         if event.rejected:  # the half fell back to the last good model already
-            self._reject(out, now, f"the aggregated model holds {event.rejected}")
+            failed = event.rejected.startswith("secure aggregation")
+            self._reject(out, now, event.rejected if failed else f"the aggregated model holds {event.rejected}")
             return
         self.version += 1
         self.rounds_completed += 1

@@ -61,7 +61,9 @@ def test_mosquitto_hash_is_pbkdf2_sha512_in_mosquitto_passwd_format() -> None:
 def test_each_node_may_publish_only_on_its_own_topics_and_read_only_its_own_inbox() -> None:
     topics = Topics("demo")
     publish, subscribe = topic_rules(topics, ["node-000", "node-001"])
-    assert publish["node-000"] == [topics.node_status("node-000"), topics.ack("node-000"), topics.update("node-000")]
+    own = [topics.node_status("node-000"), topics.ack("node-000"), topics.update("node-000"), topics.secagg("node-000")]
+    assert publish["node-000"] == own
+    assert topics.node_secagg("node-000") in subscribe["node-000"]
     assert not any("node-001" in t for t in publish["node-000"] + subscribe["node-000"])
     assert topics.task("node-000") in subscribe["node-000"]
     assert publish["monitor"] == [] and subscribe["monitor"] == [topics.coordinator_status]

@@ -23,16 +23,23 @@ CLASSES: dict[str, tuple[type[protocol.ProtocolMessage], ...]] = {
     "task": (protocol.Task,),
     "update": (protocol.Update, protocol.UpdateFailed),
     "receipt": (protocol.Receipt,),
+    "secagg-keys": (protocol.SecAggKeys,),
+    "secagg-directory": (protocol.SecAggDirectory,),
+    "secagg-shares": (protocol.SecAggShares,),
+    "secagg-shared": (protocol.SecAggShared,),
+    "secagg-unmask": (protocol.SecAggUnmask,),
+    "secagg-reveal": (protocol.SecAggReveal,),
 }
 SETTINGS = {f.name for f in fields(TrainSettings)}
 COMPRESSION = set(Compression(mode="int8-block").meta() or {})
 OTHER_NAMES: dict[str, set[str]] = {
     "node-status": {"online", "offline"},  # the states
     "coordinator-status": set(),
-    "task": SETTINGS | {"model"},  # the training settings; "as in `model`", the kind
+    "task": SETTINGS | {"model", "neighbours", "threshold", "clip"},  # the training settings; "as in `model`", the kind
     "update": COMPRESSION
     | {"loss", "version", "nodes"},  # compression's keys; a payload's example; the task's field; site's key
     "receipt": set(protocol.RECEIPT_STATUSES),
+    **{kind: set() for kind in protocol.MESSAGES if kind.startswith("secagg-")},
 }
 
 
