@@ -219,7 +219,7 @@ def secure_refusal(half: CoordinatorHalf) -> str | None:
     the model."""
     why = half.partial_refusal()
     if why is not None:
-        return why
+        return f"its aggregation needs more of the updates than their sample-weighted mean, all the masks leave ({why})"
     groups = sorted(half.update_schema())
     if groups != ["model"]:
         return f"its updates carry the groups {groups}, and only the model is masked"

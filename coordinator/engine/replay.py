@@ -30,9 +30,11 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.local import LocalFederation, _clone
 from fedmq.coordinator.eventlog import FORMAT, encode_command, tagged, untagged
+from fedmq.fedcore import masked as m
 from fedmq.fedcore.algorithms.base import Payload
-from fedmq.fedcore.protocol import UpdateFailed
-from fedmq.fedcore.tensors import arrays_sha256, model_sha256
+from fedmq.fedcore.protocol import SecAggDirectory, UpdateFailed
+from fedmq.fedcore.secagg import quantise
+from fedmq.fedcore.tensors import arrays_sha256, flatten_groups, model_sha256, split_groups
 from fedmq.fedcore.training import TrainSettings
 
 CACHED_UPDATES = 256
@@ -189,6 +191,11 @@ class Replay(LocalFederation):
         """(step, node) -> the key of the task sent (the last one: a step sends a node one task)."""
         """Updates trained with their group before the log says they arrived."""
         self._line = 0
+        self._half_calls.masks = False  # the recomputed updates are unmasked: their sum is taken as it is
+        self._bases: dict[tuple[bytes, str], Payload] = {}
+        """With secure aggregation, the model each task carried (its update is the change from it)."""
+        self._weight_totals: dict[tuple[bytes, str], int] = {}
+        """With secure aggregation, each task's directory total (its update is weighted by n over it)."""
         if any(x.data.get("ev") == "NodeSeen" and "num_samples" not in x.data for x in self.entries):
             # recorded before announced counts were logged (and checked): replay it as it ran, unchecked
             policy = dataclasses.replace(self.engine.policy, require_announced_samples=False)
@@ -271,6 +278,15 @@ class Replay(LocalFederation):
             return self._evaluated(entry)
         if kind == "UpdateArrived":
             return self._arrived(entry)
+        if kind == "SecAggArrived":
+            meta = untagged(d["meta"])
+            if not isinstance(meta, dict):
+                raise TypeError("meta is not a map")
+            message = Message(
+                kind=Kind(str(d["kind"])), federation=self.engine.config.federation, round=int(d["round"]),
+                sender=str(d["node"]), meta=meta,
+            )  # fmt: skip
+            return e.SecAggArrived(message, float(d["received_at"]))
         raise ReplayError(f"line {entry.line}: unknown event {kind!r}")
 
     def _aggregated(self, entry: Entry) -> e.Aggregated:
@@ -337,12 +353,15 @@ class Replay(LocalFederation):
             if UpdateFailed.is_failure(produced.meta):
                 failed = UpdateFailed.from_meta(produced.meta)
                 raise ReplayMismatch(entry.line, f"training failed in the replay: {failed.reason}", node=node)
+            if self.engine.config.secure_aggregation is not None:
+                produced = self._unmasked(entry, key, produced)
             cached = (arrays_sha256(produced.tensors), dict(produced.meta.get("payload", {})), produced)
             self._cache[key] = cached
             while len(self._cache) > CACHED_UPDATES:
                 self._cache.popitem(last=False)
         digest, payload_meta, produced = cached
-        if digest != entry.data.get("sha256"):
+        masked = self.engine.config.secure_aggregation is not None  # its own masks were random, never logged
+        if not masked and digest != entry.data.get("sha256"):
             raise ReplayMismatch(
                 entry.line,
                 f"the recomputed update of round {entry.data.get('round')} differs from the recorded one:"
@@ -358,6 +377,21 @@ class Replay(LocalFederation):
             )
         self.report.updates += 1
         return produced.tensors
+
+    def _unmasked(self, entry: Entry, key: tuple[bytes, str], produced: Message) -> Message:
+        """A secure task's update as the node would have masked it, without the masks: its weighted
+        change from the model the task carried, quantised. The masks cancel in the unmasking, which is
+        exact, so the sum of these is the sum the recorded run unmasked, and the model the same."""
+        settings = self.engine.config.secure_aggregation
+        base, total = self._bases.pop(key, None), self._weight_totals.pop(key, None)
+        if settings is None or base is None or total is None:
+            raise ReplayMismatch(entry.line, "a masked update of a task the replay sent no directory for", node=key[1])
+        trained = split_groups(dict(produced.tensors))["model"]
+        weight = int(produced.meta["num_samples"]) / total
+        values, clipped = quantise(m.weighted_change(trained, base.tensors["model"], weight), settings)
+        meta = dict(produced.meta) | {"payload": {**produced.meta.get("payload", {}), "secagg_clipped": clipped}}
+        tensors = flatten_groups({m.GROUP: {m.TENSOR: m.as_wire(values)}})
+        return dataclasses.replace(produced, meta=meta, tensors=tensors)
 
     def _note_group(self, tasks: list[c.SendTask]) -> None:
         """The tasks of one engine answer train as one group when `vectorize` is on, as `_train_all` does."""
@@ -392,6 +426,8 @@ class Replay(LocalFederation):
             for t in command.tasks:
                 sent = shared if shared is not None else _clone(payload[t.node])  # type: ignore[index]
                 self._sent[(t.task, t.node)] = _Sent(t, sent, settings, command.step)
+                if self.engine.config.secure_aggregation is not None:
+                    self._bases[(t.task, t.node)] = sent
                 self._sent_keys[(command.step, t.node)] = (t.task, t.node)
             self._configured.add(command.step)
         elif isinstance(command, c.Aggregate):
@@ -405,5 +441,8 @@ class Replay(LocalFederation):
             self._calls.rollback()
         elif isinstance(command, c.SendTask | c.Broadcast | c.Resend):
             pass  # the node's update is trained when the log says it arrived
+        elif isinstance(command, c.SendSecAgg):  # the nodes' answers come from the log
+            if isinstance(command.message, SecAggDirectory):
+                self._weight_totals[(command.message.task_id, command.node)] = command.message.weight_total
         else:
             super()._execute(command)

@@ -7,6 +7,7 @@ wrong one). The federation is the quickstart's (scikit-learn's digits, 10 nodes,
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,52 @@ def test_too_many_dropouts_end_the_attempt_without_a_model() -> None:
     assert _max_difference(before, fed.model()) == 0.0
 
 
-def test_a_secure_simulation_runs_end_to_end_and_its_accuracy_matches_the_plain_run(tmp_path: Path) -> None:
+def test_a_secure_simulation_matches_the_plain_run_and_replays_bit_for_bit(tmp_path: Path) -> None:
+    """`fedmq simulate` end to end, with a node dropping after sharing in round 1; `fedmq replay`
+    recomputes the updates unmasked and reaches the recorded model, bit for bit."""
+    from fedmq.experiments.replay import replay_run
     from fedmq.experiments.simulate import simulate
 
-    simulate(_cfg("rounds=3", *SECURE), tmp_path / "secure", device=torch.device("cpu"))
-    simulate(_cfg("rounds=3"), tmp_path / "plain", device=torch.device("cpu"))
+    late = ["faults={node-008: {delay_s: 100, delay_rounds: [1]}}"]  # selected in round 1, after the deadline
+    simulate(_cfg("rounds=3", *SECURE, *late), tmp_path / "secure", device=torch.device("cpu"))
+    simulate(_cfg("rounds=3", *late), tmp_path / "plain", device=torch.device("cpu"))
+    lines = [json.loads(line) for line in (tmp_path / "secure" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["secagg_dropped"] for line in lines] == [0, 1, 0] and "node-008" not in lines[1]["accepted"]
     secure = json.loads((tmp_path / "secure" / "summary.json").read_text())
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
     assert secure["final_accuracy"] == pytest.approx(plain["final_accuracy"], abs=0.01)
+    outcome = replay_run(tmp_path / "secure")
+    assert outcome.ok and outcome.report.final_model_sha256 == secure["model_sha256"]
+    assert outcome.report.updates == 14 and outcome.report.aggregations == 3
+
+
+SECURE_BASE = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 5, "privacy": {"secure_aggregation": {}}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"engine": {"kind": "async"}}, "it unmasks one attempt's updates together"),
+        ({"policy": {"late_updates": "carry"}}, "it unmasks one attempt's updates together"),
+        ({"method": {"aggregator": {"name": "median"}}}, "must see each update"),
+        ({"privacy": {"secure_aggregation": {}, "mechanism": "central"}}, "central DP clips each update"),
+        ({"hierarchy": {"sites": 2}}, "site aggregators would unmask"),
+        ({"compression": {"mode": "int8-block"}}, "masked integers do not compress"),
+        ({"fraction": 0.1}, "a round selects 2 node(s)"),
+        ({"privacy": {"secure_aggregation": {"threshold": 0}}}, "threshold"),
+    ],
+)
+def test_what_secure_aggregation_cannot_run_with_is_refused_at_load(changes: dict[str, Any], message: str) -> None:
+    from fedmq.fedcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(SECURE_BASE | changes)
+
+
+def test_a_method_whose_aggregation_reads_each_update_is_refused_when_built() -> None:
+    from fedmq.experiments.build import coordinator_half, load_split
+    from fedmq.fedcore.errors import ConfigError
+
+    cfg = parse_config(SECURE_BASE | {"method": {"name": "scaffold"}, "data": {"dataset": "digits"}})
+    with pytest.raises(ConfigError, match="scaffold cannot run with secure aggregation: its aggregation needs more"):
+        coordinator_half(cfg, load_split(cfg))

@@ -25,6 +25,7 @@ from fedmq.broker import Topics, decode, encode
 from fedmq.broker.message import new_message_id
 from fedmq.experiments.config import parse_config
 from fedmq.experiments.local import build_local
+from fedmq.experiments.replay import replay_run
 from fedmq.fedcore import masked as m
 from tests.helpers import raw_client_with_coordinator_up
 from tests.integration.federation import Federation, base_config
@@ -62,6 +63,8 @@ def test_a_secure_run_over_the_broker_equals_the_in_process_run(tmp_path: Path, 
     assert len(updates) == 8 and all(u["tensors"] == 1 for u in updates)  # the masked vector, nothing else
     steps = {e["kind"] for e in _events(fed) if e.get("ev") == "SecAggArrived"}
     assert steps == {"secagg-keys", "secagg-shares", "secagg-reveal"}
+    outcome = replay_run(fed.out)  # the updates recomputed unmasked: the same models, bit for bit
+    assert outcome.ok and outcome.report.final_model_sha256 == fed.summary()["model_sha256"]
 
 
 def test_a_node_that_misses_the_deadline_after_sharing_is_unmasked_without_it(tmp_path: Path, broker_url: str) -> None:
