@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "node": "fedmq.experiments.bench.node",
     "fedsa": "fedmq.experiments.bench.fedsa",
     "teacher": "fedmq.experiments.bench.teacher",
+    "secure": "fedmq.experiments.bench.secure",
 }
 """Suite name -> module, in the order `all` runs them."""
 

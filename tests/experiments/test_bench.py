@@ -155,4 +155,26 @@ def test_cli_bench_writes_json_and_markdown_and_refuses_unknown_suites(
         "node",
         "fedsa",
         "teacher",
+        "secure",
     ]
+
+
+@pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
+def test_secure_suite_times_secure_rounds_beside_the_plain_round(tmp_path: Path) -> None:
+    report = run_suite("secure", quick(tmp_path), log=lambda _: None)
+    rows = figures(report)
+    times = [f for f in report.figures if f.section == "time per round"]
+    assert [f.label for f in times] == [
+        "4 selected, plain",
+        "4 selected, SecAgg (every other node a neighbour)",
+        "4 selected, SecAgg+ (2 neighbours)",
+    ]
+    plain = rows["time per round: 4 selected, plain"]
+    assert plain.ratio is None and all(f.ratio == pytest.approx(f.value / plain.value) for f in times[1:])
+    sizes = [f for f in report.figures if f.section == "bytes per node and round"]
+    assert all(f.value > 0 for f in sizes) and all(f.ratio is not None and f.ratio > 1 for f in sizes[1:])
+    secure_runs = [p for p in (tmp_path / "secure").iterdir() if "plain" not in p.name]
+    assert len(secure_runs) == 2
+    for run_dir in secure_runs:
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert all(line["aggregated"] and line["secagg_survivors"] == 4 for line in lines)
