@@ -37,6 +37,11 @@ def secure_aggregator(cfg: ExperimentConfig) -> tuple[ExperimentConfig, str]:
             "averaging: the plain mean (asynchronous folding takes no other rule); a poisoned update is"
             " bounded by the sample limits and the non-finite check only"
         )
+    if cfg.privacy.secure_aggregation is not None:
+        return cfg, (
+            "averaging: the plain mean (secure aggregation hides each update, so no rule can clip one; a"
+            " poisoned update is bounded by the sample limits only)"
+        )
     cohort = cfg.hierarchy.sites or max(1, math.floor(cfg.fraction * cfg.nodes + 1e-9))
     if cohort < 3:
         return cfg, (

@@ -79,3 +79,5 @@ def test_secure_runs_clip_against_the_rounds_median_unless_the_experiment_chose_
     assert small.method.aggregator.name == "mean" and "2 update(s) a round" in said
     async_cfg, said = secure_aggregator(parse_config(base | {"engine": {"kind": "async"}}))
     assert async_cfg.method.aggregator.name == "mean" and "asynchronous folding" in said
+    masked, said = secure_aggregator(parse_config(base | {"privacy": {"secure_aggregation": {}}}))
+    assert masked.method.aggregator.name == "mean" and "secure aggregation hides each update" in said

@@ -284,7 +284,8 @@ def test_run_against_a_provisioned_embedded_broker(tmp_path: Path, given: str) -
     run --broker mqtts://...` with `--credentials DIR` (each process takes its identity's file, the
     progress monitor the read-only one) or one identity's `--username`, `--password-file` and
     `--ca-file` for every process. The run uses the provisioned federation id, which the ACL names, and
-    its progress lines show that the monitor got in too."""
+    its progress lines show that the monitor got in too. With the nodes' own credentials, the run uses
+    secure aggregation: each node's keys, shares and reveals go through its own topics under the ACL."""
     out = tmp_path / "run"
     secure = tmp_path / "secure"
     port = free_port()
@@ -303,11 +304,16 @@ def test_run_against_a_provisioned_embedded_broker(tmp_path: Path, given: str) -
         wait_for_port("127.0.0.1", port, 30.0, broker)
         command = [*argv, "run", str(QUICKSTART), "--set", "rounds=3", "--broker", f"mqtts://127.0.0.1:{port}"]
         command += [*access, "--out", str(out), "--processes", "2"]
+        if given == "folder":
+            command += ["--set", "privacy.secure_aggregation={}"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert done.returncode == 0, done.stdout + done.stderr
         summary = json.loads((out / "summary.json").read_text())
         assert summary["state"] == "finished" and summary["federation"] == "quickstart"
         assert summary["participation_totals"]["accepted"] == 15  # 3 rounds of 5 nodes
+        if given == "folder":
+            lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [line["secagg_survivors"] for line in lines] == [5, 5, 5]
         assert "round 3/3" in done.stdout  # the monitor's progress line (not a terminal: one per round)
     finally:
         broker.terminate()
