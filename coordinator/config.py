@@ -177,6 +177,11 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        secure = self.secure_aggregation
+        if secure is not None and secure.l2_clip is not None and secure.fixed_total is None:
+            raise ValueError(
+                "secure_aggregation.l2_clip (central DP) needs fixed_total, the cohort each node divides by"
+            )
         if self.nodes is not None:
             object.__setattr__(self, "nodes", frozenset(self.nodes))
         if self.node_samples is not None:

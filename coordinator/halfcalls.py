@@ -4,7 +4,7 @@ so that both call the half the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,10 +15,11 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore import masked as m
+from fedmq.fedcore.aggregation import weighted_average
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeUpdate, Payload, half_state, load_half_state
 from fedmq.fedcore.algorithms.shared import mean_reported_loss
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.privacy import NodePrivacy, default_delta
+from fedmq.fedcore.privacy import DPFedAvg, NodePrivacy, default_delta
 from fedmq.fedcore.secagg import SecAggError, dequantise, unmask
 from fedmq.fedcore.tensors import StateDict, TensorSpec, model_sha256, non_finite
 
@@ -67,6 +68,10 @@ class HalfCalls:
     def aggregate(self, command: c.Aggregate) -> tuple[e.Aggregated, Records]:
         """The new model, and the metrics the round logs (the averaging rule's, then the half's)."""
         updates = restore(command.updates, self.versions.model) if self._deltas else command.updates
+        ctx = self.versions.context(command)
+        begin = getattr(self.half.average, "begin_round", None)  # a rule that needs the round (central DP's noise)
+        if begin is not None:
+            begin(ctx)
         secure_metrics: dict[str, float] = {}
         if command.secure is not None:
             try:
@@ -75,18 +80,17 @@ class HalfCalls:
                 why = f"secure aggregation: {exc}"
                 return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=why), {}
         self._snapshot()
-        ctx = self.versions.context(command)
-        begin = getattr(self.half.average, "begin_round", None)  # a rule that needs the round (central DP's noise)
         calls = getattr(self.half.average, "calls", None)
-        if begin is not None:
-            begin(ctx)
-        metrics = self.half.aggregate(ctx, updates, command.failures)
-        if calls is not None and updates and self.half.average.calls == calls:  # type: ignore[attr-defined]
-            raise AlgorithmError(
-                f"{type(self.half).__module__} aggregated without its averaging rule, so"
-                f" {type(self.half.average).__name__} (privacy.mechanism) never saw the updates: this method"
-                " cannot run with it"
-            )
+        if command.secure is not None and isinstance(self.half.average, DPFedAvg):
+            metrics = self._with_plain_mean(lambda: self.half.aggregate(ctx, updates, command.failures))
+        else:
+            metrics = self.half.aggregate(ctx, updates, command.failures)
+            if calls is not None and updates and self.half.average.calls == calls:  # type: ignore[attr-defined]
+                raise AlgorithmError(
+                    f"{type(self.half).__module__} aggregated without its averaging rule, so"
+                    f" {type(self.half.average).__name__} (privacy.mechanism) never saw the updates: this method"
+                    " cannot run with it"
+                )
         bad = non_finite(dict(self.half.model.state_dict()))
         if bad is not None:  # never published: the round's updates overflowed the average
             self.rollback()
@@ -97,6 +101,16 @@ class HalfCalls:
         records = self.half.round_records()
         self.versions.prune(command.keep_from)
         return e.Aggregated(command.step, metrics, model_sha256(self.half.model)), records
+
+    def _with_plain_mean(self, call: Callable[[], Mapping[str, float]]) -> Mapping[str, float]:
+        """`call` with the half averaging by the plain weighted mean: with secure aggregation, central
+        DP's noise is on the one update already (`_release`), which the rule would clip and noise again."""
+        rule = self.half.average
+        self.half.average = weighted_average
+        try:
+            return call()
+        finally:
+            self.half.average = rule
 
     def _unmask(self, command: c.Aggregate) -> tuple[list[NodeUpdate], dict[str, float]]:
         """The survivors' masked updates as the one update they sum to (the weighted mean model), and
@@ -120,8 +134,10 @@ class HalfCalls:
         else:
             total, bad = dequantise(sum_mod(masked.values()), secure.settings), 0
         counts = [u.num_samples for u in command.updates]
-        weights = sum(counts) / secure.weight_total
-        model = m.mean_model(self.half.model.state_dict(), total, weights)
+        dp = secure.settings.l2_clip is not None  # the sum is DP-FedAvg's sum_k clip(d_k) / K already
+        weights = 1.0 if dp else sum(counts) / secure.weight_total
+        base = self.half.model.state_dict()
+        model = self._release(m.as_change(base, total)) if dp else m.mean_model(base, total, weights)
         loss = mean_reported_loss(command.updates, [float(n) for n in counts])
         clipped = sum(int(u.payload.meta.get("secagg_clipped", 0) or 0) for u in command.updates)
         first = command.updates[0]
@@ -140,6 +156,15 @@ class HalfCalls:
             "secagg_bad_shares": float(bad),
         }
         return [update], metrics
+
+    def _release(self, change: StateDict) -> StateDict:
+        """Central DP's noise on the unmasked sum of clipped changes (`DPFedAvg.release`), the next model."""
+        rule = self.half.average
+        if not isinstance(rule, DPFedAvg):
+            raise AlgorithmError(
+                "secure aggregation with l2_clip is central DP's, and the averaging rule is not DPFedAvg"
+            )
+        return rule.release(change)
 
     def _snapshot(self) -> None:
         model, state = self._last_good or (None, None)

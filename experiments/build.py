@@ -283,7 +283,11 @@ def secure_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     secure = cfg.privacy.secure_aggregation
     if secure is None:
         return {}
-    return {"secure_aggregation": secure.settings(), "secure_timeout_s": secure.timeout_s}
+    settings = secure.settings()
+    central = cfg.privacy.central(cfg.nodes, cfg.fraction, cfg.seed)
+    if central is not None:  # the nodes clip to S and divide by K; the coordinator adds the noise
+        settings = dataclasses.replace(settings, l2_clip=central.clip_norm, fixed_total=central.cohort)
+    return {"secure_aggregation": settings, "secure_timeout_s": secure.timeout_s}
 
 
 def build_coordinator(

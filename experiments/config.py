@@ -829,8 +829,11 @@ class ExperimentConfig(_Strict):
                 f"method.aggregator {self.method.aggregator.name!r} must see each update to weigh it against the"
                 " others, which the masks hide; secure aggregation sums them (aggregator mean)"
             )
-        if self.privacy.mechanism == "central":
-            return "central DP clips each update on the coordinator, which the masks hide; use one or the other for now"
+        if self.privacy.mechanism == "central" and self.privacy.adaptive_clipping:
+            return (
+                "adaptive clipping needs the count of updates under the clip norm, which the masks hide"
+                " (with fixed clipping, the nodes clip and the coordinator adds the noise to the sum)"
+            )
         if self.hierarchy.sites:
             return "site aggregators would unmask their nodes' updates (hierarchy.sites must be 0)"
         if self.compression.mode != "none":

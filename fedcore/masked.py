@@ -62,19 +62,26 @@ def mean_model(base: Mapping[str, torch.Tensor], total: np.ndarray, weight_sum: 
     over `weight_sum` (the survivors' weights, sum of n_k / N), entry by entry in the base's dtype."""
     if not weight_sum > 0:
         raise ValueError(f"the survivors' weights sum to {weight_sum}, so there is no mean to take")
-    change = torch.from_numpy(np.asarray(total, dtype=np.float64) / weight_sum)
+    change = as_change(base, np.asarray(total, dtype=np.float64) / weight_sum)
+    return {
+        name: (value.detach().to(torch.float64) + change[name]).to(value.dtype)
+        if name in change
+        else value.detach().clone()
+        for name, value in base.items()
+    }
+
+
+def as_change(base: Mapping[str, torch.Tensor], vector: np.ndarray) -> StateDict:
+    """A vector over the floating entries (`floating_entries`) as float64 tensors shaped like `base`'s."""
+    flat = torch.from_numpy(np.asarray(vector, dtype=np.float64))
     out: StateDict = {}
     offset = 0
-    for name, value in base.items():
-        if not value.is_floating_point():
-            out[name] = value.detach().clone()
-            continue
-        n = value.numel()
-        part = change[offset : offset + n].reshape(value.shape)
-        out[name] = (value.detach().to(torch.float64) + part).to(value.dtype)
+    for name in floating_entries(base):
+        n = base[name].numel()
+        out[name] = flat[offset : offset + n].reshape(base[name].shape)
         offset += n
-    if offset != change.numel():
-        raise ValueError(f"the unmasked sum has {change.numel()} entries and the model {offset} floating ones")
+    if offset != flat.numel():
+        raise ValueError(f"the unmasked sum has {flat.numel()} entries and the model {offset} floating ones")
     return out
 
 

@@ -210,6 +210,35 @@ class DPFedAvg:
             self.metrics["dp_unclipped_estimate"] = share
         return out
 
+    def release(self, change: StateDict) -> StateDict:
+        """With secure aggregation: the nodes clipped their changes to the clip norm and divided them by
+        the cohort before masking, so `change` is their unmasked sum, sum_k clip(d_k) / K. This adds the
+        round's noise, z S / K, from the same stream and in the same order as a call would, and returns
+        the next model. The accountant's figures are the same; the clipped share and the norms, which
+        only the nodes saw, are not reported."""
+        if self._round is None:
+            raise RuntimeError("DPFedAvg needs begin_round before each release (its noise is the round's)")
+        if self.settings.adaptive:
+            raise RuntimeError("adaptive clipping needs the count of unclipped updates, which the masks hide")
+        rnd, version = self._round
+        self._round = None
+        self.calls += 1
+        s = self.settings
+        clip = float(self.clip_norm)
+        generator = torch_generator(s.seed, "dp-noise", rnd, version)
+        out: StateDict = {}
+        for name, now in self.model.state_dict().items():
+            noise = torch.randn(now.shape, generator=generator, dtype=torch.float64)
+            total = change[name].to(torch.float64) + noise * (s.update_noise_multiplier * clip / s.cohort)
+            out[name] = (now.to(torch.float64) + total).to(now.dtype)
+        self.metrics = {
+            "dp_epsilon": s.epsilon(rnd + 1),
+            "dp_delta": s.delta,
+            "dp_noise_std": s.update_noise_multiplier * clip / s.cohort,
+            "dp_clip_norm": clip,
+        }
+        return out
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The clip norm of the next round (`coordinator` checkpoints it with the half's state)."""
         return {"clip_norm": self.clip_norm} if self.settings.adaptive else {}

@@ -292,6 +292,7 @@ class Task:
             meta["secure_aggregation"] = {
                 "neighbours": secure.neighbours, "threshold": secure.threshold, "clip": secure.clip
             }  # fmt: skip
+            _put(meta["secure_aggregation"], "l2_clip", secure.l2_clip)
         if self.inline:
             meta |= {"inline": True, "payload": dict(self.payload or {})}
         return meta
@@ -350,8 +351,16 @@ def _secure_settings(meta: Mapping[str, Any] | None) -> SecAggSettings | None:
     neighbours, threshold, clip = meta.get("neighbours"), meta.get("threshold"), meta.get("clip")
     if not _is_int(neighbours) or not _is_number(threshold) or not _is_number(clip):
         raise ProtocolError("bad-task", "secure_aggregation needs neighbours (an integer), threshold and clip")
-    try:
-        return SecAggSettings(neighbours=neighbours, threshold=float(threshold), clip=float(clip))
+    l2_clip = meta.get("l2_clip")
+    if l2_clip is not None and not _is_number(l2_clip):
+        raise ProtocolError("bad-task", f"secure_aggregation's l2_clip {l2_clip!r} is not a number")
+    try:  # a node needs the clip only: the fixed total reaches it as the directory's weight_total
+        return SecAggSettings(
+            neighbours=neighbours,
+            threshold=float(threshold),
+            clip=float(clip),
+            l2_clip=None if l2_clip is None else float(l2_clip),
+        )
     except ValueError as exc:
         raise ProtocolError("bad-task", f"secure_aggregation: {exc}") from None
 
@@ -704,9 +713,7 @@ SecAggUp = SecAggKeys | SecAggShares | SecAggReveal
 SecAggDown = SecAggDirectory | SecAggShared | SecAggUnmask
 """What the coordinator sends one node (on `fedmq/{fed}/nodes/{node}/secagg`)."""
 
-ProtocolMessage = (
-    Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt | SecAggUp | SecAggDown
-)
+ProtocolMessage = Announcement | CoordinatorStatus | Task | Update | UpdateFailed | Receipt | SecAggUp | SecAggDown
 
 
 def wire_keys(cls: type[ProtocolMessage]) -> tuple[str, ...]:

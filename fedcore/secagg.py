@@ -82,8 +82,21 @@ class SecAggSettings:
     """The share of a node's neighbours whose shares rebuild its secrets."""
     clip: float = 8.0
     """Each entry of a node's (already weighted) vector is clipped to [-clip, clip]."""
+    l2_clip: float | None = None
+    """With central DP (`fedcore.privacy`): each node clips its change to this L2 norm (S) and weighs
+    it 1 / K, K the directory's weight total (the cohort), instead of by its samples: the unmasked
+    sum is DP-FedAvg's sum_k clip(d_k) / K, to which the coordinator adds the noise."""
+    fixed_total: int | None = None
+    """With `l2_clip`, on the coordinator: the weight total it sends (DP-FedAvg's fixed denominator K;
+    a node's settings need not hold it)."""
 
     def __post_init__(self) -> None:
+        if self.fixed_total is not None and self.l2_clip is None:
+            raise ValueError("fixed_total is for central DP with secure aggregation: it needs l2_clip")
+        if self.l2_clip is not None and not (math.isfinite(self.l2_clip) and self.l2_clip > 0):
+            raise ValueError(f"l2_clip must be a finite number > 0, not {self.l2_clip!r}")
+        if self.fixed_total is not None and (isinstance(self.fixed_total, bool) or self.fixed_total < 1):
+            raise ValueError(f"fixed_total must be a whole number >= 1, not {self.fixed_total!r}")
         if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, int) or self.neighbours < 0:
             raise ValueError(f"neighbours must be a whole number >= 0, not {self.neighbours!r}")
         if not 0 < self.threshold <= 1:

@@ -54,6 +54,7 @@ class SecureTask:
         random: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self.node = node
+        self.settings = settings
         self.task_id = task_id
         self.num_samples = num_samples
         self._secagg = NodeSecAgg(settings, key, node, random=random)
@@ -80,7 +81,7 @@ class SecureTask:
         self._step("directory", message.task_id)
         if self.node in message.neighbours:
             raise ProtocolError("bad-secagg", f"the directory names {self.node} among its own neighbours")
-        if self.num_samples > message.weight_total:
+        if self.settings.l2_clip is None and self.num_samples > message.weight_total:
             raise ProtocolError("bad-secagg", f"weight_total {message.weight_total} is below the node's own samples")
         try:
             commitment, shares = self._secagg.share(message.neighbours)
@@ -108,7 +109,11 @@ class SecureTask:
         with weight 1) weighted by the node's samples over the directory's total, and masked."""
         if self._shares is None or self._weight_total is None:
             raise RuntimeError("mask needs the directory and shared steps first")
-        vector = change * (self.num_samples / self._weight_total)
+        if self.settings.l2_clip is None:
+            vector = change * (self.num_samples / self._weight_total)
+        else:  # central DP: clipped to S, weighted 1 / K (DP-FedAvg's fixed denominator)
+            norm = float(np.linalg.norm(change))
+            vector = change * (min(1.0, self.settings.l2_clip / norm) if norm > 0 else 1.0) / self._weight_total
         try:
             masked = self._secagg.mask(vector, self._shares.keys())
         except SecAggError as exc:

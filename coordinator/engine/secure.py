@@ -166,7 +166,8 @@ class SecureRound:
         if len(counted) < MIN_PARTICIPANTS:
             return out_of_it, f"{len(counted)} node(s) sent keys in time, and at least {MIN_PARTICIPANTS} are needed"
         self.graph = neighbour_graph(counted, self.settings.neighbours, self.seed)
-        self.weight_total = sum(int(self.announced[n] or 0) for n in counted)
+        fixed = self.settings.fixed_total  # central DP: the cohort, whoever answers
+        self.weight_total = fixed if fixed is not None else sum(int(self.announced[n] or 0) for n in counted)
         for node in counted:
             neighbours = {v: self.keys[v] for v in self.graph[node]}
             out.append(

@@ -147,7 +147,17 @@ SECURE_BASE = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 5, "privacy
         ({"engine": {"kind": "async"}}, "it unmasks one attempt's updates together"),
         ({"policy": {"late_updates": "carry"}}, "it unmasks one attempt's updates together"),
         ({"method": {"aggregator": {"name": "median"}}}, "must see each update"),
-        ({"privacy": {"secure_aggregation": {}, "mechanism": "central"}}, "central DP clips each update"),
+        (
+            {
+                "privacy": {
+                    "secure_aggregation": {},
+                    "mechanism": "central",
+                    "adaptive_clipping": True,
+                    "count_noise": 5,
+                }
+            },
+            "adaptive clipping needs the count",
+        ),
         ({"hierarchy": {"sites": 2}}, "site aggregators would unmask"),
         ({"compression": {"mode": "int8-block"}}, "masked integers do not compress"),
         ({"fraction": 0.1}, "a round selects 2 node(s)"),
@@ -168,3 +178,21 @@ def test_a_method_whose_aggregation_reads_each_update_is_refused_when_built() ->
     cfg = parse_config(SECURE_BASE | {"method": {"name": "scaffold"}, "data": {"dataset": "digits"}})
     with pytest.raises(ConfigError, match="scaffold cannot run with secure aggregation: its aggregation needs more"):
         coordinator_half(cfg, load_split(cfg))
+
+
+def test_central_dp_with_secure_aggregation_equals_central_dp_in_clear_within_the_bound() -> None:
+    """DP-FedAvg with the masks: each node clips its change to S and divides it by K before masking,
+    the coordinator adds the round's noise to the unmasked sum. The noise comes from the same stream
+    in the same order as the rule's in clear, so one round's model is the in-clear one's within the
+    quantisation's bound, and the epsilon the same."""
+    central = ["privacy.mechanism=central", "privacy.noise_multiplier=1.0", "privacy.clip_norm=0.5", "rounds=1"]
+    clear = _federation(_cfg(*central))
+    clear.run()
+    masked = _federation(_cfg(*central, *SECURE))
+    records = masked.run()
+    assert records[0]["dp_epsilon"] == clear.records[0]["dp_epsilon"] and records[0]["secagg_survivors"] == 5
+    assert records[0]["dp_noise_std"] == clear.records[0]["dp_noise_std"] > 0
+    assert _max_difference(clear.model(), masked.model()) <= records[0]["secagg_error_bound"] + 1e-6
+    quieter = _federation(_cfg(*central[:1], "privacy.noise_multiplier=0.01", *central[2:], *SECURE))
+    quieter.run()
+    assert _max_difference(quieter.model(), masked.model()) > 1e-3  # the noise is really there
