@@ -35,7 +35,8 @@ COMPRESSION = set(Compression(mode="int8-block").meta() or {})
 OTHER_NAMES: dict[str, set[str]] = {
     "node-status": {"online", "offline"},  # the states
     "coordinator-status": set(),
-    "task": SETTINGS | {"model", "neighbours", "threshold", "clip", "l2_clip"},  # the training settings; "as in `model`", the kind
+    "task": SETTINGS
+    | {"model", "neighbours", "threshold", "clip", "l2_clip"},  # the training settings; "as in `model`", the kind
     "update": COMPRESSION
     | {"loss", "version", "nodes"},  # compression's keys; a payload's example; the task's field; site's key
     "receipt": set(protocol.RECEIPT_STATUSES),
