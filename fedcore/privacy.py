@@ -11,7 +11,8 @@ with z the noise multiplier. K is the configured cohort, not the count that arri
 sensitivity to one node is S whatever the others do, and a round with stragglers moves the model
 less instead of revealing how many answered. The guarantee is user-level (one node's whole data)
 for the released models, against everyone but the coordinator, which sees the updates in clear
-(secure aggregation, not built yet, would hide them from it).
+unless secure aggregation hides them (`fedcore.secagg`: the nodes then clip and divide by K, and
+`DPFedAvg.release` adds the noise to the unmasked sum).
 
 The privacy spent is tracked by the Renyi-DP accountant of Opacus (Mironov 2017; Mironov, Talwar and
 Zhang 2019, the sampled Gaussian mechanism), as a function of (z, q, rounds): epsilon for the

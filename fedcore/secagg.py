@@ -248,6 +248,7 @@ class NodeSecAgg:
             raise ValueError(f"random({SEED_BYTES}) gave {len(self._b)} bytes")
         self._neighbours: dict[str, tuple[bytes, bytes]] | None = None
         self._revealed = False
+        self._masked = False
 
     def public_keys(self) -> tuple[bytes, bytes]:
         """(encryption key, mask key), raw 32 bytes each."""
@@ -286,6 +287,9 @@ class NodeSecAgg:
         the neighbours in `shared` (those whose shares reached the coordinator)."""
         if self._neighbours is None:
             raise SecAggError("unmask-refused", f"{self.node} masks only after sharing its secrets")
+        if self._masked:  # two vectors under the same masks would give away their difference
+            raise SecAggError("unmask-refused", f"{self.node} masked a vector once already this attempt")
+        self._masked = True
         strangers = sorted(set(shared) - set(self._neighbours))
         if strangers:
             raise SecAggError(

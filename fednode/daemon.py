@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
@@ -32,15 +29,12 @@ from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.masked import round_key, weighted_change
+from fedmq.fedcore.masked import weighted_change
 from fedmq.fedcore.protocol import (
     Announcement,
     CoordinatorStatus,
     ProtocolError,
     Receipt,
-    SecAggDirectory,
-    SecAggShared,
-    SecAggUnmask,
     SecAggUp,
     Update,
     UpdateFailed,
@@ -50,9 +44,10 @@ from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import flatten_groups, schema_mismatch, split_groups
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
+from fedmq.fednode.masking import KINDS as SECAGG_KINDS
+from fedmq.fednode.masking import Draft, SecureAggregationPart
 from fedmq.fednode.scenario import Transition
 from fedmq.fednode.scripted import ScriptPlayer
-from fedmq.fednode.secure import SecureTask
 from fedmq.fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -75,8 +70,8 @@ class NoUpdate(Exception):
     aggregator whose nodes sent nothing): a failure of the round, not of the daemon."""
 
 
-SECAGG_DOWN = frozenset({Kind.SECAGG_DIRECTORY, Kind.SECAGG_SHARED, Kind.SECAGG_UNMASK})
-"""What the coordinator sends a node on its secagg topic."""
+FROM_COORDINATOR = frozenset({"node-task", "node-model", "node-receipt", "node-secagg", "model", "coordinator-state"})
+"""Channels only the coordinator publishes on."""
 
 TaskError = ProtocolError
 """What the node rejects a message with (the protocol's error: its reason is the counter)."""
@@ -111,27 +106,6 @@ class Task:
     def model_key(self) -> bytes:
         """What the task's model quotes: its `model_id`, or (older coordinators) the task id."""
         return self.task_id if self.model_id is None else self.model_id
-
-
-SECURE_TASKS_KEPT = 4
-"""Tasks whose secure aggregation a node keeps answering (its unmask step comes after its update)."""
-
-
-@dataclass(slots=True)
-class _Secure:
-    """A task's secure aggregation on this node, and the event its masked update waits for."""
-
-    task: SecureTask
-    shared: asyncio.Event
-
-
-@dataclass(frozen=True, slots=True)
-class _Draft:
-    """A secure task's update before masking: its meta and the model's change (a copy: the workspace
-    is free again), masked and encoded once the shared step says against whom."""
-
-    meta: Update
-    change: np.ndarray
 
 
 class NodeDaemon:
@@ -172,8 +146,11 @@ class NodeDaemon:
         """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
         self._subscribed = asyncio.Event()
         """Set once the first connection's subscriptions are granted (later ones restore them first)."""
-        self._secure: OrderedDict[bytes, _Secure] = OrderedDict()
-        """By task id, the secure aggregation of the latest tasks (`SECURE_TASKS_KEPT`)."""
+        self.secure = SecureAggregationPart(
+            federation=config.federation, node_id=self.node_id, num_samples=len(data), publish=self._send_secagg,
+            log=self.log,
+        )  # fmt: skip
+        """The secure aggregation of the node's tasks that ask for it (`fednode.masking`)."""
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -366,14 +343,7 @@ class NodeDaemon:
             raise TaskError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
         if route.channel == "node-status":
             return  # our own retained status echoes back through the inbox wildcard-free topics; ignore
-        if route.channel in (
-            "node-task",
-            "node-model",
-            "node-receipt",
-            "node-secagg",
-            "model",
-            "coordinator-state",
-        ) and (message.sender != "coordinator"):
+        if route.channel in FROM_COORDINATOR and message.sender != "coordinator":
             raise TaskError("wrong-sender", f"{route.channel} from {message.sender!r}, expected the coordinator")
         if route.channel == "coordinator-state" and message.kind == Kind.COORDINATOR_STATUS:
             self._on_coordinator_status(message)
@@ -383,8 +353,8 @@ class NodeDaemon:
             await self._on_model(message, envelope.size)
         elif route.channel == "node-receipt" and message.kind == Kind.RECEIPT:
             self._on_receipt(message)
-        elif route.channel == "node-secagg" and message.kind in SECAGG_DOWN:
-            await self._on_secagg(message)
+        elif route.channel == "node-secagg" and message.kind in SECAGG_KINDS:
+            await self.secure.on_message(message)
         else:
             raise TaskError("unexpected-kind", f"{message.kind} on {envelope.topic}")
 
@@ -454,7 +424,10 @@ class NodeDaemon:
                 await self._unsubscribe_model(self._task)
         self._task = task
         if task.secure is not None:
-            await self._secure_start(task)
+            await self.secure.start(
+                round=task.round, attempt=task.attempt, task_id=task.task_id, model_id=task.model_id,
+                settings=task.secure,
+            )  # fmt: skip
         groups = self.workspace.groups if self._grouped(task) else None
         if groups is not None:
             groups.expect(_group_key(task), self.node_id)
@@ -562,83 +535,17 @@ class NodeDaemon:
         else:
             self.log.warning("update for round %d was %s: %s", message.round, receipt.status, receipt.reason)
 
-    async def _unsubscribe_model(self, task: Task) -> None:
-        try:
-            await self._bus_or_fail().unsubscribe(task.model_topic)
-        except BusError as exc:
-            self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
-
-    # -- secure aggregation (fednode.secure) ------------------------------------------------
-
-    async def _secure_start(self, task: Task) -> None:
-        """A secure task: its keys go out at once (the directory and the masking follow)."""
-        assert task.secure is not None
-        if task.model_id is None:
-            raise TaskError("bad-task", "a secure-aggregation task without the attempt's model_id")
-        secure = SecureTask(
-            task.secure,
-            round_key(self.config.federation, task.round, task.attempt, task.model_id),
-            node=self.node_id,
-            task_id=task.task_id,
-            num_samples=len(self.data),
-        )
-        self._secure[task.task_id] = _Secure(secure, asyncio.Event())
-        while len(self._secure) > SECURE_TASKS_KEPT:
-            self._secure.popitem(last=False)
-        await self._send_secagg(task.round, Kind.SECAGG_KEYS, secure.keys())
-
     async def _send_secagg(self, round: int, kind: Kind, step: SecAggUp) -> None:
         message = Message(
             kind=kind, federation=self.config.federation, round=round, sender=self.node_id, meta=step.to_meta()
         )
         await self._bus_or_fail().publish(self.topics.secagg(self.node_id), message)
 
-    async def _on_secagg(self, message: Message) -> None:
-        """A step of a secure task's aggregation from the coordinator: answered at once (the unmask
-        step after the update), or refused (ProtocolError: counted, never answered)."""
-        step = protocol.parse(str(message.kind), message.meta)
-        assert isinstance(step, SecAggDirectory | SecAggShared | SecAggUnmask)
-        mine = self._secure.get(step.task_id)
-        if mine is None:
-            raise TaskError("wrong-round", f"a {message.kind} message for no secure task this node holds")
-        if isinstance(step, SecAggDirectory):
-            await self._send_secagg(message.round, Kind.SECAGG_SHARES, mine.task.on_directory(step))
-        elif isinstance(step, SecAggShared):
-            mine.task.on_shared(step)
-            mine.shared.set()
-        else:
-            await self._send_secagg(message.round, Kind.SECAGG_REVEAL, mine.task.on_unmask(step))
-
-    async def _masked(self, task: Task, draft: _Draft, spell: asyncio.Event) -> bytearray | None:
-        """The draft masked and encoded once the shared step came (None: it did not within the task's
-        deadline, or the node went offline meanwhile)."""
-        mine = self._secure.get(task.task_id)
-        if mine is None:
-            self.log.warning("round %d: the secure task is no longer held; no update", task.round)
-            return None
-        waiter = asyncio.ensure_future(mine.shared.wait())
-        offline = asyncio.ensure_future(spell.wait())
+    async def _unsubscribe_model(self, task: Task) -> None:
         try:
-            await asyncio.wait({waiter, offline}, timeout=task.deadline_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            offline.cancel()
-        if spell.is_set():
-            self._abandoned(task)
-            return None
-        if not mine.shared.is_set():
-            self.log.warning(
-                "round %d: no shared step from the coordinator in time; the update is not sent", task.round
-            )
-            return None
-        masked = await asyncio.to_thread(mine.task.mask_change, draft.change)
-        payload = {**draft.meta.payload, "secagg_clipped": masked.clipped}
-        meta = dataclasses.replace(draft.meta, payload=payload)
-        update = Message(
-            kind=Kind.UPDATE, federation=self.config.federation, round=task.round, sender=self.node_id,
-            meta=meta.to_meta(), tensors=flatten_groups(masked.tensors),
-        )  # fmt: skip
-        return encode(update)
+            await self._bus_or_fail().unsubscribe(task.model_topic)
+        except BusError as exc:
+            self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
 
     # -- training --------------------------------------------------------------------------
 
@@ -654,7 +561,7 @@ class NodeDaemon:
         if self.workspace.groups is not None:
             self.workspace.groups.withdraw(_group_key(task), self.node_id)
 
-    async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray | _Draft, float]:
+    async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray | Draft, float]:
         """The encoded update: trained with this task's group when it forms, else alone under the lock."""
         groups = self.workspace.groups
         if groups is not None and self._grouped(task):
@@ -699,11 +606,13 @@ class NodeDaemon:
             self.log.info("fault injection: delaying round %d's update by %g s", task.round, delay)
             if not await hold(delay, spell):
                 return self._abandoned(task)
-        if isinstance(frame, _Draft):
-            masked = await self._masked(task, frame, spell)
+        if isinstance(frame, Draft):
+            masked = await self.secure.masked(
+                round=task.round, task_id=task.task_id, draft=frame, wait_s=task.deadline_s, gone=spell
+            )
             if masked is None:
-                return None
-            frame = masked
+                return self._abandoned(task) if spell.is_set() else None
+            frame = encode(masked)
         if not await hold(script.transfer_s(len(frame)), spell):
             return self._abandoned(task)
         await self._bus_or_fail().publish_frame(self.topics.update(self.node_id), frame, round=task.round)
@@ -728,7 +637,7 @@ class NodeDaemon:
         except BusError as exc:
             self.log.warning("could not report the failure of round %d: %s", task.round, exc)
 
-    def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray | _Draft, float]:
+    def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray | Draft, float]:
         """Runs in a worker thread; encodes before releasing the workspace, whose tensors the update aliases."""
         if self.config.faults.error_at_round == task.round:
             raise RuntimeError(f"fault injection: training error at round {task.round}")
@@ -739,8 +648,8 @@ class NodeDaemon:
         train_s = time.perf_counter() - started
         return self._frame(task, result, train_s, payload), train_s
 
-    def _frame(self, task: Task, result: Payload, train_s: float, received: Payload) -> bytearray | _Draft:
-        """The update's frame; with secure aggregation, the draft the shared step lets it mask (`_masked`):
+    def _frame(self, task: Task, result: Payload, train_s: float, received: Payload) -> bytearray | Draft:
+        """The update's frame; with secure aggregation, the draft the shared step lets it mask (`masking`):
         the change from the model the task carried, copied out of the workspace."""
         if task.secure is None:
             return self._encode(task, result, train_s, received=received)
@@ -748,7 +657,7 @@ class NodeDaemon:
             task_id=task.task_id, num_samples=len(self.data), train_seconds=train_s, payload=result.meta,
             base_version=task.version,
         )  # fmt: skip
-        return _Draft(meta, weighted_change(result.tensors["model"], received.tensors["model"], 1.0))
+        return Draft(meta, weighted_change(result.tensors["model"], received.tensors["model"], 1.0))
 
     def _generator(self, task: Task) -> torch.Generator:
         return torch_generator(

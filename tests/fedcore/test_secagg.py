@@ -158,6 +158,14 @@ def test_a_share_an_insider_alters_is_found_with_spare_shares_and_refused_withou
         unmask(play.settings, KEY, b_shares=seed_shares, **common)  # type: ignore[arg-type]
 
 
+def test_a_node_masks_once_an_attempt() -> None:
+    """Two vectors masked under the same seeds would give away their difference."""
+    play = Round(5)
+    play.masked(play.ids)
+    with pytest.raises(SecAggError, match="masked a vector once already"):
+        play.nodes[play.ids[0]].mask(play.vectors[play.ids[0]], play.graph[play.ids[0]])
+
+
 def test_a_node_reveals_once_and_never_both_shares_of_a_node() -> None:
     play = Round(5)
     v, u, w = play.ids[:3]
