@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-import msgpack
 import numpy as np
 
 from fedmq.coordinator.config import CoordinatorConfig
@@ -146,7 +145,7 @@ def encode_command(command: c.Command) -> dict[str, Any] | None:
             "bases": list(command.bases),
         }
     if isinstance(command, c.SendSecAgg):  # its content follows from the logged events: a digest of it
-        meta = msgpack.packb(command.message.to_meta())
+        meta = json.dumps(tagged(command.message.to_meta()), sort_keys=True).encode()
         return {"cmd": name, "node": command.node, "sha256": hashlib.sha256(meta).hexdigest()}
     if isinstance(command, c.Evaluate):
         return {"cmd": name, "step": command.step}

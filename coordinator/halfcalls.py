@@ -16,10 +16,9 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore import masked as m
 from fedmq.fedcore.aggregation import weighted_average
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeUpdate, Payload, half_state, load_half_state
-from fedmq.fedcore.algorithms.shared import mean_reported_loss
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeUpdate, Payload, half_state, load_half_state, wire_number
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.privacy import DPFedAvg, NodePrivacy, default_delta
+from fedmq.fedcore.privacy import NodePrivacy, default_delta
 from fedmq.fedcore.secagg import SecAggError, dequantise, unmask
 from fedmq.fedcore.tensors import StateDict, TensorSpec, model_sha256, non_finite
 
@@ -81,7 +80,7 @@ class HalfCalls:
                 return e.Aggregated(command.step, {}, model_sha256(self.half.model), rejected=why), {}
         self._snapshot()
         calls = getattr(self.half.average, "calls", None)
-        if command.secure is not None and isinstance(self.half.average, DPFedAvg):
+        if command.secure is not None and command.secure.settings.l2_clip is not None:
             metrics = self._with_plain_mean(lambda: self.half.aggregate(ctx, updates, command.failures))
         else:
             metrics = self.half.aggregate(ctx, updates, command.failures)
@@ -134,11 +133,11 @@ class HalfCalls:
         else:
             total, bad = dequantise(sum_mod(masked.values()), secure.settings), 0
         counts = [u.num_samples for u in command.updates]
-        dp = secure.settings.l2_clip is not None  # the sum is DP-FedAvg's sum_k clip(d_k) / K already
+        dp = secure.settings.l2_clip is not None  # central DP: the sum is sum_k clip(d_k) / K already
         weights = 1.0 if dp else sum(counts) / secure.weight_total
         base = self.half.model.state_dict()
         model = self._release(m.as_change(base, total)) if dp else m.mean_model(base, total, weights)
-        loss = mean_reported_loss(command.updates, [float(n) for n in counts])
+        loss = _mean_loss(command.updates)
         clipped = sum(int(u.payload.meta.get("secagg_clipped", 0) or 0) for u in command.updates)
         first = command.updates[0]
         update = NodeUpdate(
@@ -158,13 +157,14 @@ class HalfCalls:
         return [update], metrics
 
     def _release(self, change: StateDict) -> StateDict:
-        """Central DP's noise on the unmasked sum of clipped changes (`DPFedAvg.release`), the next model."""
-        rule = self.half.average
-        if not isinstance(rule, DPFedAvg):
+        """Central DP's noise on the unmasked sum of clipped changes (the rule's `release`), the next model."""
+        release = getattr(self.half.average, "release", None)
+        if release is None:
             raise AlgorithmError(
-                "secure aggregation with l2_clip is central DP's, and the averaging rule is not DPFedAvg"
+                "secure aggregation with l2_clip is central DP's, and the averaging rule cannot release a sum"
             )
-        return rule.release(change)
+        released: StateDict = release(change)
+        return released
 
     def _snapshot(self) -> None:
         model, state = self._last_good or (None, None)
@@ -208,3 +208,15 @@ def sum_mod(vectors: Iterable[np.ndarray]) -> np.ndarray:
     if total is None:
         raise ValueError("no vector to sum")
     return total
+
+
+def _mean_loss(updates: Sequence[NodeUpdate]) -> float:
+    """The sample-weighted mean of the training losses the nodes reported in clear (meta ``loss``),
+    over those that reported a finite number; NaN when none did."""
+    total = weights = 0.0
+    for update in updates:
+        loss = wire_number(update.payload.meta.get("loss"))
+        if loss is not None:
+            total += update.num_samples * loss
+            weights += update.num_samples
+    return total / weights if weights > 0 else float("nan")

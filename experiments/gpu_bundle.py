@@ -52,10 +52,10 @@ Manifest = dict[str, Any]  # the JSON written beside every call's parts
 # What `import fedmq.<anything>` needs that the GPU machine's image lacks, or may hold too old
 # (/work/.library/device/KINDS.md lists its packages): the MQTT clients and the embedded broker with
 # their own needs (amqtt: dacite, transitions, websockets, pwdlib[argon2]), `fedmq provision`'s
-# cryptography and argon2 (both need cffi's compiled backend), pydantic, typing-extensions (pydantic
-# needs >= 4.16) and msgpack (fedmq's floor 1.2.1). Versions are those of the Python that runs
-# `prepare`, so the GPU machine runs what the tests here ran. torch is never carried: the machine
-# has its own CUDA build.
+# cryptography and argon2 (both need cffi's compiled backend), secure aggregation's pycryptodome,
+# pydantic, typing-extensions (pydantic needs >= 4.16) and msgpack (fedmq's floor 1.2.1). Versions
+# are those of the Python that runs `prepare`, so the GPU machine runs what the tests here ran. torch
+# is never carried: the machine has its own CUDA build.
 GPU_WHEELS = (
     "aiomqtt",
     "paho-mqtt",
@@ -69,6 +69,7 @@ GPU_WHEELS = (
     "cffi",
     "pycparser",
     "cryptography",
+    "pycryptodome",
     "pydantic",
     "pydantic-core",
     "annotated-types",

@@ -41,7 +41,6 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import msgpack
 import numpy as np
 from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.exceptions import InvalidTag
@@ -130,8 +129,10 @@ class RoundKey:
     attempt: int
 
     def info(self, *parts: str) -> bytes:
-        """An unambiguous byte string of the attempt and `parts` (msgpack): HKDF's info, AES-GCM's data."""
-        return msgpack.packb(["fedmq-secagg", self.federation, self.round, self.attempt, *parts])
+        """An unambiguous byte string of the attempt and `parts` (each field length-prefixed): HKDF's
+        info and AES-GCM's associated data."""
+        fields = ["fedmq-secagg", self.federation, str(self.round), str(self.attempt), *parts]
+        return b"".join(len(f.encode()).to_bytes(4, "big") + f.encode() for f in fields)
 
 
 def neighbour_graph(participants: Sequence[str], degree: int, seed: bytes) -> dict[str, tuple[str, ...]]:

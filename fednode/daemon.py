@@ -100,7 +100,7 @@ class Task:
     """The id the task's model broadcast carries (None from older coordinators, whose broadcast
     quoted the task id)."""
     secure: SecAggSettings | None = None
-    """With secure aggregation, its settings: the update is masked (`fednode.secure`)."""
+    """With secure aggregation, its settings: the update is masked (`fedcore.secure_task`)."""
 
     @property
     def model_key(self) -> bytes:

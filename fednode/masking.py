@@ -4,7 +4,7 @@ The daemon hands it what it needs from outside (how to publish a step, the node'
 calls it at three points: a secure task arrived (`start`: the keys go out), a `secagg-*` message came
 from the coordinator (`on_message`: answered at once), and the task's training is done (`masked`:
 the update, once the shared step says against whom to mask). The protocol itself, pure and shared
-with the in-process driver, is `fednode.secure.SecureTask`.
+with the in-process driver, is `fedcore.secure_task.SecureTask`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from fedmq.fedcore import protocol
 from fedmq.fedcore.masked import round_key
 from fedmq.fedcore.protocol import ProtocolError, SecAggDirectory, SecAggShared, SecAggUnmask, SecAggUp, Update
 from fedmq.fedcore.secagg import SecAggSettings
+from fedmq.fedcore.secure_task import SecureTask
 from fedmq.fedcore.tensors import flatten_groups
-from fedmq.fednode.secure import SecureTask
 
 TASKS_KEPT = 4
 """Tasks whose secure aggregation a node keeps answering (its unmask step comes after its update)."""

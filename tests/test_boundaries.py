@@ -31,7 +31,18 @@ ALLOWED: dict[str, set[str]] = {
         "argon2",
         "prometheus_client",
     },
-    "fedcore": {"fedcore", "torch", "numpy", "sklearn", "PIL", "torchvision", "safetensors", "opacus"},
+    "fedcore": {
+        "fedcore",
+        "torch",
+        "numpy",
+        "sklearn",
+        "PIL",
+        "torchvision",
+        "safetensors",
+        "opacus",
+        "cryptography",
+        "Crypto",  # secure aggregation's X25519, HKDF, AES and Shamir sharing (fedcore/secagg.py)
+    },
     "coordinator": {
         "coordinator",
         "broker",
@@ -51,7 +62,9 @@ ALLOWED: dict[str, set[str]] = {
 NARROW = {
     "amqtt": {"broker/embedded.py"},
     "xxhash": {"broker/codec.py"},  # the frame checksum
-    "cryptography": {"broker/provision.py"},  # the federation's CA and the broker's certificate
+    # the federation's CA and the broker's certificate; secure aggregation's X25519, HKDF and AES
+    "cryptography": {"broker/provision.py", "fedcore/secagg.py"},
+    "Crypto": {"fedcore/secagg.py"},  # pycryptodome's Shamir sharing (secure aggregation)
     "argon2": {"broker/provision.py"},  # amqtt's password hashes (amqtt depends on it)
     "sklearn": {"fedcore/data.py"},
     "opacus": {"fedcore/privacy.py"},  # the privacy accountant (the privacy extra)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.fedcore.algorithms.base import Failure, NodeUpdate, RoundContext
 from fedmq.fedcore.protocol import ReceiptStatus, SecAggDown
-
-if TYPE_CHECKING:
-    from fedmq.coordinator.engine.secure import SecureSum
+from fedmq.fedcore.secagg import RoundKey, SecAggSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +101,25 @@ class Refused:
     reason: str
     detail: str
     protocol: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SecureSum:
+    """What an `Aggregate` of a secure attempt (`engine.secure`) carries besides the masked updates: everything the
+    unmasking (`fedcore.secagg.unmask`, run by the half's calls) needs, and nothing more."""
+
+    settings: SecAggSettings
+    key: RoundKey
+    graph: Mapping[str, tuple[str, ...]]
+    shared: frozenset[str]
+    public_keys: Mapping[str, tuple[bytes, bytes]]
+    commitments: Mapping[str, bytes]
+    seed_shares: Mapping[str, Mapping[str, bytes]]
+    """Per survivor, its self-mask seed's shares by revealer."""
+    key_shares: Mapping[str, Mapping[str, bytes]]
+    """Per node that shared and dropped, its mask key's shares by revealer."""
+    weight_total: int
+    """The sum of the participants' announced samples: each vector was weighted by n / weight_total."""
 
 
 @dataclass(frozen=True, slots=True)

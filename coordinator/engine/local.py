@@ -45,11 +45,11 @@ from fedmq.fedcore.protocol import (
     Update,
     UpdateFailed,
 )
+from fedmq.fedcore.secure_task import SecureTask
 from fedmq.fedcore.seeding import stream, torch_generator
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fedcore.vectorized import graph_mode
-from fedmq.fednode.secure import SecureTask
 
 logger = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ class LocalFederation:
             meta=meta.to_meta(), tensors=tensors,
         )  # fmt: skip
 
-    # -- secure aggregation: the node's side, as `fednode.secure` plays it ------------------------------
+    # -- secure aggregation: the node's side, as `fedcore.secure_task` plays it ------------------------------
 
     def _secure_start(
         self, spec: c.TaskSpec, payload: Payload, settings: TrainSettings, compute: float, trained: Payload | None

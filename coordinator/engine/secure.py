@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from fedmq.coordinator.engine import commands as c
+from fedmq.coordinator.engine.commands import SecureSum
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.fedcore.protocol import (
     SecAggDirectory,
@@ -51,25 +52,6 @@ class SecurePhase(StrEnum):
     MASKED = "masked"
     UNMASK = "unmask"
     DONE = "done"
-
-
-@dataclass(frozen=True, slots=True)
-class SecureSum:
-    """What an `Aggregate` of a secure attempt carries besides the masked updates: everything the
-    unmasking (`fedcore.secagg.unmask`, run by the half's calls) needs, and nothing more."""
-
-    settings: SecAggSettings
-    key: RoundKey
-    graph: Mapping[str, tuple[str, ...]]
-    shared: frozenset[str]
-    public_keys: Mapping[str, tuple[bytes, bytes]]
-    commitments: Mapping[str, bytes]
-    seed_shares: Mapping[str, Mapping[str, bytes]]
-    """Per survivor, its self-mask seed's shares by revealer."""
-    key_shares: Mapping[str, Mapping[str, bytes]]
-    """Per node that shared and dropped, its mask key's shares by revealer."""
-    weight_total: int
-    """The sum of the participants' announced samples: each vector was weighted by n / weight_total."""
 
 
 def graph_seed(secret: bytes) -> bytes:

@@ -25,7 +25,8 @@ from typing import Any
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.base import Engine, node_task_id, public_model_id
-from fedmq.coordinator.engine.secure import SecurePhase, SecureRound, SecureSum, graph_seed
+from fedmq.coordinator.engine.commands import SecureSum
+from fedmq.coordinator.engine.secure import SecurePhase, SecureRound, graph_seed
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.coordinator.rounds import RoundOutcome, RoundState
 from fedmq.coordinator.sampler import Selection, sample

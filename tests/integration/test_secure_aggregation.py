@@ -68,9 +68,9 @@ def test_a_secure_run_over_the_broker_equals_the_in_process_run(tmp_path: Path, 
 
 
 def test_a_node_that_misses_the_deadline_after_sharing_is_unmasked_without_it(tmp_path: Path, broker_url: str) -> None:
-    """node-003 shares its seeds, then its update comes 5 s late: the three others are summed (its
+    """node-003 shares its seeds, then its update comes 4 s late: the three others are summed (its
     masks removed with its reconstructed key), and its late masked update is refused."""
-    cfg = _config(rounds=1, deadline_s=5, faults={"node-003": {"delay_s": 10}})
+    cfg = _config(rounds=1, deadline_s=4, faults={"node-003": {"delay_s": 8}})
     fed = Federation(tmp_path, broker_url, cfg)
     fed.start_coordinator()
     fed.start_nodes(*NODES)
@@ -87,7 +87,7 @@ def test_more_dropouts_than_the_threshold_allows_end_the_round_without_a_model(t
     late, no survivor's self-mask can be rebuilt, so the round ends unaggregated and says why."""
     secure = {"secure_aggregation": {"timeout_s": 10, "threshold": 1.0}}
     policy = {"ack_timeout_s": 3, "on_insufficient": "skip"}
-    cfg = _config(rounds=1, deadline_s=5, faults={"node-003": {"delay_s": 10}}, privacy=secure, policy=policy)
+    cfg = _config(rounds=1, deadline_s=4, faults={"node-003": {"delay_s": 8}}, privacy=secure, policy=policy)
     fed = Federation(tmp_path, broker_url, cfg)
     fed.start_coordinator()
     fed.start_nodes(*NODES)

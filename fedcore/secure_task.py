@@ -1,5 +1,8 @@
 """A node's side of secure aggregation for one task: the `secagg-*` steps and its masked update.
 
+In fedcore because both the node daemon (`fednode.masking`) and the coordinator's in-process
+driver (`coordinator.engine.local`), which plays the nodes, run it.
+
 Pure and synchronous (no MQTT): the node daemon and the in-process driver (`engine.local`) both feed
 it the coordinator's messages and send what it returns, so that a simulation masks exactly as a
 node does. The cryptography is `fedcore.secagg`'s; what is masked, `fedcore.masked`'s. Every message
@@ -111,7 +114,7 @@ class SecureTask:
             raise RuntimeError("mask needs the directory and shared steps first")
         if self.settings.l2_clip is None:
             vector = change * (self.num_samples / self._weight_total)
-        else:  # central DP: clipped to S, weighted 1 / K (DP-FedAvg's fixed denominator)
+        else:  # central DP: clipped to S, weighted 1 / K (its estimator's fixed denominator)
             norm = float(np.linalg.norm(change))
             vector = change * (min(1.0, self.settings.l2_clip / norm) if norm > 0 else 1.0) / self._weight_total
         try:
