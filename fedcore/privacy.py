@@ -173,19 +173,28 @@ class DPFedAvg:
     def begin_round(self, ctx: RoundContext) -> None:
         self._round = (ctx.round, ctx.version)
 
-    def __call__(self, states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
+    def _take_round(self) -> tuple[int, torch.Generator]:
+        """The round `begin_round` gave (used once: each release is a round's) and its noise stream."""
         if self._round is None:
             raise RuntimeError("DPFedAvg needs begin_round before each aggregation (its noise is the round's)")
         rnd, version = self._round
         self._round = None
         self.calls += 1
+        return rnd, torch_generator(self.settings.seed, "dp-noise", rnd, version)
+
+    def _release_metrics(self, rnd: int, clip: float) -> dict[str, float]:
+        s = self.settings
+        noise_std = s.update_noise_multiplier * clip / s.cohort
+        return {"dp_epsilon": s.epsilon(rnd + 1), "dp_delta": s.delta, "dp_noise_std": noise_std, "dp_clip_norm": clip}
+
+    def __call__(self, states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
+        rnd, generator = self._take_round()
         s = self.settings
         clip = float(self.clip_norm)
         current = self.model.state_dict()
         counted = [state for state, weight in zip(states, weights, strict=True) if float(weight) > 0]
         norms = [_norm(current, state) for state in counted]
         scales = [min(1.0, clip / norm) if norm > 0 else 1.0 for norm in norms]
-        generator = torch_generator(s.seed, "dp-noise", rnd, version)
         out: StateDict = {}
         for name, now in current.items():
             wide = now.to(torch.float64)
@@ -195,11 +204,7 @@ class DPFedAvg:
             noise = torch.randn(now.shape, generator=generator, dtype=torch.float64)
             total.add_(noise, alpha=s.update_noise_multiplier * clip)
             out[name] = (wide + total / s.cohort).to(now.dtype)
-        self.metrics = {
-            "dp_epsilon": s.epsilon(rnd + 1),
-            "dp_delta": s.delta,
-            "dp_noise_std": s.update_noise_multiplier * clip / s.cohort,
-            "dp_clip_norm": clip,
+        self.metrics = self._release_metrics(rnd, clip) | {
             "dp_clip_share": sum(norm > clip for norm in norms) / len(norms) if norms else 0.0,
             "dp_norm_median": statistics.median(norms) if norms else 0.0,
         }
@@ -217,27 +222,17 @@ class DPFedAvg:
         round's noise, z S / K, from the same stream and in the same order as a call would, and returns
         the next model. The accountant's figures are the same; the clipped share and the norms, which
         only the nodes saw, are not reported."""
-        if self._round is None:
-            raise RuntimeError("DPFedAvg needs begin_round before each release (its noise is the round's)")
         if self.settings.adaptive:
             raise RuntimeError("adaptive clipping needs the count of unclipped updates, which the masks hide")
-        rnd, version = self._round
-        self._round = None
-        self.calls += 1
+        rnd, generator = self._take_round()
         s = self.settings
         clip = float(self.clip_norm)
-        generator = torch_generator(s.seed, "dp-noise", rnd, version)
         out: StateDict = {}
         for name, now in self.model.state_dict().items():
             noise = torch.randn(now.shape, generator=generator, dtype=torch.float64)
             total = change[name].to(torch.float64) + noise * (s.update_noise_multiplier * clip / s.cohort)
             out[name] = (now.to(torch.float64) + total).to(now.dtype)
-        self.metrics = {
-            "dp_epsilon": s.epsilon(rnd + 1),
-            "dp_delta": s.delta,
-            "dp_noise_std": s.update_noise_multiplier * clip / s.cohort,
-            "dp_clip_norm": clip,
-        }
+        self.metrics = self._release_metrics(rnd, clip)
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
