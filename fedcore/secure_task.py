@@ -1,14 +1,12 @@
 """A node's side of secure aggregation for one task: the `secagg-*` steps and its masked update.
 
-In fedcore because both the node daemon (`fednode.masking`) and the coordinator's in-process
-driver (`coordinator.engine.local`), which plays the nodes, run it.
-
-Pure and synchronous (no MQTT): the node daemon and the in-process driver (`engine.local`) both feed
-it the coordinator's messages and send what it returns, so that a simulation masks exactly as a
-node does. The cryptography is `fedcore.secagg`'s; what is masked, `fedcore.masked`'s. Every message
-must quote the task's id (its own: `engine.base.node_task_id`), and each step comes once, in order:
-anything else is a `ProtocolError` the caller logs and drops, so that a forged or replayed message
-can neither make the node reveal a share twice nor mask against other neighbours.
+Pure and synchronous (no MQTT), and in fedcore because two drivers run it: the node daemon
+(`fednode.masking`) and the coordinator's in-process driver (`coordinator.engine.local`), which
+plays the nodes, so that a simulation masks exactly as a node does. The cryptography is
+`fedcore.secagg`'s; what is masked, `fedcore.masked`'s. Every message must quote the task's id (its
+own: `engine.base.node_task_id`), and each step comes once, in order: anything else is a
+`ProtocolError` the caller logs and drops, so that a forged or replayed message can neither make the
+node reveal a share twice nor mask against other neighbours.
 """
 
 from __future__ import annotations
