@@ -4,10 +4,8 @@ so that both call the half the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from fedmq.coordinator.compressed import check_one_model, restore
 from fedmq.coordinator.config import CoordinatorConfig
@@ -16,10 +14,17 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.versions import ModelVersions
 from fedmq.fedcore import masked as m
 from fedmq.fedcore.aggregation import weighted_average
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, NodeUpdate, Payload, half_state, load_half_state, wire_number
+from fedmq.fedcore.algorithms.base import (
+    CoordinatorHalf,
+    NodeUpdate,
+    Payload,
+    half_state,
+    load_half_state,
+    mean_reported_loss,
+)
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.privacy import NodePrivacy, default_delta
-from fedmq.fedcore.secagg import SecAggError, dequantise, unmask
+from fedmq.fedcore.secagg import SecAggError, dequantise, sum_mod, unmask
 from fedmq.fedcore.tensors import StateDict, TensorSpec, model_sha256, non_finite
 
 Records = Mapping[str, Sequence[Mapping[str, Any]]]
@@ -137,7 +142,7 @@ class HalfCalls:
         weights = 1.0 if dp else sum(counts) / secure.weight_total
         base = self.half.model.state_dict()
         model = self._release(m.as_change(base, total)) if dp else m.mean_model(base, total, weights)
-        loss = _mean_loss(command.updates)
+        loss = mean_reported_loss(command.updates, [float(n) for n in counts])
         clipped = sum(int(u.payload.meta.get("secagg_clipped", 0) or 0) for u in command.updates)
         first = command.updates[0]
         update = NodeUpdate(
@@ -198,25 +203,3 @@ def node_privacy(config: CoordinatorConfig) -> NodePrivacy | None:
         return None
     delta = config.node_dp_delta if config.node_dp_delta is not None else default_delta(len(config.nodes or ()))
     return NodePrivacy(config.train, delta)
-
-
-def sum_mod(vectors: Iterable[np.ndarray]) -> np.ndarray:
-    """The sum of uint32 vectors modulo 2^32 (what unmasking yields, for unmasked vectors)."""
-    total: np.ndarray | None = None
-    for vector in vectors:
-        total = vector.copy() if total is None else total + vector
-    if total is None:
-        raise ValueError("no vector to sum")
-    return total
-
-
-def _mean_loss(updates: Sequence[NodeUpdate]) -> float:
-    """The sample-weighted mean of the training losses the nodes reported in clear (meta ``loss``),
-    over those that reported a finite number; NaN when none did."""
-    total = weights = 0.0
-    for update in updates:
-        loss = wire_number(update.payload.meta.get("loss"))
-        if loss is not None:
-            total += update.num_samples * loss
-            weights += update.num_samples
-    return total / weights if weights > 0 else float("nan")

@@ -73,6 +73,10 @@ class RoundState:
         """Selected nodes that have not answered and are not offline."""
         return set(self._pending)
 
+    def waiting_for(self, node_id: str) -> bool:
+        """Whether `node_id` is selected and has neither answered nor gone offline (`pending`, no copy)."""
+        return node_id in self._pending
+
     @property
     def updates(self) -> dict[str, NodeUpdate]:
         """Every update this round will aggregate: carried over and accepted now."""

@@ -38,7 +38,7 @@ import hmac
 import itertools
 import math
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,6 +174,18 @@ def dequantise(total: np.ndarray, settings: SecAggSettings) -> np.ndarray:
     signed = np.asarray(total, dtype=np.uint32).astype(np.int64)
     signed[signed >= 1 << (MODULUS_BITS - 1)] -= 1 << MODULUS_BITS
     return signed / settings.scale
+
+
+def sum_mod(vectors: Iterable[np.ndarray]) -> np.ndarray:
+    """The sum of uint32 vectors modulo 2^32 (unmasking's first step; a replay's whole sum, whose
+    recomputed vectors carry no masks)."""
+    total: np.ndarray | None = None
+    for vector in vectors:
+        flat = np.asarray(vector, dtype=np.uint32).reshape(-1)
+        total = flat.copy() if total is None else total + flat
+    if total is None:
+        raise ValueError("no vector to sum")
+    return total
 
 
 def prg(seed: bytes, length: int) -> np.ndarray:
@@ -417,9 +429,7 @@ def unmask(
     if len(lengths) != 1:
         raise SecAggError("unmask-refused", f"the masked vectors differ in length: {sorted(lengths)}")
     length = lengths.pop()
-    total = np.zeros(length, dtype=np.uint32)
-    for u in survivors:
-        total += np.asarray(masked[u], dtype=np.uint32).reshape(-1)
+    total = sum_mod(masked[u] for u in survivors)
     bad: list[tuple[str, str]] = []
     for u in survivors:
         needed = settings.shares_needed(len(graph[u]))

@@ -395,7 +395,7 @@ class SyncRounds(Engine):
     def _advance_secure(self, out: list[c.Command], state: RoundState, secure: SecureRound, now: float) -> bool:
         """Move the keys and shares steps on; True once the masked updates are what the round waits
         for (the usual closing then applies), False while a step runs or when the attempt ended."""
-        still_in = state.pending.__contains__
+        still_in = state.waiting_for
         steps = (SecurePhase.KEYS, secure.send_directory), (SecurePhase.SHARES, lambda o, _: secure.send_shared(o))
         for phase, send in steps:
             if secure.phase == phase and secure.due(now, still_in):

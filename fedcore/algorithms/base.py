@@ -380,3 +380,16 @@ class AlgorithmSpec:
     hyperparams: type
     coordinator: type[CoordinatorHalf]
     node: type[NodeHalf]
+
+
+def mean_reported_loss(updates: Sequence[NodeUpdate], weights: Sequence[float]) -> float:
+    """The weighted mean of the training losses the nodes reported (meta ``loss``), over the updates
+    that reported a finite number; NaN when none did. The value comes from the wire: anything that
+    is not a finite number is left out, never trusted."""
+    total = weight_sum = 0.0
+    for update, weight in zip(updates, weights, strict=True):
+        loss = wire_number(update.payload.meta.get("loss"))
+        if loss is not None:
+            total += weight * loss
+            weight_sum += weight
+    return total / weight_sum if weight_sum > 0 else float("nan")

@@ -29,6 +29,7 @@ from torch import nn
 
 from fedmq.fedcore.aggregation import weighted_average
 from fedmq.fedcore.algorithms import base
+from fedmq.fedcore.algorithms.base import mean_reported_loss
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict
@@ -57,19 +58,6 @@ def task_flag(task: base.TaskInput, key: str, *, node_id: str, default: bool | N
         message = f"task meta {key!r} must be true or false, got {value!r}"
         raise AlgorithmError(message, node_id=node_id, round=task.round)
     return value
-
-
-def mean_reported_loss(updates: Sequence[base.NodeUpdate], weights: Sequence[float]) -> float:
-    """The weighted mean of the training losses the nodes reported (meta ``loss``), over the updates
-    that reported a finite number; NaN when none did. The value comes from the wire: anything that
-    is not a finite number is left out, never trusted."""
-    total = weight_sum = 0.0
-    for update, weight in zip(updates, weights, strict=True):
-        loss = base.wire_number(update.payload.meta.get("loss"))
-        if loss is not None:
-            total += weight * loss
-            weight_sum += weight
-    return total / weight_sum if weight_sum > 0 else float("nan")
 
 
 def sample_weights(updates: Sequence[base.NodeUpdate], *, weighted: bool = True) -> list[float]:
