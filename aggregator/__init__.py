@@ -8,6 +8,6 @@ instead of one per node. Methods whose aggregation cannot be split into parts ar
 
 from fedmq.aggregator.daemon import SiteAggregator
 from fedmq.aggregator.site import Partial, SiteCoordinator
-from fedmq.aggregator.upstream import UpstreamNode
+from fedmq.aggregator.upstream import SiteTrainer, no_data
 
-__all__ = ["Partial", "SiteAggregator", "SiteCoordinator", "UpstreamNode"]
+__all__ = ["Partial", "SiteAggregator", "SiteCoordinator", "SiteTrainer", "no_data"]

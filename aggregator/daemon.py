@@ -8,9 +8,10 @@ import logging
 from typing import Any
 
 from fedmq.aggregator.site import SiteCoordinator
-from fedmq.aggregator.upstream import UpstreamNode
+from fedmq.aggregator.upstream import SiteTrainer
 from fedmq.coordinator.engine import events as e
 from fedmq.fedcore.protocol import RunState
+from fedmq.fednode.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +20,10 @@ class SiteAggregator:
     """Serves the site first (its nodes' statuses make the upstream announcement), then upstream; when
     upstream's run ends (or a drain or cancellation stops upstream), the site's run ends the same way."""
 
-    def __init__(self, upstream: UpstreamNode, site: SiteCoordinator) -> None:
+    def __init__(self, upstream: NodeDaemon, trainer: SiteTrainer, site: SiteCoordinator) -> None:
+        """`upstream` is the node daemon whose updates `trainer` makes from `site`'s rounds."""
         self.upstream = upstream
+        self.trainer = trainer
         self.site = site
         site.watchers.append(self._watch)
 
@@ -29,8 +32,8 @@ class SiteAggregator:
         return self.upstream.node_id
 
     def _watch(self, now: float, event: e.Event, commands: Any) -> None:
-        if isinstance(event, e.NodeSeen):
-            self.upstream.site_changed()
+        if isinstance(event, e.NodeSeen) and self.trainer.changed:
+            self.upstream.announce_soon()  # the site's liveness or capacity changed what upstream sees
 
     def drain(self, reason: str) -> None:
         """Finish the site round in hand, send its partial, then stop (upstream and site)."""
@@ -47,7 +50,7 @@ class SiteAggregator:
                 site.result()  # a site that could not start (its broker) ends the aggregator with the reason
                 return RunState.FAILED
             await self.upstream.serve()
-            self.site.finish(self.upstream.upstream_state if self.upstream.draining is None else RunState.STOPPED)
+            self.site.finish(self.upstream.run_outcome if self.upstream.draining is None else RunState.STOPPED)
             summary = await site
             return summary.state
         finally:

@@ -1,7 +1,7 @@
 """The aggregator's downstream half: the coordinator of one site's nodes, run a round at a time.
 
 It is the coordinator daemon itself (the same MQTT adapter, validation, receipts, deadlines and run
-directory) with two parts swapped: the engine (`RelayRounds`: a round only when upstream asks) and the
+directory) assembled with two other parts: the engine (`RelayRounds`: a round only when upstream asks) and the
 half's calls (`RelayCalls`): the model the nodes receive is the one upstream sent, and the round's
 accepted updates become one partial update (the method's `partial`) instead of a new model.
 """
@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fedmq.broker import BusConfig
 from fedmq.coordinator.config import CoordinatorConfig
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.daemon import Coordinator, Summary, Watcher
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.engine.base import Engine, new_task_id
 from fedmq.coordinator.engine.relay import RelayRounds
 from fedmq.coordinator.halfcalls import HalfCalls, Records
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
@@ -74,22 +73,43 @@ def site_run_id(federation: str) -> str:
     return hashlib.sha256(federation.encode()).hexdigest()[:16]
 
 
-class SiteCoordinator(Coordinator):
-    """The coordinator of a site's federation, driven by upstream's tasks (`request`)."""
+class SiteCoordinator:
+    """The coordinator of a site's federation, driven by upstream's tasks (`request`): a `Coordinator`
+    assembled with the relay engine and calls, whose round ends it watches (no override of its steps)."""
 
     def __init__(self, config: CoordinatorConfig, bus_config: BusConfig, half: CoordinatorHalf, *, site: str) -> None:
-        self.site = site  # before the coordinator's own setup, which builds the engine and calls below
+        self.site = site
         self.relay = RelayCalls(half, config)
-        super().__init__(config, bus_config, half)
-        self.run_id = site_run_id(config.federation)
+        self.coordinator = Coordinator(
+            config,
+            bus_config,
+            half,
+            new_engine=lambda new_id: RelayRounds(config, half.update_schema(), new_id=new_id, stratum=site),
+            calls=self.relay,
+            run_id=site_run_id(config.federation),
+        )
+        self.coordinator.watchers.append(self._watch)
         self._waiting: dict[tuple[int, int], asyncio.Future[Partial | None]] = {}
 
-    def _new_engine(self, *, evaluates: bool) -> Engine:
-        new_id = self.event_log.recording(new_task_id)
-        return RelayRounds(self.config, self.half.update_schema(), new_id=new_id, stratum=self.site)
+    @property
+    def engine(self) -> RelayRounds:
+        engine = self.coordinator.engine
+        assert isinstance(engine, RelayRounds)
+        return engine
 
-    def _new_calls(self) -> HalfCalls:
-        return self.relay
+    @property
+    def connected(self) -> asyncio.Event:
+        """Set while the site's coordinator is connected to the site's broker."""
+        return self.coordinator.connected
+
+    @property
+    def bus_config(self) -> BusConfig:
+        return self.coordinator.bus_config
+
+    @property
+    def watchers(self) -> list[Watcher]:
+        """The site coordinator's watchers (each event and its commands)."""
+        return self.coordinator.watchers
 
     @property
     def capacity(self) -> int:
@@ -111,20 +131,17 @@ class SiteCoordinator(Coordinator):
         future: asyncio.Future[Partial | None] = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
         self.relay.model = (round, model)
-        self._events.put_nowait(e.RoundRequested(round, attempt, dict(settings)))
+        self.coordinator.post(e.RoundRequested(round, attempt, dict(settings)))
         return future
 
     def finish(self, state: str) -> None:
         """Upstream's run ended: the site's ends with it, and its nodes are told."""
-        self._events.put_nowait(e.UpstreamFinished(state))
+        self.coordinator.post(e.UpstreamFinished(state))
 
-    def _execute(self, command: c.Command) -> None:
-        if isinstance(command, c.RoundEnded):
-            self._round_ended(command)
-        elif isinstance(command, c.Checkpoint):
-            return  # a site keeps nothing between rounds: upstream holds the model
-        else:
-            super()._execute(command)
+    def _watch(self, now: float, event: e.Event, commands: Sequence[c.Command]) -> None:
+        for command in commands:
+            if isinstance(command, c.RoundEnded):
+                self._round_ended(command)
 
     def _round_ended(self, command: c.RoundEnded) -> None:
         future = self._waiting.pop((command.round, command.attempt), None)
@@ -143,8 +160,9 @@ class SiteCoordinator(Coordinator):
                 future.set_result(None)
         self._waiting.clear()
 
-    async def serve(self) -> Any:
+    async def serve(self) -> Summary:
+        """Serve the site's coordinator until upstream's run ends; a request still waiting then gets None."""
         try:
-            return await super().serve()
+            return await self.coordinator.serve()
         finally:
             self._stop_waiting()

@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 SENDER = "coordinator"
 
+EngineFactory = Callable[[Callable[[], bytes]], Engine]
+"""Makes a coordinator's engine from its task-id maker (which records each id in the event log, so that
+a replay draws the same ones): the part a site aggregator swaps for its relay engine."""
+
 
 CHANNEL_KINDS: dict[str, frozenset[Kind]] = {
     "node-status": frozenset({Kind.NODE_STATUS}),
@@ -135,7 +139,13 @@ class Coordinator:
         val_data: TensorDataset | None = None,
         extra_summary: Mapping[str, Any] | None = None,
         clock: Clock | None = None,
+        new_engine: EngineFactory | None = None,
+        calls: HalfCalls | None = None,
+        run_id: str | None = None,
     ) -> None:
+        """The parts a composition swaps (a site aggregator's relay, `aggregator.site`): `new_engine` (by
+        default the round policy the config names), `calls` (how the half's heavy calls are made) and
+        `run_id` (by default a fresh random one)."""
         self.config = config
         self.bus_config = bus_config
         self.half = half
@@ -147,16 +157,17 @@ class Coordinator:
         self.fingerprint = fingerprint_of(half, schema_of(half.model.state_dict()))
         """The method, hyperparameters and model schema nodes must share: in every task and status."""
         self.run_dir = RunDir(config.out_dir)
-        self.run_id = os.urandom(8).hex()
+        self.run_id = run_id or os.urandom(8).hex()
         self.client_id = f"{config.federation}-coordinator"
         """The MQTT client id (a broker lets one connection hold it at a time)."""
         self.event_log = EventLog(self.run_dir.root / EVENT_LOG)
-        self.engine = self._new_engine(evaluates=test_data is not None)
+        new_id = self.event_log.recording(new_task_id)
+        self.engine = new_engine(new_id) if new_engine is not None else self._default_engine(new_id)
         self.evaluator = Evaluator(half, test_data, val_data, config.eval_device)
         self.persistence = Persistence(self.run_dir, half)
         self._lane = Lane()
         self._events: asyncio.Queue[e.Event | _Failed] = asyncio.Queue()
-        self._calls = self._new_calls()
+        self._calls = calls or HalfCalls(half, config)
         self._refusals = LogThrottle(logger)
         """Protocol refusals, a few per node and reason a minute in the log (all counted)."""
         self._budgets = node_budgets(config.policy, bus_config.max_transfer_bytes)
@@ -185,18 +196,15 @@ class Coordinator:
         """Called after each event with its commands (metrics, the HTTP API); one that raises is logged
         and removed, never the daemon's end."""
 
-    def _new_engine(self, *, evaluates: bool) -> Engine:
-        """The round policy the config names, its task ids recorded in the event log."""
-        return make_engine(
-            self.config,
-            update_schema(self.half, self.config),
-            evaluates=evaluates,
-            new_id=self.event_log.recording(new_task_id),
-        )
+    def _default_engine(self, new_id: Callable[[], bytes]) -> Engine:
+        """The round policy the config names (evaluating when there is test data)."""
+        schema = update_schema(self.half, self.config)
+        return make_engine(self.config, schema, evaluates=self.test_data is not None, new_id=new_id)
 
-    def _new_calls(self) -> HalfCalls:
-        """How the half's heavy calls are made (a site aggregator relays instead)."""
-        return HalfCalls(self.half, self.config)
+    def post(self, event: e.Event) -> None:
+        """Feed the engine an event that comes from outside the bus (a site's requests from upstream):
+        it is handled in turn with the messages' events, on the event loop."""
+        self._events.put_nowait(event)
 
     @property
     def participation(self) -> ParticipationRecord:

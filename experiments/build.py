@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmq.aggregator import SiteAggregator, SiteCoordinator, UpstreamNode
+from fedmq.aggregator import SiteAggregator, SiteCoordinator, SiteTrainer, no_data
 from fedmq.broker import BusConfig
 from fedmq.broker.credentials import COORDINATOR, Access, Credentials
 from fedmq.broker.topics import check_id
@@ -488,22 +488,23 @@ def build_site_aggregator(
     shared = cfg.hierarchy.workers > 1
     upstream_bus = bus_config(cfg, upstream_url or url)
     if shared:
-        site_coordinator.client_id += f"-{worker}"
+        site_coordinator.coordinator.client_id += f"-{worker}"
         # a worker's session ends with its connection, so that the broker stops handing it tasks
         upstream_bus = dataclasses.replace(upstream_bus, persistent_session=False)
     spec = get_algorithm(cfg.method.name)
     node_config = NodeConfig(node_id=site, federation=federation, seed=cfg.seed, exit_when_done=exit_when_done)
     expected = len(cfg.site_nodes()[site])
     min_live = expected if cfg.policy.min_nodes is None else max(1, cfg.policy.min_nodes * expected // cfg.nodes)
-    upstream = UpstreamNode(
+    trainer = SiteTrainer(site_coordinator, node_config, min_live=min_live)
+    upstream = NodeDaemon(
         node_config,
         upstream_bus,
         spec.node(build_hyperparams(spec, cfg.method.hyperparams), node_id=site),
+        no_data(),
         Workspace(make_model(cfg, split.train), torch.device("cpu")),
-        site_coordinator,
-        min_live=min_live,
+        trainer=trainer,
         share_group=f"fedmq-{federation}-{site}" if shared else None,
     )
     if shared:
         upstream.client_id += f"-{worker}"
-    return SiteAggregator(upstream, site_coordinator)
+    return SiteAggregator(upstream, trainer, site_coordinator)

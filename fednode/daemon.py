@@ -16,39 +16,33 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
 from fedmq.broker.errors import BusError
-from fedmq.fedcore import protocol
-from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
-from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
-from fedmq.fedcore.compression import compress_update
+from fedmq.fedcore.algorithms.base import NodeHalf, Payload
+from fedmq.fedcore.algorithms.fingerprint import fingerprint_of
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.masked import weighted_change
 from fedmq.fedcore.protocol import (
     Announcement,
     CoordinatorStatus,
     ProtocolError,
     Receipt,
+    RunState,
     SecAggUp,
-    Update,
     UpdateFailed,
 )
-from fedmq.fedcore.secagg import SecAggSettings
-from fedmq.fedcore.seeding import torch_generator
-from fedmq.fedcore.tensors import flatten_groups, schema_mismatch, split_groups
-from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.masking import KINDS as SECAGG_KINDS
 from fedmq.fednode.masking import Draft, SecureAggregationPart
+from fedmq.fednode.method_check import MethodCheck
 from fedmq.fednode.scenario import Transition
 from fedmq.fednode.scripted import ScriptPlayer
+from fedmq.fednode.task import Task, TaskError, check_deadline, parse_model, parse_task
+from fedmq.fednode.trainer import LocalTrainer, NoUpdate, Trainer
 from fedmq.fednode.workspace import Workspace
+
+__all__ = ["NoUpdate", "NodeDaemon", "Task", "TaskError", "serve_nodes"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,53 +59,27 @@ class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         return f"[{(self.extra or {}).get('node_id')}] {msg}", kwargs
 
 
-class NoUpdate(Exception):
-    """The node has no update for a task, for a reason it reports to the coordinator (a site
-    aggregator whose nodes sent nothing): a failure of the round, not of the daemon."""
-
-
 FROM_COORDINATOR = frozenset({"node-task", "node-model", "node-receipt", "node-secagg", "model", "coordinator-state"})
 """Channels only the coordinator publishes on."""
-
-TaskError = ProtocolError
-"""What the node rejects a message with (the protocol's error: its reason is the counter)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    round: int
-    attempt: int
-    task_id: bytes
-    model_topic: str
-    settings: TrainSettings
-    received_at: float
-    inline: bool = False
-    """The task carries the model itself (small models): no subscription, no acknowledgement."""
-    version: int | None = None
-    """The model version the task was built from, echoed as the update's `base_version` (None from
-    a coordinator that sends none)."""
-    frame_bytes: int = 0
-    """The size of the task's frame as received (the scenario's link time counts it)."""
-    deadline_s: float | None = None
-    """How long after its `sent_at` the task may still be acted on (None: always)."""
-    method: str | None = None
-    """The coordinator's method digest (None: it named none)."""
-    model_id: bytes | None = None
-    """The id the task's model broadcast carries (None from older coordinators, whose broadcast
-    quoted the task id)."""
-    secure: SecAggSettings | None = None
-    """With secure aggregation, its settings: the update is masked (`fedcore.secure_task`)."""
-
-    @property
-    def model_key(self) -> bytes:
-        """What the task's model quotes: its `model_id`, or (older coordinators) the task id."""
-        return self.task_id if self.model_id is None else self.model_id
 
 
 class NodeDaemon:
     def __init__(
-        self, config: NodeConfig, bus_config: BusConfig, half: NodeHalf, data: TensorDataset, workspace: Workspace
+        self,
+        config: NodeConfig,
+        bus_config: BusConfig,
+        half: NodeHalf,
+        data: TensorDataset,
+        workspace: Workspace,
+        *,
+        trainer: Trainer | None = None,
+        share_group: str | None = None,
     ) -> None:
+        """`trainer` makes the updates (by default `LocalTrainer`: the method's node half on `data`; a site
+        aggregator hands in its own). With `share_group`, several daemons are one node: each subscribes
+        to the node's tasks through the MQTT v5 shared subscription ``$share/GROUP/...`` (the broker
+        hands each task to one live daemon), and one that sees the node announced offline while it is
+        alive (another's will) announces it online again."""
         self.config = config
         self.bus_config = bus_config
         self.half = half
@@ -122,14 +90,18 @@ class NodeDaemon:
         self.client_id = f"{config.federation}-{config.node_id}"
         """The MQTT client id (a broker lets one connection hold it at a time)."""
         self.log = _NodeLog(logger, {"node_id": self.node_id})
+        self.trainer: Trainer = trainer or LocalTrainer(config, half, data, workspace, self.log)
+        self.share_group = share_group
         self.fingerprint = fingerprint_of(half, workspace.schema)
         """The method, hyperparameters and model schema this node trains: announced, and checked in every task."""
-        self._method_warned: str | None = None
+        self.method_check = MethodCheck(self.fingerprint, self.log)
         self.rounds_trained = 0
         self.trainings = 0
         self.train_seconds = 0.0
         """Local trainings finished and their wall seconds (an update abandoned afterwards included), for metrics."""
         self.crashed = False
+        self.run_outcome = RunState.STOPPED
+        """How the coordinator's run ended, as its last status said (stopped until it says)."""
         self._bus: BusClient | None = None
         self._task: Task | None = None
         self._job: asyncio.Task[None] | None = None
@@ -185,7 +157,7 @@ class NodeDaemon:
                 self.connected.clear()
                 self._subscribed.clear()
                 if self._task is not None:
-                    self._leave_group(self._task)
+                    self.trainer.withdraw(self._task)
                 for task in (receiver, stopper, drainer, self._job, *self._background):
                     if task is not None:
                         task.cancel()
@@ -216,8 +188,14 @@ class NodeDaemon:
         return bus
 
     def _subscriptions(self) -> list[str]:
-        """The node's inbox (task, model, receipt) and the coordinator's state."""
-        return [*self.topics.node_inbox(self.node_id), self.topics.coordinator_state]
+        """The node's inbox (task, model, receipt) and the coordinator's state; with a share group, the
+        task topic shared and the node's own status (another daemon's will, to answer)."""
+        topics = [*self.topics.node_inbox(self.node_id), self.topics.coordinator_state]
+        if self.share_group is None:
+            return topics
+        task = self.topics.task(self.node_id)
+        topics = [f"$share/{self.share_group}/{task}" if t == task else t for t in topics]
+        return [*topics, self.topics.node_status(self.node_id)]
 
     def drain(self, reason: str) -> None:
         """Stop taking tasks and end `serve` once the task in hand is dealt with: a training job in
@@ -238,7 +216,7 @@ class NodeDaemon:
         reason = self._draining or "draining"
         task, self._task = self._task, None
         if task is not None:  # acknowledged, the model not here yet
-            self._leave_group(task)
+            self.trainer.withdraw(task)
             self.log.info("draining (%s): abandoning round %d's task, whose model has not come", reason, task.round)
             await self._report_failure(task, f"abandoned: the node is stopping ({reason})")
         job = self._job
@@ -246,6 +224,12 @@ class NodeDaemon:
             self.log.info("draining (%s): finishing the update in hand", reason)
             await asyncio.wait({job})
         self.log.info("drained (%s) after %d rounds trained", reason, self.rounds_trained)
+
+    def announce_soon(self) -> None:
+        """Announce the node's status again now that what it would say may have changed (a site's live
+        nodes); before the first subscription the on-connect announcement will say it."""
+        if self._subscribed.is_set() and self._bus is not None and self._bus.connected:
+            self._spawn(self._announce(), f"announce-{self.node_id}")
 
     async def _announce(self) -> None:
         """The retained status, on every connect and scripted transition: online, or offline while the
@@ -293,7 +277,7 @@ class NodeDaemon:
         """Forget the pending task; a job in hand sees its spell ended and sends nothing."""
         task, self._task = self._task, None
         if task is not None:
-            self._leave_group(task)
+            self.trainer.withdraw(task)
             if not task.inline:
                 self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
 
@@ -301,18 +285,22 @@ class NodeDaemon:
         return self._status_message(self._announcement(state == "online"))
 
     def _announcement(self, online: bool) -> Announcement:
-        """What the node announces: offline, or online with what it holds and which connection this is
-        (after a reconnection the coordinator sends the task in hand again)."""
+        """What the node announces, as its trainer completes it: offline, or online with what it holds
+        and which connection this is (after a reconnection the coordinator sends the task in hand again;
+        daemons sharing one node id count their connections apart, so none of them says it)."""
         if not online:
-            return Announcement(online=False)
+            return self.trainer.announce(Announcement(online=False))
         histogram = self.data.label_histogram() if self.config.announce_label_histogram else None
-        return Announcement(
-            online=True,
-            device=str(self.workspace.device),
-            num_samples=len(self.data),
-            method=self.fingerprint.to_meta(),
-            connection=self._bus.connections if self._bus is not None else 0,
-            label_histogram=None if histogram is None else tuple(histogram),
+        connection = self._bus.connections if self._bus is not None else 0
+        return self.trainer.announce(
+            Announcement(
+                online=True,
+                device=str(self.workspace.device),
+                num_samples=len(self.data),
+                method=self.fingerprint.to_meta(),
+                connection=None if self.share_group is not None else connection,
+                label_histogram=None if histogram is None else tuple(histogram),
+            )
         )
 
     def _status_message(self, announcement: Announcement) -> Message:
@@ -342,7 +330,8 @@ class NodeDaemon:
         if route is None:
             raise TaskError("unknown-topic", f"topic {envelope.topic} is outside the scheme")
         if route.channel == "node-status":
-            return  # our own retained status echoes back through the inbox wildcard-free topics; ignore
+            self._on_own_status(message)
+            return
         if route.channel in FROM_COORDINATOR and message.sender != "coordinator":
             raise TaskError("wrong-sender", f"{route.channel} from {message.sender!r}, expected the coordinator")
         if route.channel == "coordinator-state" and message.kind == Kind.COORDINATOR_STATUS:
@@ -358,50 +347,32 @@ class NodeDaemon:
         else:
             raise TaskError("unexpected-kind", f"{message.kind} on {envelope.topic}")
 
+    def _on_own_status(self, message: Message) -> None:
+        """The node's own status, subscribed with a share group only: another daemon of the node went
+        offline (its will) while this one is alive and could answer, so the node is announced again."""
+        offline = message.meta.get("state") == "offline"
+        alive = self._draining is None and not self.crashed
+        if self.share_group is not None and offline and alive and self._announcement(True).online:
+            self.log.info("another daemon of this node went offline; announcing the node again")
+            self._spawn(self._announce(), f"announce-{self.node_id}")
+
     def _on_coordinator_status(self, message: Message) -> None:
         status = CoordinatorStatus.from_meta(message.meta)
         if status.state.active:
             if status.run_id != self._run_id and self._bus is not None:
                 self._spawn(self._reannounce(), f"reannounce-{self.node_id}")
             self._run_id = status.run_id
-            self._check_method(status.method)
+            self.method_check.coordinator_runs(status.method)
         elif status.state.final and status.run_id is not None and status.run_id == self._run_id:
+            self.run_outcome = status.state
             self.log.info("coordinator reports the run %s", status.state)
             if self.config.exit_when_done:
                 self._stop.set()
 
-    def _check_method(self, announced: Any) -> None:
-        """Say once, loudly, that the coordinator runs another method (its tasks will be refused)."""
-        if announced is None:
-            return
-        try:
-            theirs = MethodFingerprint.from_meta(announced)
-        except ValueError as exc:
-            raise TaskError("bad-status", str(exc)) from None
-        if theirs.digest != self.fingerprint.digest and self._method_warned != theirs.digest:
-            self._method_warned = theirs.digest
-            self.log.error(
-                "the coordinator runs %s; this node runs %s (differences: %s): its tasks will be refused;"
-                " start the node with the coordinator's experiment file",
-                theirs.describe(),
-                self.fingerprint.describe(),
-                self.fingerprint.differences(theirs, "here", "at the coordinator"),
-            )
-
-    def _method_mismatch(self, task: Task) -> str | None:
-        """Why a task is for another method than this node's (None: it is ours, or names none)."""
-        digest = task.method
-        if digest is None or digest == self.fingerprint.digest:
-            return None
-        return (
-            f"method-mismatch: the task is for method fingerprint {str(digest)[:32]!r}; this node runs"
-            f" {self.fingerprint.describe()} (fingerprint {self.fingerprint.digest})"
-        )
-
     async def _on_task(self, message: Message, size: int = 0) -> None:
-        task = self._parse_task(message, size)
-        self._check_deadline(task, message.sent_at)
-        mismatch = self._method_mismatch(task)
+        task = parse_task(message, self.topics, size)
+        check_deadline(task, message.sent_at, self.config.clock_skew_s)
+        mismatch = self.method_check.mismatch(task.method)
         if mismatch is not None:  # the coordinator stops waiting for this node, and logs why
             self._bus_or_fail().stats.rejected["method-mismatch"] += 1
             self.log.error("round %d's task refused: %s", task.round, mismatch)
@@ -417,9 +388,9 @@ class NodeDaemon:
             # the model it carries is checked before it replaces the pending task: a refused task
             # (wrong shapes, from anyone who can publish on this topic) must not cost the node the
             # genuine task it holds (issue 31)
-            self._parse_model(message)
+            parse_model(message, self.workspace.schema)
         if self._task is not None:
-            self._leave_group(self._task)
+            self.trainer.withdraw(self._task)
             if not self._task.inline and self._task.model_topic != task.model_topic:
                 await self._unsubscribe_model(self._task)
         self._task = task
@@ -428,16 +399,8 @@ class NodeDaemon:
                 round=task.round, attempt=task.attempt, task_id=task.task_id, model_id=task.model_id,
                 settings=task.secure,
             )  # fmt: skip
-        groups = self.workspace.groups if self._grouped(task) else None
-        if groups is not None:
-            groups.expect(_group_key(task), self.node_id)
+        self.trainer.expect(task)
         if task.inline:
-            if groups is not None and not groups.warned_inline:
-                groups.warned_inline = True
-                self.log.warning(
-                    "the model comes inside the task, so a group forms from the tasks that arrived before it:"
-                    " with hosting.vectorize set the coordinator's policy.inline_model_bytes to 0"
-                )
             await self._on_model(message, 0)  # the task's frame is the model's
             return
         bus = self._bus_or_fail()
@@ -451,39 +414,6 @@ class NodeDaemon:
         )
         await bus.publish(self.topics.ack(self.node_id), ack)
         self.log.debug("task for round %d acknowledged", task.round)
-
-    def _parse_task(self, message: Message, size: int = 0) -> Task:
-        """The task the message carries (`protocol.Task`), checked against its header: the model topic
-        must be its round's, the round not negative, and tensors only in a task that carries the model."""
-        spec = protocol.Task.from_meta(message.meta)
-        if spec.model_topic != self.topics.model(message.round):
-            raise TaskError("bad-task", f"model topic {spec.model_topic!r} does not belong to round {message.round}")
-        if message.round < 0:
-            raise TaskError("wrong-round", f"round {message.round}")
-        if message.tensors and not spec.inline:
-            raise TaskError("bad-task", "tensors in a task that does not say it carries the model")
-        return Task(
-            message.round, spec.attempt, spec.task_id, spec.model_topic, spec.settings, time.monotonic(),
-            spec.inline, spec.version, size, spec.deadline_s, spec.method, spec.model_id, spec.secure_aggregation,
-        )  # fmt: skip
-
-    def _check_deadline(self, task: Task, sent_at: float) -> None:
-        """Refuse (as ``expired-task``: logged and counted, not acted on) a task that arrives after the
-        coordinator gave up on it: more than its ``deadline_s`` after its ``sent_at``, plus
-        `NodeConfig.clock_skew_s` for the two machines' clocks. Such a task was queued in the node's
-        session while it was away (on an MQTT v5 broker the message expiry normally drops it first);
-        a task without ``deadline_s`` never expires."""
-        deadline = task.deadline_s
-        if deadline is None:
-            return
-        age = time.time() - sent_at
-        if age > deadline + self.config.clock_skew_s:
-            raise TaskError(
-                "expired-task",
-                f"round {task.round}'s task arrived {age:.1f} s after it was sent, past its deadline of"
-                f" {deadline:g} s (+ {self.config.clock_skew_s:g} s allowed for clock skew): not trained on"
-                " (if fresh tasks expire, this machine's clock is ahead: synchronise it)",
-            )
 
     async def _on_model(self, message: Message, size: int = 0) -> None:
         task = self._task
@@ -501,27 +431,13 @@ class NodeDaemon:
             self._bus_or_fail().abort()
             self._stop.set()
             return
-        payload = self._parse_model(message)
+        payload = parse_model(message, self.workspace.schema)
         if self._job is not None and not self._job.done():
             self.log.warning("round %d starts while the previous update is still being produced", task.round)
         received = task.frame_bytes + size
         job = self._train_and_send(task, payload, self.player.spell, received)
         self._job = asyncio.create_task(job, name=f"train-{self.node_id}-{task.round}")
         self._job.add_done_callback(self._harvest)
-
-    def _parse_model(self, message: Message) -> Payload:
-        try:
-            groups = split_groups(message.tensors)
-        except AlgorithmError as exc:
-            raise TaskError("bad-model", str(exc)) from exc
-        if "model" in groups:
-            mismatch = schema_mismatch(groups["model"], self.workspace.schema)
-            if mismatch is not None:
-                raise TaskError(mismatch[0], f"broadcast model: {mismatch[1]}")
-        meta = message.meta.get("payload", {})
-        if not isinstance(meta, dict):
-            raise TaskError("bad-model", "payload meta must be a map")
-        return Payload(tensors=groups, meta=meta)
 
     def _on_receipt(self, message: Message) -> None:
         """Receipts are advisory (the coordinator's metrics are the truth): logged, never counted."""
@@ -549,32 +465,6 @@ class NodeDaemon:
 
     # -- training --------------------------------------------------------------------------
 
-    def _grouped(self, task: Task) -> bool:
-        """Whether this task's training goes through the process's group (``hosting.vectorize``); never
-        in a round where a fault makes this node fail on its own."""
-        groups, faults = self.workspace.groups, self.config.faults
-        if groups is None or task.round in (faults.error_at_round, faults.fail_at_round):
-            return False
-        return groups.admits(self.half)
-
-    def _leave_group(self, task: Task) -> None:
-        if self.workspace.groups is not None:
-            self.workspace.groups.withdraw(_group_key(task), self.node_id)
-
-    async def _produce(self, task: Task, payload: Payload) -> tuple[bytearray | Draft, float]:
-        """The encoded update: trained with this task's group when it forms, else alone under the lock."""
-        groups = self.workspace.groups
-        if groups is not None and self._grouped(task):
-            member = GroupMember(
-                half=self.half, task=self._task_input(task, payload), data=self.data, generator=self._generator(task)
-            )
-            grouped = await groups.train(_group_key(task), member)
-            if grouped is not None:
-                result, train_s = grouped
-                return await asyncio.to_thread(self._frame, task, result, train_s, payload), train_s
-        async with self.workspace.lock:
-            return await asyncio.to_thread(self._train_and_encode, task, payload)
-
     async def _train_and_send(self, task: Task, payload: Payload, spell: asyncio.Event, received: int) -> None:
         """Train and publish the update; with a scenario, first the modelled download (`received`
         bytes), then the modelled compute time beyond the real one, and the upload, all outside the
@@ -583,7 +473,7 @@ class NodeDaemon:
         if not await hold(script.transfer_s(received), spell):
             return self._abandoned(task)
         try:
-            frame, train_s = await self._produce(task, payload)
+            frame, train_s = await self.trainer.produce(task, payload)
         except NoUpdate as exc:
             self.log.warning("round %d: no update to send: %s", task.round, exc)
             if not spell.is_set():
@@ -637,75 +527,6 @@ class NodeDaemon:
         except BusError as exc:
             self.log.warning("could not report the failure of round %d: %s", task.round, exc)
 
-    def _train_and_encode(self, task: Task, payload: Payload) -> tuple[bytearray | Draft, float]:
-        """Runs in a worker thread; encodes before releasing the workspace, whose tensors the update aliases."""
-        if self.config.faults.error_at_round == task.round:
-            raise RuntimeError(f"fault injection: training error at round {task.round}")
-        started = time.perf_counter()
-        result = self.half.train(
-            self._task_input(task, payload), self.workspace.model, self.data, self._generator(task)
-        )
-        train_s = time.perf_counter() - started
-        return self._frame(task, result, train_s, payload), train_s
-
-    def _frame(self, task: Task, result: Payload, train_s: float, received: Payload) -> bytearray | Draft:
-        """The update's frame; with secure aggregation, the draft the shared step lets it mask (`masking`):
-        the change from the model the task carried, copied out of the workspace."""
-        if task.secure is None:
-            return self._encode(task, result, train_s, received=received)
-        meta = Update(
-            task_id=task.task_id, num_samples=len(self.data), train_seconds=train_s, payload=result.meta,
-            base_version=task.version,
-        )  # fmt: skip
-        return Draft(meta, weighted_change(result.tensors["model"], received.tensors["model"], 1.0))
-
-    def _generator(self, task: Task) -> torch.Generator:
-        return torch_generator(
-            self.config.seed, "node-train", self.node_id, task.round, task.attempt, device=self.workspace.device
-        )
-
-    def _task_input(self, task: Task, payload: Payload) -> TaskInput:
-        return TaskInput(
-            node_id=self.node_id,
-            round=task.round,
-            payload=payload,
-            settings=task.settings,
-            scratch=self.workspace.scratch,
-        )
-
-    def _encode(
-        self,
-        task: Task,
-        result: Payload,
-        train_s: float,
-        *,
-        received: Payload | None = None,
-        num_samples: int | None = None,
-        site_nodes: int | None = None,
-    ) -> bytearray:
-        """The update's frame, compressed as configured (`received`, the task's payload, is the base of a
-        delta); it claims `num_samples` (by default the node's data) and, from a site aggregator, the
-        number of its nodes' updates it holds (`site_nodes`)."""
-        compression = self.config.compression
-        meta = Update(
-            task_id=task.task_id,
-            num_samples=len(self.data) if num_samples is None else num_samples,
-            train_seconds=train_s,
-            payload=result.meta,
-            site_nodes=site_nodes,
-            base_version=task.version,
-            compression=compression.meta(),
-        )
-        update = Message(
-            kind=Kind.UPDATE,
-            federation=self.config.federation,
-            round=task.round,
-            sender=self.node_id,
-            meta=meta.to_meta(),
-            tensors=compress_update(flatten_groups(result.tensors), compression, received.tensors if received else {}),
-        )
-        return encode(update)
-
     def _spawn(self, coro: Any, name: str) -> None:
         """A background step that nothing waits for, kept until it ends (never fire-and-forget)."""
         task = asyncio.create_task(coro, name=name)
@@ -733,11 +554,6 @@ class NodeDaemon:
         if self._bus is None:
             raise RuntimeError("the node is not connected")
         return self._bus
-
-
-def _group_key(task: Task) -> tuple[int, int, bytes, TrainSettings]:
-    """Nodes train together only for one task: one round attempt, one broadcast, one set of settings."""
-    return (task.round, task.attempt, task.model_key, task.settings)
 
 
 async def serve_nodes(daemons: list[NodeDaemon]) -> list[str]:

@@ -42,7 +42,9 @@ class RelayRounds(SyncRounds):
         self._settings: Mapping[str, Any] = {}
 
     def handle(self, event: e.Event, now: float) -> list[c.Command]:
-        out = super().handle(event, now)
+        """`SyncRounds`' commands, less its checkpoints (a site keeps nothing between rounds: upstream
+        holds the model) and with the upstream task's settings in each `Configure`."""
+        out: list[c.Command] = [x for x in super().handle(event, now) if not isinstance(x, c.Checkpoint)]
         if self._settings:  # the upstream task's settings, not this config's schedule, go to the nodes
             out = [dataclasses.replace(x, settings=self._settings) if isinstance(x, c.Configure) else x for x in out]
         return out

@@ -3,7 +3,7 @@
 The workload is a fedmq experiment config (written as YAML and read by both sides). Flower's ClientApp
 and ServerApp (`experiments/bench/flower_app/`) call `Workload`, which trains a node with fedmq's own
 node half of the method (the same data shard, model, settings for the round and per-node generator
-``torch_generator(seed, "node-train", node_id, round, attempt)`` as `fednode.daemon`), aggregates
+``torch_generator(seed, "node-train", node_id, round, attempt)`` as `fednode.trainer`), aggregates
 with the method's own coordinator half (`experiments.build.coordinator_half`, as `fedmq run` builds
 it) on the updates in node-id order (as the coordinator's engine hands them over), and evaluates the
 global model on the test set as the coordinator does. So both frameworks compute the same FedAvg,

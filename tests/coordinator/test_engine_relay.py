@@ -53,6 +53,7 @@ def test_every_request_ends_in_one_round_ended_and_the_site_never_retries() -> N
     ended = one(c.RoundEnded, out)
     assert (ended.round, ended.attempt, ended.aggregated, ended.accepted) == (0, 0, True, 2)
     assert not of(c.Evaluate, out) and not of(c.Configure, out)
+    assert not of(c.Checkpoint, out)  # a site keeps nothing between rounds (upstream holds the model)
     configure = one(c.Configure, _ask(d, 1, at=3))
     d.feed(e.Configured(configure.step, inline=True))
     out = d.tick(3 + 10.0)

@@ -12,7 +12,7 @@ import pytest
 
 from fedmq.broker import Kind, Message, Topics
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fednode.daemon import Task, TaskError
+from fedmq.fednode.task import Task, TaskError
 from tests.fednode.test_task_versions import _daemon, _task
 
 

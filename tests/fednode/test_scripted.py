@@ -21,6 +21,7 @@ from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.daemon import NodeDaemon
 from fedmq.fednode.scenario import NodeScript, Transition
 from fedmq.fednode.scripted import ScriptPlayer
+from fedmq.fednode.task import parse_task
 from fedmq.fednode.workspace import Workspace
 
 
@@ -133,7 +134,7 @@ async def test_task_is_acknowledged_and_expected_in_its_group_with_the_default_s
 
 async def _run_job(daemon: NodeDaemon, received: int) -> asyncio.Task[None]:
     message = _task()
-    task = daemon._parse_task(message, received)
+    task = parse_task(message, daemon.topics, received)
     payload = Payload(tensors={"model": {k: v.clone() for k, v in daemon.workspace.model.state_dict().items()}})
     return asyncio.create_task(daemon._train_and_send(task, payload, daemon.player.spell, received))
 

@@ -19,7 +19,8 @@ from fedmq.fedcore.models import build_model
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
-from fedmq.fednode.daemon import NodeDaemon, TaskError
+from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.task import TaskError
 from fedmq.fednode.workspace import Workspace
 
 

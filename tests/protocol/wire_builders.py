@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fedmq.aggregator.upstream import UpstreamNode
+from fedmq.aggregator.upstream import SiteTrainer, no_data
 from fedmq.broker import BusConfig, Message, decode, encode
 from fedmq.coordinator.config import CoordinatorConfig, RoundPolicy
 from fedmq.coordinator.daemon import Coordinator
@@ -35,6 +35,8 @@ from fedmq.fedcore.tensors import schema_of
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.daemon import NodeDaemon
+from fedmq.fednode.task import parse_task
+from fedmq.fednode.trainer import LocalTrainer, encode_update
 from fedmq.fednode.workspace import Workspace
 
 FED = "wire"
@@ -127,9 +129,11 @@ def site_status_online() -> Message:
     site = SimpleNamespace(live=2, capacity=40)
     workspace = Workspace(_model(), torch.device("cpu"))
     half = fedavg.NodeHalf(fedavg.Hyperparams(), node_id=NODE)
-    upstream = UpstreamNode(
-        NodeConfig(node_id=NODE, federation=FED), BusConfig.from_url("mqtt://127.0.0.1:1"), half, workspace,
-        site, share_group="fedmq-wire-site",  # type: ignore[arg-type]
+    config = NodeConfig(node_id=NODE, federation=FED)
+    trainer = SiteTrainer(site, config)  # type: ignore[arg-type]
+    upstream = NodeDaemon(
+        config, BusConfig.from_url("mqtt://127.0.0.1:1"), half, no_data(), workspace, trainer=trainer,
+        share_group="fedmq-wire-site",
     )  # fmt: skip
     return upstream._status("online")
 
@@ -146,23 +150,31 @@ def task_inline(tmp_path: Path) -> Message:
 
 def _node_task(tmp_path: Path, node: NodeDaemon) -> Any:
     frame = encode(_fixed(task_broadcast(tmp_path), 99))
-    return node._parse_task(decode(frame), len(frame))
+    return parse_task(decode(frame), node.topics, len(frame))
+
+
+def _trainer(node: NodeDaemon) -> LocalTrainer:
+    assert isinstance(node.trainer, LocalTrainer)
+    return node.trainer
 
 
 def update(tmp_path: Path) -> Message:
     node = _node()
-    return decode(node._encode(_node_task(tmp_path, node), _payload(0.5), 1.25, received=_payload()))
+    return decode(_trainer(node).encode(_node_task(tmp_path, node), _payload(0.5), 1.25, received=_payload()))
 
 
 def update_compressed(tmp_path: Path) -> Message:
     node = _node(compression=Compression(mode="int8-block", block=16))
-    return decode(node._encode(_node_task(tmp_path, node), _payload(0.5), 0.75, received=_payload()))
+    return decode(_trainer(node).encode(_node_task(tmp_path, node), _payload(0.5), 0.75, received=_payload()))
 
 
 def update_from_site(tmp_path: Path) -> Message:
     node = _node()
     task = _node_task(tmp_path, node)
-    return decode(node._encode(task, _payload(0.5), 2.5, num_samples=40, site_nodes=3))
+    frame = encode_update(
+        task, _payload(0.5), 2.5, federation=FED, sender=NODE, num_samples=40, compression=Compression(), site_nodes=3
+    )
+    return decode(frame)
 
 
 def update_failed(tmp_path: Path) -> Message:
