@@ -163,17 +163,17 @@ class CheckpointedFederation(LocalFederation):
     _ids_before: int = field(default=0, init=False)
     _last_checkpoint: int | None = field(default=None, init=False)
 
-    def _feed(self, event: e.Event) -> None:
+    def before_event(self, event: e.Event) -> None:
         # a round's end and the next round's start are one engine step: the id drawn for the next
         # round is not the checkpoint's, so the count is taken before the step
         self._ids_before = self.ids.drawn if self.ids is not None else 0
-        super()._feed(event)
+
+    def after_event(self, event: e.Event) -> None:
         if isinstance(event, e.Start) and self.restored_engine is not None:
             self._restore_engine_fields(self.restored_engine)
             self.restored_engine = None
 
-    def _execute(self, command: c.Command) -> None:
-        super()._execute(command)
+    def after_command(self, command: c.Command) -> None:
         if isinstance(command, c.Checkpoint) and self.on_checkpoint is not None and self._due(command):
             moment = self.simulation_state()
             if moment is None:

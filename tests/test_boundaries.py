@@ -9,6 +9,7 @@ Under them all lies `fedmq.fields` (the bounds of config fields), which every la
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -264,3 +265,40 @@ def test_no_import_cycles() -> None:
                     seen.add(nxt)
                     stack.append((nxt, [*trail, nxt]))
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def _classes_of(package: str) -> list[type]:
+    """The classes defined in `package`'s modules (imported: inheritance is resolved at run time)."""
+    found = []
+    for path in sources(package):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__main__" or "flower_app" in parts:  # the Flower app runs in Flower's own venv
+            continue
+        name = ".".join(("fedmq", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+        module = importlib.import_module(name)
+        found += [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+    return found
+
+
+def _package_of(cls: type) -> str | None:
+    parts = cls.__module__.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "fedmq" and parts[1] in FIRST_PARTY else None
+
+
+@pytest.mark.parametrize("package", sorted(FIRST_PARTY))
+def test_no_private_method_is_overridden_across_packages(package: str) -> None:
+    """Reuse across packages goes through constructors and public methods (issue 30): a subclass that
+    overrides another package's private step (the site aggregator overrode eight of the daemons') breaks
+    silently when that step changes. Within a package, a base and its subclasses change together."""
+    offenders = []
+    for cls in _classes_of(package):
+        for base in cls.__mro__[1:]:
+            theirs = _package_of(base)
+            if theirs is None or theirs == package:
+                continue
+            private = {n for n in vars(cls) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))}
+            offenders += [
+                f"{cls.__module__}.{cls.__qualname__}.{n} overrides {base.__module__}"
+                for n in private & set(vars(base))
+            ]
+    assert not offenders, "private methods overridden across packages:\n" + "\n".join(sorted(offenders))

@@ -245,6 +245,7 @@ class LocalFederation:
         self._feed(event)
 
     def _feed(self, event: e.Event) -> None:
+        self.before_event(event)
         if isinstance(event, e.NodeSeen):
             if event.num_samples is None and event.node in self.nodes:
                 # a node announces the size of its shard with its status, as the node daemon does
@@ -267,8 +268,21 @@ class LocalFederation:
                 self._train_all(tasks)
                 tasks = []
             self._execute(command)
+            self.after_command(command)
         if tasks:
             self._train_all(tasks)
+        self.after_event(event)
+
+    # -- extension points (a simulation's checkpoints, `experiments.sim_checkpoint`) -------------------
+
+    def before_event(self, event: e.Event) -> None:
+        """Called before the engine handles `event`; nothing by default."""
+
+    def after_command(self, command: c.Command) -> None:
+        """Called after each of an event's commands but its tasks is executed; nothing by default."""
+
+    def after_event(self, event: e.Event) -> None:
+        """Called once `event`'s commands are executed and its tasks trained; nothing by default."""
 
     @property
     def _calls(self) -> HalfCalls:
