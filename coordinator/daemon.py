@@ -22,6 +22,7 @@ from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, 
 from fedmq.broker.codec import encoded_size, with_bytes_replaced
 from fedmq.broker.errors import BusError
 from fedmq.broker.throttle import LogThrottle
+from fedmq.broker.topics import Route
 from fedmq.coordinator.budgets import node_budgets
 from fedmq.coordinator.config import CoordinatorConfig
 from fedmq.coordinator.engine import Engine, make_engine
@@ -281,10 +282,11 @@ class Coordinator:
 
     async def _receive(self, bus: BusClient) -> None:
         async for envelope in bus.messages():
-            if self._over_budget(bus, envelope):
+            route = self.topics.route(envelope.topic)  # once per message: the budget and the dispatch read it
+            if self._over_budget(bus, envelope, route):
                 continue
             try:
-                self._dispatch(envelope)
+                self._dispatch(envelope, route)
             except ProtocolError as exc:
                 bus.reject(exc.reason, envelope, exc.detail)
                 if envelope.retained and exc.reason != "retained":
@@ -297,10 +299,9 @@ class Coordinator:
                 bus.stats.rejected["internal-error"] += 1
                 logger.exception("error while handling a message on %s", envelope.topic[:200])
 
-    def _over_budget(self, bus: BusClient, envelope: Envelope) -> bool:
-        """Whether the node whose topic `envelope` came on is over its message or byte budget: then
-        it is dropped here, before the engine and the event log, and counted (`coordinator.budgets`)."""
-        route = self.topics.route(envelope.topic)
+    def _over_budget(self, bus: BusClient, envelope: Envelope, route: Route | None) -> bool:
+        """Whether the node whose topic `envelope` came on (its `route`) is over its message or byte budget:
+        then it is dropped here, before the engine and the event log, and counted (`coordinator.budgets`)."""
         if route is None or route.node is None:
             return False
         exceeded = self._budgets.admit(route.node, envelope.size)
@@ -317,8 +318,7 @@ class Coordinator:
         )
         return True
 
-    def _dispatch(self, envelope: Envelope) -> None:
-        route = self.topics.route(envelope.topic)
+    def _dispatch(self, envelope: Envelope, route: Route | None) -> None:
         message = envelope.message
         if route is None:
             raise ProtocolError(

@@ -26,6 +26,11 @@ def _coordinator(tmp_path: Path, **changes: object) -> Coordinator:
     return Coordinator(cfg, BusConfig.from_url("mqtt://127.0.0.1:1"), PerNode(None, model=_model()))
 
 
+def _dispatch(coordinator: Coordinator, envelope: Envelope) -> None:
+    """What the receiver does with one message once it is within its node's budget."""
+    coordinator._dispatch(envelope, coordinator.topics.route(envelope.topic))
+
+
 def _status(node: str, *, retained: bool = False, **meta: object) -> Envelope:
     message = Message(
         kind=Kind.NODE_STATUS, federation="f", round=-1, sender=node, meta={"state": "online", "num_samples": 5, **meta}
@@ -35,16 +40,16 @@ def _status(node: str, *, retained: bool = False, **meta: object) -> Envelope:
 
 def test_a_node_outside_the_experiment_never_reaches_the_registry(tmp_path: Path) -> None:
     coordinator = _coordinator(tmp_path, nodes=frozenset({"node-000", "node-001"}))
-    coordinator._dispatch(_status("node-000"))
+    _dispatch(coordinator, _status("node-000"))
     with pytest.raises(ProtocolError) as info:
-        coordinator._dispatch(_status("node-900"))
+        _dispatch(coordinator, _status("node-900"))
     assert info.value.reason == "unknown-node"
     assert coordinator.registry.live_ids() == ["node-000"]
 
 
 def test_without_the_experiments_ids_any_valid_id_is_admitted(tmp_path: Path) -> None:
     coordinator = _coordinator(tmp_path)
-    coordinator._dispatch(_status("node-900"))
+    _dispatch(coordinator, _status("node-900"))
     assert coordinator.registry.live_ids() == ["node-900"]
 
 
@@ -110,8 +115,8 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
 
     bus = coordinator._bus = _Bus()  # type: ignore[assignment]
     t = Topics("f")
-    coordinator._dispatch(_status("node-000", connection=1))
-    coordinator._dispatch(_status("node-001", connection=1))
+    _dispatch(coordinator, _status("node-000", connection=1))
+    _dispatch(coordinator, _status("node-001", connection=1))
     task, other = b"t" * 16, b"u" * 16  # each node's own task id, in frames that share the rest
     message = Message(kind=Kind.TASK, federation="f", round=1, sender="coordinator", meta={"task": task})
     frame = _TaskFrame(encode(message), task, 10.0)
@@ -122,18 +127,18 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
         while coordinator._background:
             await asyncio.sleep(0)
 
-    coordinator._dispatch(_status("node-000", connection=1))  # the same connection: it has its task
+    _dispatch(coordinator, _status("node-000", connection=1))  # the same connection: it has its task
     await settle()
     assert len(bus.sent) == 2
-    coordinator._dispatch(_status("node-000", connection=2))
+    _dispatch(coordinator, _status("node-000", connection=2))
     await settle()
     assert bus.sent[2:] == [(t.task("node-000"), bytes(frame.frame))]
     ack = Message(kind=Kind.ACK, federation="f", round=1, sender="node-000", meta={"task": task})
-    coordinator._dispatch(Envelope(t.ack("node-000"), ack, 10))
-    coordinator._dispatch(_status("node-000", connection=3))
+    _dispatch(coordinator, Envelope(t.ack("node-000"), ack, 10))
+    _dispatch(coordinator, _status("node-000", connection=3))
     await settle()
     assert len(bus.sent) == 3  # acknowledged: not again
-    coordinator._dispatch(_status("node-001", connection=2, retained=True))
+    _dispatch(coordinator, _status("node-001", connection=2, retained=True))
     await settle()
     assert bus.sent[3:] == [(t.task("node-001"), bytes(frame.for_task(other)))]
 
@@ -165,9 +170,9 @@ async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -
     ack = Message(kind=Kind.ACK, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
     for topic, message in ((t.update("node-000"), update), (t.ack("node-000"), ack)):
         with pytest.raises(ProtocolError) as info:
-            coordinator._dispatch(Envelope(topic, message, 10, retained=True))
+            _dispatch(coordinator, Envelope(topic, message, 10, retained=True))
         assert info.value.reason == "retained"
-    coordinator._dispatch(_status("node-000", retained=True))
+    _dispatch(coordinator, _status("node-000", retained=True))
     while coordinator._background:
         await asyncio.sleep(0)
     assert cleared == [(t.update("node-000"), b"", True), (t.ack("node-000"), b"", True)]
@@ -192,7 +197,7 @@ async def test_tasks_and_models_expire_when_the_engines_configure_says(tmp_path:
             return len(frame)
 
     coordinator._bus = _Bus()  # type: ignore[assignment]
-    coordinator._dispatch(_status("node-000", connection=1))
+    _dispatch(coordinator, _status("node-000", connection=1))
     spec = c.TaskSpec("node-000", b"t" * 16, 0, 0, 0, b"m" * 16)
     command = c.Configure(1, _ctx(("node-000",)), (spec,), TrainSettings().to_meta(), expiry_s=123.0)
     assert coordinator.config.policy.deadline_s != command.expiry_s
@@ -207,7 +212,7 @@ async def test_tasks_and_models_expire_when_the_engines_configure_says(tmp_path:
             await asyncio.sleep(0)
 
     await settle()
-    coordinator._dispatch(_status("node-000", connection=2))  # unanswered: its task goes again
+    _dispatch(coordinator, _status("node-000", connection=2))  # unanswered: its task goes again
     await settle()
     t = Topics("f")
     assert sorted(expiries) == sorted(
