@@ -8,8 +8,9 @@ import asyncio
 import dataclasses
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -152,40 +153,56 @@ async def test_forged_update_claiming_1e11_samples_is_refused_and_the_real_one_t
     assert fed.participation()["node-001"]["rejected"] == 0
 
 
-async def _insider(
-    fed: Federation, broker_url: str, *, announces: int, claims: int, scale: Callable[[int], float]
-) -> tuple[int, int]:
-    """node-002 played by a raw client with valid credentials' worth of topics: it announces `announces`
-    samples, the honest node-000 and node-001 start, and it answers every task it gets with the task's
-    model times `scale(round)`, claiming `claims` samples, until the run ends. Returns (the coordinator's
-    exit code, the tasks it answered); its retained status is cleared after."""
+Handler = Callable[[Any, Any], Awaitable[None]]
+"""What the insider does with one message it receives: (its client, the MQTT message)."""
+
+
+async def _play_insider(fed: Federation, broker_url: str, *, announces: int, topics: list[str], handle: Handler) -> int:
+    """node-002 played by a raw client with valid credentials' worth of topics: it subscribes to `topics`,
+    announces `announces` samples, the honest node-000 and node-001 start, and it `handle`s every
+    message until the run ends. Returns the coordinator's exit code; its retained status is cleared."""
     t = Topics(fed.federation)
     async with raw_client(broker_url) as insider:
         status = Message(
             kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
             meta={"state": "online", "num_samples": announces},
         )  # fmt: skip
-        await insider.subscribe(t.task("node-002"), qos=1)
+        await insider.subscribe([(topic, 1) for topic in topics])
         await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
         fed.start_nodes("node-000", "node-001")
         waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
-        answered = 0
         while not waiter.done():
             try:
                 async with asyncio.timeout(0.5):
                     m = await anext(aiter(insider.messages))
             except TimeoutError:
                 continue
-            task = decode(bytes(m.payload))  # type: ignore[arg-type]
-            forged = Message(
-                kind=Kind.UPDATE, federation=fed.federation, round=task.round, sender="node-002",
-                meta={"task": task.meta["task"], "num_samples": claims, "train_seconds": 1.0},
-                tensors={k: np.asarray(v) * scale(task.round) for k, v in task.tensors.items()},
-            )  # fmt: skip
-            await insider.publish(t.update("node-002"), bytes(encode(forged)), qos=1)
-            answered += 1
+            await handle(insider, m)
         await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)
-    return await waiter, answered
+    return await waiter
+
+
+async def _insider(
+    fed: Federation, broker_url: str, *, announces: int, claims: int, scale: Callable[[int], float]
+) -> tuple[int, int]:
+    """The insider (`_play_insider`) answering every task it gets with the task's model times
+    `scale(round)`, claiming `claims` samples. Returns (the coordinator's exit code, the tasks it answered)."""
+    t = Topics(fed.federation)
+    answered = 0
+
+    async def forge(insider: Any, m: Any) -> None:
+        nonlocal answered
+        task = decode(bytes(m.payload))
+        forged = Message(
+            kind=Kind.UPDATE, federation=fed.federation, round=task.round, sender="node-002",
+            meta={"task": task.meta["task"], "num_samples": claims, "train_seconds": 1.0},
+            tensors={k: np.asarray(v) * scale(task.round) for k, v in task.tensors.items()},
+        )  # fmt: skip
+        await insider.publish(t.update("node-002"), bytes(encode(forged)), qos=1)
+        answered += 1
+
+    code = await _play_insider(fed, broker_url, announces=announces, topics=[t.task("node-002")], handle=forge)
+    return code, answered
 
 
 async def test_an_insider_announcing_1e11_samples_never_goes_live(tmp_path: Path, broker_url: str) -> None:
@@ -282,47 +299,35 @@ async def test_an_insider_quoting_another_nodes_task_id_or_the_broadcasts_is_ref
         )  # fmt: skip
         return bytes(encode(forged))
 
-    async with raw_client(broker_url) as insider:
-        await insider.subscribe([(t.task("node-002"), 1), (t.task("node-000"), 1), (f"{t.prefix}/model/+", 1)])
-        status = Message(
-            kind=Kind.NODE_STATUS, federation=fed.federation, round=-1, sender="node-002",
-            meta={"state": "online", "num_samples": shard},
-        )  # fmt: skip
-        await insider.publish(t.node_status("node-002"), bytes(encode(status)), qos=1, retain=True)
-        fed.start_nodes("node-000", "node-001")
-        waiter = asyncio.create_task(asyncio.to_thread(fed.wait))
-        while not waiter.done():
-            try:
-                async with asyncio.timeout(0.5):
-                    m = await anext(aiter(insider.messages))
-            except TimeoutError:
-                continue
-            message = decode(bytes(m.payload))  # type: ignore[arg-type]
-            route = t.route(m.topic.value)
-            assert route is not None
-            got = seen.setdefault(message.round, {})
-            got["model" if route.channel == "model" else str(route.node)] = message
-            if route.node == "node-002":  # its own task: acknowledged with its own id, as a node does
-                ack = Message(
-                    kind=Kind.ACK, federation=fed.federation, round=message.round, sender="node-002",
-                    meta={"task": message.meta["task"]},
-                )  # fmt: skip
-                await insider.publish(t.ack("node-002"), bytes(encode(ack)), qos=1)
-            if message.round in done or set(got) != {"node-000", "node-002", "model"}:
-                continue
-            done.add(message.round)
-            own, other, model = got["node-002"].meta["task"], got["node-000"].meta["task"], got["model"]
-            assert own != other and "task" not in model.meta and model.meta["model_id"] not in (own, other)
-            poison = {k: np.asarray(v) * -1000.0 for k, v in model.tensors.items()}
-            for frame in (
-                update(message.round, other, poison),
-                update(message.round, model.meta["model_id"], poison),
-                update(message.round, own, poison, sender="node-000"),
-                update(message.round, own, {k: np.asarray(v) for k, v in model.tensors.items()}),
-            ):
-                await insider.publish(t.update("node-002"), frame, qos=1)
-        await insider.publish(t.node_status("node-002"), b"", qos=1, retain=True)
-    assert await waiter == 0, fed.log("coordinator.log")
+    async def quote(insider: Any, m: Any) -> None:
+        message = decode(bytes(m.payload))
+        route = t.route(m.topic.value)
+        assert route is not None
+        got = seen.setdefault(message.round, {})
+        got["model" if route.channel == "model" else str(route.node)] = message
+        if route.node == "node-002":  # its own task: acknowledged with its own id, as a node does
+            ack = Message(
+                kind=Kind.ACK, federation=fed.federation, round=message.round, sender="node-002",
+                meta={"task": message.meta["task"]},
+            )  # fmt: skip
+            await insider.publish(t.ack("node-002"), bytes(encode(ack)), qos=1)
+        if message.round in done or set(got) != {"node-000", "node-002", "model"}:
+            return
+        done.add(message.round)
+        own, other, model = got["node-002"].meta["task"], got["node-000"].meta["task"], got["model"]
+        assert own != other and "task" not in model.meta and model.meta["model_id"] not in (own, other)
+        poison = {k: np.asarray(v) * -1000.0 for k, v in model.tensors.items()}
+        for frame in (
+            update(message.round, other, poison),
+            update(message.round, model.meta["model_id"], poison),
+            update(message.round, own, poison, sender="node-000"),
+            update(message.round, own, {k: np.asarray(v) for k, v in model.tensors.items()}),
+        ):
+            await insider.publish(t.update("node-002"), frame, qos=1)
+
+    topics = [t.task("node-002"), t.task("node-000"), f"{t.prefix}/model/+"]
+    code = await _play_insider(fed, broker_url, announces=shard, topics=topics, handle=quote)
+    assert code == 0, fed.log("coordinator.log")
     summary, metrics = fed.summary(), fed.metrics()
     assert done == {0, 1}, seen.keys()
     rejected = summary["bus"]["rejected"]
