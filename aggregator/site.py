@@ -17,7 +17,7 @@ from typing import Any
 
 from fedmq.broker import BusConfig
 from fedmq.coordinator.config import CoordinatorConfig
-from fedmq.coordinator.daemon import Coordinator, Summary, Watcher
+from fedmq.coordinator.drivers.mqtt import Coordinator, Summary, Watcher
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.relay import RelayRounds

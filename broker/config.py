@@ -99,7 +99,8 @@ class BusConfig:
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> BusConfig:
         """``mqtt[s]://[user[:password]@]host[:port]`` (ports 1883 and 8883 by default); other settings
-        come from `overrides`. A password in the URL shows in `ps`: `broker.credentials` reads it from a file."""
+        come from `overrides`. A password in the URL shows in `ps`: `broker.servers.credentials` reads it
+        from a file."""
         parts = urlsplit(url if "://" in url else f"mqtt://{url}")
         if parts.scheme not in ("mqtt", "mqtts"):
             raise ValueError(f"broker URL {url!r}: use mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS")

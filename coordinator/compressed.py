@@ -4,7 +4,7 @@ An update is decompressed before its schema is checked (`decoded`), so that the 
 dtypes and shapes the algorithm expects; a malformed one is refused as ``bad-compression`` like any
 other bad update. A delta-compressed update's ``model`` group is still a difference from its task's
 model when it is accepted (`DeltaPayload`); `restore` adds that model back, from the versions the
-coordinator kept (`coordinator.versions`), right before the half aggregates it.
+coordinator kept (`coordinator.storage.versions`), right before the half aggregates it.
 
 The coordinator accepts the experiment's compression only: both ends are configured from one file,
 so an update compressed otherwise comes from a misconfigured (or forged) node, and says so in its

@@ -11,7 +11,7 @@ from fedmq.coordinator.compressed import check_one_model, restore
 from fedmq.coordinator.config import CoordinatorConfig
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.versions import ModelVersions
+from fedmq.coordinator.storage.versions import ModelVersions
 from fedmq.fedcore import masked as m
 from fedmq.fedcore.aggregation import weighted_average
 from fedmq.fedcore.algorithms.base import (

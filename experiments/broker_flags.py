@@ -40,7 +40,7 @@ def add_access(p: argparse.ArgumentParser) -> None:
 
 def broker_access(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The Access the broker-access flags describe."""
-    from fedmq.broker.credentials import Access, Credentials, read_password_file
+    from fedmq.broker.servers.credentials import Access, Credentials, read_password_file
 
     def path(value: Path | None) -> str | None:
         if value is not None and not value.is_file():

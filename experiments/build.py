@@ -18,10 +18,10 @@ import torch
 
 from fedmq.aggregator import SiteAggregator, SiteCoordinator, SiteTrainer, no_data
 from fedmq.broker import BusConfig
-from fedmq.broker.credentials import COORDINATOR, Access, Credentials
+from fedmq.broker.servers.credentials import COORDINATOR, Access, Credentials
 from fedmq.broker.topics import check_id
 from fedmq.coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine.relay import ENDLESS
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.experiments.scenario import expand as expand_scenario
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def bus_config(cfg: ExperimentConfig, url: str, credentials: Credentials | None = None) -> BusConfig:
     """The experiment's bus settings for one identity, with its credentials (a password never has to be
-    in the URL: `broker.credentials`)."""
+    in the URL: `broker.servers.credentials`)."""
     try:
         return BusConfig.from_url(
             url, **(credentials.bus_overrides() if credentials is not None else {}), **dict(cfg.bus)

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from fedmq.coordinator.drivers.local import ComputeTime, LocalFederation, LocalNode
 from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.commands import TaskSpec
-from fedmq.coordinator.engine.local import ComputeTime, LocalFederation, LocalNode
-from fedmq.coordinator.eventlog import EventLog
 from fedmq.coordinator.halfcalls import update_schema
-from fedmq.coordinator.reporting import Evaluator
+from fedmq.coordinator.observers.reporting import Evaluator
+from fedmq.coordinator.storage.eventlog import EventLog
 from fedmq.experiments.build import (
     coordinator_config,
     coordinator_half,

@@ -92,7 +92,7 @@ def default_config(
             "amqtt": {"level": "WARNING"},
             "transitions": {"level": "WARNING"},
             "fedmq.broker.client.mqtt": {"level": "WARNING"},
-            "fedmq.coordinator.daemon.bus.mqtt": {"level": "WARNING"},
+            "fedmq.coordinator.drivers.mqtt.bus.mqtt": {"level": "WARNING"},
             "fedmq.fednode.daemon.bus.mqtt": {"level": "WARNING"},
         },
     }

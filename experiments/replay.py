@@ -1,7 +1,7 @@
 """`fedmq replay RUN_DIR`: a recorded run replayed in this process and checked step by step, or
 re-run counterfactually (`--set`) on the availability and timing it really had.
 
-Exact replay (`coordinator.engine.replay.Replay`) feeds the engine the log's events and recomputes
+Exact replay (`coordinator.drivers.replay.Replay`) feeds the engine the log's events and recomputes
 everything else; it must reproduce every update, every aggregated model and every evaluation, and
 the summary's final model hash. A counterfactual replay changes the experiment (another method,
 seed, buffer size, ...), so its updates and decisions differ from the record's; what it keeps is the
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import yaml
 
+from fedmq.coordinator.drivers.replay import Entry, Replay, ReplayError, ReplayMismatch, ReplayReport, read_log
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.commands import TaskSpec
-from fedmq.coordinator.engine.replay import Entry, Replay, ReplayError, ReplayMismatch, ReplayReport, read_log
-from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
-from fedmq.coordinator.eventlog import EventLog, log_header
-from fedmq.coordinator.reporting import MEASURED_FIELDS
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.observers.reporting import MEASURED_FIELDS
+from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.storage.eventlog import EventLog, log_header
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.experiments.config import ExperimentConfig, apply_overrides, parse_config
 from fedmq.experiments.local import build_local
 from fedmq.fedcore.errors import ConfigError

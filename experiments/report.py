@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedmq.coordinator.run_dir import write_json
+from fedmq.coordinator.storage.run_dir import write_json
 from fedmq.experiments.grid import ReportConfig, slug
 
 logger = logging.getLogger(__name__)

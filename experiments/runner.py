@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from fedmq.broker import BusClient, BusConfig, Kind, Topics
-from fedmq.broker.credentials import COORDINATOR, MONITOR, Access
 from fedmq.broker.errors import BusError
-from fedmq.broker.mosquitto import find_mosquitto, free_port, wait_for_port
-from fedmq.broker.provision import Provisioned, provision
-from fedmq.coordinator.run_dir import write_json, write_text
+from fedmq.broker.servers.credentials import COORDINATOR, MONITOR, Access
+from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, wait_for_port
+from fedmq.broker.servers.provision import Provisioned, provision
+from fedmq.coordinator.storage.run_dir import write_json, write_text
 from fedmq.experiments.broker_flags import access_flags, broker_access
 from fedmq.experiments.build import bus_config, federation_id, preflight, site_federation
 from fedmq.experiments.cli.exits import EXIT_BUS, EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -137,7 +137,7 @@ def coordinator_flags(args: argparse.Namespace) -> list[str]:
     if args.http_token_file is not None:
         flags += ["--http-token-file", str(args.http_token_file)]
     if args.tensorboard:
-        from fedmq.coordinator.tensorboard import check_installed
+        from fedmq.coordinator.observers.tensorboard import check_installed
 
         check_installed()  # before starting anything: exit 2 saying what to install
         flags.append("--tensorboard")  # into each run directory's tensorboard/

@@ -4,7 +4,7 @@ A simulated run is resumed exactly (the same final model, bit for bit, and the s
 a run never cut) only from a moment the daemons' checkpoint format can describe: the end of a round,
 when the engine emits its `Checkpoint` command, with no update in flight and no task waiting to be
 trained. At such a moment the whole simulation is the daemon's checkpoint (the global model, the
-coordinator half's state and the engine's meta, in the same safetensors file, `coordinator.run_dir`)
+coordinator half's state and the engine's meta, in the same safetensors file, `coordinator.storage.run_dir`)
 plus what only a simulation has, kept under the meta's ``"simulation"`` key and ``node/`` tensors:
 
 - the virtual clock, and the scenario's availability changes still to come;
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
+from fedmq.coordinator.drivers.local import LocalFederation
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.engine.local import LocalFederation
-from fedmq.coordinator.persistence import Persistence
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.storage.persistence import Persistence
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.fedcore.algorithms.base import NodeHalf
 from fedmq.fedcore.errors import ConfigError

@@ -23,14 +23,14 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fedmq.coordinator.drivers.local import ComputeTime, LocalFederation
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.commands import Checkpoint, TaskSpec
-from fedmq.coordinator.engine.local import ComputeTime, LocalFederation
-from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
-from fedmq.coordinator.eventlog import EventLog, log_header
+from fedmq.coordinator.observers.reporting import Evaluator, outcome_fields, write_run_files
 from fedmq.coordinator.registry import NodeRegistry
-from fedmq.coordinator.reporting import Evaluator, outcome_fields, write_run_files
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.storage.eventlog import EventLog, log_header
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.experiments.build import node_scripts
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.experiments.local import build_local, fault_delays, seeded_ids

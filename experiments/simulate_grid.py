@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from fedmq.coordinator.run_dir import CHECKPOINT, write_json
+from fedmq.coordinator.storage.run_dir import CHECKPOINT, write_json
 from fedmq.experiments.build import preflight
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
 from fedmq.experiments.grid import Cell, Grid, cell_is_done

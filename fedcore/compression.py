@@ -18,7 +18,7 @@ and shape its schema expects (`decompress`) before it checks the update. Modes:
 
 With `Compression.delta` (the default) the compressed tensors of the ``model`` group are the
 differences from the model the node's task carried, not the weights themselves: the coordinator
-keeps that model (`coordinator.versions`) and adds it back (`add_base`). A difference is one local
+keeps that model (`coordinator.storage.versions`) and adds it back (`add_base`). A difference is one local
 training's worth of change, far smaller than the weights, so the same bits describe it about ten
 times more finely (docs/compression.md measures it); the weights' own quantisation error would not
 shrink as training converges and updates do.

@@ -1,7 +1,7 @@
 """A node's side of secure aggregation for one task: the `secagg-*` steps and its masked update.
 
 Pure and synchronous (no MQTT), and in fedcore because two drivers run it: the node daemon
-(`fednode.masking`) and the coordinator's in-process driver (`coordinator.engine.local`), which
+(`fednode.masking`) and the coordinator's in-process driver (`coordinator.drivers.local`), which
 plays the nodes, so that a simulation masks exactly as a node does. The cryptography is
 `fedcore.secagg`'s; what is masked, `fedcore.masked`'s. Every message must quote the task's id (its
 own: `engine.base.node_task_id`), and each step comes once, in order: anything else is a

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fedmq.api import FederationFailed, ReplayDiffers, Run, load_config, open_run, replay, run, simulate
     from fedmq.broker.errors import BusError, CredentialsError
-    from fedmq.coordinator.engine.replay import ReplayError
+    from fedmq.coordinator.drivers.replay import ReplayError
     from fedmq.coordinator.errors import CoordinatorError
     from fedmq.fedcore.errors import ConfigError, DataError
 
@@ -40,7 +40,7 @@ _LAZY = {
     "BusError": "fedmq.broker.errors",
     "CredentialsError": "fedmq.broker.errors",
     "CoordinatorError": "fedmq.coordinator.errors",
-    "ReplayError": "fedmq.coordinator.engine.replay",
+    "ReplayError": "fedmq.coordinator.drivers.replay",
 }
 
 __all__ = [

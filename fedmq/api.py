@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from fedmq.broker.errors import BusError
-from fedmq.coordinator.engine.replay import ReplayError
+from fedmq.coordinator.drivers.replay import ReplayError
 from fedmq.experiments.config import ExperimentConfig, merge, parse_config, read_yaml, set_path
 from fedmq.fedcore.errors import ConfigError
 
@@ -274,7 +274,7 @@ class Run:
 
     def records(self, name: str) -> list[dict[str, Any]]:
         """A record log of the run by name: ``metrics``, or a method's own (KDIA's ``teacher``)."""
-        from fedmq.coordinator.run_dir import read_jsonl
+        from fedmq.coordinator.storage.run_dir import read_jsonl
 
         path = self.directory / f"{name}.jsonl"
         if not name.isidentifier() or not path.exists():

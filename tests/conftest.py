@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fedmq.broker import BusConfig
-from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
 from fedmq.broker.tuning import tune_process
 
 BROKERS = ["embedded", "mosquitto"]

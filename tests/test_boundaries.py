@@ -61,20 +61,22 @@ ALLOWED: dict[str, set[str]] = {
 }
 # only these modules may use the optional third-party pieces
 NARROW = {
-    "amqtt": {"broker/embedded.py"},
+    "amqtt": {"broker/servers/embedded.py"},
     "xxhash": {"broker/codec.py"},  # the frame checksum
     # the federation's CA and the broker's certificate; secure aggregation's X25519, HKDF and AES
-    "cryptography": {"broker/provision.py", "fedcore/secagg.py"},
+    "cryptography": {"broker/servers/provision.py", "fedcore/secagg.py"},
     "Crypto": {"fedcore/secagg.py"},  # pycryptodome's Shamir sharing (secure aggregation)
-    "argon2": {"broker/provision.py"},  # amqtt's password hashes (amqtt depends on it)
+    "argon2": {"broker/servers/provision.py"},  # amqtt's password hashes (amqtt depends on it)
     "sklearn": {"fedcore/data.py"},
     "opacus": {"fedcore/privacy.py"},  # the privacy accountant (the privacy extra)
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS
-    "safetensors": {"coordinator/run_dir.py", "fedcore/algorithms/kdia/teacher.py"},  # checkpoints, KDIA's disk store
-    "aiohttp": {"coordinator/http.py", "fednode/metrics.py"},  # the HTTP API and dashboard, a node host's /metrics
-    "prometheus_client": {"coordinator/metrics.py", "fednode/metrics.py", "broker/prometheus.py"},
-    "tensorboard": {"coordinator/tensorboard.py"},  # optional: fedmq[tensorboard]
+    # checkpoints, KDIA's disk store
+    "safetensors": {"coordinator/storage/run_dir.py", "fedcore/algorithms/kdia/teacher.py"},
+    # the HTTP API and dashboard, a node host's /metrics
+    "aiohttp": {"coordinator/observers/http.py", "fednode/metrics.py"},
+    "prometheus_client": {"coordinator/observers/metrics.py", "fednode/metrics.py", "broker/prometheus.py"},
+    "tensorboard": {"coordinator/observers/tensorboard.py"},  # optional: fedmq[tensorboard]
 }
 # The only exceptions to FORBIDDEN_EVERYWHERE: the opt-in `data.download` imports torchvision inside
 # one function (never at module level: the core must import without it); the CIFAR pickles are read

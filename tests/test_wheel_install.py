@@ -158,9 +158,9 @@ def test_the_subpackages_are_plain_folders_with_their_data_files(installed: Inst
     for name in ["broker", "coordinator", "fednode", "aggregator", "fedcore", "experiments"]:
         assert (package / name).is_dir() and not (package / name).is_symlink(), name
         assert (package / name / "__init__.py").is_file(), name
-    for data in ["py.typed", "experiments/quickstart.yaml", "coordinator/dashboard.html"]:
+    for data in ["py.typed", "experiments/quickstart.yaml", "coordinator/observers/dashboard.html"]:
         assert (package / data).is_file(), data
-    assert list((package / "broker" / "conf").glob("*.conf"))
+    assert list((package / "broker" / "servers" / "conf").glob("*.conf"))
 
 
 def test_the_users_own_packages_break_whoever_imports_them(installed: Installed) -> None:

@@ -2,7 +2,7 @@
 
 `SyncRounds` runs synchronous rounds; `BufferedAsync` keeps `concurrency` nodes busy and folds every
 K updates into a new model version (FedAsync with K = 1, FedBuff above). The MQTT daemon
-(`coordinator.daemon`) and the in-process driver execute their commands.
+(`coordinator.drivers.mqtt`) and the in-process driver execute their commands.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fedmq.broker import allocator
 from fedmq.broker.errors import BusError
-from fedmq.broker.mosquitto import find_mosquitto, free_port, render_config, wait_for_port
+from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, render_config, wait_for_port
 from fedmq.experiments.bench.common import BenchOptions
 
 

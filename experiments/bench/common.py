@@ -193,7 +193,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
-    from fedmq.broker.mosquitto import find_mosquitto
+    from fedmq.broker.servers.mosquitto import find_mosquitto
 
     binary = find_mosquitto()
     if binary:

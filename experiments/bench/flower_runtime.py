@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fedmq.broker.errors import BusError
-from fedmq.broker.mosquitto import free_port, wait_for_port
+from fedmq.broker.servers.mosquitto import free_port, wait_for_port
 from fedmq.experiments.bench.procs import descendants, proc_stat
 
 FLWR_REQUIREMENT = "flwr[simulation]>=1.20,<2"

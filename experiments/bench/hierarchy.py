@@ -4,7 +4,7 @@ coordinator's CPU a round, and the accuracy, side by side.
 The same FedAvg federation (1,000 nodes by default, every node in every round, the MLP with one
 hidden layer of 16 on synthetic data) runs twice on this machine, each time on a fresh central
 mosquitto: flat, every node connected to it; and in 10 sites, each a mosquitto bridged to it
-(`broker.bridge`) with its aggregator and a node host, the nodes connected to their site's broker
+(`broker.servers.bridge`) with its aggregator and a node host, the nodes connected to their site's broker
 only. The central broker's own counter (``$SYS/broker/bytes/received``, published every second)
 gives the bytes it received over each run; the coordinator's metrics lines (``cpu_s``) its CPU over
 the rounds after the warm-up; both runs' accuracy, round for round, is reported beside.

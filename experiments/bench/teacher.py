@@ -2,7 +2,7 @@
 
 Drives KDIA's real coordinator half (its `aggregate`, the participation record, the model store)
 with synthetic updates of a small model through the coordinator's own engine on the in-process
-driver (`coordinator.engine.local`: the engine samples each round's cohort of C x N nodes and
+driver (`coordinator.drivers.local`: the engine samples each round's cohort of C x N nodes and
 records their participation; the half's `aggregate` alone is timed), one mode per fresh child
 process so that each mode's resident memory is its own: the peak RSS above the process's state
 before the first round, the bytes of tensors the teacher holds, the time per round, and each
@@ -104,8 +104,8 @@ def worker(mode: str, s: Settings, out: Path) -> dict[str, Any]:
     cohort, keeps the participation record and calls `aggregate`, as the daemon does). The teacher
     is saved to `out` for the parent to compare with the exact one."""
     from fedmq.coordinator.config import CoordinatorConfig, RoundPolicy
+    from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
     from fedmq.coordinator.engine import SyncRounds
-    from fedmq.coordinator.engine.local import LocalFederation, LocalNode
     from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
     from fedmq.fedcore.algorithms.base import NodeHalf, Payload, TaskInput
     from fedmq.fedcore.data import TensorDataset

@@ -1,6 +1,6 @@
 """`fedmq broker --bridge`: a site's mosquitto bridged to the central broker (hierarchical
 federations, docs/hierarchy.md): its options, what they must say, and the mosquitto.conf they make
-(rendered by `broker.bridge`)."""
+(rendered by `broker.servers.bridge`)."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def site_broker_config(args: argparse.Namespace) -> Path:
     checked: mosquitto (the embedded broker has no bridge), a site and a federation, a plain URL."""
     import pwd
 
-    from fedmq.broker.bridge import render_site_config
     from fedmq.broker.config import BusConfig
-    from fedmq.broker.mosquitto import find_mosquitto
+    from fedmq.broker.servers.bridge import render_site_config
+    from fedmq.broker.servers.mosquitto import find_mosquitto
     from fedmq.broker.topics import check_id
 
     if find_mosquitto() is None:

@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from fedmq.broker.embedded import serve_embedded
-    from fedmq.broker.mosquitto import find_mosquitto, start_mosquitto
+    from fedmq.broker.servers.embedded import serve_embedded
+    from fedmq.broker.servers.mosquitto import find_mosquitto, start_mosquitto
 
     config_file, secure_amqtt, host, port = args.config, None, args.host, args.port
     scheme = "mqtt"
@@ -98,7 +98,7 @@ def _check_free(host: str, port: int) -> None:
 def _provisioned(directory: Path) -> tuple[Path, tuple[str, int]]:
     """A provisioned folder's embedded-broker config (checked as the embedded broker reads it) and the
     address both brokers listen on."""
-    from fedmq.broker.embedded import secure_amqtt_config
+    from fedmq.broker.servers.embedded import secure_amqtt_config
 
     path = directory / "amqtt" / "amqtt.json"
     if not path.is_file():

@@ -69,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, signals: Any) -> int:
     from fedmq.broker.tuning import tune_process
-    from fedmq.coordinator.run_dir import write_json, write_text
+    from fedmq.coordinator.storage.run_dir import write_json, write_text
     from fedmq.experiments.build import build_coordinator, load_split, partition_report
     from fedmq.experiments.plots import partition_png
     from fedmq.experiments.service import coordinator_status
 
     if args.tensorboard is not None:
-        from fedmq.coordinator.tensorboard import check_installed
+        from fedmq.coordinator.observers.tensorboard import check_installed
 
         check_installed()  # before loading anything: exit 2 saying what to install
     cfg, notifier = daemon.start(args, signals)
@@ -115,7 +115,7 @@ def _tensorboard(args: argparse.Namespace, coordinator: Any) -> Iterator[None]:
     if args.tensorboard is None:
         yield
         return
-    from fedmq.coordinator.tensorboard import TensorBoardScalars
+    from fedmq.coordinator.observers.tensorboard import TensorBoardScalars
 
     scalars = TensorBoardScalars(args.out / "tensorboard" if args.tensorboard is True else args.tensorboard)
     coordinator.watchers.append(scalars)
@@ -134,8 +134,8 @@ async def _http_api(args: argparse.Namespace, coordinator: Any, cfg: Any) -> Asy
     import yaml
 
     from fedmq.coordinator.errors import CoordinatorError
-    from fedmq.coordinator.http import CoordinatorAPI, read_token
-    from fedmq.coordinator.metrics import CoordinatorMetrics
+    from fedmq.coordinator.observers.http import CoordinatorAPI, read_token
+    from fedmq.coordinator.observers.metrics import CoordinatorMetrics
 
     try:
         token = read_token(args.http_token_file) if args.http_token_file else None
@@ -154,7 +154,7 @@ async def _http_api(args: argparse.Namespace, coordinator: Any, cfg: Any) -> Asy
 def _resume_or_start(out: Path) -> None:
     """`--resume` without a checkpoint starts from the beginning: the records of an attempt that
     stopped before its first checkpoint go, as on a resume those after the checkpoint do."""
-    from fedmq.coordinator.run_dir import CHECKPOINT, RunDir
+    from fedmq.coordinator.storage.run_dir import CHECKPOINT, RunDir
 
     if not (out / CHECKPOINT).exists():
         logger.info("--resume: no checkpoint in %s yet; starting from the beginning", out)

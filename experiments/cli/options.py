@@ -46,7 +46,7 @@ def seconds(text: str) -> float:
 
 def http_address(text: str) -> tuple[str, int]:
     from fedmq.coordinator.errors import CoordinatorError
-    from fedmq.coordinator.http import parse_address
+    from fedmq.coordinator.observers.http import parse_address
 
     try:
         return parse_address(text)

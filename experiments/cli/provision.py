@@ -1,5 +1,5 @@
 """`fedmq provision`: what a secure federation needs (CA, certificates, credentials, broker configs),
-written by `broker.provision` for the experiment's nodes."""
+written by `broker.servers.provision` for the experiment's nodes."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def add_parser(subparsers: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedmq.broker.provision import DEFAULT_HOSTS, provision
+    from fedmq.broker.servers.provision import DEFAULT_HOSTS, provision
     from fedmq.experiments.build import federation_id
 
     cfg = experiment(args)

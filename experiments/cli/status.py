@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from fedmq.coordinator.errors import CoordinatorError
-    from fedmq.coordinator.http import read_token
+    from fedmq.coordinator.observers.http import read_token
     from fedmq.experiments.status import Unreachable, render, resolve_url, snapshot
 
     try:

@@ -2,7 +2,7 @@
 
 A few nodes with label-skewed synthetic shards, a shared workspace model and spare models, rounds
 driven by the coordinator's own engine (`SyncRounds` on the in-process driver,
-`coordinator.engine.local`), as the daemons drive them. fedmq's own tests of each method use it too."""
+`coordinator.drivers.local`), as the daemons drive them. fedmq's own tests of each method use it too."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from fedmq.coordinator.config import CoordinatorConfig, RoundPolicy
+from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
 from fedmq.coordinator.engine import SyncRounds
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.engine.local import LocalFederation, LocalNode
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import (
     AlgorithmSpec,

@@ -66,7 +66,7 @@ def test_a_bus_client_changes_nothing_process_wide_and_the_entry_point_tunes_as_
 
 
 def test_the_mosquitto_fedmq_starts_gets_the_settings_and_yours_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto
+    from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, start_mosquitto
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedmq.broker import BusClient, BusConfig, BusError, Kind, Message, Topics, Will, encode
-from fedmq.broker.mosquitto import free_port, start_mosquitto
+from fedmq.broker.servers.mosquitto import free_port, start_mosquitto
 from tests.helpers import next_message, raw_client
 
 
@@ -304,7 +304,7 @@ def _restartable_mosquitto(slow_s: float) -> tuple[int, subprocess.Popen[bytes],
     """A mosquitto of a test's own (to restart), a quick client's config and a slow one's: the publisher
     retries later than the subscriber, so that the restarted broker (which keeps no sessions) has the
     subscription back before the held publish goes out."""
-    from fedmq.broker.mosquitto import find_mosquitto
+    from fedmq.broker.servers.mosquitto import find_mosquitto
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
@@ -345,7 +345,7 @@ async def test_client_reconnects_and_resubscribes_after_broker_restart(federatio
 
 
 def _mosquitto_with(extra: str) -> tuple[subprocess.Popen[bytes], int]:
-    from fedmq.broker.mosquitto import find_mosquitto, render_config
+    from fedmq.broker.servers.mosquitto import find_mosquitto, render_config
 
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")

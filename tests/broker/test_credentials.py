@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from fedmq.broker import BusConfig
-from fedmq.broker.credentials import Access, Credentials, from_environment, read_credentials_file
 from fedmq.broker.errors import CredentialsError
+from fedmq.broker.servers.credentials import Access, Credentials, from_environment, read_credentials_file
 
 
 def _write(path: Path, data: object) -> Path:

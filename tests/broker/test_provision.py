@@ -1,4 +1,4 @@
-"""`broker.provision`: certificates that verify, hashes mosquitto's format, rules per identity, no
+"""`broker.servers.provision`: certificates that verify, hashes mosquitto's format, rules per identity, no
 secret readable by others, nothing overwritten."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmq.broker.provision import mosquitto_hash, provision, topic_rules
+from fedmq.broker.servers.provision import mosquitto_hash, provision, topic_rules
 from fedmq.broker.topics import Topics
 
 

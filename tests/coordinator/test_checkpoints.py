@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from fedmq.coordinator.checkpoints import CheckpointWriter
+from fedmq.coordinator.storage.checkpoints import CheckpointWriter
 
 
 async def test_writes_in_order_and_replaces_a_waiting_snapshot_by_a_newer_one() -> None:

@@ -16,10 +16,10 @@ import torch
 from fedmq.broker import Kind, Message
 from fedmq.coordinator.compressed import DeltaPayload, restore
 from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine import make_engine
-from fedmq.coordinator.engine.local import LocalFederation, LocalNode
 from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import Payload

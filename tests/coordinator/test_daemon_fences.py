@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
-from fedmq.coordinator.daemon import Coordinator, _TaskFrame
+from fedmq.coordinator.drivers.mqtt import Coordinator, _TaskFrame
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from fedmq.coordinator.errors import CoordinatorError
-from fedmq.coordinator.http import STREAM_QUEUE, LiveState, TeacherTail, is_loopback, parse_address, read_token
+from fedmq.coordinator.observers.http import (
+    STREAM_QUEUE,
+    LiveState,
+    TeacherTail,
+    is_loopback,
+    parse_address,
+    read_token,
+)
 
 
 @pytest.mark.parametrize(

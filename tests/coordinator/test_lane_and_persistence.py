@@ -13,8 +13,8 @@ from torch import nn
 
 from fedmq.coordinator.errors import CoordinatorError
 from fedmq.coordinator.lane import Lane
-from fedmq.coordinator.persistence import Persistence
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.storage.persistence import Persistence
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.fedcore.algorithms.fedavg import CoordinatorHalf, Hyperparams
 
 

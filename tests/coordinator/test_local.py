@@ -1,4 +1,4 @@
-"""The in-process driver (`coordinator.engine.local.LocalFederation`) on a tiny FedAvg federation:
+"""The in-process driver (`coordinator.drivers.local.LocalFederation`) on a tiny FedAvg federation:
 asynchronous runs with heterogeneous virtual compute times, a sync deadline, a node going offline."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.commands import TaskSpec
-from fedmq.coordinator.engine.local import LocalFederation, LocalNode
 from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.tensors import model_sha256

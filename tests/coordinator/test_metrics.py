@@ -13,11 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fedmq.broker import BusConfig, Kind, Message
 from fedmq.broker.client import BusStats
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.buffered import BufferedAsync
-from fedmq.coordinator.metrics import CoordinatorMetrics
+from fedmq.coordinator.observers.metrics import CoordinatorMetrics
 from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
 from tests.coordinator.engine_helpers import Driver, config, of, one, seen, update
 from tests.coordinator.test_payloads import PerNode, _model

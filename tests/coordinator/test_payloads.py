@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from fedmq.broker import BusConfig, decode
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
+from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine import make_engine
 from fedmq.coordinator.engine.base import Engine
-from fedmq.coordinator.engine.local import LocalFederation, LocalNode
 from fedmq.fedcore.algorithms import base
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord

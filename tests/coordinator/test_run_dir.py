@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedmq.coordinator.errors import CoordinatorError
-from fedmq.coordinator.run_dir import CHECKPOINT, RunDir
+from fedmq.coordinator.storage.run_dir import CHECKPOINT, RunDir
 
 
 def test_checkpoint_round_trip_is_plain_safetensors(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_a_file_rewritten_while_another_process_reads_it_is_never_seen_empty(tmp
     the whole ramp then waited out its nodes. The file is replaced atomically now."""
     import threading
 
-    from fedmq.coordinator.run_dir import write_text
+    from fedmq.coordinator.storage.run_dir import write_text
 
     path = tmp_path / "config.yaml"
     text = "name: x\n" + "seed: 0\n" * 20_000

@@ -11,7 +11,7 @@ import pytest
 
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.tensorboard import check_installed, scalars
+from fedmq.coordinator.observers.tensorboard import check_installed, scalars
 from fedmq.fedcore.errors import ConfigError
 
 SYNC = [
@@ -49,7 +49,7 @@ def test_tensorboard_watcher_writes_each_line_at_its_round_or_version(tmp_path: 
     pytest.importorskip("tensorboard", reason="pip install 'fedmq[tensorboard]' for this test")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fedmq.coordinator.tensorboard import TensorBoardScalars
+    from fedmq.coordinator.observers.tensorboard import TensorBoardScalars
 
     def read(path: Path) -> dict[str, list[tuple[int, float]]]:
         events = EventAccumulator(str(path))

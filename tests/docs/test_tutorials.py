@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmq.broker.mosquitto import free_port
+from fedmq.broker.servers.mosquitto import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))

@@ -111,7 +111,7 @@ def test_scale_suite_ramps_the_node_count_and_measures_memory(tmp_path: Path) ->
 def test_hierarchy_suite_runs_both_federations_and_reads_the_central_broker_s_bytes(tmp_path: Path) -> None:
     """20 nodes flat and in 2 bridged sites (C = 1): the central broker counts fewer bytes for the sites'
     run (2 partial updates a round instead of 20), and the two runs' accuracy is the same, round for round."""
-    from fedmq.broker.mosquitto import find_mosquitto
+    from fedmq.broker.servers.mosquitto import find_mosquitto
 
     if find_mosquitto() is None:
         pytest.skip("bridged sites need mosquitto")

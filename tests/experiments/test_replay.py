@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedmq.coordinator.engine.replay import ReplayError, read_log
+from fedmq.coordinator.drivers.replay import ReplayError, read_log
 from fedmq.experiments.cli import EXIT_MISMATCH, EXIT_OK, main
 from fedmq.experiments.config import apply_overrides, parse_config, read_yaml
 from fedmq.experiments.replay import counterfactual, replay_run, trace_of

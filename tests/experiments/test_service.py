@@ -18,7 +18,7 @@ import pytest
 
 from fedmq.broker import BusConfig
 from fedmq.broker.errors import BusError
-from fedmq.broker.mosquitto import free_port
+from fedmq.broker.servers.mosquitto import free_port
 from fedmq.experiments import logs
 from fedmq.experiments.service import Notifier, wait_for_broker
 from fedmq.fedcore.errors import ConfigError

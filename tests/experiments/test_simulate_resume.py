@@ -18,8 +18,8 @@ import torch
 import yaml
 
 import fedmq.experiments.simulate as simulate_module
-from fedmq.coordinator.engine.replay import ReplayError
-from fedmq.coordinator.run_dir import CHECKPOINT
+from fedmq.coordinator.drivers.replay import ReplayError
+from fedmq.coordinator.storage.run_dir import CHECKPOINT
 from fedmq.experiments.cli import EXIT_CONFIG, EXIT_OK, main
 from fedmq.experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml
 from fedmq.experiments.grid import expand
@@ -248,7 +248,7 @@ def test_a_run_whose_node_state_cannot_be_checkpointed_goes_on_without_checkpoin
 
 
 def test_a_resumed_event_log_drops_the_half_written_line_a_kill_left(tmp_path: Path) -> None:
-    from fedmq.coordinator.eventlog import EventLog
+    from fedmq.coordinator.storage.eventlog import EventLog
 
     path = tmp_path / "events.jsonl"
     path.write_text('{"log": "fedmq-events", "format": 2}\n{"n": 1, "t": 0.0, "ev": "Start"}\n{"n": 2, "t": 1.5, "e')
@@ -260,7 +260,7 @@ def test_a_resumed_event_log_drops_the_half_written_line_a_kill_left(tmp_path: P
 
 
 def test_resuming_drops_a_half_written_metrics_line(tmp_path: Path) -> None:
-    from fedmq.coordinator.run_dir import RunDir
+    from fedmq.coordinator.storage.run_dir import RunDir
 
     (tmp_path / "metrics.jsonl").write_text('{"round": 0}\n{"round": 1}\n{"round": 2}\n{"rou')
     RunDir(tmp_path).truncate_metrics_after(1)

@@ -128,10 +128,10 @@ def base_config(**changes: Any) -> dict[str, Any]:
 
 class Hierarchy(Federation):
     """A hierarchical federation as processes: a central mosquitto with the coordinator, and per site a
-    mosquitto bridged to it (`broker.bridge`), its aggregator worker(s) and one node host for its nodes."""
+    mosquitto bridged to it (`broker.servers.bridge`), its aggregator worker(s) and one node host for its nodes."""
 
     def __init__(self, tmp_path: Path, config: dict[str, Any]) -> None:
-        from fedmq.broker.mosquitto import free_port, render_config, start_mosquitto
+        from fedmq.broker.servers.mosquitto import free_port, render_config, start_mosquitto
 
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.central_port = free_port()
@@ -145,8 +145,8 @@ class Hierarchy(Federation):
         self.site_configs: dict[str, Path] = {}
 
     def start_site_broker(self, site: str) -> str:
-        from fedmq.broker.bridge import render_site_config
-        from fedmq.broker.mosquitto import free_port, start_mosquitto
+        from fedmq.broker.servers.bridge import render_site_config
+        from fedmq.broker.servers.mosquitto import free_port, start_mosquitto
 
         port = self.site_ports.setdefault(site, free_port())
         state = self.dir / "brokers" / site
@@ -163,7 +163,7 @@ class Hierarchy(Federation):
 
     def restart_site_broker(self, site: str, down_s: float = 0.5) -> None:
         """SIGTERM (mosquitto saves its sessions and queues), a pause, the same config again."""
-        from fedmq.broker.mosquitto import start_mosquitto
+        from fedmq.broker.servers.mosquitto import start_mosquitto
 
         proc = self.brokers[site]
         proc.terminate()

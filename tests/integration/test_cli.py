@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from fedmq.broker import BusClient, BusConfig
-from fedmq.broker.mosquitto import find_mosquitto, free_port, wait_for_port
+from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, wait_for_port
 from tests.integration.federation import Federation, base_config
 
 pytestmark = pytest.mark.slow

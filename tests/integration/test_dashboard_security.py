@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from fedmq.broker import BusConfig
-from fedmq.coordinator.daemon import Coordinator
-from fedmq.coordinator.http import TOKEN_COOKIE, CoordinatorAPI
+from fedmq.coordinator.drivers.mqtt import Coordinator
+from fedmq.coordinator.observers.http import TOKEN_COOKIE, CoordinatorAPI
 from tests.browser import Browser, require_chromium
 from tests.coordinator.engine_helpers import config
 from tests.coordinator.test_payloads import PerNode, _model

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from fedmq.broker import BusClient, BusConfig, Kind, Topics
-from fedmq.broker.mosquitto import find_mosquitto, free_port
+from fedmq.broker.servers.mosquitto import find_mosquitto, free_port
 from tests.helpers import next_message
 from tests.integration.daemons import QUICKSTART, NotifySocket, fedmq, start, tail
 

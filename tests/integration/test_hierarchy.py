@@ -1,5 +1,5 @@
 """Hierarchical federations on real brokers: a central mosquitto and a mosquitto per site bridged to it
-(mosquitto's own bridge, `broker.bridge`), site aggregators (`fedmq aggregator`), coordinator and
+(mosquitto's own bridge, `broker.servers.bridge`), site aggregators (`fedmq aggregator`), coordinator and
 node hosts as processes. Nodes reach only their site's broker."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fedmq.broker.mosquitto import find_mosquitto
+from fedmq.broker.servers.mosquitto import find_mosquitto
 from tests.integration.federation import Federation, Hierarchy, base_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.mosquitto]

@@ -20,8 +20,8 @@ import yaml
 
 import fedmq.experiments.build
 from fedmq.coordinator.engine import commands as c
-from fedmq.coordinator.metrics import CoordinatorMetrics
-from fedmq.coordinator.tensorboard import INSTALL_HINT
+from fedmq.coordinator.observers.metrics import CoordinatorMetrics
+from fedmq.coordinator.observers.tensorboard import INSTALL_HINT
 from fedmq.experiments.build import build_coordinator, build_nodes
 from fedmq.experiments.cli import main
 from fedmq.experiments.config import parse_config

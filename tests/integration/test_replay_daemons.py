@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmq.coordinator.engine.replay import read_log
+from fedmq.coordinator.drivers.replay import read_log
 from fedmq.experiments.replay import trace_of
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 
 import fedmq.experiments.build
 from fedmq.broker import Topics, decode
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.experiments.build import build_coordinator, build_nodes, node_scripts
 from fedmq.experiments.config import parse_config
 from fedmq.fednode.daemon import NodeDaemon, serve_nodes

@@ -22,9 +22,9 @@ import yaml
 import fedmq.experiments.build
 from fedmq.broker import BusClient, BusConfig, BusError, Kind, Message, Topics
 from fedmq.broker.client import Will
-from fedmq.broker.credentials import Access
-from fedmq.broker.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
-from fedmq.broker.provision import Provisioned, provision
+from fedmq.broker.servers.credentials import Access
+from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
+from fedmq.broker.servers.provision import Provisioned, provision
 from fedmq.experiments.config import load_config
 from fedmq.experiments.local import build_local
 from fedmq.experiments.secure_defaults import secure_aggregator

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fedmq.broker import BusClient, BusConfig, Kind, Message, Topics
-from fedmq.broker.mosquitto import free_port, wait_for_port
+from fedmq.broker.servers.mosquitto import free_port, wait_for_port
 from fedmq.experiments.cli import build_parser
 from fedmq.fedcore.algorithms.fedavg import Hyperparams, NodeHalf
 from fedmq.fedcore.data import TensorDataset

@@ -21,10 +21,10 @@ import torch
 from fedmq.aggregator.upstream import SiteTrainer, no_data
 from fedmq.broker import BusConfig, Message, decode, encode
 from fedmq.coordinator.config import CoordinatorConfig, RoundPolicy
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
+from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import make_engine
-from fedmq.coordinator.engine.local import LocalFederation, LocalNode
 from fedmq.fedcore.algorithms import fedavg
 from fedmq.fedcore.algorithms.base import Payload, RoundContext
 from fedmq.fedcore.compression import Compression

@@ -30,11 +30,11 @@ from typing import Any
 from aiohttp import web
 
 from fedmq.broker.config import is_loopback
-from fedmq.coordinator.daemon import Coordinator
+from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import CoordinatorError
-from fedmq.coordinator.run_dir import read_jsonl
+from fedmq.coordinator.storage.run_dir import read_jsonl
 from fedmq.fedcore.protocol import RunState
 
 logger = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class CoordinatorAPI:
         return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.token.encode())
 
     async def _dashboard(self, _: web.Request) -> web.Response:
-        page = resources.files("fedmq.coordinator").joinpath("dashboard.html").read_text()
+        page = resources.files("fedmq.coordinator.observers").joinpath("dashboard.html").read_text()
         headers = {"Cache-Control": "no-store", **page_security_headers(page)}
         return web.Response(text=page, content_type="text/html", headers=headers)
 

@@ -30,8 +30,8 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.base import Engine
 from fedmq.coordinator.engine.clock import FakeClock
-from fedmq.coordinator.eventlog import EventLog
 from fedmq.coordinator.halfcalls import HalfCalls
+from fedmq.coordinator.storage.eventlog import EventLog
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, GroupMember, NodeHalf, Payload, TaskInput
 from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset

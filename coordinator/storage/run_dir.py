@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fedmq.coordinator.errors import CoordinatorError
-from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
 
 CHECKPOINT = "checkpoint.safetensors"
 

@@ -31,14 +31,14 @@ from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.base import new_task_id
 from fedmq.coordinator.engine.clock import Clock, MonotonicClock
 from fedmq.coordinator.errors import CoordinatorError, ProtocolError
-from fedmq.coordinator.eventlog import FILENAME as EVENT_LOG
-from fedmq.coordinator.eventlog import EventLog, log_header
 from fedmq.coordinator.halfcalls import HalfCalls, update_schema
 from fedmq.coordinator.lane import Lane
-from fedmq.coordinator.persistence import Persistence
+from fedmq.coordinator.observers.reporting import MEASURED_FIELDS, Evaluator, outcome_fields, write_run_files
 from fedmq.coordinator.registry import NodeRegistry
-from fedmq.coordinator.reporting import MEASURED_FIELDS, Evaluator, outcome_fields, write_run_files
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
+from fedmq.coordinator.storage.eventlog import EventLog, log_header
+from fedmq.coordinator.storage.persistence import Persistence
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedmq.fedcore.data import TensorDataset

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from fedmq.broker import Kind, Message
+from fedmq.coordinator.drivers.local import LocalFederation, _clone
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
-from fedmq.coordinator.engine.local import LocalFederation, _clone
-from fedmq.coordinator.eventlog import FORMAT, encode_command, tagged, untagged
+from fedmq.coordinator.storage.eventlog import FORMAT, encode_command, tagged, untagged
 from fedmq.fedcore import masked as m
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.protocol import SecAggDirectory, UpdateFailed

@@ -18,8 +18,8 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from fedmq.broker.credentials import COORDINATOR
 from fedmq.broker.errors import CredentialsError
+from fedmq.broker.servers.credentials import COORDINATOR
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 - a CA and a broker certificate signed by it (the ``cryptography`` package; EC P-256, SANs for every
   host name and address the broker is reached by);
 - one random password per identity (the coordinator, the run monitor, each node) and a credentials
-  file for each (`broker.credentials`), which is all a node's machine needs besides ``ca.crt``;
+  file for each (`broker.servers.credentials`), which is all a node's machine needs besides ``ca.crt``;
 - a mosquitto config: a TLS listener only, no anonymous access, persistence on, and an ACL in which
   a node publishes only on its own status, ack and update topics and reads only its own inbox, the
   model broadcasts and the coordinator's state; only the coordinator publishes the coordinator's
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedmq.broker.config import MQTT_MAX_PACKET
-from fedmq.broker.credentials import COORDINATOR, MONITOR
-from fedmq.broker.mosquitto import tuning
+from fedmq.broker.servers.credentials import COORDINATOR, MONITOR
+from fedmq.broker.servers.mosquitto import tuning
 from fedmq.broker.topics import Topics, check_id
 
 RESERVED = (COORDINATOR, MONITOR)

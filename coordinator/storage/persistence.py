@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from fedmq.coordinator.checkpoints import CheckpointWriter
 from fedmq.coordinator.errors import CoordinatorError
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.storage.checkpoints import CheckpointWriter
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, half_state, load_half_state
 
 logger = logging.getLogger(__name__)

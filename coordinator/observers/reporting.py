@@ -13,7 +13,7 @@ import torch
 
 from fedmq.coordinator.engine.base import Engine
 from fedmq.coordinator.registry import NodeRegistry
-from fedmq.coordinator.run_dir import RunDir
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.fedcore.algorithms.base import CoordinatorHalf
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord

@@ -27,7 +27,7 @@ from fedmq.coordinator.engine.sync import SyncRounds
 from fedmq.fedcore.protocol import RunState
 
 if TYPE_CHECKING:
-    from fedmq.coordinator.daemon import Coordinator
+    from fedmq.coordinator.drivers.mqtt import Coordinator
 
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 100)

@@ -1,0 +1,2 @@
+"""What watches a run without steering it: the HTTP API and dashboard, Prometheus metrics,
+TensorBoard scalars, and the run's reports."""
