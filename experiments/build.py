@@ -229,7 +229,7 @@ def secure_refusal(half: CoordinatorHalf) -> str | None:
 def round_policy(cfg: ExperimentConfig, **changes: object) -> RoundPolicy:
     """The experiment's round policy, with `changes` (a hierarchy's levels)."""
     derived = {"inline_model_bytes": inline_model_bytes(cfg), "min_nodes": cfg.policy.min_nodes or cfg.nodes}
-    fields = dict(cfg.policy) | derived | {"fraction": cfg.fraction, "deadline_s": cfg.deadline_s}
+    fields = dict(cfg.policy) | derived
     fields.pop("sample_limits")  # the experiment's, resolved into each node's limit (`sample_limits`)
     return RoundPolicy(**(fields | changes))  # type: ignore[arg-type]
 

@@ -18,9 +18,10 @@ import inspect
 import itertools
 import math
 import textwrap
+import warnings
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from pydantic import (
@@ -28,13 +29,11 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     ValidationInfo,
     create_model,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -55,18 +54,11 @@ if TYPE_CHECKING:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    _added_later: ClassVar[tuple[str, ...]] = ()
-    """Fields added after runs were made: left out of a dump while at their defaults, so that the
-    config of a run made before they existed still equals today's (a finished grid cell is kept)."""
+    """A section of the experiment file: unknown keys refused, frozen once read. A run's dump
+    (config.yaml) holds every field; a config written before a field existed is read with its default,
+    so comparing configs means comparing them read (`experiments.grid.cell_is_done`), never their text."""
 
-    @model_serializer(mode="wrap")
-    def _omit_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        for name in self._added_later:
-            if getattr(self, name) == type(self).model_fields[name].default:
-                data.pop(name, None)
-        return data
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _field(
@@ -210,7 +202,6 @@ class DataConfig(_Strict):
         description="official: the dataset's own training and test sets; or {kind: pooled, test_fraction,"
         " seed, evaluate_on}: the FedVLS authors' pooled re-split (see PooledSplit)",
     )
-    _added_later = ("split",)
 
     @field_validator("split", mode="before")
     @classmethod
@@ -411,21 +402,19 @@ class TrainConfig(
         exclude=("dp_noise_multiplier",),  # set from privacy: (experiments.build.train_settings)
     )
 ):
-    # `train:` the nodes' local training (`fedcore.training.TrainSettings`)
-    _added_later = ("drop_last",)
+    """`train:` the nodes' local training (`fedcore.training.TrainSettings`)."""
 
 
 class PolicyConfig(
     _section(  # type: ignore[misc]  # a base built at runtime, which mypy cannot follow
         RoundPolicy,
-        exclude=("fraction", "deadline_s"),  # at the top of the file
         unset={
             "inline_model_bytes": "65536, or 0 with hosting.vectorize (its groups form at the acknowledgements)",
             "min_nodes": "all of them",
         },
     )
 ):
-    """`policy:` when a round ends (`coordinator.config.RoundPolicy`; fraction and deadline_s are top-level)."""
+    """`policy:` who is selected and when a round ends (`coordinator.config.RoundPolicy`)."""
 
     sample_limits: Literal["partition", "none"] = Field(
         "partition",
@@ -433,21 +422,6 @@ class PolicyConfig(
         " experiment's partition, a site its nodes' shards together, so that one node's credentials cannot"
         " take the federation's weight; none: only max_node_samples bounds the counts (nodes that bring"
         " their own data with `fedmq node --data`: set max_node_samples then)",
-    )
-
-    _added_later = (
-        "inline_model_bytes",
-        "late_updates",
-        "receipts",
-        "max_node_samples",
-        "require_announced_samples",
-        "sample_limits",
-        "reject_below",
-        "exclude_after",
-        "max_rounds_without_model",
-        "node_messages_per_s",
-        "node_message_burst",
-        "node_bytes_per_s",
     )
 
 
@@ -467,8 +441,6 @@ class BusSettings(
 ):
     """`bus:` the transfer settings of every client (`broker.BusConfig`); the broker's address and
     credentials come from the command line."""
-
-    _added_later = ("tune_allocator", "plaintext_credentials")
 
     @model_validator(mode="after")
     def _together(self) -> BusSettings:
@@ -493,7 +465,6 @@ class HostingConfig(_Strict):
     vectorize_wait_s: float = Field(
         2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"
     )
-    _added_later = ("vectorize", "vectorize_wait_s")
 
 
 class SimulationConfig(_Strict):
@@ -693,15 +664,17 @@ DROP_LAST_REFUSED = {
 """Methods whose node counts `local_sgd`'s batches without `drop_last`, and what it counts."""
 
 
+MOVED_TO_POLICY = frozenset({"fraction", "deadline_s"})
+"""Settings once at the top of the experiment file, now in `policy:` (the old spelling is still read)."""
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(..., min_length=1, max_length=48, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     federation: str | None = Field(None, description="topic namespace; `fedmq run` makes a unique one")
     seed: int = 0
     nodes: int = Field(..., ge=1, le=100_000)
-    fraction: float = _field(RoundPolicy, "fraction")
     rounds: int | None = _field(CoordinatorConfig, "rounds", unset="only with engine.kind async (required otherwise)")
     eval_every: int = _field(CoordinatorConfig, "eval_every")
-    deadline_s: float = _field(RoundPolicy, "deadline_s")
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -716,21 +689,53 @@ class ExperimentConfig(_Strict):
         None, description="what happens to the nodes over time (docs/scenarios.md); a file is read inline"
     )
     compression: CompressionConfig = Field(
-        CompressionConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        CompressionConfig(),
         description="update compression for thin links (default: none)",
     )
     hierarchy: HierarchyConfig = Field(
         HierarchyConfig(), description="site aggregators between the nodes and the coordinator (default: none)"
     )
     simulation: SimulationConfig = Field(
-        SimulationConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        SimulationConfig(),
         description="how `fedmq simulate` trains a round's nodes (vectorised on a GPU) and checkpoints",
     )
     privacy: PrivacyConfig = Field(
-        PrivacyConfig(),  # a default value (not a factory), so that the dump leaves it out (_added_later)
+        PrivacyConfig(),
         description="differential privacy of the released models (default: none; docs/privacy.md)",
     )
-    _added_later = ("engine", "scenario", "compression", "hierarchy", "simulation", "privacy")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_moved(cls, data: Any) -> Any:
+        """The old spelling, ``fraction`` and ``deadline_s`` at the top of the file, read as the policy's
+        (with a warning that says what to write); set in both places, it is an error."""
+        if not isinstance(data, dict) or not MOVED_TO_POLICY & data.keys():
+            return data
+        data, policy = dict(data), data.get("policy")
+        policy = dict(policy) if isinstance(policy, dict) else {} if policy is None else policy
+        if not isinstance(policy, dict):
+            return data  # the policy's own error says what is wrong with it
+        for name in sorted(MOVED_TO_POLICY & data.keys()):
+            if name in policy:
+                raise ValueError(f"{name} is set at the top level and as policy.{name}: keep policy.{name} only")
+            policy[name] = data.pop(name)
+            warnings.warn(
+                f"{name} at the top of the experiment file is deprecated: write it as policy.{name}",
+                FutureWarning,
+                stacklevel=2,
+            )
+        data["policy"] = policy
+        return data
+
+    @property
+    def fraction(self) -> float:
+        """C, the share of the nodes selected a round (`policy.fraction`)."""
+        return self.policy.fraction
+
+    @property
+    def deadline_s(self) -> float:
+        """When a round closes with what it has (`policy.deadline_s`)."""
+        return self.policy.deadline_s
 
     @field_validator("faults")
     @classmethod
@@ -973,10 +978,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def moved_key(key: str) -> str:
+    """A setting's key as it is written now: ``fraction`` and ``deadline_s`` (a ``--set``, a grid axis, an
+    override), once at the top of the file, are the policy's, read with a warning that says so."""
+    if key not in MOVED_TO_POLICY:
+        return key
+    warnings.warn(f"{key} is deprecated: write policy.{key}", FutureWarning, stacklevel=3)
+    return f"policy.{key}"
+
+
 def set_path(data: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     """Set ``a.b.c`` in nested maps, creating the sections on the way."""
     node = data
-    parts = key.split(".")
+    parts = moved_key(key).split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):

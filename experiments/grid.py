@@ -25,6 +25,7 @@ import itertools
 import json
 import re
 import unicodedata
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -234,7 +235,9 @@ def dump_cell_config(cell: Cell) -> str:
 
 
 def cell_is_done(directory: Path, cell: Cell) -> bool:
-    """A cell finished before with the same config (its federation id aside) is not run again."""
+    """A cell finished before with the same config (its federation id aside) is not run again. The
+    recorded config is compared as read, not as text: one written before a setting existed reads with
+    its default, one in an older spelling as today's, so an upgrade does not re-run finished cells."""
     try:
         summary = json.loads((directory / "summary.json").read_text())
         previous = yaml.safe_load((directory / "config.yaml").read_text())
@@ -242,7 +245,11 @@ def cell_is_done(directory: Path, cell: Cell) -> bool:
         return False
     if summary.get("state") != "finished" or not isinstance(previous, dict):
         return False
-    current = cell.config.model_dump(mode="json")
-    previous.pop("federation", None)
-    current.pop("federation", None)
-    return bool(previous == current)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # an older spelling: fedmq's own file, not the user's
+            recorded = parse_config(previous, source=str(directory / "config.yaml"))
+    except ConfigError:
+        return False  # a setting it holds no longer exists, or is out of today's bounds: run it again
+    unnamed = {"federation": None}
+    return recorded.model_copy(update=unnamed) == cell.config.model_copy(update=unnamed)

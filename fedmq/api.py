@@ -32,7 +32,7 @@ import yaml
 
 from fedmq.broker.errors import BusError
 from fedmq.coordinator.drivers.replay import ReplayError
-from fedmq.experiments.config import ExperimentConfig, merge, parse_config, read_yaml, set_path
+from fedmq.experiments.config import MOVED_TO_POLICY, ExperimentConfig, merge, parse_config, read_yaml, set_path
 from fedmq.fedcore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def load_config(source: ConfigSource, /, **overrides: Any) -> ExperimentConfig:
     A file with a grid is for `fedmq run`/`fedmq simulate` (each cell is one experiment)."""
     data, where = _read(source)
     for key, value in overrides.items():
-        if "." in key:
+        if "." in key or key in MOVED_TO_POLICY:
             set_path(data, key, value, where=f"override {key}")
         else:
             data = merge(data, {key: value})

@@ -14,7 +14,7 @@ import pytest
 
 import fedmq
 
-SMALL = {"nodes": 6, "rounds": 2, "fraction": 0.5, "model": {"name": "mlp", "options": {"hidden": [32]}}}
+SMALL = {"nodes": 6, "rounds": 2, "policy.fraction": 0.5, "model": {"name": "mlp", "options": {"hidden": [32]}}}
 
 
 def test_importing_fedmq_loads_neither_torch_nor_the_api() -> None:
@@ -103,7 +103,7 @@ def test_open_run_says_what_a_folder_is_not(tmp_path: Path) -> None:
 async def test_run_starts_the_daemons_from_inside_a_running_event_loop(tmp_path: Path) -> None:
     """As in a notebook, whose event loop is running: `fedmq.run` still runs a federation of real
     processes (an embedded broker, the coordinator, a node host) and gives its run directory."""
-    cfg = fedmq.load_config("quickstart", **{**SMALL, "nodes": 3, "fraction": 1.0, "rounds": 1})
+    cfg = fedmq.load_config("quickstart", **{**SMALL, "nodes": 3, "policy.fraction": 1.0, "rounds": 1})
     run = fedmq.run(cfg, tmp_path / "run", processes=1, progress=False, timeout_s=120)
     assert run.state == "finished" and len(run.metrics) == 1
     assert sorted(run.metrics[0]["accepted"]) == cfg.node_ids()

@@ -90,9 +90,10 @@ EXPERIMENT = """\
 name: mylab
 seed: 0
 nodes: 4
-fraction: 1.0
+policy:
+  fraction: 1.0
+  deadline_s: 30
 rounds: {rounds}
-deadline_s: 30
 data:
   dataset: {dataset}
 partition:

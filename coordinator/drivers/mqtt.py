@@ -18,13 +18,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
-from fedmq.broker.codec import encoded_size, with_bytes_replaced
+from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will
 from fedmq.broker.errors import BusError
 from fedmq.broker.throttle import LogThrottle
 from fedmq.broker.topics import Route
 from fedmq.coordinator.budgets import node_budgets
 from fedmq.coordinator.config import CoordinatorConfig
+from fedmq.coordinator.drivers.task_frames import SENDER, Prepared, TaskFrame, TaskFrames
 from fedmq.coordinator.engine import Engine, make_engine
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
@@ -39,7 +39,7 @@ from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
 from fedmq.coordinator.storage.eventlog import EventLog, log_header
 from fedmq.coordinator.storage.persistence import Persistence
 from fedmq.coordinator.storage.run_dir import RunDir
-from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
+from fedmq.fedcore.algorithms.base import CoordinatorHalf
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint, fingerprint_of
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord
@@ -51,14 +51,11 @@ from fedmq.fedcore.protocol import (
     SecAggDirectory,
     SecAggShared,
     SecAggUnmask,
-    Task,
 )
-from fedmq.fedcore.tensors import flatten_groups, schema_of
-from fedmq.fedcore.training import TrainSettings
+from fedmq.fedcore.tensors import schema_of
 
 logger = logging.getLogger(__name__)
 
-SENDER = "coordinator"
 
 EngineFactory = Callable[[Callable[[], bytes]], Engine]
 """Makes a coordinator's engine from its task-id maker (which records each id in the event log, so that
@@ -86,35 +83,6 @@ class Summary:
     best_accuracy: float | None
     wall_seconds: float
     state: str
-
-
-@dataclass(frozen=True, slots=True)
-class _TaskFrame:
-    """The task frame of the nodes that share a payload (a sync round's), encoded once with `task`,
-    one of their task ids. Each node's own task id is its own (issue 31): its frame is a copy with
-    that id written over this one (`for_task`), so that the model riding inline is not encoded again
-    for every node; a copy lives only until its publish is acknowledged."""
-
-    frame: bytearray
-    task: bytes
-    expiry_s: float
-    """Its MQTT message expiry, as the engine's `Configure` says (the engine decides deadlines)."""
-
-    def for_task(self, task: bytes) -> bytearray:
-        return self.frame if task == self.task else with_bytes_replaced(self.frame, self.task, task)
-
-
-@dataclass(slots=True)
-class _Prepared:
-    """What a `Configure` step made ready: an encoded task per node and, for a broadcast, the model."""
-
-    frames: dict[str, _TaskFrame]
-    round: int
-    tasks: dict[str, bytes]
-    inline: bool
-    expiry_s: float
-    """The MQTT message expiry of the step's tasks and model: its `Configure`'s `expiry_s`."""
-    model: bytearray | None = None
 
 
 Watcher = Callable[[float, e.Event, "list[c.Command]"], None]
@@ -172,17 +140,18 @@ class Coordinator:
         self._refusals = LogThrottle(logger)
         """Protocol refusals, a few per node and reason a minute in the log (all counted)."""
         self._budgets = node_budgets(config.policy, bus_config.max_transfer_bytes)
-        self._prepared: dict[int, _Prepared] = {}
+        self._frames = TaskFrames(config, bus_config, self.fingerprint.digest)
+        self._prepared: dict[int, Prepared] = {}
         """Encoded tasks not yet sent, by Configure step (a step goes once its tasks are out, except the
         latest broadcast step, whose model a late acknowledgement may still need)."""
         self._statuses: asyncio.Queue[Message] = asyncio.Queue()
-        self._outbox: list[tuple[str, bytes, int, _TaskFrame]] = []
+        self._outbox: list[tuple[str, bytes, int, TaskFrame]] = []
         """Tasks to publish once the engine's commands for the current event are executed: (node, task id,
         round, frame)."""
         self._published_state: RunState | None = None
         self._connections: dict[str, int] = {}
         """Each node's connection count, from its statuses: a higher one means it reconnected."""
-        self._open_tasks: dict[str, tuple[bytes, int, _TaskFrame]] = {}
+        self._open_tasks: dict[str, tuple[bytes, int, TaskFrame]] = {}
         """Each node's last task frame (task id, round, frame) until the node acknowledges or answers it:
         sent again when the node announces itself again while it holds it (`_resend_open_task`)."""
         self._background: set[asyncio.Task[Any]] = set()
@@ -559,38 +528,11 @@ class Coordinator:
 
     # -- the half's calls (in the lane's thread) -------------------------------------------
 
-    def _configure(self, command: c.Configure) -> tuple[int, _Prepared]:
+    def _configure(self, command: c.Configure) -> tuple[int, Prepared]:
         """The half's payload for the step's tasks, encoded (in the lane: the model is read whole)."""
-        payload = self._calls.configure(command)
-        if not command.tasks:
-            return command.step, _Prepared({}, command.ctx.round, {}, inline=True, expiry_s=command.expiry_s)
-        if isinstance(payload, Payload):
-            payloads: Mapping[str, Payload] = dict.fromkeys((t.node for t in command.tasks), payload)
-            model = None if command.inline_only else self._model_message(command, payload)
-            inline = model is None or self._fits_in_task(model)
-        else:  # one payload per node: each rides in its own task
-            payloads, model, inline = payload, None, True
-        frames: dict[str, _TaskFrame] = {}
-        if isinstance(payload, Payload):  # one payload: the tasks that differ only in their ids encoded once
-            shared: dict[tuple[int, int, int, bytes | None], _TaskFrame] = {}
-            for t in command.tasks:
-                key = (t.round, t.attempt, t.version, t.model)
-                if key not in shared:
-                    message = self._task_message(command, t, payload if inline else None)
-                    shared[key] = _TaskFrame(encode(message), t.task, command.expiry_s)
-                frames[t.node] = shared[key]
-        else:
-            for t in command.tasks:
-                message = self._task_message(command, t, payloads[t.node])
-                frames[t.node] = _TaskFrame(encode(message), t.task, command.expiry_s)
-        tasks = {t.node: t.task for t in command.tasks}
-        prepared = _Prepared(frames, command.ctx.round, tasks, inline, command.expiry_s)
-        if not inline:
-            assert model is not None
-            prepared.model = encode(model)
-        return command.step, prepared
+        return command.step, self._frames.prepare(command, self._calls.configure(command))
 
-    def _prepare(self, made: tuple[int, _Prepared]) -> e.Configured:
+    def _prepare(self, made: tuple[int, Prepared]) -> e.Configured:
         """On the event loop: keep the step's frames for its SendTasks, and only the newest broadcast."""
         step, prepared = made
         if prepared.model is not None:
@@ -605,44 +547,6 @@ class Coordinator:
         prepared = self._prepared.get(step)
         if prepared is not None and not prepared.frames and prepared.model is None:
             del self._prepared[step]
-
-    def _model_message(self, command: c.Configure, payload: Payload) -> Message:
-        first = command.tasks[0]
-        return Message(
-            kind=Kind.MODEL,
-            federation=self.config.federation,
-            round=first.round,
-            sender=SENDER,
-            # the attempt's public id, not a task id: every node may read the broadcast (issue 31)
-            meta={"model_id": first.model, "payload": dict(payload.meta)},
-            tensors=flatten_groups(payload.tensors),
-        )
-
-    def _task_message(self, command: c.Configure, task: c.TaskSpec, inline: Payload | None) -> Message:
-        """One selected node's task; with `inline`, it also carries the model's tensors and payload."""
-        meta = Task(
-            task_id=task.task,
-            attempt=task.attempt,
-            version=task.version,
-            model_topic=self.topics.model(task.round),
-            model_id=task.model,
-            deadline_s=command.expiry_s,
-            settings=TrainSettings.from_meta(command.settings),
-            method=self.fingerprint.digest,
-            secure_aggregation=self.config.secure_aggregation,
-            inline=inline is not None,
-            payload=None if inline is None else inline.meta,
-        )
-        tensors = {} if inline is None else flatten_groups(inline.tensors)
-        return Message(
-            kind=Kind.TASK, federation=self.config.federation, round=task.round, sender=SENDER,
-            meta=meta.to_meta(), tensors=tensors,
-        )  # fmt: skip
-
-    def _fits_in_task(self, model: Message) -> bool:
-        """Whether the round's model is small enough to ride in each task (sized without encoding it)."""
-        limit = min(self.config.policy.inline_model_bytes, self.bus_config.chunk_bytes // 2)
-        return encoded_size(model) <= limit
 
     def _aggregate(self, command: c.Aggregate) -> e.Aggregated:
         aggregated, records = self._calls.aggregate(command)
@@ -678,13 +582,13 @@ class Coordinator:
         node's task id) in one `publish_many`; a node whose task could not be published is reported
         (TaskUnsent)."""
         outbox, self._outbox = self._outbox, []
-        groups: dict[int, list[tuple[str, bytes, int, _TaskFrame]]] = {}
+        groups: dict[int, list[tuple[str, bytes, int, TaskFrame]]] = {}
         for item in outbox:
             groups.setdefault(id(item[3]), []).append(item)
         for items in groups.values():
             self._spawn(self._publish_tasks(items))
 
-    async def _publish_tasks(self, items: list[tuple[str, bytes, int, _TaskFrame]]) -> None:
+    async def _publish_tasks(self, items: list[tuple[str, bytes, int, TaskFrame]]) -> None:
         round, shared = items[0][2], items[0][3]
         topics = {self.topics.task(node): (node, task_id) for node, task_id, _, _ in items}
         if self._held_for_resend(shared.frame):

@@ -40,11 +40,10 @@ def workload(nodes: int, rounds: int, sites: int) -> ExperimentConfig:
     changes = {
         "name": f"bench-hierarchy-{nodes}-{sites}",
         "eval_every": 1,
-        "deadline_s": 300,
         "data": {"options": {"train_size": max(2000, 8 * nodes), "test_size": 500}},
         "method": {"name": "fedavg"},
         "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.1},
-        "policy": {"wait_for_nodes_s": 900, "ack_timeout_s": 60},
+        "policy": {"deadline_s": 300, "wait_for_nodes_s": 900, "ack_timeout_s": 60},
         "hierarchy": {"sites": sites},
     }
     return parse_config(merge(base, changes))

@@ -38,10 +38,8 @@ def workload(nodes: int, fraction: float, rounds: int, *, kind: str, name: str =
             "name": f"{name}-{nodes}-{fraction:g}",
             "seed": 0,
             "nodes": nodes,
-            "fraction": fraction,
             "rounds": rounds,
             "eval_every": rounds,
-            "deadline_s": 120,
             "data": {
                 "dataset": "synthetic",
                 "options": {"train_size": max(2000, 4 * nodes), "test_size": 200, "features": 16},
@@ -49,7 +47,7 @@ def workload(nodes: int, fraction: float, rounds: int, *, kind: str, name: str =
             "partition": {"kind": "iid"},
             "model": {"name": "mlp", "options": {"hidden": [16]}},
             "method": {"name": "noop"},
-            "policy": {"wait_for_nodes_s": 600, "ack_timeout_s": 30},
+            "policy": {"fraction": fraction, "deadline_s": 120, "wait_for_nodes_s": 600, "ack_timeout_s": 30},
             # the embedded broker speaks 3.1.1 only: naming it spares a probe connection per node
             "bus": {"protocol": "5" if kind == "mosquitto" else "3.1.1"},
         }

@@ -36,10 +36,8 @@ def workload(nodes: int, rounds: int, *, kind: str, secure: dict[str, Any] | Non
             "name": f"bench-secure-{nodes}-{mode}",
             "seed": 0,
             "nodes": nodes,
-            "fraction": 1.0,
             "rounds": rounds,
             "eval_every": rounds,
-            "deadline_s": 300,
             "data": {
                 "dataset": "synthetic",
                 "options": {"train_size": max(2000, 8 * nodes), "test_size": 200, "features": FEATURES},
@@ -47,7 +45,7 @@ def workload(nodes: int, rounds: int, *, kind: str, secure: dict[str, Any] | Non
             "partition": {"kind": "iid"},
             "model": {"name": "mlp", "options": {"hidden": [HIDDEN]}},
             "method": {"name": "noop"},
-            "policy": {"wait_for_nodes_s": 600, "ack_timeout_s": 60},
+            "policy": {"deadline_s": 300, "fraction": 1.0, "wait_for_nodes_s": 600, "ack_timeout_s": 60},
             "bus": {"protocol": "5" if kind == "mosquitto" else "3.1.1"},
             **({} if secure is None else {"privacy": {"secure_aggregation": {"timeout_s": 300, **secure}}}),
         }

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
-from fedmq.coordinator.drivers.mqtt import Coordinator, _TaskFrame
+from fedmq.coordinator.drivers.mqtt import Coordinator
+from fedmq.coordinator.drivers.task_frames import TaskFrame
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
@@ -119,7 +120,7 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
     _dispatch(coordinator, _status("node-001", connection=1))
     task, other = b"t" * 16, b"u" * 16  # each node's own task id, in frames that share the rest
     message = Message(kind=Kind.TASK, federation="f", round=1, sender="coordinator", meta={"task": task})
-    frame = _TaskFrame(encode(message), task, 10.0)
+    frame = TaskFrame(encode(message), task, 10.0)
     await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", other, 1, frame)])
     assert [decode(f).meta["task"] for _, f in bus.sent] == [task, other]
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from pathlib import Path
 from typing import get_type_hints
 
 import pytest
+import yaml
 
 from fedmq.broker.config import BusConfig
 from fedmq.coordinator.config import AsyncPolicy, RoundPolicy
@@ -19,6 +21,7 @@ from fedmq.experiments.config import (
     PolicyConfig,
     StalenessConfig,
     TrainConfig,
+    apply_overrides,
     load_config,
     parse_config,
     read_yaml,
@@ -50,13 +53,13 @@ def test_quickstart_config_loads_with_the_documented_settings() -> None:
     ("change", "message"),
     [
         ({"nodes": 0}, "nodes: Input should be greater than or equal to 1"),
-        ({"fraction": 1.5}, "fraction: Input should be less than or equal to 1"),
+        ({"policy": {"fraction": 1.5}}, "policy.fraction: Input should be less than or equal to 1"),
         ({"train": {"lr": -1}}, "train.lr: Input should be greater than 0"),
         (
             {"train": {"optimiser": "sgd"}},
             "train.optimiser: unknown field; allowed here: batch_size, drop_last, local_epochs",
         ),
-        ({"bogus": 1}, "bogus: unknown field; allowed here: bus, compression, data, deadline_s"),
+        ({"bogus": 1}, "bogus: unknown field; allowed here: bus, compression, data, engine"),
         ({"partition": {"kind": "bogus"}}, "partition.kind: unknown kind 'bogus'; allowed: iid, dirichlet"),
         ({"name": "a/b"}, "name: String should match pattern"),
         ({"faults": {"node-999": {"delay_s": 1}}}, "faults name nodes that do not exist"),
@@ -154,19 +157,45 @@ def test_extends_cycle_and_missing_parent_are_clear_errors(tmp_path: Path) -> No
         read_yaml(tmp_path / "c.yaml")
 
 
-def test_fields_added_later_stay_out_of_a_dump_at_their_defaults() -> None:
-    """So that a finished grid cell made before they existed still matches its config."""
+def test_a_cell_finished_before_settings_were_added_or_moved_is_still_done(tmp_path: Path) -> None:
+    """A finished grid cell's config.yaml is compared as read: one written before settings existed (here
+    without privacy, simulation, policy.inline_model_bytes) or in the old spelling (fraction at the top)
+    is the same experiment, and is not run again; a changed value is another experiment, and is."""
     from fedmq.experiments.build import inline_model_bytes
+    from fedmq.experiments.grid import cell_is_done, expand
 
-    cfg = parse_config(MINIMAL, source="exp.yaml")
-    dumped = cfg.model_dump()
-    assert "inline_model_bytes" not in dumped["policy"] and "tune_allocator" not in dumped["bus"]
-    assert "vectorize" not in dumped["hosting"]
-    assert inline_model_bytes(cfg) == 65536
+    cell = expand(MINIMAL | {"policy": {"fraction": 0.5}}, source="exp.yaml").cells[0]
+    old = cell.config.model_dump(mode="json")
+    for name in ("privacy", "simulation", "hierarchy", "federation"):
+        del old[name]
+    del old["policy"]["inline_model_bytes"], old["policy"]["fraction"]
+    (tmp_path / "summary.json").write_text(json.dumps({"state": "finished"}))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old | {"fraction": 0.5}))
+    assert cell_is_done(tmp_path, cell)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old | {"fraction": 0.25}))
+    assert not cell_is_done(tmp_path, cell)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old | {"fraction": 0.5, "gone": 1}))
+    assert not cell_is_done(tmp_path, cell)  # a setting that no longer exists: run again
+    assert inline_model_bytes(cell.config) == 65536
     vectorized = parse_config(MINIMAL | {"hosting": {"vectorize": True}, "bus": {"tune_allocator": False}}, source="x")
     assert inline_model_bytes(vectorized) == 0 and vectorized.model_dump()["bus"]["tune_allocator"] is False
     chosen = parse_config(MINIMAL | {"hosting": {"vectorize": True}, "policy": {"inline_model_bytes": 10}}, source="x")
     assert inline_model_bytes(chosen) == 10 and chosen.model_dump()["policy"]["inline_model_bytes"] == 10
+
+
+def test_fraction_and_deadline_at_the_top_are_read_as_the_policys_with_a_warning() -> None:
+    """The old spelling (before issue 30) still loads, as the same experiment, saying what to write; set
+    in both places it is refused; `--set fraction=...` and a grid axis named so move too."""
+    new = parse_config(MINIMAL | {"policy": {"fraction": 0.5, "deadline_s": 9}})
+    with pytest.warns(FutureWarning, match=r"write it as policy\.(fraction|deadline_s)") as said:
+        old = parse_config(MINIMAL | {"fraction": 0.5, "deadline_s": 9})
+    assert len(said) == 2
+    assert old == new and (old.fraction, old.deadline_s) == (0.5, 9)
+    with pytest.raises(ConfigError, match=r"fraction is set at the top level and as policy\.fraction"):
+        parse_config(MINIMAL | {"fraction": 0.5, "policy": {"fraction": 0.25}})
+    with pytest.warns(FutureWarning, match=r"deadline_s is deprecated: write policy\.deadline_s"):
+        overridden = apply_overrides(dict(MINIMAL), ["deadline_s=9", "policy.fraction=0.5"])
+    assert parse_config(overridden) == new
 
 
 def test_async_experiment_needs_no_rounds_and_counts_model_versions() -> None:
@@ -239,14 +268,13 @@ def test_section_fields_carry_the_daemons_docstrings() -> None:
 def test_core_sections_keep_the_file_schema() -> None:
     """train, engine.staleness and compression are derived from the core's dataclasses with the file's own
     rules kept: dp_noise_multiplier comes from privacy (not train), staleness a > 0 for every function
-    (Staleness asks it only of the functions that use a), drop_last is left out of a dump at its default."""
+    (Staleness asks it only of the functions that use a)."""
     assert "dp_noise_multiplier" not in TrainConfig.model_fields
     assert list(TrainConfig.model_fields) == [f.name for f in fields(TrainSettings) if f.name != "dp_noise_multiplier"]
     with pytest.raises(ConfigError, match=r"engine\.staleness\.a: Input should be greater than 0"):
         parse_config(MINIMAL | {"engine": {"staleness": {"fn": "constant", "a": 0}}})
     assert Staleness(fn="constant", a=0.0)(3) == 1.0
-    dumped = parse_config(MINIMAL).model_dump()
-    assert "drop_last" not in dumped["train"] and "compression" not in dumped
+    assert parse_config(MINIMAL).model_dump()["train"]["drop_last"] is False
     chosen = parse_config(MINIMAL | {"compression": {"mode": "int8-block", "block": 64}})
     assert chosen.compression.compression() == Compression(mode="int8-block", block=64)  # type: ignore[attr-defined]
 

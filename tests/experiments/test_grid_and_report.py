@@ -55,7 +55,7 @@ def test_grid_without_axes_is_one_cell() -> None:
 @pytest.mark.parametrize(
     ("grid", "report", "message"),
     [
-        ({"fraction": [0.5, 2.0]}, None, "cell fraction=2"),
+        ({"policy.fraction": [0.5, 2.0]}, None, "cell policy.fraction=2"),
         ({"not..path": [1]}, None, "not a dotted config path"),
         ({"seed": 3}, None, "give a list of values"),
         ({"seed": []}, None, "no values"),
@@ -209,12 +209,12 @@ def test_report_gives_each_evaluated_model_its_own_row(tmp_path: Path) -> None:
 
 
 def test_grid_axis_of_several_paths_sets_them_together() -> None:
-    """`nodes,fraction` takes [N, C] pairs: three cells, not a cross product; a wrong length is refused."""
-    grid = expand(BASE | {"grid": {"nodes,fraction": {"N=4": [4, 0.5], "N=6": [6, 0.5], "C=1": [4, 1.0]}}})
+    """`nodes,policy.fraction` takes [N, C] pairs: three cells, not a cross product; a wrong length is refused."""
+    grid = expand(BASE | {"grid": {"nodes,policy.fraction": {"N=4": [4, 0.5], "N=6": [6, 0.5], "C=1": [4, 1.0]}}})
     assert [(c.config.nodes, c.config.fraction) for c in grid.cells] == [(4, 0.5), (6, 0.5), (4, 1.0)]
     assert [c.cell_id for c in grid.cells] == ["000-N=4", "001-N=6", "002-C=1"]
     with pytest.raises(ConfigError, match="each value is a list of 2"):
-        expand(BASE | {"grid": {"nodes,fraction": {"x": [4]}}})
+        expand(BASE | {"grid": {"nodes,policy.fraction": {"x": [4]}}})
 
 
 def test_a_value_per_axis_label_follows_the_cell() -> None:

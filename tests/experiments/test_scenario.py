@@ -349,10 +349,12 @@ def test_experiment_refuses_scenario_nodes_it_does_not_have() -> None:
     assert "groups[0].nodes[0]: 'node-009' is not a node of the experiment" in str(info.value)
 
 
-def test_experiment_without_scenario_dumps_unchanged() -> None:
-    """An experiment without a scenario dumps no scenario key (old run configs stay equal)."""
+def test_experiment_without_scenario_reads_back_the_same() -> None:
+    """An experiment without a scenario dumps it as null, and its dump, or a file without the key
+    (a run made before scenarios existed), reads back as the same experiment."""
     cfg = parse_config({"name": "t", "nodes": 2, "rounds": 1})
-    assert cfg.scenario is None and "scenario" not in cfg.model_dump(mode="json")
+    dumped = cfg.model_dump(mode="json")
+    assert cfg.scenario is None and dumped["scenario"] is None and parse_config(dumped) == cfg
 
 
 def test_scenario_file_name_outside_a_file_is_explained() -> None:

@@ -69,13 +69,13 @@ def test_secure_runs_clip_against_the_rounds_median_unless_the_experiment_chose_
     from fedmq.experiments.config import parse_config
     from fedmq.experiments.secure_defaults import secure_aggregator
 
-    base = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 2}
+    base = {"name": "x", "nodes": 20, "policy": {"fraction": 0.25}, "rounds": 2}
     cfg, said = secure_aggregator(parse_config(base))
     assert cfg.method.aggregator.name == "clip" and cfg.method.aggregator.options == {"max_norm": "auto"}
     assert said.startswith("averaging: clip, max_norm auto")
     chosen, said = secure_aggregator(parse_config(base | {"method": {"aggregator": {"name": "median"}}}))
     assert chosen.method.aggregator.name == "median" and "as the experiment says" in said
-    small, said = secure_aggregator(parse_config(base | {"fraction": 0.1}))
+    small, said = secure_aggregator(parse_config(base | {"policy": {"fraction": 0.1}}))
     assert small.method.aggregator.name == "mean" and "2 update(s) a round" in said
     async_cfg, said = secure_aggregator(parse_config(base | {"engine": {"kind": "async"}}))
     assert async_cfg.method.aggregator.name == "mean" and "asynchronous folding" in said

@@ -138,14 +138,20 @@ def test_a_secure_simulation_matches_the_plain_run_and_replays_bit_for_bit(tmp_p
     assert outcome.report.updates == 14 and outcome.report.aggregations == 3
 
 
-SECURE_BASE = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 5, "privacy": {"secure_aggregation": {}}}
+SECURE_BASE = {
+    "name": "x",
+    "nodes": 20,
+    "policy": {"fraction": 0.25},
+    "rounds": 5,
+    "privacy": {"secure_aggregation": {}},
+}
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"engine": {"kind": "async"}}, "it unmasks one attempt's updates together"),
-        ({"policy": {"late_updates": "carry"}}, "it unmasks one attempt's updates together"),
+        ({"policy": {"fraction": 0.25, "late_updates": "carry"}}, "it unmasks one attempt's updates together"),
         ({"method": {"aggregator": {"name": "median"}}}, "must see each update"),
         (
             {
@@ -160,7 +166,7 @@ SECURE_BASE = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 5, "privacy
         ),
         ({"hierarchy": {"sites": 2}}, "site aggregators would unmask"),
         ({"compression": {"mode": "int8-block"}}, "masked integers do not compress"),
-        ({"fraction": 0.1}, "a round selects 2 node(s)"),
+        ({"policy": {"fraction": 0.1}}, "a round selects 2 node(s)"),
         ({"privacy": {"secure_aggregation": {"threshold": 0}}}, "threshold"),
     ],
 )

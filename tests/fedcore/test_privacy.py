@@ -123,7 +123,7 @@ def test_a_method_aggregating_around_its_averaging_rule_is_refused_by_the_calls(
     assert "dp_epsilon" in aggregated.metrics and half.average.calls == 1
 
 
-BASE = {"name": "x", "nodes": 20, "fraction": 0.25, "rounds": 50, "privacy": {"mechanism": "central"}}
+BASE = {"name": "x", "nodes": 20, "policy": {"fraction": 0.25}, "rounds": 50, "privacy": {"mechanism": "central"}}
 
 
 @pytest.mark.parametrize(

@@ -307,7 +307,7 @@ def test_options_have_their_defaults_and_ints_are_floats() -> None:
 
 
 def _sync(nodes: int, fraction: float, aggregator: dict, **extra: object) -> dict:
-    return {"name": "x", "nodes": nodes, "fraction": fraction, "rounds": 2, "method": {"name": "fedavg",
+    return {"name": "x", "nodes": nodes, "policy": {"fraction": fraction}, "rounds": 2, "method": {"name": "fedavg",
             "aggregator": aggregator}, **extra}  # fmt: skip
 
 
@@ -376,7 +376,7 @@ def poisoned_digits_accuracy(aggregator: dict) -> float:
         {
             "name": "robust",
             "nodes": 10,
-            "fraction": 1.0,
+            "policy": {"fraction": 1.0},
             "rounds": 4,
             "eval_every": 4,
             "data": {"dataset": "digits"},

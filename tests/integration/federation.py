@@ -109,15 +109,16 @@ def base_config(**changes: Any) -> dict[str, Any]:
         "name": "it",
         "seed": 1,
         "nodes": 4,
-        "fraction": 1.0,
         "rounds": 4,
-        "deadline_s": 20,
         "data": {"dataset": "digits"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "min_samples": 10},
         "model": {"name": "mlp", "options": {"hidden": [64]}},
         "train": {"local_epochs": 2, "batch_size": 16, "lr": 0.1, "momentum": 0.5},
-        "policy": {"ack_timeout_s": 3},
+        "policy": {"fraction": 1.0, "deadline_s": 20, "ack_timeout_s": 3},
     }
+    for name in ("fraction", "deadline_s"):  # the policy's, given on their own for short
+        if name in changes:
+            changes["policy"] = {**changes.get("policy", {}), name: changes.pop(name)}
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}

@@ -59,10 +59,10 @@ def test_an_invalid_config_exits_2_naming_the_field(command: list[str], tmp_path
     args = [str(tmp_path / "out") if a == "OUT" else a for a in command]
     if command[0] in ("coordinator", "simulate"):
         args += ["--out", str(tmp_path / "out")]
-    result = fedmq(*args, "--set", "fraction=2.5")
+    result = fedmq(*args, "--set", "policy.fraction=2.5")
     assert result.returncode == 2, result.stderr
     _one_clear_line(result.stderr)
-    assert "fraction: Input should be less than or equal to 1 (got 2.5)" in result.stderr
+    assert "policy.fraction: Input should be less than or equal to 1 (got 2.5)" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["coordinator", "node"])

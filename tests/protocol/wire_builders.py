@@ -140,12 +140,12 @@ def site_status_online() -> Message:
 
 def task_broadcast(tmp_path: Path) -> Message:
     command, spec = _configure(TrainSettings(lr=0.05, max_grad_norm=1.0))
-    return _coordinator(tmp_path)._task_message(command, spec, None)
+    return _coordinator(tmp_path)._frames.task_message(command, spec, None)
 
 
 def task_inline(tmp_path: Path) -> Message:
     command, spec = _configure(TrainSettings(local_epochs=2, drop_last=True), version=0)
-    return _coordinator(tmp_path)._task_message(command, spec, _payload())
+    return _coordinator(tmp_path)._frames.task_message(command, spec, _payload())
 
 
 def _node_task(tmp_path: Path, node: NodeDaemon) -> Any:
