@@ -18,9 +18,43 @@ from fedmq.broker.tuning import tune_process
 BROKERS = ["embedded", "mosquitto"]
 
 
+ROOT = Path(__file__).resolve().parents[1]
+COMPUTE_PATHS = (
+    "tests/fedcore/", "tests/algorithms/", "tests/coordinator/", "tests/protocol/", "tests/experiments/",
+    "tests/test_api.py", "tests/test_boundaries.py", "tests/test_fields.py",
+)  # fmt: skip
+"""Where the tests that only compute live (no broker, no process of their own, no real-time wait),
+unless marked ``slow`` or ``timed``: the compute lane of `scripts/test`."""
+LANES = ("compute", "timed")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The test process is an entry point: its in-process clients take the daemons' fast paths."""
     tune_process(BusConfig())
+    lane = os.environ.get("FEDMQ_TEST_LANE", "")
+    if lane and lane not in LANES:
+        raise pytest.UsageError(f"FEDMQ_TEST_LANE={lane!r}: choose {' or '.join(LANES)}, or leave it unset")
+
+
+def _computes_only(item: pytest.Item) -> bool:
+    path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
+    marked = item.get_closest_marker("slow") or item.get_closest_marker("timed")
+    return marked is None and path.startswith(COMPUTE_PATHS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`scripts/test` runs two lanes at once: ``compute`` (tests that only compute, at a low CPU
+    priority) and ``timed`` (everything else: brokers, processes, deadlines), so that the first use
+    the CPU the second leaves idle without slowing what the second times. Together they are every test;
+    with FEDMQ_TEST_LANE unset, one run holds them all."""
+    lane = os.environ.get("FEDMQ_TEST_LANE", "")
+    if not lane:
+        return
+    keep = [item for item in items if _computes_only(item) == (lane == "compute")]
+    dropped = [item for item in items if _computes_only(item) != (lane == "compute")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
 
 
 def _start_embedded(log: Path) -> tuple[subprocess.Popen[bytes], int]:

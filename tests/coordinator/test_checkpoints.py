@@ -9,20 +9,23 @@ import pytest
 
 from fedmq.coordinator.storage.checkpoints import CheckpointWriter
 
+pytestmark = pytest.mark.timed  # the writer's thread, waited with timeouts: never in the compute lane (conftest)
+
 
 async def test_writes_in_order_and_replaces_a_waiting_snapshot_by_a_newer_one() -> None:
     """While round 0 is being written, rounds 1 and 2 arrive: 1 is replaced by 2, never written."""
     writer = CheckpointWriter()
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     written: list[int] = []
 
     def write(round: int, block: bool = False) -> None:
         if block:
+            started.set()
             assert release.wait(10)
         written.append(round)
 
     writer.submit(0, lambda: write(0, block=True))
-    await asyncio.sleep(0.05)  # the writer has started round 0
+    assert await asyncio.to_thread(started.wait, 10)  # the writer has started round 0
     writer.submit(1, lambda: write(1))
     writer.submit(2, lambda: write(2))
     release.set()

@@ -17,6 +17,8 @@ from fedmq.coordinator.storage.persistence import Persistence
 from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.fedcore.algorithms.fedavg import CoordinatorHalf, Hyperparams
 
+pytestmark = pytest.mark.timed  # threads, waited with timeouts: never in the compute lane (conftest)
+
 
 async def test_lane_runs_calls_one_at_a_time_in_order_off_the_event_loop() -> None:
     """Calls run in submission order on one thread that is not the loop's; outcomes come back in order."""

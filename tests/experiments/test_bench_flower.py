@@ -212,6 +212,8 @@ from fedmq_flower_app.client_app import train
 from fedmq_flower_app.server_app import FedmqFedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
+pytestmark = pytest.mark.timed  # Flower's processes, with timeouts: never in the compute lane (conftest)
+
 path, out = sys.argv[1], sys.argv[2]
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what Flower's runtime sets in an app process
 work = Workload.from_file(path)

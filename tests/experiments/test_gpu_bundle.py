@@ -22,6 +22,8 @@ from packaging.requirements import Requirement
 import fedmq
 from fedmq.experiments import gpu_bundle as gb
 
+pytestmark = pytest.mark.timed  # subprocesses with timeouts: never in the compute lane (conftest)
+
 MIB = gb.MIB
 CHECKOUT = Path(fedmq.__file__).resolve().parent.parent  # the checkout under test: fedmq/ sits at its top
 

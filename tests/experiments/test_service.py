@@ -23,6 +23,8 @@ from fedmq.experiments import logs
 from fedmq.experiments.service import Notifier, wait_for_broker
 from fedmq.fedcore.errors import ConfigError
 
+pytestmark = pytest.mark.timed  # waits on sockets and the service notifier: never in the compute lane (conftest)
+
 
 @pytest.fixture
 def receiver(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:

@@ -28,7 +28,10 @@ from fedmq.experiments.scenario import resolve_scenario
 from fedmq.experiments.sim_checkpoint import ResumeError
 from fedmq.experiments.simulate import simulate
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: sums in one order, bit for bit
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: sums in one order, bit for bit
+    pytest.mark.timed,  # the command line in a subprocess, with a timeout: never in the compute lane
+]
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 FAST = ["rounds=6", "train.local_epochs=1", "simulation.checkpoint_every=2"]
