@@ -33,7 +33,7 @@ class SiteAggregator:
 
     def _watch(self, now: float, event: e.Event, commands: Any) -> None:
         if isinstance(event, e.NodeSeen) and self.trainer.changed:
-            self.upstream.announce_soon()  # the site's liveness or capacity changed what upstream sees
+            self.upstream.presence.announce_soon()  # the site's liveness or capacity changed what upstream sees
 
     def drain(self, reason: str) -> None:
         """Finish the site round in hand, send its partial, then stop (upstream and site)."""

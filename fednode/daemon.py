@@ -24,7 +24,6 @@ from fedmq.fedcore.algorithms.base import NodeHalf, Payload
 from fedmq.fedcore.algorithms.fingerprint import fingerprint_of
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.protocol import (
-    Announcement,
     CoordinatorStatus,
     ProtocolError,
     Receipt,
@@ -36,6 +35,7 @@ from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.masking import KINDS as SECAGG_KINDS
 from fedmq.fednode.masking import Draft, SecureAggregationPart
 from fedmq.fednode.method_check import MethodCheck
+from fedmq.fednode.presence import Presence
 from fedmq.fednode.scenario import Transition
 from fedmq.fednode.scripted import ScriptPlayer
 from fedmq.fednode.task import Task, TaskError, check_deadline, parse_model, parse_task
@@ -109,15 +109,17 @@ class NodeDaemon:
         self._stop = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self.player = ScriptPlayer(config.script, self.node_id, log=self.log)
-        self._status_lock = asyncio.Lock()
         self.connected = asyncio.Event()
         """Set once the node is connected and subscribed, cleared when `serve` ends (readiness for supervisors)."""
         self._drain_asked = asyncio.Event()
         self._draining: str | None = None
         self.connect_gate: asyncio.Semaphore | None = None
         """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
-        self._subscribed = asyncio.Event()
-        """Set once the first connection's subscriptions are granted (later ones restore them first)."""
+        self.presence = Presence(
+            config, data=data, device=str(workspace.device), method=self.fingerprint.to_meta(), trainer=self.trainer,
+            online=lambda: self.player.online, shared=share_group is not None, spawn=self._spawn, log=self.log,
+        )  # fmt: skip
+        """The node's retained status (`fednode.presence`)."""
         self.secure = SecureAggregationPart(
             federation=config.federation, node_id=self.node_id, num_samples=len(data), publish=self._send_secagg,
             log=self.log,
@@ -129,16 +131,16 @@ class NodeDaemon:
 
         The scenario's time 0 is now, before connecting."""
         started = time.monotonic()
-        will = Will(self.topics.node_status(self.node_id), self._status("offline"))
+        will = Will(self.topics.node_status(self.node_id), self.presence.status("offline"))
         client = BusClient(
             self.bus_config,
             client_id=self.client_id,
             federation=self.config.federation,
             will=will,
-            on_connect=self._announce_when_subscribed,
+            on_connect=self.presence.announce_when_subscribed,
             logger=logger.getChild("bus"),
         )
-        self._bus = client  # before connecting: the on-connect hook announces through it
+        self._bus = self.presence.bus = client  # before connecting: the on-connect hook announces through it
         async with contextlib.AsyncExitStack() as stack:
             bus = await self._connect(stack, client)
             self.connected.set()
@@ -155,7 +157,7 @@ class NodeDaemon:
                     drainer.result()
             finally:
                 self.connected.clear()
-                self._subscribed.clear()
+                self.presence.subscribed.clear()
                 if self._task is not None:
                     self.trainer.withdraw(self._task)
                 for task in (receiver, stopper, drainer, self._job, *self._background):
@@ -170,10 +172,9 @@ class NodeDaemon:
                 # a clean DISCONNECT does not fire the will, so say goodbye explicitly; without a
                 # connection there is nobody to tell (the broker is gone, or it fired the will already)
                 if not self.crashed and bus.connected:
+                    goodbye = self.presence.status("offline")
                     try:
-                        await asyncio.wait_for(
-                            bus.publish(self.topics.node_status(self.node_id), self._status("offline"), retain=True), 2
-                        )
+                        await asyncio.wait_for(bus.publish(self.presence.topic, goodbye, retain=True), 2)
                     except (BusError, TimeoutError) as exc:
                         self.log.warning("could not publish the offline status: %s", exc)
 
@@ -184,7 +185,7 @@ class NodeDaemon:
         async with self.connect_gate or contextlib.nullcontext():
             bus = await stack.enter_async_context(client)
             await bus.subscribe(*self._subscriptions())
-        self._subscribed.set()
+        self.presence.subscribed.set()
         return bus
 
     def _subscriptions(self) -> list[str]:
@@ -225,39 +226,6 @@ class NodeDaemon:
             await asyncio.wait({job})
         self.log.info("drained (%s) after %d rounds trained", reason, self.rounds_trained)
 
-    def announce_soon(self) -> None:
-        """Announce the node's status again now that what it would say may have changed (a site's live
-        nodes); before the first subscription the on-connect announcement will say it."""
-        if self._subscribed.is_set() and self._bus is not None and self._bus.connected:
-            self._spawn(self._announce(), f"announce-{self.node_id}")
-
-    async def _announce(self) -> None:
-        """The retained status, on every connect and scripted transition: online, or offline while the
-        scenario says so (one at a time, each saying the state when it goes out, so the last one wins)."""
-        if self._bus is None:
-            return
-        async with self._status_lock:
-            state = "online" if self.player.online else "offline"
-            await self._bus.publish(self.topics.node_status(self.node_id), self._status(state), retain=True)
-
-    async def _announce_when_subscribed(self) -> None:
-        """The on-connect announcement, once the node's inbox is subscribed: the coordinator sends a
-        task as soon as it reads `online`, and on the first connection the hook ran before the
-        subscription, so a loaded machine lost the first round's tasks of every node of a process
-        (the round waited out its deadline with all of them late). Reconnections restore the
-        subscriptions before the hook runs, so this waits only once."""
-        await self._subscribed.wait()
-        await self._announce()
-
-    async def _reannounce(self) -> None:
-        """The status again, for a coordinator (re)started since the last one: the retained status it
-        reads first may not be this node's any more (64 random bytes left there by another client made
-        a restarted coordinator never see the node, issue 31). One message per node and coordinator run."""
-        try:
-            await asyncio.wait_for(self._announce(), 10)
-        except (BusError, TimeoutError) as exc:  # the next connect announces it then
-            self.log.warning("could not announce the status to the new coordinator run: %r", exc)
-
     async def _on_transition(self, transition: Transition) -> None:
         """The scenario took the node offline (dropping the task in hand) or brought it back."""
         if transition.online:
@@ -266,12 +234,7 @@ class NodeDaemon:
             how = "crashes" if transition.crash else "goes offline"
             self.log.info("scenario: %s at %g s, dropping the work in hand", how, transition.at)
             self._abandon()
-        try:
-            await asyncio.wait_for(self._announce(), 10)
-        except (BusError, TimeoutError) as exc:  # the next connect announces the state then
-            self.log.warning(
-                "scenario: could not publish the %s status: %r", "online" if self.player.online else "offline", exc
-            )
+        await self.presence.announce_or_warn(f"({'online' if self.player.online else 'offline'}) of the scenario")
 
     def _abandon(self) -> None:
         """Forget the pending task; a job in hand sees its spell ended and sends nothing."""
@@ -280,37 +243,6 @@ class NodeDaemon:
             self.trainer.withdraw(task)
             if not task.inline:
                 self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
-
-    def _status(self, state: str) -> Message:
-        return self._status_message(self._announcement(state == "online"))
-
-    def _announcement(self, online: bool) -> Announcement:
-        """What the node announces, as its trainer completes it: offline, or online with what it holds
-        and which connection this is (after a reconnection the coordinator sends the task in hand again;
-        daemons sharing one node id count their connections apart, so none of them says it)."""
-        if not online:
-            return self.trainer.announce(Announcement(online=False))
-        histogram = self.data.label_histogram() if self.config.announce_label_histogram else None
-        connection = self._bus.connections if self._bus is not None else 0
-        return self.trainer.announce(
-            Announcement(
-                online=True,
-                device=str(self.workspace.device),
-                num_samples=len(self.data),
-                method=self.fingerprint.to_meta(),
-                connection=None if self.share_group is not None else connection,
-                label_histogram=None if histogram is None else tuple(histogram),
-            )
-        )
-
-    def _status_message(self, announcement: Announcement) -> Message:
-        return Message(
-            kind=Kind.NODE_STATUS,
-            federation=self.config.federation,
-            round=-1,
-            sender=self.node_id,
-            meta=announcement.to_meta(),
-        )
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -352,15 +284,17 @@ class NodeDaemon:
         offline (its will) while this one is alive and could answer, so the node is announced again."""
         offline = message.meta.get("state") == "offline"
         alive = self._draining is None and not self.crashed
-        if self.share_group is not None and offline and alive and self._announcement(True).online:
+        if self.share_group is not None and offline and alive and self.presence.announcement(True).online:
             self.log.info("another daemon of this node went offline; announcing the node again")
-            self._spawn(self._announce(), f"announce-{self.node_id}")
+            self._spawn(self.presence.announce(), f"announce-{self.node_id}")
 
     def _on_coordinator_status(self, message: Message) -> None:
         status = CoordinatorStatus.from_meta(message.meta)
         if status.state.active:
             if status.run_id != self._run_id and self._bus is not None:
-                self._spawn(self._reannounce(), f"reannounce-{self.node_id}")
+                # the retained status a (re)started coordinator reads first may not be this node's any
+                # more (64 random bytes left there by another client, issue 31): one status a run
+                self._spawn(self.presence.announce_or_warn("to the new coordinator run"), f"reannounce-{self.node_id}")
             self._run_id = status.run_id
             self.method_check.coordinator_runs(status.method)
         elif status.state.final and status.run_id is not None and status.run_id == self._run_id:

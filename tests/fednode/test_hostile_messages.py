@@ -51,7 +51,7 @@ async def test_a_new_coordinator_run_hears_the_nodes_status_again() -> None:
     """64 random bytes retained on a node's status topic made a restarted coordinator never see it:
     the node announces itself again to each coordinator run it has not seen (once per run)."""
     daemon = _daemon()
-    bus = daemon._bus = _Bus()  # type: ignore[assignment]
+    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
 
     def state(run_id: str, value: str = "waiting") -> Message:
         return Message(

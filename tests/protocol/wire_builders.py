@@ -116,12 +116,12 @@ def _configure(settings: TrainSettings, version: int = 4) -> tuple[c.Configure, 
 
 def node_status_online() -> Message:
     node = _node(announce_label_histogram=True)
-    node._bus = _Bus()  # type: ignore[assignment]  # its connection count goes into the status
-    return node._status("online")
+    node.presence.bus = _Bus()  # type: ignore[assignment]  # its connection count goes into the status
+    return node.presence.status("online")
 
 
 def node_status_offline() -> Message:
-    return _node()._status("offline")
+    return _node().presence.status("offline")
 
 
 def site_status_online() -> Message:
@@ -135,7 +135,7 @@ def site_status_online() -> Message:
         config, BusConfig.from_url("mqtt://127.0.0.1:1"), half, no_data(), workspace, trainer=trainer,
         share_group="fedmq-wire-site",
     )  # fmt: skip
-    return upstream._status("online")
+    return upstream.presence.status("online")
 
 
 def task_broadcast(tmp_path: Path) -> Message:
@@ -179,7 +179,7 @@ def update_from_site(tmp_path: Path) -> Message:
 
 def update_failed(tmp_path: Path) -> Message:
     node = _node()
-    bus = node._bus = _Bus()  # type: ignore[assignment]
+    bus = node._bus = node.presence.bus = _Bus()  # type: ignore[assignment]
     asyncio.run(node._report_failure(_node_task(tmp_path, node), "RuntimeError: out of memory"))
     return bus.sent[-1]
 
