@@ -62,9 +62,10 @@ def test_run_with_an_invalid_config_exits_2_and_names_the_field(tmp_path: Path) 
 
 
 def test_coordinator_without_a_broker_exits_3_with_advice(tmp_path: Path) -> None:
+    """(A 1 s connect timeout: the default's 10 s wait is `fedmq run`'s test, test_exit_codes.py.)"""
     result = fedmq(
         "coordinator", "--broker", f"mqtt://127.0.0.1:{free_port()}", "--config", str(QUICKSTART),
-        "--out", str(tmp_path / "o"),
+        "--out", str(tmp_path / "o"), "--connect-timeout", "1",
     )  # fmt: skip
     assert result.returncode == 3 and "fedmq broker" in result.stderr
 
@@ -73,10 +74,11 @@ def test_node_without_a_broker_exits_3_so_a_supervisor_restarts_it() -> None:
     """It exited 0 before, which a supervisor (systemd's Restart=on-failure) takes for a clean end."""
     url = f"mqtt://127.0.0.1:{free_port()}"
     result = fedmq(
-        "node", "--broker", url, "--config", str(QUICKSTART), "--node-id", "node-000", "--node-id", "node-001"
-    )
+        "node", "--broker", url, "--config", str(QUICKSTART), "--node-id", "node-000", "--node-id", "node-001",
+        "--connect-timeout", "1",
+    )  # fmt: skip
     assert result.returncode == 3, result.stderr
-    assert f"fedmq: broker error: broker {url} unreachable within 10 s" in result.stderr  # --connect-timeout
+    assert f"fedmq: broker error: broker {url} unreachable within 1 s" in result.stderr  # --connect-timeout
 
 
 def test_node_with_an_unknown_id_exits_2_and_names_the_ids() -> None:
