@@ -1,9 +1,9 @@
 """The aggregator's downstream half: the coordinator of one site's nodes, run a round at a time.
 
 It is the coordinator daemon itself (the same MQTT adapter, validation, receipts, deadlines and run
-directory) assembled with two other parts: the engine (`RelayRounds`: a round only when upstream asks) and the
-half's calls (`RelayCalls`): the model the nodes receive is the one upstream sent, and the round's
-accepted updates become one partial update (the method's `partial`) instead of a new model.
+directory) assembled with two other parts: the engine (`RelayRounds`: a round only when upstream
+asks) and the half's calls (`RelayCalls`): the model the nodes receive is the one upstream sent, and
+the round's accepted updates become one partial update (the method's `partial`) instead of a new model.
 """
 
 from __future__ import annotations

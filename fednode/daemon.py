@@ -8,6 +8,11 @@ With ``hosting.vectorize`` the nodes of a process that received the same task ar
 (`fednode.groups`); each still publishes its own update. The node's scenario script (`NodeConfig.script`)
 is played in wall time (`fednode.scripted`): it goes offline and online, drops tasks, and sleeps for
 its modelled link and compute time around training.
+
+The daemon is the session and the task's course; its parts are handed to it or made from its config:
+the task as the node holds it (`fednode.task`), the trainer that makes the update (`fednode.trainer`;
+a site aggregator hands in its own), the retained status (`fednode.presence`), the method check
+(`fednode.method_check`) and secure aggregation (`fednode.masking`).
 """
 
 from __future__ import annotations
