@@ -203,7 +203,7 @@ async def test_a_task_lost_before_its_node_resubscribed_is_sent_again(
                 assert late.bus is not None
                 await late.bus.subscribe(t.task("node-001"))
                 late.bus._generation += 1  # what a reconnection counts, without the will it would fire
-                await late._announce()
+                await late.presence.announce()
                 break
         summary = await serving
         await hosting
