@@ -50,8 +50,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     lane = os.environ.get("FEDMQ_TEST_LANE", "")
     if not lane:
         return
-    keep = [item for item in items if _computes_only(item) == (lane == "compute")]
-    dropped = [item for item in items if _computes_only(item) != (lane == "compute")]
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (keep if _computes_only(item) == (lane == "compute") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep
