@@ -711,10 +711,10 @@ class ExperimentConfig(_Strict):
         (with a warning that says what to write); set in both places, it is an error."""
         if not isinstance(data, dict) or not MOVED_TO_POLICY & data.keys():
             return data
-        data, policy = dict(data), data.get("policy")
-        policy = dict(policy) if isinstance(policy, dict) else {} if policy is None else policy
+        policy = {} if data.get("policy") is None else data["policy"]
         if not isinstance(policy, dict):
             return data  # the policy's own error says what is wrong with it
+        data, policy = dict(data), dict(policy)
         for name in sorted(MOVED_TO_POLICY & data.keys()):
             if name in policy:
                 raise ValueError(f"{name} is set at the top level and as policy.{name}: keep policy.{name} only")
