@@ -47,6 +47,7 @@ needs_flower = pytest.mark.skipif(
     flower_python() is None,
     reason="flwr is not installed: pip install -e '.[bench]', or set FEDMQ_FLOWER_VENV to the suite's flower-venv",
 )
+pytestmark = pytest.mark.timed  # Flower's processes, with timeouts: never in the compute lane (conftest)
 
 
 def fedmq_models(yaml_path: Path, rounds: int) -> list[dict[str, torch.Tensor]]:
@@ -211,8 +212,6 @@ from fedmq.experiments.bench.flower_workload import Workload
 from fedmq_flower_app.client_app import train
 from fedmq_flower_app.server_app import FedmqFedAvg
 from flwr.supercore.task_identity import TaskIdentity
-
-pytestmark = pytest.mark.timed  # Flower's processes, with timeouts: never in the compute lane (conftest)
 
 path, out = sys.argv[1], sys.argv[2]
 TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what Flower's runtime sets in an app process
