@@ -4,7 +4,6 @@ message that trips an unforeseen error is that message's refusal, not the run's 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from pathlib import Path
@@ -13,13 +12,14 @@ import pytest
 
 from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
 from fedmq.coordinator.drivers.mqtt import Coordinator
+from fedmq.coordinator.drivers.outbox import Queued
 from fedmq.coordinator.drivers.task_frames import TaskFrame
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.fedcore.training import TrainSettings
 from tests.coordinator.engine_helpers import config
-from tests.coordinator.test_payloads import PerNode, Shared, _ctx, _model
+from tests.coordinator.test_payloads import PerNode, Shared, _configure, _ctx, _model
 
 
 def _coordinator(tmp_path: Path, **changes: object) -> Coordinator:
@@ -29,7 +29,7 @@ def _coordinator(tmp_path: Path, **changes: object) -> Coordinator:
 
 def _dispatch(coordinator: Coordinator, envelope: Envelope) -> None:
     """What the receiver does with one message once it is within its node's budget."""
-    coordinator._dispatch(envelope, coordinator.topics.route(envelope.topic))
+    coordinator.inbox.dispatch(envelope, coordinator.topics.route(envelope.topic))
 
 
 def _status(node: str, *, retained: bool = False, **meta: object) -> Envelope:
@@ -71,7 +71,7 @@ async def test_a_refused_retained_status_is_logged_as_ignored(tmp_path: Path, ca
 
     bus = _Bus([_status("node-001", retained=True, state="confused")])
     with caplog.at_level(logging.WARNING):
-        await coordinator._receive(bus)  # type: ignore[arg-type]
+        await coordinator.inbox.receive(bus)  # type: ignore[arg-type]
     assert bus.rejected == ["bad-status"]
     assert "the retained message on fedmq/f/nodes/node-001/status is ignored (bad-status)" in caplog.text
 
@@ -114,33 +114,30 @@ async def test_a_task_is_sent_again_to_a_node_that_announces_itself_while_holdin
             self.sent.append((topic, bytes(frame)))
             return len(frame)
 
-    bus = coordinator._bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    coordinator._attach(bus)  # type: ignore[arg-type]
     t = Topics("f")
     _dispatch(coordinator, _status("node-000", connection=1))
     _dispatch(coordinator, _status("node-001", connection=1))
     task, other = b"t" * 16, b"u" * 16  # each node's own task id, in frames that share the rest
     message = Message(kind=Kind.TASK, federation="f", round=1, sender="coordinator", meta={"task": task})
     frame = TaskFrame(encode(message), task, 10.0)
-    await coordinator._publish_tasks([("node-000", task, 1, frame), ("node-001", other, 1, frame)])
+    await coordinator.outbox.publish_tasks([Queued("node-000", task, 1, frame), Queued("node-001", other, 1, frame)])
     assert [decode(f).meta["task"] for _, f in bus.sent] == [task, other]
 
-    async def settle() -> None:
-        while coordinator._background:
-            await asyncio.sleep(0)
-
     _dispatch(coordinator, _status("node-000", connection=1))  # the same connection: it has its task
-    await settle()
+    await coordinator.background.settle()
     assert len(bus.sent) == 2
     _dispatch(coordinator, _status("node-000", connection=2))
-    await settle()
+    await coordinator.background.settle()
     assert bus.sent[2:] == [(t.task("node-000"), bytes(frame.frame))]
     ack = Message(kind=Kind.ACK, federation="f", round=1, sender="node-000", meta={"task": task})
     _dispatch(coordinator, Envelope(t.ack("node-000"), ack, 10))
     _dispatch(coordinator, _status("node-000", connection=3))
-    await settle()
+    await coordinator.background.settle()
     assert len(bus.sent) == 3  # acknowledged: not again
     _dispatch(coordinator, _status("node-001", connection=2, retained=True))
-    await settle()
+    await coordinator.background.settle()
     assert bus.sent[3:] == [(t.task("node-001"), bytes(frame.for_task(other)))]
 
 
@@ -149,8 +146,8 @@ def test_a_large_per_node_task_frame_is_not_held_to_send_again(tmp_path: Path) -
     any size held through every node's training."""
     coordinator = _coordinator(tmp_path)
     limit = min(coordinator.config.policy.inline_model_bytes, coordinator.bus_config.chunk_bytes // 2)
-    assert coordinator._held_for_resend(bytearray(limit + 100))
-    assert not coordinator._held_for_resend(bytearray(limit + 10_000))
+    assert coordinator.outbox.held_for_resend(bytearray(limit + 100))
+    assert not coordinator.outbox.held_for_resend(bytearray(limit + 10_000))
 
 
 async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -> None:
@@ -165,7 +162,7 @@ async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -
             cleared.append((topic, bytes(frame), retain))
             return 0
 
-    coordinator._bus = _Bus()  # type: ignore[assignment]
+    coordinator._attach(_Bus())  # type: ignore[arg-type]
     t = Topics("f")
     update = Message(kind=Kind.UPDATE, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
     ack = Message(kind=Kind.ACK, federation="f", round=0, sender="node-000", meta={"task": b"t" * 16})
@@ -174,8 +171,7 @@ async def test_a_retained_ack_or_update_is_refused_and_cleared(tmp_path: Path) -
             _dispatch(coordinator, Envelope(topic, message, 10, retained=True))
         assert info.value.reason == "retained"
     _dispatch(coordinator, _status("node-000", retained=True))
-    while coordinator._background:
-        await asyncio.sleep(0)
+    await coordinator.background.settle()
     assert cleared == [(t.update("node-000"), b"", True), (t.ack("node-000"), b"", True)]
     assert isinstance(coordinator._events.get_nowait(), e.NodeSeen) and coordinator._events.empty()  # the status only
 
@@ -197,24 +193,20 @@ async def test_tasks_and_models_expire_when_the_engines_configure_says(tmp_path:
             expiries.append((topic, expiry_s))
             return len(frame)
 
-    coordinator._bus = _Bus()  # type: ignore[assignment]
+    coordinator._attach(_Bus())  # type: ignore[arg-type]
     _dispatch(coordinator, _status("node-000", connection=1))
     spec = c.TaskSpec("node-000", b"t" * 16, 0, 0, 0, b"m" * 16)
     command = c.Configure(1, _ctx(("node-000",)), (spec,), TrainSettings().to_meta(), expiry_s=123.0)
     assert coordinator.config.policy.deadline_s != command.expiry_s
-    assert not coordinator._prepare(coordinator._configure(command)).inline  # a broadcast step
-    coordinator._send_task(c.SendTask(1, "node-000"))
-    coordinator._send_tasks()
-    coordinator._broadcast(c.Broadcast(1, 0))
-    coordinator._resend(c.Resend(1, "node-000"))
+    assert not coordinator.outbox.keep(_configure(coordinator, command)).inline  # a broadcast step
+    coordinator.outbox.send_task(c.SendTask(1, "node-000"))
+    coordinator.outbox.flush()
+    coordinator.outbox.broadcast(c.Broadcast(1, 0))
+    coordinator.outbox.resend(c.Resend(1, "node-000"))
 
-    async def settle() -> None:
-        while coordinator._background:
-            await asyncio.sleep(0)
-
-    await settle()
+    await coordinator.background.settle()
     _dispatch(coordinator, _status("node-000", connection=2))  # unanswered: its task goes again
-    await settle()
+    await coordinator.background.settle()
     t = Topics("f")
     assert sorted(expiries) == sorted(
         [

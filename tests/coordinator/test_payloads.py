@@ -15,6 +15,7 @@ from torch import nn
 from fedmq.broker import BusConfig, decode
 from fedmq.coordinator.drivers.local import LocalFederation, LocalNode
 from fedmq.coordinator.drivers.mqtt import Coordinator
+from fedmq.coordinator.drivers.task_frames import Prepared
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine import make_engine
@@ -61,12 +62,17 @@ def _ctx(selected: tuple[str, ...]) -> base.RoundContext:
     return base.RoundContext(round=0, selected=selected, participation=ParticipationRecord(), settings=TrainSettings())
 
 
+def _configure(coordinator: Coordinator, command: c.Configure) -> tuple[int, Prepared]:
+    """What the daemon's lane does for a Configure: the half's payload, encoded as the step's frames."""
+    return coordinator.outbox.encode(command, coordinator.heavy.calls.configure(command))
+
+
 def test_daemon_prepares_one_inline_task_per_node_with_its_own_payload(tmp_path: Path) -> None:
     """Per-node payloads ride inline in each node's task whatever their size; no broadcast frame."""
     cfg = dataclasses.replace(config(), out_dir=tmp_path)
     coordinator = Coordinator(cfg, BusConfig.from_url("mqtt://127.0.0.1:1"), PerNode(None, model=_model()))
     tasks = tuple(c.TaskSpec(n, bytes([i]) * 16, 0, 0, 0) for i, n in enumerate(("a", "b")))
-    step, prepared = coordinator._configure(c.Configure(1, _ctx(("a", "b")), tasks, TrainSettings().to_meta(), 10.0))
+    step, prepared = _configure(coordinator, c.Configure(1, _ctx(("a", "b")), tasks, TrainSettings().to_meta(), 10.0))
     assert step == 1 and prepared.inline and prepared.model is None
     for i, node in enumerate(("a", "b")):
         message = decode(prepared.frames[node].for_task(tasks[i].task))
@@ -99,7 +105,7 @@ def test_a_sync_rounds_tasks_each_carry_their_nodes_own_id_and_the_broadcast_non
         BusConfig.from_url("mqtt://127.0.0.1:1"),
         Shared(None, model=_model()),
     )
-    _, prepared = coordinator._configure(configure)
+    _, prepared = _configure(coordinator, configure)
     assert len({id(f) for f in prepared.frames.values()}) == 1  # encoded once
     ids = {t.task for t in configure.tasks}
     for t in configure.tasks:

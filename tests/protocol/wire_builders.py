@@ -85,9 +85,7 @@ def _coordinator(tmp_path: Path) -> Coordinator:
         federation=FED, rounds=3, seed=0, out_dir=tmp_path, policy=RoundPolicy(fraction=1.0, deadline_s=30.0)
     )
     half = fedavg.CoordinatorHalf(fedavg.Hyperparams(), model=_model())
-    coordinator = Coordinator(config, BusConfig.from_url("mqtt://127.0.0.1:1"), half)
-    coordinator.run_id = RUN_ID
-    return coordinator
+    return Coordinator(config, BusConfig.from_url("mqtt://127.0.0.1:1"), half, run_id=RUN_ID)
 
 
 class _Bus:
@@ -140,12 +138,12 @@ def site_status_online() -> Message:
 
 def task_broadcast(tmp_path: Path) -> Message:
     command, spec = _configure(TrainSettings(lr=0.05, max_grad_norm=1.0))
-    return _coordinator(tmp_path)._frames.task_message(command, spec, None)
+    return _coordinator(tmp_path).outbox.frames.task_message(command, spec, None)
 
 
 def task_inline(tmp_path: Path) -> Message:
     command, spec = _configure(TrainSettings(local_epochs=2, drop_last=True), version=0)
-    return _coordinator(tmp_path)._frames.task_message(command, spec, _payload())
+    return _coordinator(tmp_path).outbox.frames.task_message(command, spec, _payload())
 
 
 def _node_task(tmp_path: Path, node: NodeDaemon) -> Any:
@@ -217,36 +215,37 @@ def update_local_failed() -> Message:
 def coordinator_status(tmp_path: Path) -> Message:
     fields = {"round": 5, "rounds": 3, "model_version": 4, "live_nodes": 7, "round_done": 5, "accuracy": 0.75,
               "best_accuracy": 0.8}  # fmt: skip
-    return _coordinator(tmp_path)._status_message("running", fields)
+    return _coordinator(tmp_path).statuses.message("running", fields)
 
 
 def coordinator_status_async(tmp_path: Path) -> Message:
     """The asynchronous engine's status: `round` is the model version, with `engine` and `in_flight`."""
     fields = {"round": 7, "rounds": 50, "model_version": 7, "engine": "async", "in_flight": 4, "live_nodes": 9,
               "round_done": 6, "accuracy": 0.5, "best_accuracy": 0.625}  # fmt: skip
-    return _coordinator(tmp_path)._status_message("running", fields)
+    return _coordinator(tmp_path).statuses.message("running", fields)
 
 
 def coordinator_status_relay(tmp_path: Path) -> Message:
     """A site's relay engine's status: it does not know the run's rounds (nil on the wire)."""
     fields = {"round": 2, "rounds": None, "model_version": 2, "live_nodes": 3}
-    return _coordinator(tmp_path)._status_message("finished", fields)
+    return _coordinator(tmp_path).statuses.message("finished", fields)
 
 
 def coordinator_status_waiting(tmp_path: Path) -> Message:
     coordinator = _coordinator(tmp_path)
-    return coordinator._status_message("waiting", coordinator._status_fields())
+    return coordinator.statuses.message("waiting", coordinator.engine.status().fields)
 
 
 def coordinator_will(tmp_path: Path) -> Message:
     """The coordinator's last will (`offline`), registered before any round."""
-    return _coordinator(tmp_path)._status_message("offline", {})
+    return _coordinator(tmp_path).statuses.message("offline", {})
 
 
 def receipt(tmp_path: Path, status: str = "received", reason: str = "") -> Message:
     coordinator = _coordinator(tmp_path)
-    bus = coordinator._bus = _Bus()  # type: ignore[assignment]
-    coordinator._receipt(c.Receipt(NODE, 5, TASK_ID, UPDATE_ID, status, reason))
+    bus = _Bus()
+    coordinator._attach(bus)  # type: ignore[arg-type]
+    coordinator.outbox.receipt(c.Receipt(NODE, 5, TASK_ID, UPDATE_ID, status, reason))
     return bus.sent[-1]
 
 
@@ -257,8 +256,9 @@ def receipt_rejected(tmp_path: Path) -> Message:
 def receipt_without_task(tmp_path: Path) -> Message:
     """A receipt for an update that quoted no task id (`task` is then nil on the wire)."""
     coordinator = _coordinator(tmp_path)
-    bus = coordinator._bus = _Bus()  # type: ignore[assignment]
-    coordinator._receipt(c.Receipt(NODE, 5, None, UPDATE_ID, "late", "the round closed before it arrived"))
+    bus = _Bus()
+    coordinator._attach(bus)  # type: ignore[arg-type]
+    coordinator.outbox.receipt(c.Receipt(NODE, 5, None, UPDATE_ID, "late", "the round closed before it arrived"))
     return bus.sent[-1]
 
 
