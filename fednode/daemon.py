@@ -23,28 +23,24 @@ import logging
 import time
 from typing import Any
 
-from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will, encode
+from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics, Will
+from fedmq.broker.background import Background
 from fedmq.broker.errors import BusError
-from fedmq.fedcore.algorithms.base import NodeHalf, Payload
+from fedmq.fedcore.algorithms.base import NodeHalf
 from fedmq.fedcore.algorithms.fingerprint import fingerprint_of
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.protocol import (
-    CoordinatorStatus,
-    ProtocolError,
-    Receipt,
-    RunState,
-    SecAggUp,
-    UpdateFailed,
-)
+from fedmq.fedcore.protocol import CoordinatorStatus, ProtocolError, Receipt, RunState
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.masking import KINDS as SECAGG_KINDS
-from fedmq.fednode.masking import Draft, SecureAggregationPart
+from fedmq.fednode.masking import SecureAggregationPart
 from fedmq.fednode.method_check import MethodCheck
 from fedmq.fednode.presence import Presence
+from fedmq.fednode.reports import Reports
 from fedmq.fednode.scenario import Transition
 from fedmq.fednode.scripted import ScriptPlayer
 from fedmq.fednode.task import Task, TaskError, check_deadline, parse_model, parse_task
 from fedmq.fednode.trainer import LocalTrainer, NoUpdate, Trainer
+from fedmq.fednode.update_job import UpdateJobs
 from fedmq.fednode.workspace import Workspace
 
 __all__ = ["NoUpdate", "NodeDaemon", "Task", "TaskError", "serve_nodes"]
@@ -100,10 +96,6 @@ class NodeDaemon:
         self.fingerprint = fingerprint_of(half, workspace.schema)
         """The method, hyperparameters and model schema this node trains: announced, and checked in every task."""
         self.method_check = MethodCheck(self.fingerprint, self.log)
-        self.rounds_trained = 0
-        self.trainings = 0
-        self.train_seconds = 0.0
-        """Local trainings finished and their wall seconds (an update abandoned afterwards included), for metrics."""
         self.crashed = False
         self.run_outcome = RunState.STOPPED
         """How the coordinator's run ended, as its last status said (stopped until it says)."""
@@ -112,7 +104,10 @@ class NodeDaemon:
         self._job: asyncio.Task[None] | None = None
         self._run_id: str | None = None
         self._stop = asyncio.Event()
-        self._background: set[asyncio.Task[Any]] = set()
+        self.background = Background(self.log)
+        """The steps nothing waits for (announcements, unsubscriptions, the scenario), kept until they end."""
+        self.reports = Reports(config.federation, self.node_id, self.log)
+        """The node's acknowledgements, updates, failures and secure aggregation steps (`fednode.reports`)."""
         self.player = ScriptPlayer(config.script, self.node_id, log=self.log)
         self.connected = asyncio.Event()
         """Set once the node is connected and subscribed, cleared when `serve` ends (readiness for supervisors)."""
@@ -122,14 +117,17 @@ class NodeDaemon:
         """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
         self.presence = Presence(
             config, data=data, device=str(workspace.device), method=self.fingerprint.to_meta(), trainer=self.trainer,
-            online=lambda: self.player.online, shared=share_group is not None, spawn=self._spawn, log=self.log,
+            online=lambda: self.player.online, shared=share_group is not None, spawn=self.background.spawn,
+            log=self.log,
         )  # fmt: skip
         """The node's retained status (`fednode.presence`)."""
         self.secure = SecureAggregationPart(
-            federation=config.federation, node_id=self.node_id, num_samples=len(data), publish=self._send_secagg,
+            federation=config.federation, node_id=self.node_id, num_samples=len(data), publish=self.reports.secagg,
             log=self.log,
         )  # fmt: skip
         """The secure aggregation of the node's tasks that ask for it (`fednode.masking`)."""
+        self.updates = UpdateJobs(config, len(data), self.trainer, self.player, self.secure, self.reports, self.log)
+        """Each round's training and update, once its model came (`fednode.update_job`)."""
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -145,12 +143,12 @@ class NodeDaemon:
             on_connect=self.presence.announce_when_subscribed,
             logger=logger.getChild("bus"),
         )
-        self._bus = self.presence.bus = client  # before connecting: the on-connect hook announces through it
+        self._attach(client)  # before connecting: the on-connect hook announces through it
         async with contextlib.AsyncExitStack() as stack:
             bus = await self._connect(stack, client)
             self.connected.set()
             if self.config.script.transitions:
-                self._spawn(self.player.play(started, self._on_transition), f"scenario-{self.node_id}")
+                self.background.spawn(self.player.play(started, self._on_transition), f"scenario-{self.node_id}")
             receiver = asyncio.create_task(self._receive(bus))
             stopper = asyncio.create_task(self._stop.wait())
             drainer = asyncio.create_task(self._drain_when_asked(), name=f"drain-{self.node_id}")
@@ -165,13 +163,13 @@ class NodeDaemon:
                 self.presence.subscribed.clear()
                 if self._task is not None:
                     self.trainer.withdraw(self._task)
-                for task in (receiver, stopper, drainer, self._job, *self._background):
+                for task in (receiver, stopper, drainer, self._job, *self.background):
                     if task is not None:
                         task.cancel()
                 await asyncio.gather(
                     receiver, stopper, drainer, *([self._job] if self._job else []), return_exceptions=True
                 )
-                self.log.info("stopping after %d rounds trained; bus %s", self.rounds_trained, bus.stats.as_dict())
+                self.log.info("stopping after %d rounds trained; bus %s", self.updates.sent, bus.stats.as_dict())
                 if self.config.script.scripted:
                     self.log.info("scenario: %s", self.player.counts())
                 # a clean DISCONNECT does not fire the will, so say goodbye explicitly; without a
@@ -182,6 +180,10 @@ class NodeDaemon:
                         await asyncio.wait_for(bus.publish(self.presence.topic, goodbye, retain=True), 2)
                     except (BusError, TimeoutError) as exc:
                         self.log.warning("could not publish the offline status: %s", exc)
+
+    def _attach(self, bus: BusClient) -> None:
+        """The node's bus client, to the daemon and the parts that publish."""
+        self._bus = self.presence.bus = self.reports.bus = bus
 
     async def _connect(self, stack: contextlib.AsyncExitStack, client: BusClient) -> BusClient:
         """Connect and subscribe, holding the process's connection gate (`serve_nodes`): thousands of
@@ -224,12 +226,12 @@ class NodeDaemon:
         if task is not None:  # acknowledged, the model not here yet
             self.trainer.withdraw(task)
             self.log.info("draining (%s): abandoning round %d's task, whose model has not come", reason, task.round)
-            await self._report_failure(task, f"abandoned: the node is stopping ({reason})")
+            await self.reports.failure(task, f"abandoned: the node is stopping ({reason})")
         job = self._job
         if job is not None and not job.done():
             self.log.info("draining (%s): finishing the update in hand", reason)
             await asyncio.wait({job})
-        self.log.info("drained (%s) after %d rounds trained", reason, self.rounds_trained)
+        self.log.info("drained (%s) after %d rounds trained", reason, self.updates.sent)
 
     async def _on_transition(self, transition: Transition) -> None:
         """The scenario took the node offline (dropping the task in hand) or brought it back."""
@@ -247,7 +249,7 @@ class NodeDaemon:
         if task is not None:
             self.trainer.withdraw(task)
             if not task.inline:
-                self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
+                self.background.spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -291,7 +293,7 @@ class NodeDaemon:
         alive = self._draining is None and not self.crashed
         if self.share_group is not None and offline and alive and self.presence.announcement(True).online:
             self.log.info("another daemon of this node went offline; announcing the node again")
-            self._spawn(self.presence.announce(), f"announce-{self.node_id}")
+            self.background.spawn(self.presence.announce(), f"announce-{self.node_id}")
 
     def _on_coordinator_status(self, message: Message) -> None:
         status = CoordinatorStatus.from_meta(message.meta)
@@ -299,7 +301,9 @@ class NodeDaemon:
             if status.run_id != self._run_id and self._bus is not None:
                 # the retained status a (re)started coordinator reads first may not be this node's any
                 # more (64 random bytes left there by another client, issue 31): one status a run
-                self._spawn(self.presence.announce_or_warn("to the new coordinator run"), f"reannounce-{self.node_id}")
+                self.background.spawn(
+                    self.presence.announce_or_warn("to the new coordinator run"), f"reannounce-{self.node_id}"
+                )
             self._run_id = status.run_id
             self.method_check.coordinator_runs(status.method)
         elif status.state.final and status.run_id is not None and status.run_id == self._run_id:
@@ -315,11 +319,11 @@ class NodeDaemon:
         if mismatch is not None:  # the coordinator stops waiting for this node, and logs why
             self._bus_or_fail().stats.rejected["method-mismatch"] += 1
             self.log.error("round %d's task refused: %s", task.round, mismatch)
-            await self._report_failure(task, mismatch)
+            await self.reports.failure(task, mismatch)
             return
         if self._draining is not None:
             self.log.info("round %d's task refused: the node is stopping (%s)", task.round, self._draining)
-            await self._report_failure(task, f"refused: the node is stopping ({self._draining})")
+            await self.reports.failure(task, f"refused: the node is stopping ({self._draining})")
             return
         if not self.player.admit(task.round):
             return  # scripted: offline, or a dropped task (no ack, no group, no update)
@@ -342,16 +346,8 @@ class NodeDaemon:
         if task.inline:
             await self._on_model(message, 0)  # the task's frame is the model's
             return
-        bus = self._bus_or_fail()
-        await bus.subscribe(task.model_topic)
-        ack = Message(
-            kind=Kind.ACK,
-            federation=self.config.federation,
-            round=task.round,
-            sender=self.node_id,
-            meta={"task": task.task_id},
-        )
-        await bus.publish(self.topics.ack(self.node_id), ack)
+        await self._bus_or_fail().subscribe(task.model_topic)
+        await self.reports.ack(task)
         self.log.debug("task for round %d acknowledged", task.round)
 
     async def _on_model(self, message: Message, size: int = 0) -> None:
@@ -363,7 +359,7 @@ class NodeDaemon:
         self._task = None
         if not task.inline:
             # clean-up only: the model arrived, so training need not wait for the broker's UNSUBACK
-            self._spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
+            self.background.spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
         if self.config.faults.fail_at_round == task.round:
             self.log.warning("fault injection: crashing mid-round %d", task.round)
             self.crashed = True
@@ -374,7 +370,7 @@ class NodeDaemon:
         if self._job is not None and not self._job.done():
             self.log.warning("round %d starts while the previous update is still being produced", task.round)
         received = task.frame_bytes + size
-        job = self._train_and_send(task, payload, self.player.spell, received)
+        job = self.updates.run(task, payload, self.player.spell, received)
         self._job = asyncio.create_task(job, name=f"train-{self.node_id}-{task.round}")
         self._job.add_done_callback(self._harvest)
 
@@ -390,92 +386,11 @@ class NodeDaemon:
         else:
             self.log.warning("update for round %d was %s: %s", message.round, receipt.status, receipt.reason)
 
-    async def _send_secagg(self, round: int, kind: Kind, step: SecAggUp) -> None:
-        message = Message(
-            kind=kind, federation=self.config.federation, round=round, sender=self.node_id, meta=step.to_meta()
-        )
-        await self._bus_or_fail().publish(self.topics.secagg(self.node_id), message)
-
     async def _unsubscribe_model(self, task: Task) -> None:
         try:
             await self._bus_or_fail().unsubscribe(task.model_topic)
         except BusError as exc:
             self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
-
-    # -- training --------------------------------------------------------------------------
-
-    async def _train_and_send(self, task: Task, payload: Payload, spell: asyncio.Event, received: int) -> None:
-        """Train and publish the update; with a scenario, first the modelled download (`received`
-        bytes), then the modelled compute time beyond the real one, and the upload, all outside the
-        workspace lock. Nothing is sent once the node went offline (`spell` ended)."""
-        script, hold = self.config.script, self.player.hold
-        if not await hold(script.transfer_s(received), spell):
-            return self._abandoned(task)
-        try:
-            frame, train_s = await self.trainer.produce(task, payload)
-        except NoUpdate as exc:
-            self.log.warning("round %d: no update to send: %s", task.round, exc)
-            if not spell.is_set():
-                await self._report_failure(task, str(exc))
-            return
-        except Exception as exc:  # the round must not wait for an update that will never come
-            if self._bus is not None:
-                self._bus.stats.rejected["training-error"] += 1
-            self.log.error("training for round %d failed: %r", task.round, exc, exc_info=exc)
-            if spell.is_set():
-                return self._abandoned(task)
-            await self._report_failure(task, f"{type(exc).__name__}: {exc}")
-            return
-        self.trainings += 1
-        self.train_seconds += train_s
-        if not await hold(max(0.0, script.compute_s(len(self.data)) - train_s), spell):
-            return self._abandoned(task)
-        delay = self.config.faults.delay_for(task.round)
-        if delay:
-            self.log.info("fault injection: delaying round %d's update by %g s", task.round, delay)
-            if not await hold(delay, spell):
-                return self._abandoned(task)
-        if isinstance(frame, Draft):
-            masked = await self.secure.masked(
-                round=task.round, task_id=task.task_id, draft=frame, wait_s=task.deadline_s, gone=spell
-            )
-            if masked is None:
-                return self._abandoned(task) if spell.is_set() else None
-            frame = encode(masked)
-        if not await hold(script.transfer_s(len(frame)), spell):
-            return self._abandoned(task)
-        await self._bus_or_fail().publish_frame(self.topics.update(self.node_id), frame, round=task.round)
-        self.rounds_trained += 1
-        self.log.info("round %d: trained %.3f s, update of %d bytes sent", task.round, train_s, len(frame))
-
-    def _abandoned(self, task: Task) -> None:
-        self.player.abandoned += 1
-        self.log.info("scenario: round %d's update is not sent (the node went offline)", task.round)
-
-    async def _report_failure(self, task: Task, reason: str) -> None:
-        """An update without tensors that says why: the coordinator stops waiting for this node."""
-        failure = Message(
-            kind=Kind.UPDATE,
-            federation=self.config.federation,
-            round=task.round,
-            sender=self.node_id,
-            meta=UpdateFailed(task_id=task.task_id, reason=reason).to_meta(),
-        )
-        try:
-            await self._bus_or_fail().publish(self.topics.update(self.node_id), failure)
-        except BusError as exc:
-            self.log.warning("could not report the failure of round %d: %s", task.round, exc)
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        """A background step that nothing waits for, kept until it ends (never fire-and-forget)."""
-        task = asyncio.create_task(coro, name=name)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.log.warning("%s failed: %r", task.get_name(), task.exception())
 
     def _harvest(self, job: asyncio.Task[None]) -> None:
         if job.cancelled():
@@ -483,6 +398,11 @@ class NodeDaemon:
         exc = job.exception()
         if exc is not None:  # a failed publish of the update; training errors are reported in the job
             self.log.error("round job failed: %r", exc, exc_info=exc)
+
+    @property
+    def rounds_trained(self) -> int:
+        """Updates sent."""
+        return self.updates.sent
 
     @property
     def bus(self) -> BusClient | None:

@@ -53,7 +53,7 @@ class _HostCollector:
         for daemon, is_up in zip(daemons, connected, strict=True):
             player = daemon.player
             received.add_metric([daemon.node_id], player.tasks_received + player.ignored_offline)
-            sent.add_metric([daemon.node_id], daemon.rounds_trained)
+            sent.add_metric([daemon.node_id], daemon.updates.sent)
             up.add_metric([daemon.node_id], int(is_up))
         yield from (received, sent, up)
         yield GaugeMetricFamily("fedmq_host_nodes", "Node daemons in this process.", value=len(daemons))
@@ -75,12 +75,12 @@ class _HostCollector:
         yield CounterMetricFamily(
             "fedmq_host_trainings",
             "Local trainings finished (an update abandoned afterwards included).",
-            value=sum(d.trainings for d in daemons),
+            value=sum(d.updates.trainings for d in daemons),
         )
         yield CounterMetricFamily(
             "fedmq_host_training_seconds",
             "Seconds the nodes spent in local training (wall time of the training call).",
-            value=sum(d.train_seconds for d in daemons),
+            value=sum(d.updates.train_seconds for d in daemons),
         )
         yield from bus_families(
             [d.bus.stats for d in daemons if d.bus is not None],

@@ -20,8 +20,8 @@ from fedmq.fedcore.protocol import Announcement
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.trainer import Trainer
 
-Spawn = Callable[[Coroutine[Any, Any, None], str], None]
-"""Runs a background step the daemon keeps until it ends (`NodeDaemon._spawn`)."""
+Spawn = Callable[[Coroutine[Any, Any, None], str], object]
+"""Runs a background step the daemon keeps until it ends (`broker.background.Background.spawn`)."""
 
 
 class Presence:

@@ -51,7 +51,8 @@ async def test_a_new_coordinator_run_hears_the_nodes_status_again() -> None:
     """64 random bytes retained on a node's status topic made a restarted coordinator never see it:
     the node announces itself again to each coordinator run it has not seen (once per run)."""
     daemon = _daemon()
-    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    daemon._attach(bus)  # type: ignore[arg-type]
 
     def state(run_id: str, value: str = "waiting") -> Message:
         return Message(
@@ -63,7 +64,7 @@ async def test_a_new_coordinator_run_hears_the_nodes_status_again() -> None:
         daemon._on_coordinator_status(message)
         await asyncio.sleep(0)
     async with asyncio.timeout(5):
-        while len(bus.published) < 2 or daemon._background:
+        while len(bus.published) < 2 or len(daemon.background):
             await asyncio.sleep(0.01)
     assert [(t, m.meta["state"], r) for t, m, r in bus.published] == [
         (Topics("f").node_status("node-000"), "online", True)

@@ -43,13 +43,13 @@ def test_node_host_metrics_give_three_series_per_node_and_the_host_sums_of_the_r
     everything else summed."""
     first, second, third = daemons
     states = {
-        first: {"rounds_trained": 4, "trainings": 5, "train_seconds": 1.5},
-        second: {"rounds_trained": 0, "trainings": 0, "train_seconds": 0.0},
-        third: {"rounds_trained": 2, "trainings": 2, "train_seconds": 0.25},
+        first: {"sent": 4, "trainings": 5, "train_seconds": 1.5},
+        second: {"sent": 0, "trainings": 0, "train_seconds": 0.0},
+        third: {"sent": 2, "trainings": 2, "train_seconds": 0.25},
     }
     for daemon, attrs in states.items():
         for name, v in attrs.items():
-            monkeypatch.setattr(daemon, name, v)
+            monkeypatch.setattr(daemon.updates, name, v)
     players = {first: (6, 1, 1, 1), second: (0, 0, 0, 0), third: (2, 0, 3, 0)}
     for daemon, counts in players.items():  # tasks received online, dropped, came while offline, abandoned
         for name, v in zip(("tasks_received", "dropped", "ignored_offline", "abandoned"), counts, strict=True):

@@ -116,7 +116,8 @@ async def test_player_plays_transitions_in_wall_time_and_ends_spells() -> None:
 async def test_dropped_task_is_not_acknowledged_and_joins_no_group() -> None:
     """drop_p = 1: the task is ignored before the node acknowledges it or is expected in a group."""
     daemon = _daemon(NodeScript(drop_p=1.0), group_wait_s=0.5)
-    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    daemon._attach(bus)  # type: ignore[arg-type]
     await daemon._on_task(_task(), 200)
     assert daemon._task is None and bus.published == []
     assert daemon.workspace.groups is not None and daemon.workspace.groups._groups == {}
@@ -126,7 +127,8 @@ async def test_dropped_task_is_not_acknowledged_and_joins_no_group() -> None:
 async def test_task_is_acknowledged_and_expected_in_its_group_with_the_default_script() -> None:
     """The counterpart: with the default script the same task is acknowledged and grouped."""
     daemon = _daemon(NodeScript(), group_wait_s=0.5)
-    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    daemon._attach(bus)  # type: ignore[arg-type]
     await daemon._on_task(_task(), 200)
     assert daemon._task is not None and [m.kind for m in bus.published] == [Kind.ACK]
     assert daemon.workspace.groups is not None and len(daemon.workspace.groups._groups) == 1
@@ -136,7 +138,7 @@ async def _run_job(daemon: NodeDaemon, received: int) -> asyncio.Task[None]:
     message = _task()
     task = parse_task(message, daemon.topics, received)
     payload = Payload(tensors={"model": {k: v.clone() for k, v in daemon.workspace.model.state_dict().items()}})
-    return asyncio.create_task(daemon._train_and_send(task, payload, daemon.player.spell, received))
+    return asyncio.create_task(daemon.updates.run(task, payload, daemon.player.spell, received))
 
 
 async def test_job_sleeps_link_and_compute_outside_the_workspace_lock() -> None:
@@ -144,7 +146,8 @@ async def test_job_sleeps_link_and_compute_outside_the_workspace_lock() -> None:
     the workspace lock meanwhile; the update goes out after at least their sum."""
     script = NodeScript(task_s=0.2, latency_s=0.05, bandwidth_bps=1e6)
     daemon = _daemon(script)
-    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    daemon._attach(bus)  # type: ignore[arg-type]
     started = time.monotonic()
     job = await _run_job(daemon, 50_000)  # 0.05 + 0.05 s download
     await asyncio.sleep(0.05)
@@ -161,7 +164,8 @@ async def test_job_sleeps_link_and_compute_outside_the_workspace_lock() -> None:
 async def test_job_sends_nothing_when_the_node_goes_offline_during_its_sleeps() -> None:
     """The spell ends during the modelled compute time: the job ends early and sends nothing."""
     daemon = _daemon(NodeScript(task_s=5.0))
-    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    daemon._attach(bus)  # type: ignore[arg-type]
     job = await _run_job(daemon, 0)
     await asyncio.sleep(0.2)
     daemon.player._spell.set()  # as `play` does on going offline
@@ -174,7 +178,8 @@ async def test_offline_transition_announces_offline_and_forgets_the_pending_task
     """Going offline publishes the offline status and forgets the task in hand; back online, the
     online announcement again."""
     daemon = _daemon(NodeScript(transitions=(Transition(0.0, False, crash=True), Transition(0.0, True))))
-    bus = daemon._bus = daemon.presence.bus = _Bus()  # type: ignore[assignment]
+    bus = _Bus()
+    daemon._attach(bus)  # type: ignore[arg-type]
     await daemon._on_task(_task(), 200)
     assert daemon._task is not None
     daemon.player.online = False

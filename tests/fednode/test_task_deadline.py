@@ -56,7 +56,7 @@ def _daemon(clock_skew_s: float = 5.0) -> tuple[NodeDaemon, _Bus]:
         Workspace(build_model("mlp", (3,), 2, seed=0), torch.device("cpu")),
     )
     bus = _Bus()
-    daemon._bus = bus  # type: ignore[assignment]
+    daemon._attach(bus)  # type: ignore[arg-type]
     return daemon, bus
 
 

@@ -177,8 +177,9 @@ def update_from_site(tmp_path: Path) -> Message:
 
 def update_failed(tmp_path: Path) -> Message:
     node = _node()
-    bus = node._bus = node.presence.bus = _Bus()  # type: ignore[assignment]
-    asyncio.run(node._report_failure(_node_task(tmp_path, node), "RuntimeError: out of memory"))
+    bus = _Bus()
+    node._attach(bus)  # type: ignore[arg-type]
+    asyncio.run(node.reports.failure(_node_task(tmp_path, node), "RuntimeError: out of memory"))
     return bus.sent[-1]
 
 
