@@ -40,7 +40,8 @@ from pydantic_core import PydanticCustomError
 
 from fedmq.broker.config import BusConfig
 from fedmq.coordinator.config import AsyncPolicy, CoordinatorConfig, RoundPolicy
-from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario
+from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario_sourced
+from fedmq.experiments.yaml_source import Loc, SourceMap, dotted, read_yaml_file
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.staleness import Staleness
@@ -746,13 +747,15 @@ class ExperimentConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> ExperimentConfig:
+    def _consistent(self, info: ValidationInfo) -> ExperimentConfig:
         ids = set(self.node_ids())
         unknown = sorted(set(self.faults) - ids)
         if unknown:
             raise ValueError(f"faults name nodes that do not exist: {unknown} (ids are node-000 .. {max(ids)})")
         if self.scenario is not None:
-            self.scenario.check(ids)  # a ConfigError naming the unknown ids
+            # a ConfigError naming the unknown ids, at their lines when parse_config knows the files
+            sources = (info.context or {}).get("sources")
+            self.scenario.check(ids, sources, ("scenario",) if sources is not None else ())
         if self.policy.min_nodes is not None and self.policy.min_nodes > self.nodes:
             raise ValueError(f"policy.min_nodes {self.policy.min_nodes} exceeds nodes {self.nodes}")
         if self.engine.kind == "sync" and self.rounds is None:
@@ -928,7 +931,8 @@ def _tagged(annotation: Any) -> dict[str, Any]:
     return members
 
 
-def _describe(error: Mapping[str, Any], model: type[BaseModel]) -> str:
+def _problem(error: Mapping[str, Any], model: type[BaseModel]) -> tuple[Loc, str]:
+    """A pydantic error as (the path shown, the message)."""
     # walk the location through the models; a union tag (``partition.dirichlet.alpha``) picks the
     # member and is left out of the location shown
     parent: Any = model
@@ -943,28 +947,42 @@ def _describe(error: Mapping[str, Any], model: type[BaseModel]) -> str:
             is_model = isinstance(parent, type) and issubclass(parent, BaseModel)
             field = parent.model_fields.get(str(part)) if is_model else None
             parent = field.annotation if field is not None else None
-    loc = ".".join(shown) or "(top level)"
+    loc = tuple(shown)
     if error["type"] == "extra_forbidden":
         allowed = sorted(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
         kind = f" for kind {parent.model_fields['kind'].default!r}" if "kind" in allowed else ""
-        return f"{loc}: unknown field{kind}" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+        return loc, f"unknown field{kind}" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
     kinds = ", ".join(PARTITION_KINDS)
-    if error["type"] == "union_tag_invalid" and loc == "partition":
-        return f"partition.kind: unknown kind {error['ctx']['tag']!r}; allowed: {kinds}"
-    if error["type"] == "union_tag_not_found" and loc == "partition":
-        return f"partition: expected a mapping with a kind (got {error.get('input')!r}); kinds: {kinds}"
+    if error["type"] == "union_tag_invalid" and loc == ("partition",):
+        return ("partition", "kind"), f"unknown kind {error['ctx']['tag']!r}; allowed: {kinds}"
+    if error["type"] == "union_tag_not_found" and loc == ("partition",):
+        return loc, f"expected a mapping with a kind (got {error.get('input')!r}); kinds: {kinds}"
     value = error.get("input")
     got = f" (got {value!r})" if not isinstance(value, dict) and value is not None else ""
-    return f"{loc}: {error['msg']}{got}"
+    return loc, f"{error['msg']}{got}"
 
 
-def parse_config(data: Any, *, source: str = "config") -> ExperimentConfig:
+def _written_at(loc: Loc, data: Any) -> Loc:
+    """Where in the file a setting's value was written: the policy's settings in their old spelling at
+    the top of the file (`_policy_moved`) are found there."""
+    moved = len(loc) >= 2 and loc[0] == "policy" and loc[1] in MOVED_TO_POLICY
+    return loc[1:] if moved and isinstance(data, dict) and loc[1] in data else loc
+
+
+def parse_config(data: Any, *, source: str = "config", sources: SourceMap | None = None) -> ExperimentConfig:
+    """The validated experiment; a ConfigError names each bad setting, and with `sources` (where the
+    data was read from: `read_yaml_sourced`) the file and line it was written on, or the ``--set``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: an experiment file is a YAML mapping, got {type(data).__name__}")
+    sources = sources or SourceMap()
     try:
-        return ExperimentConfig.model_validate(data)
+        return ExperimentConfig.model_validate(data, context={"sources": sources})
     except ValidationError as exc:
-        lines = [_describe(e, ExperimentConfig) for e in exc.errors()]
+        lines = []
+        for error in exc.errors():
+            loc, message = _problem(error, ExperimentConfig)
+            where = sources.where(_written_at(loc, data), data)
+            lines.append(f"{where + ': ' if where else ''}{dotted(loc)}: {message}")
         raise ConfigError(f"{source} is invalid:\n  " + "\n  ".join(lines)) from None
 
 
@@ -976,6 +994,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set rounds=5")
         set_path(data, key, yaml.safe_load(raw), where=f"--set {item!r}")
     return data
+
+
+def override_sources(sources: SourceMap, overrides: list[str]) -> SourceMap:
+    """`sources` after `apply_overrides`: each ``--set`` key's value now comes from that ``--set``."""
+    for item in overrides:
+        sources = sources.set(key_path(item.partition("=")[0]), f"--set {item!r}")
+    return sources
+
+
+def key_path(key: str) -> tuple[str, ...]:
+    """Where `set_path` puts a dotted key (an old spelling in today's place), without its warning."""
+    return tuple((f"policy.{key}" if key in MOVED_TO_POLICY else key).split("."))
 
 
 def moved_key(key: str) -> str:
@@ -998,7 +1028,7 @@ def set_path(data: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     node[parts[-1]] = value
 
 
-def read_yaml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def read_yaml(path: str | Path) -> dict[str, Any]:
     """The experiment file as a mapping; a clear ConfigError for an unreadable or non-mapping file.
 
     ``extends: OTHER.yaml`` (relative to the file) starts from another experiment file: maps merge
@@ -1006,28 +1036,32 @@ def read_yaml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, An
     (``axis: null`` removes one), and so is the report's table of paper figures.
     A reduced-scale config says only what it reduces.
     """
+    return read_yaml_sourced(path)[0]
+
+
+def read_yaml_sourced(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> tuple[dict[str, Any], SourceMap]:
+    """`read_yaml`, and where each value was written (this file over those it extends, a scenario
+    file at ``scenario``), for `parse_config` to name the file and line of a bad one."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the experiment file {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    document = read_yaml_file(path, "experiment file")
+    data = document.data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: an experiment file is a YAML mapping, got {type(data).__name__}")
+    sources = SourceMap.of(document)
     if "scenario" in data:  # a scenario file (and its trace) relative to this file, read inline
-        data["scenario"] = resolve_scenario(data["scenario"], path.parent)
+        data["scenario"], scenario_sources = resolve_scenario_sourced(data["scenario"], path.parent)
+        sources = scenario_sources.mounted(("scenario",)).over(sources)
     parent = data.pop("extends", None)
     if parent is None:
-        return data
+        return data, sources
+    where = sources.where(("extends",)) or str(path)
     if not isinstance(parent, str):
-        raise ConfigError(f"{path}: extends names one experiment file, got {parent!r}")
+        raise ConfigError(f"{where}: extends names one experiment file, got {parent!r}")
     base_path = (path.parent / parent).resolve()
     if base_path in _seen or base_path == path.resolve():
-        raise ConfigError(f"{path}: extends {parent} makes a cycle")
-    return merge(read_yaml(base_path, _seen=(*_seen, path.resolve())), data)
+        raise ConfigError(f"{where}: extends {parent} makes a cycle")
+    base, base_sources = read_yaml_sourced(base_path, _seen=(*_seen, path.resolve()))
+    return merge(base, data), sources.over(base_sources)
 
 
 _IDENTITY = ("name", "kind", "dataset")
@@ -1057,12 +1091,13 @@ def merge(base: dict[str, Any], changes: dict[str, Any], *, _path: tuple[str, ..
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """One experiment (the daemons' view); a file with a grid is loaded with `experiments.grid`."""
-    data = read_yaml(path)
+    data, sources = read_yaml_sourced(path)
     if overrides:
         data = apply_overrides(data, overrides)
+        sources = override_sources(sources, overrides)
     if "grid" in data or "report" in data:
         raise ConfigError(
             f"{path} declares a grid or report: run it with `fedmq run`, which gives each cell's own config"
             " to the daemons"
         )
-    return parse_config(data, source=str(path))
+    return parse_config(data, source=str(path), sources=sources)

@@ -33,7 +33,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedmq.experiments.config import ExperimentConfig, apply_overrides, parse_config, read_yaml, set_path
+from fedmq.experiments.config import (
+    ExperimentConfig,
+    apply_overrides,
+    key_path,
+    override_sources,
+    parse_config,
+    read_yaml_sourced,
+    set_path,
+)
+from fedmq.experiments.yaml_source import SourceMap
 from fedmq.fedcore.errors import ConfigError
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
@@ -135,6 +144,15 @@ def _paths(key: Any) -> list[str]:
     return paths
 
 
+def _located_axis(key: Any, spec: Any, sources: SourceMap) -> Axis:
+    """`_axis`, its error led by the axis' file and line."""
+    try:
+        return _axis(key, spec)
+    except ConfigError as exc:
+        where = sources.where(("grid", key))
+        raise (ConfigError(f"{where}: {exc}") if where else exc) from None
+
+
 def _axis(key: Any, spec: Any) -> Axis:
     paths = _paths(key)
     explicit = isinstance(spec, dict)
@@ -168,37 +186,49 @@ def cell_id(index: int, parts: dict[str, tuple[str, Any]]) -> str:
     return f"{index:03d}-{name}" if name else f"{index:03d}"
 
 
-def expand(data: dict[str, Any], *, source: str = "config") -> Grid:
-    """Cells of a parsed experiment file; each cell's config is validated here."""
+def expand(data: dict[str, Any], *, source: str = "config", sources: SourceMap | None = None) -> Grid:
+    """Cells of a parsed experiment file; each cell's config is validated here. With `sources` (where
+    the file's values were written: `read_yaml_sourced`) errors name the file and line."""
     data = dict(data)
+    sources = sources or SourceMap()
     grid_spec = data.pop("grid", None) or {}
+    report_spec = data.pop("report", None) or {}
     try:
-        report = ReportConfig.model_validate(data.pop("report", None) or {})
+        report = ReportConfig.model_validate(report_spec)
     except ValidationError as exc:
-        lines = [f"report.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        spec = {"report": report_spec}
+        lines = [sources.render(("report", *e["loc"]), e["msg"], spec) for e in exc.errors()]
         raise ConfigError(f"{source} is invalid:\n  " + "\n  ".join(lines)) from None
     if not isinstance(grid_spec, dict):
-        raise ConfigError(f"{source}: grid must be a map of config paths to lists of values")
-    axes = tuple(_axis(k, v) for k, v in grid_spec.items())
+        raise ConfigError(
+            f"{sources.where(('grid',)) or source}: grid must be a map of config paths to lists of values"
+        )
+    axes = tuple(_located_axis(k, v, sources) for k, v in grid_spec.items())
     keys = {a.key for a in axes}
     for name in ("rows", "average_over"):
         unknown = sorted(set(getattr(report, name)) - keys)
         if axes and unknown and name in report.model_fields_set:  # the defaults apply where the axes exist
-            raise ConfigError(f"{source}: report names axes {unknown} that the grid does not vary ({sorted(keys)})")
+            where = sources.where(("report", name)) or source
+            raise ConfigError(f"{where}: report names axes {unknown} that the grid does not vary ({sorted(keys)})")
     cells = []
     for index, combo in enumerate(itertools.product(*(range(len(a.values)) for a in axes))):
         cell_data = copy.deepcopy(data)
+        cell_sources = sources
         labels, parts = {}, {}
         for axis, i in zip(axes, combo, strict=True):
             paths = _paths(axis.key)
             values = axis.values[i] if len(paths) > 1 else [axis.values[i]]
+            # the cell's value was written in the grid, at this label (a map) or position (a list)
+            at = ("grid", axis.key, axis.labels[i] if axis.explicit else i)
+            written = sources.where(at) or f"grid.{axis.key}"
             for path, value in zip(paths, values, strict=True):
                 set_path(cell_data, path, copy.deepcopy(value), where=f"grid.{axis.key}")
+                cell_sources = cell_sources.set(key_path(path), written)
             labels[axis.key] = axis.labels[i]
             parts[axis.key] = (axis.labels[i], axis.values[i])
         where = f"{source} (cell {', '.join(f'{k}={v}' for k, v in labels.items())})" if labels else source
         cell_data = _resolve_per_axis(cell_data, labels, where)
-        config = parse_config(cell_data, source=where)
+        config = parse_config(cell_data, source=where, sources=cell_sources)
         cells.append(Cell(index, cell_id(index, parts), labels, config))
     name = str(data.get("name", "experiment"))
     return Grid(name, axes, tuple(cells), report)
@@ -224,10 +254,11 @@ def _resolve_per_axis(value: Any, labels: dict[str, str], where: str) -> Any:
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Grid:
     """Read an experiment file (with or without a grid); `--set` overrides apply before expansion."""
-    data = read_yaml(path)
+    data, sources = read_yaml_sourced(path)
     if overrides:
         data = apply_overrides(data, overrides)
-    return expand(data, source=str(path))
+        sources = override_sources(sources, overrides)
+    return expand(data, source=str(path), sources=sources)
 
 
 def dump_cell_config(cell: Cell) -> str:

@@ -12,12 +12,10 @@ import csv
 import json
 import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import numpy as np
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -33,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from fedmq.experiments.yaml_source import Loc, SourceMap, dotted, read_yaml_file
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.seeding import seed_sequence, stream
 from fedmq.fednode.scenario import NodeScript, Transition
@@ -372,7 +371,8 @@ class ScenarioConfig(_Strict):
     compute: Compute = Field(default_factory=Compute)
     groups: list[Group] = Field(default_factory=list)
     trace: list[TraceRow] = Field(default_factory=list, description="measured events (a trace file, read inline)")
-    _origin: _Origin | None = PrivateAttr(None)
+    _origin: SourceMap | None = PrivateAttr(None)
+    """Where the scenario was read from, for the file and line in `check`'s errors."""
 
     @model_validator(mode="before")
     @classmethod
@@ -420,8 +420,9 @@ class ScenarioConfig(_Strict):
                 )
         return self
 
-    def check(self, node_ids: Collection[str]) -> None:
-        """Refuse node ids that are not the experiment's (ConfigError naming the file and line)."""
+    def check(self, node_ids: Collection[str], sources: SourceMap | None = None, at: Loc = ()) -> None:
+        """Refuse node ids that are not the experiment's (ConfigError naming the file and line: from
+        `sources`, where the scenario sits at `at`, when it was read as part of an experiment file)."""
         known = node_ids if isinstance(node_ids, set | frozenset) else set(node_ids)
         problems: list[tuple[tuple[str | int, ...], str]] = []
         for g, group in enumerate(self.groups):
@@ -431,10 +432,12 @@ class ScenarioConfig(_Strict):
         if not problems:
             return
         span = f"{min(known)} .. {max(known)}" if known else "none"
-        origin = self._origin or _Origin("scenario")
-        lines = [
-            f"{origin.where(loc)}: {_dotted(loc)}: {what} is not a node of the experiment" for loc, what in problems
-        ]
+
+        def where(loc: Loc) -> str:
+            found = sources.where((*at, *loc)) if sources is not None else None
+            return found or (self._origin.where(loc) if self._origin is not None else None) or "scenario"
+
+        lines = [f"{where(loc)}: {dotted(loc)}: {what} is not a node of the experiment" for loc, what in problems]
         more = f"\n    ... and {len(lines) - 10} more" if len(lines) > 10 else ""
         raise ConfigError(
             f"scenario names unknown nodes (the experiment's are {span}):\n    " + "\n    ".join(lines[:10]) + more
@@ -442,49 +445,6 @@ class ScenarioConfig(_Strict):
 
 
 # -- reading files ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Origin:
-    """Where a scenario was read from, to put file and line in its errors."""
-
-    source: str
-    root: yaml.Node | None = None
-    trace_source: str | None = None
-    trace_lines: tuple[int, ...] = ()
-
-    def where(self, loc: Sequence[str | int]) -> str:
-        traced = len(loc) > 1 and loc[0] == "trace" and isinstance(loc[1], int)
-        if traced and self.trace_source and int(loc[1]) < len(self.trace_lines):
-            return f"{self.trace_source}:{self.trace_lines[int(loc[1])]}"
-        line = _line(self.root, loc)
-        return f"{self.source}:{line}" if line else self.source
-
-
-def _line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
-    """The YAML line (1-based) of the deepest part of `loc` found in the composed document."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
-def _dotted(loc: Sequence[str | int]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
@@ -519,58 +479,57 @@ def _problem(error: Any) -> tuple[tuple[str | int, ...], str]:
     return loc, message
 
 
-def _describe(error: Any, origin: _Origin) -> str:
-    loc, message = _problem(error)
-    return f"{origin.where(loc)}: {_dotted(loc)}: {message}"
-
-
-def _validate(data: Any, origin: _Origin) -> ScenarioConfig:
+def _validate(data: Any, source: str, sources: SourceMap) -> ScenarioConfig:
     if not isinstance(data, dict):
-        raise ConfigError(f"{origin.source}: a scenario is a YAML mapping, got {type(data).__name__}")
+        raise ConfigError(f"{source}: a scenario is a YAML mapping, got {type(data).__name__}")
     try:
         scenario = ScenarioConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [_describe(e, origin) for e in exc.errors()]
-        raise ConfigError(f"{origin.source}: the scenario is invalid:\n  " + "\n  ".join(lines)) from None
-    scenario._origin = origin
+        lines = [sources.render(*_problem(e), data, default=source) for e in exc.errors()]
+        raise ConfigError(f"{source}: the scenario is invalid:\n  " + "\n  ".join(lines)) from None
+    scenario._origin = sources
     return scenario
 
 
 def parse_scenario(data: Any, *, source: str = "scenario", base: str | Path | None = None) -> ScenarioConfig:
     """A scenario from a mapping; ``trace: FILE`` is read relative to `base` (a folder)."""
-    data, trace_source, trace_lines = _inline_trace(data, base, source)
-    return _validate(data, _Origin(source, trace_source=trace_source, trace_lines=trace_lines))
+    data, sources = _inline_trace(data, base, source)
+    return _validate(data, source, sources)
 
 
 def load_scenario(path: str | Path) -> ScenarioConfig:
     """A scenario file, validated; its trace file (relative to it) is read into the scenario."""
     path = Path(path)
-    text = _read(path, "scenario file")
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    data, trace_source, trace_lines = _inline_trace(data, path.parent, str(path))
-    return _validate(data, _Origin(str(path), root, trace_source, trace_lines))
+    document = read_yaml_file(path, "scenario file")
+    data, sources = _inline_trace(document.data, path.parent, str(path))
+    return _validate(data, str(path), sources.over(SourceMap.of(document)))
 
 
 def resolve_scenario(value: Any, base: str | Path) -> Any:
     """What an experiment file's ``scenario:`` holds, made self-contained: a file name (relative to
     `base`, the experiment's folder) becomes the scenario's mapping, and a trace file its rows."""
+    return resolve_scenario_sourced(value, base)[0]
+
+
+def resolve_scenario_sourced(value: Any, base: str | Path) -> tuple[Any, SourceMap]:
+    """`resolve_scenario`, and where the scenario's values were written (the scenario file's lines,
+    the trace file's rows), as seen from the scenario: mount it where the scenario sits."""
     if isinstance(value, str):
-        return load_scenario(Path(base) / value).model_dump(mode="json")
-    return _inline_trace(value, base, "scenario")[0]
+        scenario = load_scenario(Path(base) / value)
+        return scenario.model_dump(mode="json"), scenario._origin or SourceMap()
+    return _inline_trace(value, base, "scenario")
 
 
-def _inline_trace(data: Any, base: str | Path | None, source: str) -> tuple[Any, str | None, tuple[int, ...]]:
+def _inline_trace(data: Any, base: str | Path | None, source: str) -> tuple[Any, SourceMap]:
+    """`data` with its trace file's rows in place of its name, and the rows' lines."""
     if not isinstance(data, dict) or not isinstance(data.get("trace"), str):
-        return data, None, ()
+        return data, SourceMap()
     if base is None:
         raise ConfigError(f"{source}: trace: {data['trace']!r} names a file, but there is no folder to read it from")
     path = Path(base) / data["trace"]
     rows, lines = _load_trace(path)
-    return data | {"trace": [row.model_dump(mode="json") for row in rows]}, str(path), lines
+    trace = [row.model_dump(mode="json") for row in rows]
+    return data | {"trace": trace}, SourceMap().rows(("trace",), str(path), lines)
 
 
 def load_trace(path: str | Path) -> list[TraceRow]:
@@ -593,7 +552,7 @@ def _load_trace(path: Path) -> tuple[list[TraceRow], tuple[int, ...]]:
             rows.append(TraceRow.model_validate(item))
             lines.append(line)
         except ValidationError as exc:
-            problems += [f"{path}:{line}: {_dotted(loc)}: {msg}" for loc, msg in map(_problem, exc.errors())]
+            problems += [f"{path}:{line}: {dotted(loc)}: {msg}" for loc, msg in map(_problem, exc.errors())]
     problems += [f"{path}:{lines[i]}: {message}" for i, message in _trace_problems(rows)]
     if problems:
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""

@@ -32,7 +32,16 @@ import yaml
 
 from fedmq.broker.errors import BusError
 from fedmq.coordinator.drivers.replay import ReplayError
-from fedmq.experiments.config import MOVED_TO_POLICY, ExperimentConfig, merge, parse_config, read_yaml, set_path
+from fedmq.experiments.config import (
+    MOVED_TO_POLICY,
+    ExperimentConfig,
+    key_path,
+    merge,
+    parse_config,
+    read_yaml_sourced,
+    set_path,
+)
+from fedmq.experiments.yaml_source import SourceMap
 from fedmq.fedcore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -80,33 +89,46 @@ def load_config(source: ConfigSource, /, **overrides: Any) -> ExperimentConfig:
     merged into the file's (``train={"lr": 0.05}``; naming another ``model``, ``method`` or
     ``dataset`` replaces its section whole), or a dotted key (``**{"train.lr": 0.05}``, as ``--set``).
     A file with a grid is for `fedmq run`/`fedmq simulate` (each cell is one experiment)."""
-    data, where = _read(source)
+    data, where, sources = _read(source)
     for key, value in overrides.items():
         if "." in key or key in MOVED_TO_POLICY:
             set_path(data, key, value, where=f"override {key}")
         else:
             data = merge(data, {key: value})
+        sources = _overridden(sources, key_path(key), value, f"override {key}")
     if "grid" in data or "report" in data:
         raise ConfigError(
             f"{where} declares a grid or a report: run its cells with `fedmq simulate`/`fedmq run` on the"
             " file, or load one cell by overriding the varied keys in a file without the grid"
         )
-    return parse_config(data, source=where)
+    return parse_config(data, source=where, sources=sources)
 
 
-def _read(source: ConfigSource) -> tuple[dict[str, Any], str]:
-    """The experiment's data (a copy) and how to name it in errors."""
+def _overridden(sources: SourceMap, path: tuple[str, ...], value: Any, where: str) -> SourceMap:
+    """`sources` after an override: a section given as a mapping is merged, so each of its values is
+    the override's (the section's other settings stay where the file wrote them)."""
+    if isinstance(value, Mapping) and value:
+        for key, item in value.items():
+            sources = _overridden(sources, (*path, str(key)), item, where)
+        return sources
+    return sources.set(path, where)
+
+
+def _read(source: ConfigSource) -> tuple[dict[str, Any], str, SourceMap]:
+    """The experiment's data (a copy), how to name it in errors, and where its values were written."""
     if isinstance(source, ExperimentConfig):
-        return source.model_dump(mode="json"), f"config {source.name!r}"
+        return source.model_dump(mode="json"), f"config {source.name!r}", SourceMap()
     if isinstance(source, Mapping):
-        return json.loads(json.dumps(dict(source), default=str)), "config"
+        return json.loads(json.dumps(dict(source), default=str)), "config", SourceMap()
     path = Path(source)
     if not path.exists() and not path.suffix:
         shipped = resources.files("fedmq.experiments").joinpath(f"{source}.yaml")
         if shipped.is_file():
             with resources.as_file(shipped) as file:
-                return read_yaml(file), f"the shipped experiment {source!r}"
-    return read_yaml(path), str(path)
+                data, sources = read_yaml_sourced(file)
+                return data, f"the shipped experiment {source!r}", sources
+    data, sources = read_yaml_sourced(path)
+    return data, str(path), sources
 
 
 def _config(source: ConfigSource) -> ExperimentConfig:

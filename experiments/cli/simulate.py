@@ -21,6 +21,7 @@ from fedmq.fedcore.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedmq.experiments.cli.options import SubParsers
+    from fedmq.experiments.yaml_source import SourceMap
 
 
 def add_parser(subparsers: SubParsers) -> None:
@@ -60,23 +61,28 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fedmq.experiments.config import parse_config, read_yaml
+    from fedmq.experiments.config import parse_config, read_yaml_sourced
     from fedmq.experiments.simulate import simulate
 
-    data = read_yaml(args.config)
+    data, sources = read_yaml_sourced(args.config)
     if args.overrides:
-        from fedmq.experiments.config import apply_overrides
+        from fedmq.experiments.config import apply_overrides, override_sources
 
         data = apply_overrides(data, args.overrides)
+        sources = override_sources(sources, args.overrides)
     if args.scenario is not None:
-        from fedmq.experiments.scenario import resolve_scenario
+        from fedmq.experiments.scenario import resolve_scenario_sourced
 
-        data["scenario"] = resolve_scenario(str(args.scenario), Path.cwd())
+        data["scenario"], scenario_sources = resolve_scenario_sourced(str(args.scenario), Path.cwd())
+        # the file given replaces the experiment's scenario: its lines, or else the option, name its values
+        sources = scenario_sources.mounted(("scenario",)).over(
+            sources.set(("scenario",), f"--scenario {args.scenario}")
+        )
     if args.resume and args.out is None:
         raise ConfigError("--resume needs --out DIR: the run directory to continue")
     if "grid" in data:
-        return _grid(args, data)
-    cfg = parse_config(data, source=str(args.config))
+        return _grid(args, data, sources)
+    cfg = parse_config(data, source=str(args.config), sources=sources)
     set_threads(args.threads)
     out = args.out or Path("runs") / f"{cfg.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     summary = simulate(cfg, out, device=torch.device(args.device) if args.device else None, resume=args.resume)
@@ -85,13 +91,13 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if summary["state"] == "finished" else EXIT_FAILED
 
 
-def _grid(args: argparse.Namespace, data: dict[str, Any]) -> int:
+def _grid(args: argparse.Namespace, data: dict[str, Any], sources: SourceMap) -> int:
     from datetime import datetime
 
     from fedmq.experiments.grid import expand
     from fedmq.experiments.simulate_grid import simulate_grid
 
-    grid = expand(data, source=str(args.config))
+    grid = expand(data, source=str(args.config), sources=sources)
     first = grid.cells[0].config
     out = args.out or Path("runs") / f"{first.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     return simulate_grid(grid, out, jobs=args.jobs, device=args.device, threads=args.threads, resume=args.resume)
