@@ -35,9 +35,9 @@ from fedmq.fedcore.privacy import DPFedAvg
 from fedmq.fedcore.seeding import torch_seed
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings, best_device
-from fedmq.fednode.config import Faults, NodeConfig
+from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.daemon import NodeDaemon
-from fedmq.fednode.scenario import NodeScript
+from fedmq.fednode.scenario import Faults, NodeScript
 from fedmq.fednode.workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -346,11 +346,14 @@ def node_faults(cfg: ExperimentConfig, node_id: str) -> Faults:
 
 
 def node_scripts(cfg: ExperimentConfig) -> dict[str, NodeScript]:
-    """Each node's scenario script, expanded (seeded) from the experiment's scenario; {} without one,
-    so that every node keeps the default script, which changes nothing."""
-    if cfg.scenario is None:
-        return {}
-    return expand_scenario(cfg.scenario, cfg.node_ids(), cfg.seed)
+    """Each node's script: its part of the experiment's scenario, expanded (seeded), with the faults
+    the experiment's `faults:` section injects into it (a preset of the script: one mechanism plays
+    both). A node with neither is left out: it keeps the default script, which changes nothing."""
+    scripts = expand_scenario(cfg.scenario, cfg.node_ids(), cfg.seed) if cfg.scenario is not None else {}
+    for node_id in cfg.faults:
+        script = scripts.get(node_id, NodeScript(seed=cfg.seed))
+        scripts[node_id] = dataclasses.replace(script, faults=node_faults(cfg, node_id))
+    return scripts
 
 
 def build_nodes(
@@ -397,7 +400,6 @@ def build_nodes(
             seed=cfg.seed,
             exit_when_done=exit_when_done,
             announce_label_histogram=announce_label_histogram,
-            faults=node_faults(cfg, node_id),
             script=scripts.get(node_id, NodeScript()),
             compression=cfg.compression.compression(),
         )

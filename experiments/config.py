@@ -46,7 +46,7 @@ from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fednode.config import Faults
+from fedmq.fednode.scenario import Faults
 from fedmq.fields import Bounds, field_bounds, unannotated
 
 if TYPE_CHECKING:
@@ -450,7 +450,8 @@ class BusSettings(
 
 
 class FaultConfig(_section(Faults, types={"delay_rounds": list[int] | None})):  # type: ignore[misc]
-    """A node's injected faults (`fednode.config.Faults`), for experiments."""
+    """A node's injected faults (`fednode.scenario.Faults`), for experiments: a preset of its scenario
+    script (`experiments.build.node_scripts`), with the same meaning in the daemons and in simulation."""
 
 
 class HostingConfig(_Strict):

@@ -26,6 +26,7 @@ from fedmq.experiments.build import (
     coordinator_half,
     load_split,
     make_model,
+    node_faults,
     sample_limits,
     shards,
 )
@@ -37,13 +38,13 @@ from fedmq.fednode.workspace import Workspace
 
 
 def fault_delays(cfg: ExperimentConfig) -> ComputeTime:
-    """The experiment's `faults` delays as virtual compute times (0 for everyone else)."""
+    """The delays the experiment's `faults` inject (`Faults.delay_for`, as the node daemon holds them) as
+    virtual compute times (0 for everyone else)."""
+    faults = {node: node_faults(cfg, node) for node in cfg.faults}
 
     def compute(node: str, task: TaskSpec) -> float:
-        fault = cfg.faults.get(node)
-        if fault is None or not fault.delay_s:
-            return 0.0
-        return fault.delay_s if fault.delay_rounds is None or task.round in fault.delay_rounds else 0.0
+        fault = faults.get(node)
+        return fault.delay_for(task.round) if fault is not None else 0.0
 
     return compute
 

@@ -360,7 +360,7 @@ class NodeDaemon:
         if not task.inline:
             # clean-up only: the model arrived, so training need not wait for the broker's UNSUBACK
             self.background.spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
-        if self.config.faults.fail_at_round == task.round:
+        if self.config.script.faults.fail_at_round == task.round:
             self.log.warning("fault injection: crashing mid-round %d", task.round)
             self.crashed = True
             self._bus_or_fail().abort()

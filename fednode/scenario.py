@@ -1,5 +1,5 @@
 """What a scenario scripts for one node, as plain values: when it is online, how fast it computes and
-talks, and which of its tasks it drops.
+talks, which of its tasks it drops, and the faults an experiment injects by round.
 
 The experiments package reads scenario files and expands them (seeded) into one `NodeScript` per
 node; the node daemon plays it in wall time and the in-process simulation in virtual time, so a
@@ -13,8 +13,10 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from fedmq.fedcore.seeding import stream
+from fedmq.fields import Bounds, check_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,30 @@ class Transition:
     at: float
     online: bool
     crash: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Faults:
+    """Deterministic stragglers and crashes, by round, for experiments and tests: the part of a node's
+    script that an experiment file's `faults:` section writes (`experiments.build.node_scripts`)."""
+
+    delay_s: Annotated[float, Bounds(ge=0)] = 0.0
+    """Extra compute time added after training, before the update is sent."""
+    delay_rounds: frozenset[int] | None = None
+    """Rounds the delay applies to; None means every round."""
+    fail_at_round: Annotated[int | None, Bounds(ge=0)] = None
+    """Crash (drop the connection without a goodbye, so the broker fires the will) on receiving this
+    round's model, that is mid-round."""
+    error_at_round: Annotated[int | None, Bounds(ge=0)] = None
+    """Raise an error in this round's training (the node reports the failure and goes on)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def delay_for(self, round: int) -> float:
+        if self.delay_s and (self.delay_rounds is None or round in self.delay_rounds):
+            return self.delay_s
+        return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +73,8 @@ class NodeScript:
     drop_p: float = 0.0
     """Probability that the node silently drops a task it received (decided per task, seeded)."""
     seed: int = 0
+    faults: Faults = field(default_factory=Faults)
+    """Injected by round (the experiment file's `faults:`): a delay before the update, a crash, an error."""
     _times: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -5,8 +5,8 @@ and tells the daemon of each change; the daemon publishes the retained status an
 drops the work in hand. A scripted crash is simulated on a live connection: the node publishes its
 offline status itself (as its goodbye does) and the TCP connection to the broker stays up, so the
 coordinator sees the node leave exactly as after a real goodbye or the broker's will, and the
-same daemon comes back at the next online transition. `Faults.fail_at_round` is the fault that
-really drops the connection.
+same daemon comes back at the next online transition. The script's `Faults.fail_at_round` is the
+fault that really drops the connection.
 
 Each stretch of being online is a *spell* (an `asyncio.Event`, set when the spell ends). Work
 started in a spell is wanted while it lasts: the modelled compute and link sleeps (`hold`) end

@@ -168,14 +168,14 @@ class LocalTrainer:
     def _grouped(self, task: Task) -> bool:
         """Whether this task's training goes through the process's group (``hosting.vectorize``); never
         in a round where a fault makes this node fail on its own."""
-        groups, faults = self.workspace.groups, self.config.faults
+        groups, faults = self.workspace.groups, self.config.script.faults
         if groups is None or task.round in (faults.error_at_round, faults.fail_at_round):
             return False
         return groups.admits(self.half)
 
     def _train_and_encode(self, task: Task, payload: Payload) -> Produced:
         """Runs in a worker thread; encodes before releasing the workspace, whose tensors the update aliases."""
-        if self.config.faults.error_at_round == task.round:
+        if self.config.script.faults.error_at_round == task.round:
             raise RuntimeError(f"fault injection: training error at round {task.round}")
         started = time.perf_counter()
         result = self.half.train(

@@ -74,7 +74,7 @@ class UpdateJobs:
         self.train_seconds += train_s
         if not await hold(max(0.0, script.compute_s(self.num_samples) - train_s), spell):
             return self._abandoned(task)
-        delay = self.config.faults.delay_for(task.round)
+        delay = self.config.script.faults.delay_for(task.round)
         if delay:
             self.log.info("fault injection: delaying round %d's update by %g s", task.round, delay)
             if not await hold(delay, spell):

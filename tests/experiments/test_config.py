@@ -12,7 +12,7 @@ import yaml
 
 from fedmq.broker.config import BusConfig
 from fedmq.coordinator.config import AsyncPolicy, RoundPolicy
-from fedmq.experiments.build import bus_config, coordinator_config, node_faults
+from fedmq.experiments.build import bus_config, coordinator_config, node_faults, node_scripts
 from fedmq.experiments.config import (
     BusSettings,
     CompressionConfig,
@@ -30,7 +30,7 @@ from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fednode.config import Faults
+from fedmq.fednode.scenario import Faults
 from fedmq.fields import field_bounds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,6 +218,21 @@ def test_file_that_says_nothing_gives_the_daemons_their_own_defaults(tmp_path: P
     assert node_faults(cfg, "node-001") == Faults()
     faulty = parse_config(MINIMAL | {"faults": {"node-001": {"delay_s": 2, "delay_rounds": [3, 1]}}})
     assert node_faults(faulty, "node-001") == Faults(delay_s=2.0, delay_rounds=frozenset({1, 3}))
+
+
+def test_faults_are_a_preset_of_the_nodes_script() -> None:
+    """Issue 30: one fault mechanism. `faults:` writes the faults of the node's scenario script, which
+    the daemon plays (a node with a scenario keeps its scenario's part beside them); a node with
+    neither keeps the default script."""
+    faults = {"node-001": {"delay_s": 2, "delay_rounds": [3]}, "node-002": {"fail_at_round": 1}}
+    scripts = node_scripts(parse_config(MINIMAL | {"faults": faults}))
+    assert sorted(scripts) == ["node-001", "node-002"]
+    assert scripts["node-001"].faults.delay_for(3) == 2.0 and scripts["node-001"].faults.delay_for(2) == 0.0
+    assert scripts["node-002"].faults.fail_at_round == 1 and scripts["node-002"].transitions == ()
+    scenario = {"compute": {"task_s": 4}, "groups": [{"nodes": ["node-002"], "drop_p": 0.5}]}
+    scripted = node_scripts(parse_config(MINIMAL | {"faults": faults, "scenario": scenario}))
+    assert scripted["node-002"].drop_p == 0.5 and scripted["node-002"].faults.fail_at_round == 1
+    assert scripted["node-000"].task_s == 4 and scripted["node-000"].faults == Faults()
 
 
 def _outside(limits: dict[str, float]) -> float:
