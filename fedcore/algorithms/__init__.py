@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedmq.fedcore import robust
-from fedmq.fedcore.aggregation import Aggregator, weighted_average
+from fedmq.fedcore.aggregation import Aggregator, robust, weighted_average
 from fedmq.fedcore.algorithms import (
     fedacd,
     fedavg,
@@ -84,7 +83,7 @@ AGGREGATORS: Mapping[str, tuple[type | None, AggregatorFactory]] = types.Mapping
 )
 """Rules an experiment file may put in place of a method's model averaging (``method.aggregator``):
 name -> (its options' Hyperparams class, or None for no options; a factory from (options, the
-global model, the coordinator's device)). `fedcore.robust` documents clip, median and trimmed_mean."""
+global model, the coordinator's device)). `fedcore.aggregation.robust` documents clip, median and trimmed_mean."""
 
 _ONLY = "an asynchronous buffer folds stale updates with the 'mean' aggregator only"
 _SYNC_ONLY = {
