@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedmq.fedcore.aggregation import Aggregator, robust, weighted_average
+from fedmq.fedcore.aggregation import Aggregator, robust, skew_aware, weighted_average
 from fedmq.fedcore.algorithms import (
     fedacd,
     fedavg,
@@ -75,7 +75,7 @@ AggregatorFactory = Callable[[Any, nn.Module | None, torch.device | None], Aggre
 AGGREGATORS: Mapping[str, tuple[type | None, AggregatorFactory]] = types.MappingProxyType(
     {
         "mean": (None, lambda hp, model, device: weighted_average),
-        "fedsa": (fedsa.Hyperparams, lambda hp, model, device: fedsa.aggregator(hp, model=model, device=device)),
+        "fedsa": (fedsa.Hyperparams, lambda hp, model, device: skew_aware.aggregator(hp, model=model, device=device)),
         "clip": (robust.ClipOptions, lambda hp, model, device: robust.NormClip(hp, model=model)),
         "median": (None, lambda hp, model, device: robust.coordinate_median),
         "trimmed_mean": (robust.TrimmedMeanOptions, lambda hp, model, device: robust.trimmed_mean_aggregator(hp)),

@@ -56,7 +56,7 @@ def test_fedsa_options_are_validated_and_buffers_stay_plain_means() -> None:
 def test_an_experiment_puts_the_rule_in_place_of_the_methods_mean(tmp_path) -> None:
     """`build_coordinator` gives FedProx's server FedSA's rule; without `aggregator` it keeps the mean."""
     from fedmq.experiments.build import build_coordinator
-    from fedmq.fedcore.algorithms.fedsa import SkewAwareAggregator
+    from fedmq.fedcore.aggregation.skew_aware import SkewAwareAggregator
 
     def coordinator(method: dict) -> object:
         cfg = parse_config(
