@@ -15,15 +15,9 @@ import torch
 from torch import nn
 
 from fedmq.experiments.config import parse_config
+from fedmq.fedcore.aggregation import AGGREGATORS, build_aggregator
 from fedmq.fedcore.aggregation.robust import NormClip, clipped_mean, coordinate_median, trimmed_mean, update_norm
-from fedmq.fedcore.algorithms import (
-    AGGREGATORS,
-    async_refusal,
-    build_aggregator,
-    build_hyperparams,
-    fedavg,
-    get_algorithm,
-)
+from fedmq.fedcore.algorithms import async_refusal, build_hyperparams, fedavg, get_algorithm
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.tensors import StateDict
