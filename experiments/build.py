@@ -25,7 +25,8 @@ from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine.relay import ENDLESS
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.experiments.scenario import expand as expand_scenario
-from fedmq.fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
+from fedmq.fedcore.aggregation import build_aggregator
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import CoordinatorHalf
 from fedmq.fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local, pooled_resplit
 from fedmq.fedcore.errors import ConfigError

@@ -782,7 +782,7 @@ class ExperimentConfig(_Strict):
             if why is not None:
                 raise ValueError(f"privacy.secure_aggregation: {why}")
         if self.engine.kind == "sync":
-            from fedmq.fedcore.robust import ineffective
+            from fedmq.fedcore.aggregation.robust import ineffective
 
             # the updates a round aggregates: C x N of the nodes, or one partial per site
             cohort = self.hierarchy.sites or max(1, math.floor(self.fraction * self.nodes + 1e-9))

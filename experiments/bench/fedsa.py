@@ -4,7 +4,7 @@ The issue: "Its cost grows with the number of updates held at once: measure it, 
 vectorised". For each K, K synthetic updates (the global model plus seeded per-client noise with a
 right-skewed, log-normal distribution, so that the cross-client distribution of each parameter is
 skewed as the paper describes) go through `fedcore.aggregation.weighted_average` (the reference)
-and through `fedcore.algorithms.fedsa.skew_aware_average`, each in a fresh child process so that
+and through `fedcore.aggregation.skew_aware.skew_aware_average`, each in a fresh child process so that
 each figure is its own: the mean time of a call (after one untimed warm-up call on CUDA) and the
 peak memory above what the K updates already take (resident memory on the CPU, the peak of the
 CUDA allocator on a GPU). SA's time is reported as a multiple of the mean's, measured in the same
@@ -144,15 +144,14 @@ def updates(state: dict[str, torch.Tensor], k: int, noise: float) -> list[dict[s
 
 def worker(rule: str, k: int, s: Settings) -> dict[str, Any]:
     """One rule at one K in this process: the time per call and the peak memory above the inputs."""
-    from fedmq.fedcore.aggregation import weighted_average
-    from fedmq.fedcore.algorithms import fedsa
+    from fedmq.fedcore.aggregation import skew_aware, weighted_average
 
     torch.set_num_threads(s.threads)
     device = torch.device(s.device)
     states = updates(template(s), k, s.noise)
     weights = [float(100 + 10 * i) for i in range(k)]
-    hp = fedsa.Hyperparams(c_mic=s.c_mic, s_mac=s.s_mac, cv_clip_quantile=s.cv_clip_quantile)
-    aggregate = fedsa.aggregator(hp, device=device if device.type != "cpu" else None)
+    hp = skew_aware.SkewAwareOptions(c_mic=s.c_mic, s_mac=s.s_mac, cv_clip_quantile=s.cv_clip_quantile)
+    aggregate = skew_aware.aggregator(hp, device=device if device.type != "cpu" else None)
 
     def call() -> dict[str, torch.Tensor]:
         if rule == "mean":

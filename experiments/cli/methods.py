@@ -26,7 +26,8 @@ def add_parser(subparsers: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedmq.fedcore.algorithms import AGGREGATORS, ALGORITHMS, get_algorithm
+    from fedmq.fedcore.aggregation import AGGREGATORS
+    from fedmq.fedcore.algorithms import ALGORITHMS, get_algorithm
     from fedmq.fedcore.algorithms.describe import options, summary
     from fedmq.fedcore.algorithms.plugins import installed, origin_of
 
@@ -72,12 +73,12 @@ def _rule(name: str) -> int:
     """`fedmq methods RULE`: an averaging rule (method.aggregator.name) and its options."""
     import inspect
 
-    from fedmq.fedcore.algorithms import AGGREGATORS, async_refusal
+    from fedmq.fedcore.aggregation import async_refusal, rule
     from fedmq.fedcore.algorithms.describe import class_options
 
-    hyperparams, _ = AGGREGATORS[name]
+    hyperparams, _ = rule(name)
     print(f"{name}: an averaging rule for method.aggregator.name\n")
-    reason = async_refusal("fedavg", name)
+    reason = async_refusal(name)
     print(f"  asynchronous (engine.kind async): {'no: ' + reason if reason else 'yes'}\n")
     if hyperparams is None:
         print("  no options")

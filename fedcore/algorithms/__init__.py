@@ -5,17 +5,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch import nn
-
-from fedmq.fedcore import robust
-from fedmq.fedcore.aggregation import Aggregator, weighted_average
+from fedmq.fedcore import aggregation
 from fedmq.fedcore.algorithms import (
     fedacd,
     fedavg,
@@ -40,7 +34,7 @@ from fedmq.fedcore.algorithms import (
 )
 from fedmq.fedcore.algorithms.base import AlgorithmSpec
 from fedmq.fedcore.algorithms.plugins import load_method
-from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.options import parse_options
 
 ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
     {
@@ -71,55 +65,6 @@ ALGORITHMS: Mapping[str, AlgorithmSpec] = types.MappingProxyType(
 )
 
 
-AggregatorFactory = Callable[[Any, nn.Module | None, torch.device | None], Aggregator]
-
-AGGREGATORS: Mapping[str, tuple[type | None, AggregatorFactory]] = types.MappingProxyType(
-    {
-        "mean": (None, lambda hp, model, device: weighted_average),
-        "fedsa": (fedsa.Hyperparams, lambda hp, model, device: fedsa.aggregator(hp, model=model, device=device)),
-        "clip": (robust.ClipOptions, lambda hp, model, device: robust.NormClip(hp, model=model)),
-        "median": (None, lambda hp, model, device: robust.coordinate_median),
-        "trimmed_mean": (robust.TrimmedMeanOptions, lambda hp, model, device: robust.trimmed_mean_aggregator(hp)),
-    }
-)
-"""Rules an experiment file may put in place of a method's model averaging (``method.aggregator``):
-name -> (its options' Hyperparams class, or None for no options; a factory from (options, the
-global model, the coordinator's device)). `fedcore.robust` documents clip, median and trimmed_mean."""
-
-_ONLY = "an asynchronous buffer folds stale updates with the 'mean' aggregator only"
-_SYNC_ONLY = {
-    "fedsa": f"it computes statistics over one round's client models, and {_ONLY}",
-    "clip": "it clips each update's delta from the current model, while asynchronous folding steps from the "
-    f"model each update started from; {_ONLY}",
-    "median": f"it is an unweighted order statistic of one round's client models, blind to staleness; {_ONLY}",
-    "trimmed_mean": f"it is an unweighted order statistic of one round's client models, blind to staleness; {_ONLY}",
-}
-"""Why each rule but the mean cannot fold stale updates (`async_refusal`)."""
-
-
-def build_aggregator(
-    name: str,
-    options: Mapping[str, Any] | None = None,
-    *,
-    model: nn.Module | None = None,
-    device: torch.device | None = None,
-) -> Aggregator:
-    """The averaging rule `name` with its `options` validated as a method's hyperparameters are; `model`
-    tells a rule which entries are buffers (FedSA averages those plainly)."""
-    try:
-        hyperparams, factory = AGGREGATORS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown aggregator {name!r}; available: {', '.join(sorted(AGGREGATORS))}", field="method.aggregator.name"
-        ) from None
-    if hyperparams is None:
-        if options:
-            raise ConfigError(f"aggregator {name!r} takes no options", field="method.aggregator.options")
-        return factory(None, model, device)
-    hp = _options(hyperparams, f"aggregator {name}", options, "method.aggregator.options", "options")
-    return factory(hp, model, device)
-
-
 def get_algorithm(name: str) -> AlgorithmSpec:
     """The method `name`: a built-in one, else a user's (`plugins.load_method`: a ``fedmq.methods`` entry
     point or a module holding SPEC). ConfigError says what was tried."""
@@ -132,47 +77,13 @@ def async_refusal(name: str, aggregator: str = "mean") -> str | None:
     config error), or None when it can: the method's `CoordinatorHalf.sync_only`, then the rule (a
     stale buffer folds through the weighted mean only; FedSA's rule and the robust ones need one
     round's cohort).
-    Unknown names are ConfigErrors, as in `get_algorithm` and `build_aggregator`."""
+    Unknown names are ConfigErrors, as in `get_algorithm` and `aggregation.build_aggregator`."""
     reason = get_algorithm(name).coordinator.sync_only
     if reason is not None:
         return f"method {name!r} cannot aggregate asynchronously: {reason}"
-    if aggregator not in AGGREGATORS:
-        raise ConfigError(
-            f"unknown aggregator {aggregator!r}; available: {', '.join(sorted(AGGREGATORS))}",
-            field="method.aggregator.name",
-        )
-    if aggregator != "mean":
-        reason = _SYNC_ONLY.get(aggregator, f"it is not the mean, and {_ONLY}")
-        return f"aggregator {aggregator!r} cannot aggregate asynchronously: {reason}"
-    return None
+    return aggregation.async_refusal(aggregator)
 
 
 def build_hyperparams(spec: AlgorithmSpec, values: Mapping[str, Any] | None) -> Any:
     """The algorithm's frozen Hyperparams from a mapping; unknown keys and wrong types are errors."""
-    return _options(spec.hyperparams, spec.name, values, "method.hyperparams")
-
-
-def _options(cls: type, owner: str, values: Mapping[str, Any] | None, where: str, noun: str = "hyperparameters") -> Any:
-    """`cls` (a frozen options dataclass) from a mapping from outside: unknown keys, wrong types and
-    values its __post_init__ rejects are ConfigErrors naming the field."""
-    values = dict(values or {})
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"unknown {noun} {unknown} for {owner}; allowed: {sorted(fields) or 'none'}",
-            field=where,
-        )
-    hints = typing.get_type_hints(cls)
-    for name, value in values.items():
-        expected = hints[name]
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            values[name] = float(value)
-        elif expected in (int, float, bool, str) and (
-            not isinstance(value, expected) or (expected is not bool and isinstance(value, bool))
-        ):
-            raise ConfigError(f"{value!r} is not a {expected.__name__}", field=f"{where}.{name}")
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc), field=where) from exc
+    return parse_options(spec.hyperparams, spec.name, values, "method.hyperparams")

@@ -37,22 +37,30 @@ def options(spec: AlgorithmSpec) -> list[Option]:
 
 
 def class_options(hyperparams: type) -> list[Option]:
-    """`options` of any options dataclass (an aggregator's too)."""
+    """`options` of any options dataclass (an aggregator's too). A field's docstring is read from the
+    class that declares it, so a Hyperparams that extends a rule's options (FedSA's extends SA's)
+    shows the inherited fields' docs too."""
     docs: dict[str, str] = {}
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(hyperparams)))
-    except (OSError, TypeError, SyntaxError):
-        tree = None
-    if tree is not None:
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, after in zip(body, [*body[1:], None], strict=True):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                text = (
-                    after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
-                )
-                docs[node.target.id] = " ".join(str(text).split())
+    for cls in reversed(hyperparams.__mro__):  # a subclass's own docstring wins over its base's
+        if dataclasses.is_dataclass(cls):
+            docs.update(_field_docs(cls))
     out = []
     for f in dataclasses.fields(hyperparams):
         default = f.default if f.default is not dataclasses.MISSING else None
         out.append(Option(f.name, str(f.type), default, docs.get(f.name, "")))
     return out
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring strings written under the fields in `cls`'s own body, by field name."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+            docs[node.target.id] = " ".join(str(text).split())
+    return docs

@@ -41,7 +41,7 @@ def test_methods_say_which_run_asynchronously(capsys: pytest.CaptureFixture[str]
 
 
 def test_methods_list_the_averaging_rules_and_each_rules_options(capsys: pytest.CaptureFixture[str]) -> None:
-    from fedmq.fedcore.algorithms import AGGREGATORS
+    from fedmq.fedcore.aggregation import AGGREGATORS
     from fedmq.fedcore.algorithms.describe import class_options
 
     assert main(["methods"]) == 0

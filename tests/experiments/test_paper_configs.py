@@ -8,7 +8,8 @@ import pytest
 
 from fedmq.experiments.config import read_yaml
 from fedmq.experiments.grid import load_experiment
-from fedmq.fedcore.algorithms import build_aggregator, build_hyperparams, get_algorithm
+from fedmq.fedcore.aggregation import build_aggregator
+from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 
 PAPERS = Path(__file__).resolve().parents[2] / "experiments" / "papers"
 COMPANIONS = {

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedmq.experiments.config import parse_config
-from fedmq.fedcore.aggregation import weighted_average
-from fedmq.fedcore.algorithms import AGGREGATORS, build_aggregator
+from fedmq.fedcore import aggregation
+from fedmq.fedcore.aggregation import AGGREGATORS, build_aggregator, weighted_average
 from fedmq.fedcore.errors import ConfigError
 
 
@@ -29,6 +29,17 @@ def test_unknown_rule_is_a_config_error_listing_the_available_ones() -> None:
     ) as err:
         build_aggregator("krum")
     assert all(name in str(err.value) for name in AGGREGATORS)
+
+
+def test_every_lookup_of_an_unknown_rule_lists_the_known_ones() -> None:
+    """The registry's one lookup (`aggregation.rule`) serves building a rule and asking whether it
+    folds stale updates: both refuse a name it does not hold with the same list of the ones it does."""
+    known = f"available: {', '.join(sorted(AGGREGATORS))}"
+    for ask in (aggregation.rule, aggregation.async_refusal):
+        with pytest.raises(ConfigError, match=re.escape(f"method.aggregator.name: unknown aggregator 'Mean'; {known}")):
+            ask("Mean")
+    assert aggregation.async_refusal("mean") is None
+    assert "cannot aggregate asynchronously" in str(aggregation.async_refusal("median"))
 
 
 def test_experiment_files_default_to_the_mean_and_reject_unknown_keys() -> None:
@@ -51,12 +62,15 @@ def test_fedsa_options_are_validated_and_buffers_stay_plain_means() -> None:
         build_aggregator("fedsa", {"cvt": 0.3})
     with pytest.raises(ConfigError, match=re.escape("method.aggregator.options.c_mic")):
         build_aggregator("fedsa", {"c_mic": "four"})
+    # the per-tensor log is the FedSA method's (its server half writes it), not the rule's
+    with pytest.raises(ConfigError, match=re.escape("unknown options ['log_layers']")):
+        build_aggregator("fedsa", {"log_layers": False})
 
 
 def test_an_experiment_puts_the_rule_in_place_of_the_methods_mean(tmp_path) -> None:
     """`build_coordinator` gives FedProx's server FedSA's rule; without `aggregator` it keeps the mean."""
     from fedmq.experiments.build import build_coordinator
-    from fedmq.fedcore.algorithms.fedsa import SkewAwareAggregator
+    from fedmq.fedcore.aggregation.skew_aware import SkewAwareAggregator
 
     def coordinator(method: dict) -> object:
         cfg = parse_config(

@@ -1,4 +1,4 @@
-"""Robust `method.aggregator` rules (`fedcore.robust`): norm clipping, coordinate-wise median and
+"""Robust `method.aggregator` rules (`fedcore.aggregation.robust`): norm clipping, coordinate-wise median and
 trimmed mean. On synthetic rounds (nine honest updates near the global model, one attacker far off)
 each bounds what the poisoned update does where the mean follows it; small cases are checked against
 values worked out by hand; and in an in-process federation on sklearn digits one poisoned node wrecks
@@ -15,17 +15,11 @@ import torch
 from torch import nn
 
 from fedmq.experiments.config import parse_config
-from fedmq.fedcore.algorithms import (
-    AGGREGATORS,
-    async_refusal,
-    build_aggregator,
-    build_hyperparams,
-    fedavg,
-    get_algorithm,
-)
+from fedmq.fedcore.aggregation import AGGREGATORS, build_aggregator
+from fedmq.fedcore.aggregation.robust import NormClip, clipped_mean, coordinate_median, trimmed_mean, update_norm
+from fedmq.fedcore.algorithms import async_refusal, build_hyperparams, fedavg, get_algorithm
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.errors import ConfigError
-from fedmq.fedcore.robust import NormClip, clipped_mean, coordinate_median, trimmed_mean, update_norm
 from fedmq.fedcore.tensors import StateDict
 from tests.algorithms.common import context, update
 

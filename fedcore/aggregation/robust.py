@@ -25,7 +25,7 @@ any method whose server averages models (`CoordinatorHalf.average`); nodes train
   leaves it out). With fewer than 1 / beta updates the trimmed mean trims nothing: the plain mean.
 
 Integer entries (BatchNorm's ``num_batches_tracked``) take the maximum over the counted updates,
-as in `weighted_average`. Floating entries are computed in float32 (float64 for float64 tensors).
+as in `mean.weighted_average`. Floating entries are computed in float32 (float64 for float64 tensors).
 Median and trimmed mean do not depend on the order of the updates, bit for bit (the values are
 sorted, with -0.0 read as 0.0); clip sums in the given order, which the coordinator fixes (by node
 id). None of them folds stale updates: async mode refuses them (`fedcore.algorithms.async_refusal`).

@@ -1,6 +1,6 @@
-"""Aggregation primitives shared by strategies: the weighted mean, and the two asynchronous folding
+"""The weighted mean every averaging method uses by default, and the two asynchronous folding
 rules (FedAsync's mixing step, FedBuff's buffered delta step) that `CoordinatorHalf.next_model`
-dispatches to."""
+dispatches to: the only rules that fold stale updates, so they live apart from the sync-only ones."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from fedmq.fedcore.tensors import StateDict
 
 Aggregator = Callable[[Sequence[StateDict], Sequence[float]], StateDict]
-"""(client models, their weights) -> one model: the step FedSA replaces in any averaging method."""
+"""(client models, their weights) -> one model: the step ``method.aggregator`` replaces in any averaging method."""
 
 
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
