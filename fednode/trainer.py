@@ -4,7 +4,8 @@ The node daemon (`fednode.daemon`) receives tasks and models, plays the scenario
 it sends for a task comes from its `Trainer`. A node of data trains on it (`LocalTrainer`: alone under
 the process's workspace lock, or with the process's group when ``hosting.vectorize`` forms one); a
 site aggregator's upstream node runs a site round instead (`aggregator.upstream.SiteTrainer`). The
-update's frame is built here, in one place (`encode_update`).
+update's frame is built here, in one place (`encode_update`), from the update every node makes
+(`fedcore.node_update`).
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from fedmq.broker import Kind, Message, encode
 from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskInput
-from fedmq.fedcore.compression import Compression, compress_update
+from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.masked import weighted_change
-from fedmq.fedcore.protocol import Announcement, Update
+from fedmq.fedcore.node_update import node_update, update_header
+from fedmq.fedcore.protocol import Announcement
 from fedmq.fedcore.seeding import torch_generator
-from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.masking import Draft
 from fedmq.fednode.task import Task
@@ -61,27 +61,6 @@ class Trainer(Protocol):
         ...
 
 
-def update_meta(
-    task: Task,
-    payload_meta: Mapping[str, Any],
-    *,
-    num_samples: int,
-    train_seconds: float,
-    site_nodes: int | None = None,
-    compression: Mapping[str, Any] | None = None,
-) -> Update:
-    """The update's header for `task` (the one place it is built on a node)."""
-    return Update(
-        task_id=task.task_id,
-        num_samples=num_samples,
-        train_seconds=train_seconds,
-        payload=payload_meta,
-        site_nodes=site_nodes,
-        base_version=task.version,
-        compression=compression,
-    )
-
-
 def encode_update(
     task: Task,
     result: Payload,
@@ -97,11 +76,10 @@ def encode_update(
     """The update's frame, compressed as configured (`received`, the task's payload, is the base of a
     delta); it claims `num_samples` and, from a site aggregator, the number of its nodes' updates it
     holds (`site_nodes`)."""
-    meta = update_meta(
-        task, result.meta, num_samples=num_samples, train_seconds=train_s, site_nodes=site_nodes,
-        compression=compression.meta(),
+    meta, tensors = node_update(
+        task.task_id, task.version, result, num_samples=num_samples, train_seconds=train_s,
+        compression=compression, received=received, site_nodes=site_nodes,
     )  # fmt: skip
-    tensors = compress_update(flatten_groups(result.tensors), compression, received.tensors if received else {})
     message = Message(
         kind=Kind.UPDATE, federation=federation, round=task.round, sender=sender, meta=meta.to_meta(), tensors=tensors
     )
@@ -189,7 +167,7 @@ class LocalTrainer:
         the change from the model the task carried, copied out of the workspace."""
         if task.secure is None:
             return self.encode(task, result, train_s, received=received)
-        meta = update_meta(task, result.meta, num_samples=len(self.data), train_seconds=train_s)
+        meta = update_header(task.task_id, task.version, result.meta, num_samples=len(self.data), train_seconds=train_s)
         return Draft(meta, weighted_change(result.tensors["model"], received.tensors["model"], 1.0))
 
     def _generator(self, task: Task) -> torch.Generator:

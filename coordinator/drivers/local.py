@@ -33,9 +33,9 @@ from fedmq.coordinator.engine.clock import FakeClock
 from fedmq.coordinator.halfcalls import HalfCalls
 from fedmq.coordinator.storage.eventlog import EventLog
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, GroupMember, NodeHalf, Payload, TaskInput
-from fedmq.fedcore.compression import compress_update
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.masked import round_key
+from fedmq.fedcore.node_update import node_update, update_header
 from fedmq.fedcore.protocol import (
     ProtocolError,
     SecAggDirectory,
@@ -438,20 +438,16 @@ class LocalFederation:
                 if trained is not None
                 else node.half.train(task, self.workspace, node.data, self._generator(spec))
             )
-            arrays = compress_update(flatten_groups(out.tensors), compression, payload.tensors)
+            header, arrays = node_update(
+                spec.task, spec.version, out, num_samples=len(node.data), train_seconds=float(compute),
+                compression=compression, received=payload,
+            )  # fmt: skip
         except Exception as exc:  # the node reports it, as the daemon's node does
             logger.warning("%s's training for round %d failed: %r", spec.node, spec.round, exc)
             meta: Update | UpdateFailed = UpdateFailed(task_id=spec.task, reason=f"{type(exc).__name__}: {exc}")
             tensors = {}
         else:
-            meta = Update(
-                task_id=spec.task,
-                num_samples=len(node.data),
-                train_seconds=float(compute),
-                payload=out.meta,
-                base_version=spec.version,
-                compression=compression.meta(),
-            )
+            meta = header
             # the update aliases the workspace, which the next node trains in: copy it, as encoding does
             tensors = {k: v.copy() for k, v in arrays.items()}
         return Message(
@@ -528,13 +524,10 @@ class LocalFederation:
         if self.secure_faults.get(node) in ("keys", "shares", "update"):
             return
         masked = mine.task.mask(mine.trained.tensors["model"], mine.base.tensors["model"])
-        meta = Update(
-            task_id=spec.task,
-            num_samples=len(self.nodes[node].data),
-            train_seconds=float(mine.compute or 0.0),
-            payload={**mine.trained.meta, "secagg_clipped": masked.clipped},
-            base_version=spec.version,
-        )
+        meta = update_header(
+            spec.task, spec.version, {**mine.trained.meta, "secagg_clipped": masked.clipped},
+            num_samples=len(self.nodes[node].data), train_seconds=float(mine.compute or 0.0),
+        )  # fmt: skip
         message = Message(
             kind=Kind.UPDATE, federation=self.engine.config.federation, round=spec.round, sender=node,
             meta=meta.to_meta(), tensors=flatten_groups(masked.tensors),
