@@ -39,6 +39,6 @@ class Background:
         return len(self._tasks)
 
     async def settle(self) -> None:
-        """Wait until every step started so far (and those they start) has ended."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Wait until every step started so far has ended (not those started meanwhile: a daemon that
+        stops waits for what it has, while messages may still come)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)

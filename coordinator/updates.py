@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from fedmq.fedcore.algorithms.base import NodeUpdate
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.protocol import ProtocolError, Update
-from fedmq.fedcore.tensors import StateDict, TensorSpec, non_finite, schema_mismatch, split_groups
+from fedmq.fedcore.tensors import StateDict, TensorSpec, arrays_sha256, non_finite, schema_mismatch, split_groups
 
 
 def first_non_finite(arrays: Mapping[str, np.ndarray], groups: Mapping[str, StateDict]) -> str | None:
@@ -44,17 +45,33 @@ def check_base_version(message: Message, version: int, *, required: bool = False
         )
 
 
-def parse_update(
-    message: Message,
-    schema: Mapping[str, Mapping[str, TensorSpec]],
-    *,
-    version: int,
-    sent_at: float,
-    received_at: float,
-    compression: Compression | None = None,
-) -> NodeUpdate:
-    """A NodeUpdate trained from model `version`, or ProtocolError with the reason to count. Its
-    tensors are decompressed first; only `compression` (default: none) is accepted."""
+@dataclass(frozen=True, slots=True)
+class Read:
+    """An update's content as the schema expects it: its header, its tensor groups (decompressed) and
+    the compression it came in."""
+
+    meta: Update
+    groups: dict[str, StateDict]
+    used: Compression
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    """An update read before the engine sees it (`ingest`): what it holds, or the refusal the engine
+    gives when it reaches the update (so the engine's order of checks, and its reasons, stay its own),
+    and the digest the event log records."""
+
+    read: Read | ProtocolError
+    sha256: str
+    nbytes: int
+
+
+def read_update(
+    message: Message, schema: Mapping[str, Mapping[str, TensorSpec]], compression: Compression | None = None
+) -> Read:
+    """The update's header and tensors, checked against the schema with no engine state: decompressed
+    (only `compression`, default none, is accepted), the groups and shapes the algorithm expects, every
+    value finite. ProtocolError says why not."""
     node = message.sender
     try:
         meta = Update.from_meta(message.meta)
@@ -74,15 +91,47 @@ def parse_update(
     bad = first_non_finite(arrays, groups)
     if bad is not None:
         raise ProtocolError("non-finite", f"{bad} holds NaN or inf", node_id=node)
+    return Read(meta, groups, used)
+
+
+def ingest(
+    message: Message, schema: Mapping[str, Mapping[str, TensorSpec]], compression: Compression | None = None
+) -> Ingested:
+    """The ingest step a daemon runs before its engine (off the event loop for a large update): the
+    decoding, decompression and checks of `read_update`, and the event log's digest, all of which cost
+    in proportion to the model. A node's report of a failed training holds nothing to read."""
+    try:
+        read: Read | ProtocolError = read_update(message, schema, compression)
+    except ProtocolError as exc:
+        read = exc
+    nbytes = int(sum(np.asarray(a).nbytes for a in message.tensors.values()))
+    return Ingested(read, arrays_sha256(message.tensors), nbytes)
+
+
+def parse_update(
+    message: Message,
+    schema: Mapping[str, Mapping[str, TensorSpec]],
+    *,
+    version: int,
+    sent_at: float,
+    received_at: float,
+    compression: Compression | None = None,
+    ingested: Ingested | None = None,
+) -> NodeUpdate:
+    """A NodeUpdate trained from model `version`, or ProtocolError with the reason to count; read now,
+    or before the engine (`ingested`)."""
+    read = ingested.read if ingested is not None else read_update(message, schema, compression)
+    if isinstance(read, ProtocolError):
+        raise ProtocolError(read.reason, read.detail, node_id=read.node_id, round=read.round)
     return NodeUpdate(
-        node_id=node,
+        node_id=message.sender,
         round=message.round,
-        num_samples=meta.num_samples,
-        payload=payload_of(groups, meta.payload, used),
-        train_seconds=float(meta.train_seconds),
+        num_samples=read.meta.num_samples,
+        payload=payload_of(read.groups, read.meta.payload, read.used),
+        train_seconds=float(read.meta.train_seconds),
         rtt_seconds=max(received_at - sent_at, 0.0),
         base_version=version,
-        site_nodes=meta.site_nodes or 0,  # a site aggregator's partial says how many nodes it holds
+        site_nodes=read.meta.site_nodes or 0,  # a site aggregator's partial says how many nodes it holds
     )
 
 

@@ -5,14 +5,19 @@ before the event log and the engine: the node's message and byte budget, the top
 retained ack or update (refused, and the broker's copy cleared), the sender against its topic, the
 experiment's node ids, the kinds each channel may carry, and a node announcing another method. A
 refused message is counted and logged (a few per node and reason a minute), never the daemon's end.
+
+An update is read before the engine (`coordinator.updates.ingest`: decoded, decompressed, checked
+against the schema, its digest taken), a large one in a worker thread, so that the event loop goes on
+receiving while a big model is read; the engine still decides, in its own order, whether it is taken.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
-from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Topics
+from fedmq.broker import BusClient, BusConfig, Envelope, Kind, Message, Topics
 from fedmq.broker.background import Background
 from fedmq.broker.throttle import LogThrottle
 from fedmq.broker.topics import Route
@@ -23,8 +28,9 @@ from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
 from fedmq.coordinator.registry import NodeRegistry
+from fedmq.coordinator.updates import Ingested
 from fedmq.fedcore.algorithms.fingerprint import MethodFingerprint
-from fedmq.fedcore.protocol import Announcement
+from fedmq.fedcore.protocol import Announcement, UpdateFailed
 
 logger = logging.getLogger("fedmq.coordinator.drivers.mqtt")
 
@@ -35,6 +41,9 @@ CHANNEL_KINDS: dict[str, frozenset[Kind]] = {
     "secagg": frozenset({Kind.SECAGG_KEYS, Kind.SECAGG_SHARES, Kind.SECAGG_REVEAL}),
 }
 """What may come on each channel the coordinator subscribes to."""
+OFF_LOOP_BYTES = 1 << 20
+"""An update frame this large or larger is read in a worker thread (a smaller one costs less than the
+hand-over)."""
 
 
 class Inbox:
@@ -47,9 +56,10 @@ class Inbox:
         outbox: Outbox,
         post: Callable[[e.Event], None],
         background: Background,
+        ingest: Callable[[Message], Ingested],
     ) -> None:
         """`post` hands the engine each accepted message's event; `outbox` learns which open tasks were
-        answered, and sends a reconnected node's again."""
+        answered, and sends a reconnected node's again; `ingest` reads an update before the engine."""
         self.config = config
         self.topics = Topics(config.federation)
         self.registry = registry
@@ -61,6 +71,9 @@ class Inbox:
         self._background = background
         self._refusals = LogThrottle(logger)
         """Protocol refusals, a few per node and reason a minute in the log (all counted)."""
+        self._ingest = ingest
+        self.ingests = Background(logger)
+        """The large updates being read in a worker thread, their events posted when read."""
         self._budgets = node_budgets(config.policy, bus_config.max_transfer_bytes)
         self._connections: dict[str, int] = {}
         """Each node's connection count, from its statuses: a higher one means it reconnected."""
@@ -139,7 +152,21 @@ class Inbox:
             self._post(e.Acked(message.sender, message.round, task if isinstance(task, bytes) else None))
         else:
             self._outbox.answered(message.sender, message.meta.get("task"))
+            self._update(message, envelope)
+
+    def _update(self, message: Message, envelope: Envelope) -> None:
+        """The update's event, once read (a node's report of a failed training holds nothing to read)."""
+        if UpdateFailed.is_failure(message.meta):
             self._post(e.UpdateArrived(message, envelope.received_at))
+        elif envelope.size < OFF_LOOP_BYTES:
+            self._post(e.UpdateArrived(message, envelope.received_at, self._ingest(message)))
+        else:
+
+            async def off_loop() -> None:
+                ingested = await asyncio.to_thread(self._ingest, message)
+                self._post(e.UpdateArrived(message, envelope.received_at, ingested))
+
+            self.ingests.spawn(off_loop(), f"ingest-{message.sender}")
 
     def _status(self, sender: str, announcement: Announcement) -> None:
         """A node's announcement: into the registry (a node running another method never live: it would

@@ -45,6 +45,7 @@ from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
 from fedmq.coordinator.storage.eventlog import EventLog, log_header
 from fedmq.coordinator.storage.persistence import Persistence
 from fedmq.coordinator.storage.run_dir import RunDir
+from fedmq.coordinator.updates import ingest
 from fedmq.fedcore.algorithms.base import CoordinatorHalf
 from fedmq.fedcore.algorithms.fingerprint import fingerprint_of
 from fedmq.fedcore.data import TensorDataset
@@ -122,7 +123,10 @@ class Coordinator:
             calls or HalfCalls(half, config), self.outbox, self.evaluator, self.persistence, self.run_dir,
             self._events.put_nowait,
         )  # fmt: skip
-        self.inbox = Inbox(config, bus_config, self.registry, self.fingerprint, self.outbox, self.post, self.background)
+        self.inbox = Inbox(
+            config, bus_config, self.registry, self.fingerprint, self.outbox, self.post, self.background,
+            lambda message: ingest(message, self.engine.schema, config.compression),
+        )  # fmt: skip
         self.statuses = Statuses(
             bus_config, config.federation, self.client_id, self.run_id, self.fingerprint,
             lambda: self.engine.status().fields,
@@ -198,7 +202,7 @@ class Coordinator:
                 logger.error("%s", exc)
             finally:
                 self.connected.clear()
-                for task in (receiver, driver, *self.background):
+                for task in (receiver, driver, *self.background, *self.inbox.ingests):
                     task.cancel()
                 await asyncio.gather(receiver, driver, return_exceptions=True)
                 await self.heavy.close()
@@ -216,6 +220,7 @@ class Coordinator:
         """Let the engine fold what it has accepted (async buffer) before the run stops."""
         try:
             async with asyncio.timeout(30):
+                await self.inbox.ingests.settle()  # the updates being read reach the engine
                 self._feed(e.Stop())
                 while not self.engine.finished:
                     self._feed(await self._next_event())

@@ -224,6 +224,7 @@ class BufferedAsync(Engine):
             sent_at=task.sent_at,
             received_at=event.received_at,
             compression=self.config.compression,
+            ingested=event.ingested,
         )
         self._check_samples(update)
         return update

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedmq.broker import Message
 from fedmq.fedcore.protocol import RunState
+
+if TYPE_CHECKING:
+    from fedmq.coordinator.updates import Ingested
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,9 @@ class UpdateArrived:
 
     message: Message
     received_at: float
+    ingested: Ingested | None = field(default=None, compare=False)
+    """The update read before the engine (`coordinator.updates.ingest`: the MQTT driver does it off the
+    event loop for a large one); None: the engine reads it when it reaches it."""
 
 
 @dataclass(frozen=True, slots=True)

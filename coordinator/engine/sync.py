@@ -329,6 +329,7 @@ class SyncRounds(Engine):
             sent_at=state.task_sent_at.get(message.sender, state.started),
             received_at=event.received_at,
             compression=self.config.compression,
+            ingested=event.ingested,
         )
         self._check_samples(update)
         return update

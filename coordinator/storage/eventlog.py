@@ -75,7 +75,7 @@ def encode_event(event: e.Event) -> dict[str, Any]:
     if isinstance(event, e.Acked):
         return {"ev": name, "node": event.node, "round": event.round, "task": _hex(event.task)}
     if isinstance(event, e.UpdateArrived):
-        m = event.message
+        m, ingested = event.message, event.ingested  # its digest taken in the ingest step when there was one
         return {
             "ev": name,
             "node": m.sender,
@@ -83,8 +83,8 @@ def encode_event(event: e.Event) -> dict[str, Any]:
             "received_at": event.received_at,
             "meta": tagged(m.meta),
             "tensors": len(m.tensors),
-            "bytes": int(sum(np.asarray(a).nbytes for a in m.tensors.values())),
-            "sha256": arrays_sha256(m.tensors),
+            "bytes": ingested.nbytes if ingested else int(sum(np.asarray(a).nbytes for a in m.tensors.values())),
+            "sha256": ingested.sha256 if ingested else arrays_sha256(m.tensors),
         }
     if isinstance(event, e.SecAggArrived):
         m = event.message

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
+from fedmq.coordinator.drivers import inbox
 from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.drivers.outbox import Queued
 from fedmq.coordinator.drivers.task_frames import TaskFrame
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
+from fedmq.fedcore.tensors import arrays_sha256
 from fedmq.fedcore.training import TrainSettings
 from tests.coordinator.engine_helpers import config
 from tests.coordinator.test_payloads import PerNode, Shared, _configure, _ctx, _model
@@ -216,3 +220,42 @@ async def test_tasks_and_models_expire_when_the_engines_configure_says(tmp_path:
             (t.task("node-000"), 123.0),
         ]
     )
+
+
+async def test_a_large_update_is_read_off_the_event_loop_before_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, item 4: the daemon reads an update (decoding, decompression, checks, the log's digest)
+    before the engine, a large one in a worker thread; the event the engine gets carries what was read.
+    A small one is read on the spot, a node's report of a failed training not at all."""
+    monkeypatch.setattr(inbox, "OFF_LOOP_BYTES", 1000)
+    coordinator = _coordinator(tmp_path)
+    threads: list[str] = []
+    read = coordinator.inbox._ingest
+
+    def recorded(message: Message) -> object:
+        threads.append(threading.current_thread().name)
+        return read(message)
+
+    monkeypatch.setattr(coordinator.inbox, "_ingest", recorded)
+    t = Topics("f")
+
+    def sent(size: int, **meta: object) -> Envelope:
+        message = Message(
+            kind=Kind.UPDATE, federation="f", round=0, sender="node-000",
+            meta={"task": b"t" * 16, "num_samples": 5, **meta}, tensors={"model/w": np.ones(2, np.float32)},
+        )  # fmt: skip
+        return Envelope(t.update("node-000"), message, size)
+
+    _dispatch(coordinator, sent(100))
+    small = coordinator._events.get_nowait()
+    assert isinstance(small, e.UpdateArrived) and small.ingested is not None and threads == ["MainThread"]
+    _dispatch(coordinator, sent(5000))
+    assert coordinator._events.empty()  # being read
+    await coordinator.inbox.ingests.settle()
+    large = coordinator._events.get_nowait()
+    assert isinstance(large, e.UpdateArrived) and large.ingested is not None and threads[1] != "MainThread"
+    assert large.ingested.sha256 == arrays_sha256(large.message.tensors)
+    _dispatch(coordinator, sent(5000, failed="out of memory"))
+    failed = coordinator._events.get_nowait()
+    assert isinstance(failed, e.UpdateArrived) and failed.ingested is None and len(threads) == 2

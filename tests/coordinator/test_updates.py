@@ -8,8 +8,8 @@ import torch
 
 from fedmq.broker import Kind, Message
 from fedmq.coordinator.errors import ProtocolError
-from fedmq.coordinator.updates import check_base_version, parse_update
-from fedmq.fedcore.tensors import TensorSpec, flatten_groups
+from fedmq.coordinator.updates import check_base_version, ingest, parse_update
+from fedmq.fedcore.tensors import TensorSpec, arrays_sha256, flatten_groups
 
 SCHEMA = {"model": {"w": TensorSpec(torch.float32, (3,)), "h": TensorSpec(torch.float16, (2,))}}
 
@@ -66,3 +66,21 @@ def test_base_version_must_be_the_tasks() -> None:
         with pytest.raises(ProtocolError) as info:
             check_base_version(_message(torch.ones(3), torch.ones(2), **meta), 3, required=required)
         assert info.value.reason == "wrong-base-version"
+
+
+def test_an_ingested_update_is_what_the_engine_takes_and_its_refusal_waits_for_the_engine() -> None:
+    """Issue 30: the update is read before the engine (`ingest`). The engine takes what was read (here
+    deliberately another update's content, to see which it used), and an ingest that failed is raised
+    only when the engine reaches the update, with the reason reading it there would give."""
+    good = _message(torch.ones(3), torch.ones(2, dtype=torch.float16))
+    other = _message(torch.full((3,), 7.0), torch.ones(2, dtype=torch.float16))
+    update = parse_update(good, SCHEMA, version=4, sent_at=1.0, received_at=1.5, ingested=ingest(other, SCHEMA))
+    assert torch.equal(update.payload.tensors["model"]["w"], torch.full((3,), 7.0))
+    bad = _message(torch.tensor([1.0, float("nan"), 0.0]), torch.ones(2, dtype=torch.float16))
+    ingested = ingest(bad, SCHEMA)  # no raise here
+    assert isinstance(ingested.read, ProtocolError) and ingested.sha256 == arrays_sha256(bad.tensors)
+    with pytest.raises(ProtocolError) as read_there:
+        parse_update(bad, SCHEMA, version=4, sent_at=0.0, received_at=0.0)
+    with pytest.raises(ProtocolError) as read_before:
+        parse_update(bad, SCHEMA, version=4, sent_at=0.0, received_at=0.0, ingested=ingested)
+    assert (read_before.value.reason, read_before.value.detail) == (read_there.value.reason, read_there.value.detail)
