@@ -9,10 +9,13 @@ With ``hosting.vectorize`` the nodes of a process that received the same task ar
 is played in wall time (`fednode.scripted`): it goes offline and online, drops tasks, and sleeps for
 its modelled link and compute time around training.
 
-The daemon is the session and the task's course; its parts are handed to it or made from its config:
-the task as the node holds it (`fednode.task`), the trainer that makes the update (`fednode.trainer`;
-a site aggregator hands in its own), the retained status (`fednode.presence`), the method check
-(`fednode.method_check`) and secure aggregation (`fednode.masking`).
+The daemon is the session (connection, subscriptions, what comes in, the coordinator's state); its
+parts are handed to it or made from its config: the task's course from arrival to update
+(`fednode.task_course`, with the task as the node holds it in `fednode.task`), the round's job
+(`fednode.update_job`), the trainer that makes the update (`fednode.trainer`; a site aggregator
+hands in its own), what it tells the coordinator (`fednode.reports`), the retained status
+(`fednode.presence`), the method check (`fednode.method_check`) and secure aggregation
+(`fednode.masking`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from fedmq.fednode.presence import Presence
 from fedmq.fednode.reports import Reports
 from fedmq.fednode.scenario import Transition
 from fedmq.fednode.scripted import ScriptPlayer
-from fedmq.fednode.task import Task, TaskError, check_deadline, parse_model, parse_task
+from fedmq.fednode.task import Task, TaskError
+from fedmq.fednode.task_course import TaskCourse
 from fedmq.fednode.trainer import LocalTrainer, NoUpdate, Trainer
 from fedmq.fednode.update_job import UpdateJobs
 from fedmq.fednode.workspace import Workspace
@@ -100,8 +104,6 @@ class NodeDaemon:
         self.run_outcome = RunState.STOPPED
         """How the coordinator's run ended, as its last status said (stopped until it says)."""
         self._bus: BusClient | None = None
-        self._task: Task | None = None
-        self._job: asyncio.Task[None] | None = None
         self._run_id: str | None = None
         self._stop = asyncio.Event()
         self.background = Background(self.log)
@@ -112,7 +114,6 @@ class NodeDaemon:
         self.connected = asyncio.Event()
         """Set once the node is connected and subscribed, cleared when `serve` ends (readiness for supervisors)."""
         self._drain_asked = asyncio.Event()
-        self._draining: str | None = None
         self.connect_gate: asyncio.Semaphore | None = None
         """Shared by the nodes of a process (`serve_nodes`): how many connect at once."""
         self.presence = Presence(
@@ -128,6 +129,12 @@ class NodeDaemon:
         """The secure aggregation of the node's tasks that ask for it (`fednode.masking`)."""
         self.updates = UpdateJobs(config, len(data), self.trainer, self.player, self.secure, self.reports, self.log)
         """Each round's training and update, once its model came (`fednode.update_job`)."""
+        self.tasks = TaskCourse(
+            config, workspace, trainer=self.trainer, method_check=self.method_check, player=self.player,
+            secure=self.secure, reports=self.reports, updates=self.updates, background=self.background,
+            crash=self._crash, log=self.log,
+        )  # fmt: skip
+        """The node's task from its arrival to its update (`fednode.task_course`)."""
 
     async def serve(self) -> None:
         """Run until the run finishes (with `exit_when_done`), a crash fault, or cancellation.
@@ -161,14 +168,12 @@ class NodeDaemon:
             finally:
                 self.connected.clear()
                 self.presence.subscribed.clear()
-                if self._task is not None:
-                    self.trainer.withdraw(self._task)
-                for task in (receiver, stopper, drainer, self._job, *self.background):
+                self.tasks.withdraw()
+                job = self.tasks.job
+                for task in (receiver, stopper, drainer, job, *self.background):
                     if task is not None:
                         task.cancel()
-                await asyncio.gather(
-                    receiver, stopper, drainer, *([self._job] if self._job else []), return_exceptions=True
-                )
+                await asyncio.gather(receiver, stopper, drainer, *([job] if job else []), return_exceptions=True)
                 self.log.info("stopping after %d rounds trained; bus %s", self.updates.sent, bus.stats.as_dict())
                 if self.config.script.scripted:
                     self.log.info("scenario: %s", self.player.counts())
@@ -210,28 +215,18 @@ class NodeDaemon:
         progress finishes and sends its update; a task whose model has not come is abandoned, and a
         task that arrives meanwhile refused, each reported to the coordinator as a failure with
         `reason` (it then stops waiting for this node); then the node says goodbye (offline)."""
-        if self._draining is None:
-            self._draining = reason
+        if self.tasks.draining is None:
+            self.tasks.draining = reason
             self._drain_asked.set()
 
     @property
     def draining(self) -> str | None:
         """Why the node is draining, or None."""
-        return self._draining
+        return self.tasks.draining
 
     async def _drain_when_asked(self) -> None:
         await self._drain_asked.wait()
-        reason = self._draining or "draining"
-        task, self._task = self._task, None
-        if task is not None:  # acknowledged, the model not here yet
-            self.trainer.withdraw(task)
-            self.log.info("draining (%s): abandoning round %d's task, whose model has not come", reason, task.round)
-            await self.reports.failure(task, f"abandoned: the node is stopping ({reason})")
-        job = self._job
-        if job is not None and not job.done():
-            self.log.info("draining (%s): finishing the update in hand", reason)
-            await asyncio.wait({job})
-        self.log.info("drained (%s) after %d rounds trained", reason, self.updates.sent)
+        await self.tasks.drain()
 
     async def _on_transition(self, transition: Transition) -> None:
         """The scenario took the node offline (dropping the task in hand) or brought it back."""
@@ -240,16 +235,8 @@ class NodeDaemon:
         else:
             how = "crashes" if transition.crash else "goes offline"
             self.log.info("scenario: %s at %g s, dropping the work in hand", how, transition.at)
-            self._abandon()
+            self.tasks.abandon()
         await self.presence.announce_or_warn(f"({'online' if self.player.online else 'offline'}) of the scenario")
-
-    def _abandon(self) -> None:
-        """Forget the pending task; a job in hand sees its spell ended and sends nothing."""
-        task, self._task = self._task, None
-        if task is not None:
-            self.trainer.withdraw(task)
-            if not task.inline:
-                self.background.spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -276,9 +263,9 @@ class NodeDaemon:
         if route.channel == "coordinator-state" and message.kind == Kind.COORDINATOR_STATUS:
             self._on_coordinator_status(message)
         elif route.channel == "node-task" and message.kind == Kind.TASK:
-            await self._on_task(message, envelope.size)
+            await self.tasks.on_task(message, envelope.size)
         elif route.channel in ("model", "node-model") and message.kind == Kind.MODEL:
-            await self._on_model(message, envelope.size)
+            await self.tasks.on_model(message, envelope.size)
         elif route.channel == "node-receipt" and message.kind == Kind.RECEIPT:
             self._on_receipt(message)
         elif route.channel == "node-secagg" and message.kind in SECAGG_KINDS:
@@ -290,7 +277,7 @@ class NodeDaemon:
         """The node's own status, subscribed with a share group only: another daemon of the node went
         offline (its will) while this one is alive and could answer, so the node is announced again."""
         offline = message.meta.get("state") == "offline"
-        alive = self._draining is None and not self.crashed
+        alive = self.tasks.draining is None and not self.crashed
         if self.share_group is not None and offline and alive and self.presence.announcement(True).online:
             self.log.info("another daemon of this node went offline; announcing the node again")
             self.background.spawn(self.presence.announce(), f"announce-{self.node_id}")
@@ -312,68 +299,6 @@ class NodeDaemon:
             if self.config.exit_when_done:
                 self._stop.set()
 
-    async def _on_task(self, message: Message, size: int = 0) -> None:
-        task = parse_task(message, self.topics, size)
-        check_deadline(task, message.sent_at, self.config.clock_skew_s)
-        mismatch = self.method_check.mismatch(task.method)
-        if mismatch is not None:  # the coordinator stops waiting for this node, and logs why
-            self._bus_or_fail().stats.rejected["method-mismatch"] += 1
-            self.log.error("round %d's task refused: %s", task.round, mismatch)
-            await self.reports.failure(task, mismatch)
-            return
-        if self._draining is not None:
-            self.log.info("round %d's task refused: the node is stopping (%s)", task.round, self._draining)
-            await self.reports.failure(task, f"refused: the node is stopping ({self._draining})")
-            return
-        if not self.player.admit(task.round):
-            return  # scripted: offline, or a dropped task (no ack, no group, no update)
-        if task.inline:
-            # the model it carries is checked before it replaces the pending task: a refused task
-            # (wrong shapes, from anyone who can publish on this topic) must not cost the node the
-            # genuine task it holds (issue 31)
-            parse_model(message, self.workspace.schema)
-        if self._task is not None:
-            self.trainer.withdraw(self._task)
-            if not self._task.inline and self._task.model_topic != task.model_topic:
-                await self._unsubscribe_model(self._task)
-        self._task = task
-        if task.secure is not None:
-            await self.secure.start(
-                round=task.round, attempt=task.attempt, task_id=task.task_id, model_id=task.model_id,
-                settings=task.secure,
-            )  # fmt: skip
-        self.trainer.expect(task)
-        if task.inline:
-            await self._on_model(message, 0)  # the task's frame is the model's
-            return
-        await self._bus_or_fail().subscribe(task.model_topic)
-        await self.reports.ack(task)
-        self.log.debug("task for round %d acknowledged", task.round)
-
-    async def _on_model(self, message: Message, size: int = 0) -> None:
-        task = self._task
-        quoted = message.meta.get("model_id", message.meta.get("task"))
-        if task is None or message.round != task.round or quoted != task.model_key:
-            self.log.debug("model for round %d matches no pending task; ignored", message.round)
-            return
-        self._task = None
-        if not task.inline:
-            # clean-up only: the model arrived, so training need not wait for the broker's UNSUBACK
-            self.background.spawn(self._unsubscribe_model(task), f"unsubscribe-{self.node_id}-{task.round}")
-        if self.config.script.faults.fail_at_round == task.round:
-            self.log.warning("fault injection: crashing mid-round %d", task.round)
-            self.crashed = True
-            self._bus_or_fail().abort()
-            self._stop.set()
-            return
-        payload = parse_model(message, self.workspace.schema)
-        if self._job is not None and not self._job.done():
-            self.log.warning("round %d starts while the previous update is still being produced", task.round)
-        received = task.frame_bytes + size
-        job = self.updates.run(task, payload, self.player.spell, received)
-        self._job = asyncio.create_task(job, name=f"train-{self.node_id}-{task.round}")
-        self._job.add_done_callback(self._harvest)
-
     def _on_receipt(self, message: Message) -> None:
         """Receipts are advisory (the coordinator's metrics are the truth): logged, never counted."""
         try:
@@ -386,18 +311,11 @@ class NodeDaemon:
         else:
             self.log.warning("update for round %d was %s: %s", message.round, receipt.status, receipt.reason)
 
-    async def _unsubscribe_model(self, task: Task) -> None:
-        try:
-            await self._bus_or_fail().unsubscribe(task.model_topic)
-        except BusError as exc:
-            self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
-
-    def _harvest(self, job: asyncio.Task[None]) -> None:
-        if job.cancelled():
-            return
-        exc = job.exception()
-        if exc is not None:  # a failed publish of the update; training errors are reported in the job
-            self.log.error("round job failed: %r", exc, exc_info=exc)
+    def _crash(self) -> None:
+        """The crash fault: the connection dropped without a goodbye (the broker fires the will)."""
+        self.crashed = True
+        self._bus_or_fail().abort()
+        self._stop.set()
 
     @property
     def rounds_trained(self) -> int:

@@ -24,16 +24,16 @@ async def test_an_inline_task_with_the_wrong_shapes_leaves_the_pending_task_in_p
     """Under a malformed flood a task whose inline model had the wrong shapes replaced the node's
     genuine pending task before it was refused, so the node never trained its real one."""
     daemon = _daemon()
-    genuine = daemon._task = _pending()
+    genuine = daemon.tasks.pending = _pending()
     forged = _task(inline=True, payload={})
     forged = Message(
         kind=Kind.TASK, federation="f", round=4, sender="coordinator", meta=forged.meta,
         tensors={"model/w": np.zeros(3, np.float32)},
     )  # fmt: skip
     with pytest.raises(TaskError) as info:
-        await daemon._on_task(forged)
+        await daemon.tasks.on_task(forged)
     assert info.value.reason in ("wrong-shape", "bad-model", "missing-tensor", "unexpected-tensor")
-    assert daemon._task is genuine
+    assert daemon.tasks.pending is genuine
 
 
 class _Bus:

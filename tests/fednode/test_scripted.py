@@ -118,8 +118,8 @@ async def test_dropped_task_is_not_acknowledged_and_joins_no_group() -> None:
     daemon = _daemon(NodeScript(drop_p=1.0), group_wait_s=0.5)
     bus = _Bus()
     daemon._attach(bus)  # type: ignore[arg-type]
-    await daemon._on_task(_task(), 200)
-    assert daemon._task is None and bus.published == []
+    await daemon.tasks.on_task(_task(), 200)
+    assert daemon.tasks.pending is None and bus.published == []
     assert daemon.workspace.groups is not None and daemon.workspace.groups._groups == {}
     assert daemon.player.dropped == 1 and daemon.player.tasks_received == 1
 
@@ -129,8 +129,8 @@ async def test_task_is_acknowledged_and_expected_in_its_group_with_the_default_s
     daemon = _daemon(NodeScript(), group_wait_s=0.5)
     bus = _Bus()
     daemon._attach(bus)  # type: ignore[arg-type]
-    await daemon._on_task(_task(), 200)
-    assert daemon._task is not None and [m.kind for m in bus.published] == [Kind.ACK]
+    await daemon.tasks.on_task(_task(), 200)
+    assert daemon.tasks.pending is not None and [m.kind for m in bus.published] == [Kind.ACK]
     assert daemon.workspace.groups is not None and len(daemon.workspace.groups._groups) == 1
 
 
@@ -180,13 +180,13 @@ async def test_offline_transition_announces_offline_and_forgets_the_pending_task
     daemon = _daemon(NodeScript(transitions=(Transition(0.0, False, crash=True), Transition(0.0, True))))
     bus = _Bus()
     daemon._attach(bus)  # type: ignore[arg-type]
-    await daemon._on_task(_task(), 200)
-    assert daemon._task is not None
+    await daemon.tasks.on_task(_task(), 200)
+    assert daemon.tasks.pending is not None
     daemon.player.online = False
     await daemon._on_transition(Transition(0.0, False, crash=True))
-    assert daemon._task is None and bus.published[-1].meta["state"] == "offline"
-    await daemon._on_task(_task(), 200)
-    assert daemon._task is None and daemon.player.ignored_offline == 1
+    assert daemon.tasks.pending is None and bus.published[-1].meta["state"] == "offline"
+    await daemon.tasks.on_task(_task(), 200)
+    assert daemon.tasks.pending is None and daemon.player.ignored_offline == 1
     daemon.player.online = True
     await daemon._on_transition(Transition(0.0, True))
     method = daemon.fingerprint.to_meta()

@@ -78,19 +78,19 @@ async def test_expired_task_is_refused_and_not_acknowledged_or_trained(inline: b
     no acknowledgement, no subscription to the model, no training job, no pending task."""
     daemon, bus = _daemon()
     with pytest.raises(TaskError) as info:
-        await daemon._on_task(_task(age_s=120, deadline_s=30, inline=inline))
+        await daemon.tasks.on_task(_task(age_s=120, deadline_s=30, inline=inline))
     assert info.value.reason == "expired-task"
     assert "arrived 120.0 s after it was sent, past its deadline of 30 s (+ 5 s" in info.value.detail
     assert bus.published == [] and bus.subscribed == [] and bus.frames == []
-    assert daemon._task is None and daemon._job is None and daemon.player.tasks_received == 0
+    assert daemon.tasks.pending is None and daemon.tasks.job is None and daemon.player.tasks_received == 0
 
 
 async def test_fresh_inline_task_is_trained_and_answered() -> None:
     """The counterpart: a task sent just now with a 30 s deadline is trained on and its update sent."""
     daemon, bus = _daemon()
-    await daemon._on_task(_task(age_s=0.0, deadline_s=30, inline=True))
-    assert daemon._job is not None
-    await daemon._job
+    await daemon.tasks.on_task(_task(age_s=0.0, deadline_s=30, inline=True))
+    assert daemon.tasks.job is not None
+    await daemon.tasks.job
     assert len(bus.frames) == 1 and daemon.rounds_trained == 1
 
 
@@ -110,7 +110,7 @@ async def test_task_deadline_table(age_s: float, deadline_s: float | None, clock
     daemon, bus = _daemon(clock_skew_s)
     meta = {} if deadline_s is None else {"deadline_s": deadline_s}
     try:
-        await daemon._on_task(_task(age_s=age_s, **meta))
+        await daemon.tasks.on_task(_task(age_s=age_s, **meta))
     except TaskError as exc:
         assert exc.reason == "expired-task" and not acted_on
     else:
@@ -121,7 +121,7 @@ async def test_task_deadline_table(age_s: float, deadline_s: float | None, clock
 async def test_task_with_a_malformed_deadline_is_a_bad_task(deadline_s: object) -> None:
     daemon, bus = _daemon()
     with pytest.raises(TaskError) as info:
-        await daemon._on_task(_task(age_s=0.0, deadline_s=deadline_s))
+        await daemon.tasks.on_task(_task(age_s=0.0, deadline_s=deadline_s))
     assert info.value.reason == "bad-task" and "deadline_s" in info.value.detail and bus.published == []
 
 
@@ -134,8 +134,8 @@ async def test_task_for_another_method_is_refused_with_a_failure_report_that_say
     """A task whose method fingerprint is not the node's: no acknowledgement, no training; one failure
     update goes back naming this node's method, so the coordinator stops waiting and records why."""
     daemon, bus = _daemon()
-    await daemon._on_task(_task(age_s=0.0, deadline_s=30, inline=True, method="0123456789abcdef"))
-    assert daemon._job is None and daemon._task is None and bus.frames == []
+    await daemon.tasks.on_task(_task(age_s=0.0, deadline_s=30, inline=True, method="0123456789abcdef"))
+    assert daemon.tasks.job is None and daemon.tasks.pending is None and bus.frames == []
     [failure] = bus.published
     assert failure.kind == Kind.UPDATE and failure.round == 4
     reason = failure.meta["failed"]
@@ -146,7 +146,7 @@ async def test_task_for_another_method_is_refused_with_a_failure_report_that_say
 
 async def test_task_with_the_node_s_own_method_is_trained() -> None:
     daemon, bus = _daemon()
-    await daemon._on_task(_task(age_s=0.0, deadline_s=30, inline=True, method=daemon.fingerprint.digest))
-    assert daemon._job is not None
-    await daemon._job
+    await daemon.tasks.on_task(_task(age_s=0.0, deadline_s=30, inline=True, method=daemon.fingerprint.digest))
+    assert daemon.tasks.job is not None
+    await daemon.tasks.job
     assert len(bus.frames) == 1 and bus.published == []
