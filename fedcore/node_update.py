@@ -1,6 +1,6 @@
-"""The update a node sends for a task, made from its training's result: the one place its header and
-tensors are made, for every node there is (the node daemon, a site aggregator, the in-process driver
-and so replay and simulation alike).
+"""The update a node sends for a task, made from its training's result, and the random stream it trains
+with: the one place each is made, for every node there is (the node daemon, a site aggregator, the
+in-process driver and so replay and simulation alike).
 
 Pure and synchronous; the transport wraps it (a frame on the bus, a message in process). The tensors
 it returns are the compressed flat arrays the wire carries; without compression they may alias the
@@ -14,11 +14,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.compression import Compression, compress_update
 from fedmq.fedcore.protocol import Update
+from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import flatten_groups
+
+
+def node_generator(
+    seed: int, node_id: str, round: int, attempt: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The random stream a node trains a task with (batch order, augmentation, dropout): one per node,
+    round and attempt of the run's seed, wherever the node runs, so that a daemon's training, the
+    in-process driver's and replay's are the same."""
+    return torch_generator(seed, "node-train", node_id, round, attempt, device=device)
 
 
 def update_header(

@@ -22,9 +22,8 @@ from fedmq.fedcore.algorithms.base import GroupMember, NodeHalf, Payload, TaskIn
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.masked import weighted_change
-from fedmq.fedcore.node_update import node_update, update_header
+from fedmq.fedcore.node_update import node_generator, node_update, update_header
 from fedmq.fedcore.protocol import Announcement
-from fedmq.fedcore.seeding import torch_generator
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.masking import Draft
 from fedmq.fednode.task import Task
@@ -171,10 +170,7 @@ class LocalTrainer:
         return Draft(meta, weighted_change(result.tensors["model"], received.tensors["model"], 1.0))
 
     def _generator(self, task: Task) -> torch.Generator:
-        return torch_generator(
-            self.config.seed, "node-train", self.config.node_id, task.round, task.attempt,
-            device=self.workspace.device,
-        )  # fmt: skip
+        return node_generator(self.config.seed, self.config.node_id, task.round, task.attempt, self.workspace.device)
 
     def _task_input(self, task: Task, payload: Payload) -> TaskInput:
         return TaskInput(

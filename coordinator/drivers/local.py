@@ -35,7 +35,7 @@ from fedmq.coordinator.storage.eventlog import EventLog
 from fedmq.fedcore.algorithms.base import CoordinatorHalf, GroupMember, NodeHalf, Payload, TaskInput
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.masked import round_key
-from fedmq.fedcore.node_update import node_update, update_header
+from fedmq.fedcore.node_update import node_generator, node_update, update_header
 from fedmq.fedcore.protocol import (
     ProtocolError,
     SecAggDirectory,
@@ -46,7 +46,7 @@ from fedmq.fedcore.protocol import (
     UpdateFailed,
 )
 from fedmq.fedcore.secure_task import SecureTask
-from fedmq.fedcore.seeding import stream, torch_generator
+from fedmq.fedcore.seeding import stream
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fedcore.vectorized import graph_mode
@@ -379,7 +379,7 @@ class LocalFederation:
         )
 
     def _generator(self, spec: c.TaskSpec) -> torch.Generator:
-        return torch_generator(self.seed, "node-train", spec.node, spec.round, spec.attempt)
+        return node_generator(self.seed, spec.node, spec.round, spec.attempt)
 
     def _groupable(self, half: NodeHalf) -> bool:
         """Whether nodes of this half's class train in groups with the workspace model (why not: logged once)."""
