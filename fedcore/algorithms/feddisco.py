@@ -35,6 +35,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -147,13 +148,27 @@ class NodeHalf(fedavg.NodeHalf):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
+        discrepancy = self.discrepancy(data, task.round)
+        update = super().train(task, model, data, generator)
+        return base.Payload(tensors=update.tensors, meta={**update.meta, DISCREPANCY: discrepancy})
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """FedAvg's group training; each member's update carries its own d_k, from its own half."""
+        discrepancies = [cast(NodeHalf, m.half).discrepancy(m.data, m.task.round) for m in members]
+        updates = super().train_group(members, model)
+        return [
+            base.Payload(tensors=u.tensors, meta={**u.meta, DISCREPANCY: d})
+            for u, d in zip(updates, discrepancies, strict=True)
+        ]
+
+    def discrepancy(self, data: TensorDataset, round: int) -> float:
+        """d_k of this node's data, computed once (a node's shard does not change)."""
         if self._discrepancy is None or self._discrepancy[0] != len(data):
             try:
                 self._discrepancy = (len(data), label_discrepancy(data.label_histogram()))
             except ValueError as exc:
-                raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
-        update = super().train(task, model, data, generator)
-        return base.Payload(tensors=update.tensors, meta={**update.meta, DISCREPANCY: self._discrepancy[1]})
+                raise AlgorithmError(str(exc), node_id=self.node_id, round=round) from exc
+        return self._discrepancy[1]
 
 
 SPEC = base.AlgorithmSpec(name="feddisco", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

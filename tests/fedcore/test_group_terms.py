@@ -268,3 +268,20 @@ def test_fedacd_with_log_delta_trains_one_by_one() -> None:
     spec = get_algorithm("fedacd")
     half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
     assert "log Delta" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
+
+
+def test_feddisco_group_is_fedavgs_with_each_members_own_discrepancy(digits: TensorDataset) -> None:
+    """FedDisco's nodes train as FedAvg's do; in a group each update carries the d_k of its own node's
+    labels, as its own `train` gives it (the shards' label mixes differ, so a shared d_k would fail)."""
+    datasets = shards(digits)
+    group = members("feddisco", {}, datasets)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    assert group[0].half.group_refusal(workspace) is None
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    alone = [
+        m.half.train(m.task, copy.deepcopy(workspace), m.data, m.generator) for m in members("feddisco", {}, datasets)
+    ]
+    assert len({p.meta["discrepancy"] for p in alone}) > 1
+    for got, want in zip(grouped, alone, strict=True):
+        assert got.meta["discrepancy"] == want.meta["discrepancy"] and got.meta["steps"] == want.meta["steps"]
+        assert difference(got.tensors["model"], want.tensors["model"]) < EXACT

@@ -260,7 +260,7 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
             "log Delta",
         ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
         ("scaffold", "no group form"),
-        ("feddisco", "no group form"),  # subclasses FedAvg's node half and changes `train`
+        ("fedproto", "no group form"),
         ("feddecorr", "no vectorised form"),
     ],
 )
@@ -271,6 +271,21 @@ def test_methods_with_their_own_training_refuse_group_training(method: str, reas
     half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
     assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
     with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
+        half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
+
+
+def test_a_subclass_that_changes_train_does_not_inherit_group_training() -> None:
+    """A node half that subclasses FedAvg's and changes `train` (as FedDisco does, which therefore
+    writes its `train_group` beside it) trains one by one until it has a group form of its own."""
+    from fedmq.fedcore.algorithms import fedavg
+
+    class Changed(fedavg.NodeHalf):
+        def train(self, task, model, data, generator):  # type: ignore[no-untyped-def]
+            return super().train(task, model, data, generator)
+
+    half = Changed(build_hyperparams(get_algorithm("fedavg"), {}), node_id="node-0")
+    assert "no group form" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
+    with pytest.raises(AlgorithmError, match="group"):
         half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
 
 
