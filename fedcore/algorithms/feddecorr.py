@@ -40,6 +40,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import LossFn
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll
 
 FORMS = ("code", "paper")
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
@@ -81,6 +82,29 @@ def decorrelation_loss(features: torch.Tensor, form: str = "code") -> torch.Tens
     return off_diagonal.pow(2).mean() / n
 
 
+def weighted_decorrelation_loss(
+    features: torch.Tensor, weight: torch.Tensor, count: torch.Tensor, form: str = "code"
+) -> torch.Tensor:
+    """`decorrelation_loss` of the rows whose `weight` is 1 (a padded batch: padding rows weigh 0), with
+    `count` real rows, in tensor operations only (the group form maps it over nodes). Padding rows are
+    zero once centred, so they add nothing to any sum; a batch of one real row gives 0 as the code
+    does (its centred row is zero), with no branch."""
+    n = count.clamp(min=1)
+    w = weight.unsqueeze(1).to(features.dtype)
+    d = features.shape[1]
+    centred = (features - (features * w).sum(dim=0, keepdim=True) / n) * w
+    if form == "paper":
+        z = centred / torch.sqrt(EPS + centred.pow(2).sum(dim=0, keepdim=True) / n)
+        k = z.t() @ z / n
+        return k.pow(2).sum() / d**2
+    if form != "code":
+        raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
+    z = centred / torch.sqrt(EPS + centred.pow(2).sum(dim=0, keepdim=True) / (n - 1).clamp(min=1))
+    m = z.t() @ z
+    off_diagonal = m[~torch.eye(d, dtype=torch.bool, device=m.device)]
+    return off_diagonal.pow(2).mean() / n
+
+
 CoordinatorHalf = shared.AveragingCoordinator
 """FedAvg's server: the global model is the sample-weighted average of the updates."""
 
@@ -100,6 +124,25 @@ class NodeHalf(shared.LossTermNode):
             return F.cross_entropy(classify(h), y) + beta * decorrelation_loss(h.flatten(1), form)
 
         return objective
+
+    def group_term(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> shared.GroupTerm | None:
+        """`objective` on a node's padded batch: the same features (``extract``, then ``classify``), the
+        decorrelation over the node's real rows only (`weighted_decorrelation_loss`)."""
+        beta, form = self.hp.beta, self.hp.form
+        if beta == 0.0:
+            return None
+        split_model(model, self.node_id, task.round)
+        extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            h = extract(batch.params, batch.x)
+            assert isinstance(h, torch.Tensor)
+            logits = classify(batch.params, h)
+            assert isinstance(logits, torch.Tensor)
+            decorrelation = weighted_decorrelation_loss(h.flatten(1), batch.weight, batch.count, form)
+            return batch.mean(nll(logits, batch.y)) + beta * decorrelation
+
+        return shared.GroupTerm(objective)
 
 
 def split_model(model: nn.Module, node_id: str, round: int) -> tuple[TensorFn, TensorFn]:

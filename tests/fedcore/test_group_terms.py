@@ -36,6 +36,7 @@ CASES: dict[str, dict[str, Any]] = {
     "fedvls": {"lam": 1.0, "logit_scale": 0.5},
     "fedrcl": {"threshold": 0.3, "topk_pos": 2, "topk_neg": 3},  # local_lr_decay 0.998: epoch by epoch
     "fedacd": {"logit_adjust": False},  # Mixup (alpha 1); with log Delta FedACD trains one by one
+    "feddecorr": {"beta": 1.0},  # the code's form; a batch of one (17 = 16 + 1) gives 0
 }
 FLOAT32 = 1e-5
 """FedRCL computes its similarities in float32 (in `train` too): agreement to float32 rounding only."""
@@ -51,6 +52,7 @@ NEUTRAL: dict[str, dict[str, Any]] = {
     "fedvls": {"calibration": "none", "lam": 0.0, "logit_scale": 0.0},
     "fedrcl": {"scl_weight": 0.0, "beta": 0.0, "local_lr_decay": 1.0},
     "fedacd": {"l1_weight": 0.0, "logit_adjust": False, "mixup_alpha": 0.0},
+    "feddecorr": {"beta": 0.0},
 }
 
 
@@ -285,3 +287,8 @@ def test_feddisco_group_is_fedavgs_with_each_members_own_discrepancy(digits: Ten
     for got, want in zip(grouped, alone, strict=True):
         assert got.meta["discrepancy"] == want.meta["discrepancy"] and got.meta["steps"] == want.meta["steps"]
         assert difference(got.tensors["model"], want.tensors["model"]) < EXACT
+
+
+def test_feddecorr_group_form_of_the_papers_formula(digits: TensorDataset) -> None:
+    """The paper's form (population z-scores, ||K||_F^2 / d^2) as well as the code's."""
+    assert_group_is_each_own_train(digits, "feddecorr", {"beta": 1.0, "form": "paper"}, shards(digits))

@@ -261,7 +261,6 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
         ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
         ("scaffold", "no group form"),
         ("fedproto", "no group form"),
-        ("feddecorr", "no vectorised form"),
     ],
 )
 def test_methods_with_their_own_training_refuse_group_training(method: str, reason: str) -> None:
@@ -272,6 +271,19 @@ def test_methods_with_their_own_training_refuse_group_training(method: str, reas
     assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
     with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
         half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
+
+
+def test_a_loss_term_method_without_a_group_term_trains_one_by_one() -> None:
+    """Every shipped loss-term method writes its objective as a GroupTerm; one of a user's that writes
+    only `objective` is refused group training, saying so."""
+    from fedmq.fedcore.algorithms import shared
+
+    class OwnTerm(shared.LossTermNode):
+        def objective(self, task, model, data):  # type: ignore[no-untyped-def]
+            return None
+
+    half = OwnTerm(build_hyperparams(get_algorithm("fedavg"), {}), node_id="node-0")
+    assert "no vectorised form" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
 
 
 def test_a_subclass_that_changes_train_does_not_inherit_group_training() -> None:
