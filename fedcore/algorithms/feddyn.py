@@ -55,6 +55,7 @@ import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -63,6 +64,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
 
 STATE_PREFIX = "h/"
 """Prefix of h's entries in `CoordinatorHalf.state_dict`."""
@@ -189,11 +191,8 @@ class NodeHalf(base.NodeHalf):
         shared.load_group(task, "model", model, node_id=self.node_id)
         alpha = self.hp.alpha
         params = shared.trainable(model)
-        if self.gradient is None:  # grad_k = 0 before the first round
-            self.gradient = shared.zero_state(params, device="cpu")
-        if self.gradient.keys() != {name for name, _ in params}:
-            message = "the model's parameters changed since this node's last round"
-            raise AlgorithmError(message, node_id=self.node_id, round=task.round)
+        self._check_state(params, task.round)
+        assert self.gradient is not None
         anchor = {name: p.detach().clone() for name, p in params}  # theta^{t-1}
         terms = [(p, anchor[name], self.gradient[name].to(p.device, p.dtype)) for name, p in params]
 
@@ -205,11 +204,69 @@ class NodeHalf(base.NodeHalf):
                 p.grad.add_(regulariser_gradient(p.detach(), a, g, alpha))
 
         stats = local_sgd(model, data, task.settings, generator, after_backward=regularise)
-        for name, p in params:  # grad_k <- grad_k - alpha (theta_k - theta^{t-1})
-            state = self.gradient[name]
-            theta_k, theta_server = p.detach().to("cpu", state.dtype), anchor[name].to("cpu", state.dtype)
-            self.gradient[name] = gradient_state_step(state, theta_k, theta_server, alpha)
+        self._step_state({name: p.detach() for name, p in params}, anchor)
         return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once: the regulariser as a loss term on each member's parameters,
+        with its own grad_k in the group's inputs. The term is added to the loss as ``reg - reg.detach()``:
+        its gradient is the one `train` adds after the backward pass, and the loss reported stays the
+        cross-entropy, as `train` reports it."""
+        reason = self.group_refusal(model)
+        if reason is not None:
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        params = shared.trainable(model)
+        halves = [cast(NodeHalf, m.half) for m in members]
+        for half, member in zip(halves, members, strict=True):
+            half._check_state(params, member.task.round)
+        anchor = {name: p.detach().clone() for name, p in params}
+        names, alpha = [name for name, _ in params], self.hp.alpha
+        dtypes = {name: p.dtype for name, p in params}
+        inputs = {
+            name: torch.stack([h.gradient[name].to(dtypes[name]) for h in halves])  # type: ignore[index]
+            for name in names
+        }
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            reg = sum(
+                (alpha / 2) * (batch.params[n] - batch.start[n]).pow(2).sum()
+                - (batch.inputs[n] * batch.params[n]).sum()
+                for n in names
+            )
+            assert isinstance(reg, torch.Tensor)
+            return batch.mean(nll(batch.logits(), batch.y)) + (reg - reg.detach())
+
+        results = train_vectorized(
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members],
+            objective=objective, inputs=inputs,
+        )  # fmt: skip
+        for half, (state, _) in zip(halves, results, strict=True):
+            half._step_state({name: state[name] for name in names}, anchor)
+        return [
+            base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
+            for state, stats in results
+        ]
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        return super().group_refusal(model) or unsupported(model)
+
+    def _check_state(self, params: Sequence[tuple[str, nn.Parameter]], round: int) -> None:
+        """grad_k made (zero before the first round) and matching the model's parameters."""
+        if self.gradient is None:  # grad_k = 0 before the first round
+            self.gradient = shared.zero_state(params, device="cpu")
+        if self.gradient.keys() != {name for name, _ in params}:
+            message = "the model's parameters changed since this node's last round"
+            raise AlgorithmError(message, node_id=self.node_id, round=round)
+
+    def _step_state(self, trained: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]) -> None:
+        """grad_k <- grad_k - alpha (theta_k - theta^{t-1}), from the node's trained parameters."""
+        assert self.gradient is not None
+        for name, theta in trained.items():
+            state = self.gradient[name]
+            theta_k, theta_server = theta.to("cpu", state.dtype), anchor[name].to("cpu", state.dtype)
+            self.gradient[name] = gradient_state_step(state, theta_k, theta_server, self.hp.alpha)
 
 
 SPEC = base.AlgorithmSpec(name="feddyn", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -292,3 +292,35 @@ def test_feddisco_group_is_fedavgs_with_each_members_own_discrepancy(digits: Ten
 def test_feddecorr_group_form_of_the_papers_formula(digits: TensorDataset) -> None:
     """The paper's form (population z-scores, ||K||_F^2 / d^2) as well as the code's."""
     assert_group_is_each_own_train(digits, "feddecorr", {"beta": 1.0, "form": "paper"}, shards(digits))
+
+
+def test_feddyn_group_uses_each_members_own_gradient_state_and_steps_it(digits: TensorDataset) -> None:
+    """FedDyn's regulariser in a group reads each member's own grad_k (different here, so a shared one
+    fails), reports the cross-entropy as `train` does, and leaves each member's new grad_k as `train`
+    leaves it (float64, 1e-10)."""
+    datasets = shards(digits)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    params = [(n, p) for n, p in workspace.named_parameters() if p.requires_grad]
+
+    def with_states(group: list[GroupMember]) -> list[GroupMember]:
+        for i, member in enumerate(group):
+            gen = torch.Generator().manual_seed(40 + i)
+            member.half.gradient = {  # type: ignore[attr-defined]
+                n: torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.05 for n, p in params
+            }
+        return group
+
+    hp = {"alpha": 0.1}
+    group = with_states(members("feddyn", hp, datasets))
+    assert group[0].half.group_refusal(workspace) is None
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    alone_members = with_states(members("feddyn", hp, datasets))
+    plain = members("fedavg", {}, datasets)
+    fedavg = plain[0].half.train_group(plain, copy.deepcopy(workspace))
+    for got, member, mine, baseline in zip(grouped, alone_members, group, fedavg, strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"]
+        assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
+        assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
+        assert difference(mine.half.gradient, member.half.gradient) < EXACT  # type: ignore[attr-defined]
+        assert difference(got.tensors["model"], baseline.tensors["model"]) > 1e-4
