@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -72,6 +73,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import TensorSpec, schema_of
 from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
 
 CONTROL = "control"
 """The task's tensor group holding the server control variate c."""
@@ -230,11 +232,8 @@ class NodeHalf(base.NodeHalf):
             raise self._error(task, "SCAFFOLD's option II assumes SGD local steps, not " + repr(settings.optimizer))
         params = shared.trainable(model)
         c = self._server_control(task, params)
-        if self.control is None:  # c_i = 0 at the first participation
-            self.control = shared.zero_state(params, device="cpu")
-        if self.control.keys() != c.keys():
-            raise self._error(task, "the model's parameters changed since this node's last round")
-        c_i = {name: self.control[name].to(p.device, p.dtype) for name, p in params}
+        c_i = self._control(task, params, c)
+        assert self.control is not None
         x = {name: p.detach().clone() for name, p in params}
         g_x = None
         if option == "option_i":  # c_i+ = g_i(x), from an extra pass over the local data
@@ -268,6 +267,78 @@ class NodeHalf(base.NodeHalf):
             tensors={"model": model.state_dict(), CONTROL_DELTA: deltas},
             meta={"loss": stats.loss, "steps": stats.steps},
         )
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once (options I and II): each member's correction c - c_i as a
+        loss term ``<c - c_i, y>`` on its parameters (its gradient is the one `train` adds, the loss
+        reported stays the cross-entropy), then each member's c_i+ from its own steps and trained model."""
+        reason = self.group_refusal(model)
+        if reason is not None:
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        task, settings, option = first.task, first.task.settings, self.hp.control_update
+        if option == "option_ii" and settings.optimizer != "sgd":
+            raise self._error(task, "SCAFFOLD's option II assumes SGD local steps, not " + repr(settings.optimizer))
+        shared.load_group(task, "model", model, node_id=first.half.node_id)
+        params = shared.trainable(model)
+        c = self._server_control(task, params)
+        halves = [cast(NodeHalf, m.half) for m in members]
+        controls = [half._control(member.task, params, c) for half, member in zip(halves, members, strict=True)]
+        x = {name: p.detach().clone() for name, p in params}
+        g_xs: list[dict[str, torch.Tensor]] = []
+        if option == "option_i":  # c_i+ = g_i(x): each member's extra pass over its data, before training
+            for member in members:
+                g_xs.append(local_gradient(model, member.data, settings.batch_size))
+                shared.load_group(task, "model", model, node_id=member.half.node_id)
+        names = [name for name, _ in params]
+        inputs = {name: torch.stack([c[name] - c_i[name] for c_i in controls]) for name in names}
+
+        def objective(batch: NodeBatch) -> torch.Tensor:
+            correction = sum((batch.inputs[n] * batch.params[n]).sum() for n in names)
+            assert isinstance(correction, torch.Tensor)
+            return batch.mean(nll(batch.logits(), batch.y)) + (correction - correction.detach())
+
+        results = train_vectorized(
+            model, [m.data for m in members], settings, [m.generator for m in members], objective=objective,
+            inputs=inputs,
+        )  # fmt: skip
+        payloads = []
+        for i, (half, member, (state, stats)) in enumerate(zip(halves, members, results, strict=True)):
+            if stats.steps == 0:
+                raise half._error(member.task, "no local step was taken: SCAFFOLD needs K >= 1")
+            assert half.control is not None
+            deltas: dict[str, torch.Tensor] = {}
+            for name, p in params:
+                acc, c_i = shared.accumulator(p.dtype), controls[i][name]
+                if g_xs:  # option I: c_i+ - c_i = g_i(x) - c_i
+                    delta = g_xs[i][name].to(acc) - c_i.to(acc)
+                else:  # option II: c_i+ - c_i = (x - y)/(K lr) - c
+                    delta = option_ii_delta(
+                        x[name].to(acc), state[name].to(acc), c[name].to(acc), stats.steps, settings.lr
+                    )
+                deltas[name] = delta.to(p.dtype)
+                half.control[name] += deltas[name].to("cpu", half.control[name].dtype)  # c_i <- c_i+
+            payloads.append(
+                base.Payload(
+                    tensors={"model": state, CONTROL_DELTA: deltas}, meta={"loss": stats.loss, "steps": stats.steps}
+                )
+            )
+        return payloads
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        if self.hp.control_update == "gradient_mean":
+            return "SCAFFOLD's gradient_mean sums each local step's raw gradient, which a vectorised step does not keep"
+        return super().group_refusal(model) or unsupported(model)
+
+    def _control(
+        self, task: base.TaskInput, params: list[tuple[str, nn.Parameter]], c: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """c_i on the parameters' devices and dtypes (zero at the node's first participation)."""
+        if self.control is None:  # c_i = 0 at the first participation
+            self.control = shared.zero_state(params, device="cpu")
+        if self.control.keys() != c.keys():
+            raise self._error(task, "the model's parameters changed since this node's last round")
+        return {name: self.control[name].to(p.device, p.dtype) for name, p in params}
 
     def _server_control(self, task: base.TaskInput, params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
         """c from the task, on the parameters' devices and dtypes; a missing or misshapen c is an AlgorithmError."""

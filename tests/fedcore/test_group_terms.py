@@ -324,3 +324,42 @@ def test_feddyn_group_uses_each_members_own_gradient_state_and_steps_it(digits: 
         assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
         assert difference(mine.half.gradient, member.half.gradient) < EXACT  # type: ignore[attr-defined]
         assert difference(got.tensors["model"], baseline.tensors["model"]) > 1e-4
+
+
+@pytest.mark.parametrize("option", ["option_ii", "option_i"])
+def test_scaffold_group_corrects_each_member_by_its_own_control(digits: TensorDataset, option: str) -> None:
+    """SCAFFOLD in a group: each member's correction c - c_i from its own c_i (different here), its own
+    control delta and new c_i, each as its own `train` gives them (float64, 1e-10); plain SGD, as option
+    II assumes. gradient_mean, which sums each step's raw gradient, trains one by one."""
+    datasets = shards(digits)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    params = [(n, p) for n, p in workspace.named_parameters() if p.requires_grad]
+    server = torch.Generator().manual_seed(30)
+    c = {n: torch.randn(p.shape, generator=server, dtype=torch.float64) * 0.05 for n, p in params}
+    sgd = dataclasses.replace(SETTINGS, momentum=0.0, weight_decay=0.0)
+
+    def prepared(group: list[GroupMember]) -> list[GroupMember]:
+        out = []
+        for i, member in enumerate(group):
+            gen = torch.Generator().manual_seed(50 + i)
+            member.half.control = {  # type: ignore[attr-defined]
+                n: torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.05 for n, p in params
+            }
+            payload = Payload(tensors={**member.task.payload.tensors, "control": c}, meta=member.task.payload.meta)
+            task = dataclasses.replace(member.task, payload=payload, settings=sgd)
+            out.append(dataclasses.replace(member, task=task))
+        return out
+
+    hp = {"control_update": option}
+    group = prepared(members("scaffold", hp, datasets))
+    assert group[0].half.group_refusal(workspace) is None
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    for got, member, mine in zip(grouped, prepared(members("scaffold", hp, datasets)), group, strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"]
+        assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
+        assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
+        assert difference(got.tensors["control_delta"], alone.tensors["control_delta"]) < EXACT
+        assert difference(mine.half.control, member.half.control) < EXACT  # type: ignore[attr-defined]
+    refused = members("scaffold", {"control_update": "gradient_mean"}, datasets)[0].half
+    assert "gradient_mean" in (refused.group_refusal(workspace) or "")

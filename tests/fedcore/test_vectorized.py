@@ -259,7 +259,7 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
             "fedacd",
             "log Delta",
         ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
-        ("scaffold", "no group form"),
+        ("fednh", "no group form"),
         ("fedproto", "no group form"),
     ],
 )
