@@ -461,7 +461,7 @@ class HostingConfig(_Strict):
         False,
         description="train a process's nodes of the same task together, as one vectorised computation (the"
         " methods with a group form: FedAvg, FedAvgM, FedSA, FedDisco, FedProx, FedLC, FedRS, FedNTD, FedGKD, MOON,"
-        " FedVLS, FedRCL, FedDecorr, FedDyn, SCAFFOLD (options I and II), KDIA, FedACD without log Delta,"
+        " FedVLS, FedRCL, FedDecorr, FedDyn, SCAFFOLD (options I and II), FedProto, KDIA, FedACD without log Delta,"
         " docs/simulation.md; no BatchNorm):"
         " equal to one-by-one training within float tolerance, so a run is then reproducible from its seed only"
         " within that tolerance",

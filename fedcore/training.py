@@ -83,6 +83,9 @@ class TrainStats:
     samples_seen: int
     terms: dict[str, float] = field(default_factory=dict)
     """A method's own loss terms, each averaged over the steps (KDIA's kd_loss and gen_loss)."""
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A method's own tensors summed over the steps (vectorised training: FedProto's per-class sums of
+    the representations it records)."""
 
 
 def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:

@@ -192,7 +192,8 @@ class NodeBatch:
 
 GroupObjective = Callable[[NodeBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 """A node's mini-batch loss as a pure function of its `NodeBatch` (see there); with a dict of named
-terms beside it, each term is averaged over the node's steps (`TrainStats.terms`)."""
+terms beside it, each scalar term is averaged over the node's steps (`TrainStats.terms`) and each
+tensor term summed over them (`TrainStats.sums`)."""
 
 
 class StepDraws(Protocol):
@@ -699,8 +700,9 @@ class _Round:
             self.seen[:a] += count.double()
             for name, value in terms.items():
                 if name not in self.terms:  # created by the first (eager) step, before any graph is captured
-                    self.terms[name] = torch.zeros_like(self.totals)
-                self.terms[name][:a] += value.double() * active.double()
+                    self.terms[name] = torch.zeros((len(self.totals), *value.shape[1:]), dtype=torch.float64,
+                                                   device=self.totals.device)  # fmt: skip
+                self.terms[name][:a] += value.double() * _per_node(active.double(), value)
 
 
 WARMUP_STEPS = 3
@@ -838,7 +840,11 @@ def _results(
     for pos, k in enumerate(order):
         state = {name: stack.params[name][pos] if name in stack.params else frozen[name] for name in keys}
         n = float(seen[pos])
-        own = {name: float(t[pos]) / steps[k] for name, t in terms.items()} if steps[k] else {}
-        stats = TrainStats(loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own)
+        scalars = {name: t for name, t in terms.items() if t.dim() == 1}
+        own = {name: float(t[pos]) / steps[k] for name, t in scalars.items()} if steps[k] else {}
+        sums = {name: t[pos].clone() for name, t in terms.items() if t.dim() > 1}
+        stats = TrainStats(
+            loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own, sums=sums
+        )
         by_node[k] = (state, stats)
     return [by_node[k] for k in range(len(order))]

@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -70,7 +71,8 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, TensorSpec, cpu_copy, schema_of
-from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +294,71 @@ class NodeHalf(base.NodeHalf):
             meta={"loss": stats.loss, "steps": stats.steps},
         )
 
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once: each from its own model (``local_models``), CE plus the
+        prototype term on its padded batch, and its local prototypes from the representations of its
+        last epoch, summed on the device as it trains (``prototype_pass: train``), or from a pass of its
+        trained model (``eval``)."""
+        reason = self.group_refusal(model)
+        if reason is not None:
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        try:
+            classes, dim = shared.model_shape(model, "FedProto")
+        except ValueError as exc:
+            raise AlgorithmError(str(exc), node_id=self.node_id, round=first.task.round) from exc
+        device = next(model.parameters()).device
+        prototypes, present = self._global_prototypes(first.task, classes, dim, device)
+        lam, record = self.hp.proto_weight, self.hp.prototype_pass == "train"
+        regularise = lam > 0.0 and bool(present.any())
+        halves = [cast(NodeHalf, m.half) for m in members]
+        starts = [h.local if self.hp.local_models and h.local is not None else model.state_dict() for h in halves]
+        extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
+
+        def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            h = extract(batch.params, batch.x)
+            assert isinstance(h, torch.Tensor)
+            logits = classify(batch.params, h)
+            assert isinstance(logits, torch.Tensor)
+            features = h.flatten(1)
+            loss = batch.mean(nll(logits, batch.y))
+            if regularise:  # lambda MSE(f(x), C_bar^(y)), a mean over the real rows and the features
+                target = torch.where(present[batch.y][:, None], prototypes[batch.y], features.detach())
+                loss = loss + lam * batch.mean((features - target).pow(2).mean(dim=1))
+            if not record:
+                return loss, {}
+            kept = batch.weight * batch.step["record"]  # the real rows of the last epoch's steps
+            onehot = F.one_hot(batch.y, classes).to(torch.float32) * kept[:, None].to(torch.float32)
+            sums = onehot.t() @ features.detach().float()
+            return loss, {"sums": sums, "counts": onehot.sum(dim=0)}
+
+        results = train_vectorized(
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members],
+            objective=objective, draws=_LastEpoch() if record else None, starts=starts,
+        )  # fmt: skip
+        payloads = []
+        for half, member, (state, stats) in zip(halves, members, results, strict=True):
+            if record:
+                sums = stats.sums["sums"].to(device, torch.float32)
+                counts = stats.sums["counts"].round().to(device, torch.int64)
+            else:
+                model.load_state_dict(state)
+                sums, counts = _eval_pass(model, member.data, classes, dim, device)
+            means = sums / counts.clamp(min=1)[:, None].to(sums.dtype)
+            if self.hp.local_models:
+                half.local = cpu_copy(state)
+            payloads.append(
+                base.Payload(
+                    tensors={"model": state, "class_means": {"means": means, "counts": counts}},
+                    meta={"loss": stats.loss, "steps": stats.steps},
+                )
+            )
+        return payloads
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        return super().group_refusal(model) or unsupported(model)
+
     def _global_prototypes(
         self, task: base.TaskInput, classes: int, dim: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,6 +377,21 @@ class NodeHalf(base.NodeHalf):
                 round=task.round,
             )
         return weight.to(device, torch.float32), present.to(device)
+
+
+class _LastEpoch:
+    """Which of a node's steps are in its last local epoch, as `NodeHalf.train` records them
+    (`fedcore.vectorized.StepDraws`: a constant per step, nothing drawn from the generator)."""
+
+    def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
+        return (settings.local_epochs - 1) * shared.batches_per_epoch(len(data), settings.batch_size)
+
+    def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        assert isinstance(state, int)
+        return {"record": torch.full((rows,), 1.0 if s >= state else 0.0, dtype=torch.float64)}
+
+    def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return drawn
 
 
 def _eval_pass(

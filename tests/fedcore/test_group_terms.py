@@ -363,3 +363,43 @@ def test_scaffold_group_corrects_each_member_by_its_own_control(digits: TensorDa
         assert difference(mine.half.control, member.half.control) < EXACT  # type: ignore[attr-defined]
     refused = members("scaffold", {"control_update": "gradient_mean"}, datasets)[0].half
     assert "gradient_mean" in (refused.group_refusal(workspace) or "")
+
+
+@pytest.mark.parametrize("hp", [{}, {"prototype_pass": "eval"}, {"local_models": False, "proto_weight": 2.0}])
+def test_fedproto_group_trains_each_member_from_its_own_model_with_its_own_prototypes(
+    digits: TensorDataset, hp: dict[str, Any]
+) -> None:
+    """FedProto in a group: each member from its own local model (different here), CE plus the
+    prototype term (prototypes for some classes only), and its local prototypes from its last epoch's
+    representations summed as it trains (the default) or from a pass of its trained model, each as its
+    own `train` gives them (float64 models; the prototypes are float32 in `train` too)."""
+    datasets = shards(digits)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    classes, dim = workspace.num_classes, workspace.feature_dim
+    gen = torch.Generator().manual_seed(60)
+    present = torch.arange(classes) % 3 != 0
+    prototypes = torch.randn(classes, dim, generator=gen) * present[:, None]
+
+    def prepared(group: list[GroupMember]) -> list[GroupMember]:
+        out = []
+        for i, member in enumerate(group):
+            own = build_model("cnn", digits.input_shape, 10, seed=70 + i).double().state_dict()
+            member.half.local = own if i != 1 else None  # type: ignore[attr-defined]  # node 1: its first round
+            tensors = {**member.task.payload.tensors, "prototypes": {"weight": prototypes, "present": present}}
+            task = dataclasses.replace(member.task, payload=Payload(tensors=tensors, meta={}))
+            out.append(dataclasses.replace(member, task=task))
+        return out
+
+    group = prepared(members("fedproto", hp, datasets))
+    assert group[0].half.group_refusal(workspace) is None
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    for got, member, mine in zip(grouped, prepared(members("fedproto", hp, datasets)), group, strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"]
+        assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
+        assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
+        assert torch.equal(got.tensors["class_means"]["counts"], alone.tensors["class_means"]["counts"])
+        means, want = got.tensors["class_means"]["means"], alone.tensors["class_means"]["means"]
+        assert means.dtype == want.dtype and torch.allclose(means, want, rtol=1e-5, atol=1e-6)
+        if hp.get("local_models", True):
+            assert difference(mine.half.local, member.half.local) < EXACT  # type: ignore[attr-defined]
