@@ -461,10 +461,9 @@ class HostingConfig(_Strict):
         False,
         description="train a process's nodes of the same task together, as one vectorised computation (the"
         " methods with a group form: FedAvg, FedAvgM, FedSA, FedDisco, FedProx, FedLC, FedRS, FedNTD, FedGKD, MOON,"
-        " FedVLS, FedRCL, FedDecorr, FedDyn, SCAFFOLD (options I and II), FedProto, KDIA, FedACD without log Delta,"
-        " docs/simulation.md; no BatchNorm):"
-        " equal to one-by-one training within float tolerance, so a run is then reproducible from its seed only"
-        " within that tolerance",
+        " FedVLS, FedRCL, FedDecorr, FedDyn, SCAFFOLD (options I and II), FedProto, FedNH, KDIA, FedACD without log"
+        " Delta, docs/simulation.md; no BatchNorm): equal to one-by-one training within float tolerance, so a run is"
+        " then reproducible from its seed only within that tolerance",
     )
     vectorize_wait_s: float = Field(
         2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"

@@ -518,8 +518,10 @@ def _gradients(
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
         losses, terms = losses_of(leaves, *batch)
-        grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
-    return dict(zip(leaves, grads, strict=True)), losses.detach(), {n: t.detach() for n, t in terms.items()}
+        grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+    # a parameter the objective does not use has no gradient, and is left as torch's optimisers leave one
+    used = {name: g for name, g in zip(leaves, grads, strict=True) if g is not None}
+    return used, losses.detach(), {n: t.detach() for n, t in terms.items()}
 
 
 def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
@@ -692,6 +694,8 @@ class _Round:
         with torch.no_grad():
             steps.add_(active)
             for name, p in params.items():
+                if name not in grads:  # unused by the objective (FedNH's classifier): skipped, as torch's optimisers do
+                    continue
                 if settings.optimizer == "adam":
                     _adam(p, grads[name], state[name], active, steps, settings)
                 else:

@@ -73,6 +73,7 @@ from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import TensorSpec, schema_of
 from fedmq.fedcore.training import local_sgd
+from fedmq.fedcore.vectorized import train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,22 @@ class PrototypeClassifier(nn.Module):
         return fednh_logits(self.body.extract(x).flatten(1), self.prototypes, self.scale)  # type: ignore[operator]
 
 
+class _Trainable(nn.Module):
+    """`PrototypeClassifier` as vectorised training stacks it: the body and s (a parameter when learnt),
+    the normalised prototypes a plain tensor (no buffer: `fedcore.vectorized.unsupported` refuses
+    buffers, which a forward pass might update; these are fixed)."""
+
+    def __init__(self, body: nn.Module, prototypes: torch.Tensor, scale: torch.Tensor, *, learn_scale: bool) -> None:
+        super().__init__()
+        self.body = body
+        self.fixed = F.normalize(prototypes.detach(), dim=1)
+        value = scale.detach().clone().reshape(1)
+        self.scale: torch.Tensor = nn.Parameter(value) if learn_scale else value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fednh_logits(self.body.extract(x).flatten(1), self.fixed, self.scale)  # type: ignore[operator]
+
+
 # -- the two halves --------------------------------------------------------------------------------
 
 
@@ -351,6 +368,43 @@ class NodeHalf(base.NodeHalf):
         if self.hp.learn_scale:
             tensors["scale"] = {"value": net.scale.detach().float()}
         return base.Payload(tensors=tensors, meta={"loss": stats.loss, "steps": stats.steps})
+
+    def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
+        """`train` for every member at once: the body and s (when learnt) trained as one vectorised
+        computation of FedNH's cosine classifier on the fixed prototypes (`_Trainable`: the same network
+        as `PrototypeClassifier`, with the prototypes held outside its parameters and buffers), then each
+        member's class means from its own trained body."""
+        reason = self.group_refusal(model)
+        if reason is not None:
+            raise AlgorithmError(reason, node_id=self.node_id)
+        first = base.same_task(members)
+        task = first.task
+        shared.load_group(task, "model", model, node_id=first.half.node_id)
+        try:
+            classes, dim = shared.model_shape(model, "FedNH")
+        except ValueError as exc:
+            raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
+        device = next(model.parameters()).device
+        prototypes = self._tensor(task, "prototypes", "weight", (classes, dim)).to(device)
+        scale = self._tensor(task, "scale", "value", (1,)).to(device)
+        net = _Trainable(model, prototypes, scale, learn_scale=self.hp.learn_scale)
+        results = train_vectorized(net, [m.data for m in members], task.settings, [m.generator for m in members])
+        payloads = []
+        for member, (state, stats) in zip(members, results, strict=True):
+            body = {name.removeprefix("body."): t for name, t in state.items() if name.startswith("body.")}
+            model.load_state_dict(body)
+            try:
+                means, counts = class_means(model, member.data, classes, device)
+            except ValueError as exc:
+                raise AlgorithmError(str(exc), node_id=member.half.node_id, round=task.round) from exc
+            tensors = {"model": body, "class_means": {"means": means.float(), "counts": counts}}
+            if self.hp.learn_scale:
+                tensors["scale"] = {"value": state["scale"].detach().float()}
+            payloads.append(base.Payload(tensors=tensors, meta={"loss": stats.loss, "steps": stats.steps}))
+        return payloads
+
+    def group_refusal(self, model: nn.Module) -> str | None:
+        return super().group_refusal(model) or unsupported(model)
 
     def _tensor(self, task: base.TaskInput, group: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = task.payload.tensors.get(group, {}).get(name)

@@ -403,3 +403,38 @@ def test_fedproto_group_trains_each_member_from_its_own_model_with_its_own_proto
         assert means.dtype == want.dtype and torch.allclose(means, want, rtol=1e-5, atol=1e-6)
         if hp.get("local_models", True):
             assert difference(mine.half.local, member.half.local) < EXACT  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("learn_scale", [True, False])
+def test_fednh_group_trains_the_cosine_classifier_of_each_member(digits: TensorDataset, learn_scale: bool) -> None:
+    """FedNH in a group: the body (and s when learnt) on the fixed prototypes, each member's model, loss,
+    s and class means as its own `train` gives them (float64 model; s is float32 in `train` too)."""
+    datasets = shards(digits)
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    classes, dim = workspace.num_classes, workspace.feature_dim
+    prototypes = torch.randn(classes, dim, generator=torch.Generator().manual_seed(80), dtype=torch.float64)
+    extra = {"prototypes": {"weight": prototypes}, "scale": {"value": torch.tensor([3.0])}}  # W in the model's dtype
+
+    def prepared(group: list[GroupMember]) -> list[GroupMember]:
+        payloads = [Payload(tensors={**m.task.payload.tensors, **extra}, meta={}) for m in group]
+        return [
+            dataclasses.replace(m, task=dataclasses.replace(m.task, payload=p))
+            for m, p in zip(group, payloads, strict=True)
+        ]
+
+    hp = {"learn_scale": learn_scale}
+    group = prepared(members("fednh", hp, datasets))
+    assert group[0].half.group_refusal(workspace) is None
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    plain = members("fedavg", {}, datasets)
+    fedavg = plain[0].half.train_group(plain, copy.deepcopy(workspace))
+    for got, member, baseline in zip(grouped, prepared(members("fednh", hp, datasets)), fedavg, strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"] and got.tensors.keys() == alone.tensors.keys()
+        assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-6)
+        assert difference(got.tensors["model"], alone.tensors["model"]) < 1e-6
+        assert torch.equal(got.tensors["class_means"]["counts"], alone.tensors["class_means"]["counts"])
+        assert torch.allclose(got.tensors["class_means"]["means"], alone.tensors["class_means"]["means"], atol=1e-5)
+        if learn_scale:
+            assert torch.allclose(got.tensors["scale"]["value"], alone.tensors["scale"]["value"], atol=1e-6)
+        assert difference(got.tensors["model"], baseline.tensors["model"]) > 1e-4

@@ -259,7 +259,6 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
             "fedacd",
             "log Delta",
         ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
-        ("fednh", "no group form"),
     ],
 )
 def test_methods_with_their_own_training_refuse_group_training(method: str, reason: str) -> None:

@@ -119,7 +119,7 @@ async def test_failed_group_training_sends_every_member_back_to_train_alone() ->
 @pytest.mark.parametrize(
     ("method", "model", "admitted"),
     [("fedavg", "mlp", True), ("fedprox", "mlp", True), ("moon", "mlp", True), ("scaffold", "mlp", True),
-     ("fednh", "mlp", False)],
+     ("fedacd", "mlp", False)],
 )  # fmt: skip
 def test_rendezvous_admits_only_methods_with_a_group_form(method: str, model: str, admitted: bool) -> None:
     spec = get_algorithm(method)
