@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -294,6 +294,28 @@ def test_feddecorr_group_form_of_the_papers_formula(digits: TensorDataset) -> No
     assert_group_is_each_own_train(digits, "feddecorr", {"beta": 1.0, "form": "paper"}, shards(digits))
 
 
+def group_and_alone(
+    method: str,
+    hp: Mapping[str, Any],
+    datasets: list[TensorDataset],
+    workspace: torch.nn.Module,
+    prepare: Callable[[list[GroupMember]], list[GroupMember]],
+) -> list[tuple[Payload, Payload, GroupMember, GroupMember]]:
+    """(the group's update, the member's own `train`'s, the member trained in the group, the one trained
+    alone) for each member: the members are made twice by `prepare`, so that what each half keeps (its
+    state across rounds) is compared, half against half. The group form must be admitted, and each
+    member take as many steps as alone."""
+    group = prepare(members(method, hp, datasets))
+    assert group[0].half.group_refusal(workspace) is None
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    out = []
+    for got, member, mine in zip(grouped, prepare(members(method, hp, datasets)), group, strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"]
+        out.append((got, alone, mine, member))
+    return out
+
+
 def test_feddyn_group_uses_each_members_own_gradient_state_and_steps_it(digits: TensorDataset) -> None:
     """FedDyn's regulariser in a group reads each member's own grad_k (different here, so a shared one
     fails), reports the cross-entropy as `train` does, and leaves each member's new grad_k as `train`
@@ -310,16 +332,10 @@ def test_feddyn_group_uses_each_members_own_gradient_state_and_steps_it(digits: 
             }
         return group
 
-    hp = {"alpha": 0.1}
-    group = with_states(members("feddyn", hp, datasets))
-    assert group[0].half.group_refusal(workspace) is None
-    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
-    alone_members = with_states(members("feddyn", hp, datasets))
     plain = members("fedavg", {}, datasets)
     fedavg = plain[0].half.train_group(plain, copy.deepcopy(workspace))
-    for got, member, mine, baseline in zip(grouped, alone_members, group, fedavg, strict=True):
-        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
-        assert got.meta["steps"] == alone.meta["steps"]
+    trained = group_and_alone("feddyn", {"alpha": 0.1}, datasets, workspace, with_states)
+    for (got, alone, mine, member), baseline in zip(trained, fedavg, strict=True):
         assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
         assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
         assert difference(mine.half.gradient, member.half.gradient) < EXACT  # type: ignore[attr-defined]
@@ -350,13 +366,9 @@ def test_scaffold_group_corrects_each_member_by_its_own_control(digits: TensorDa
             out.append(dataclasses.replace(member, task=task))
         return out
 
-    hp = {"control_update": option}
-    group = prepared(members("scaffold", hp, datasets))
-    assert group[0].half.group_refusal(workspace) is None
-    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
-    for got, member, mine in zip(grouped, prepared(members("scaffold", hp, datasets)), group, strict=True):
-        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
-        assert got.meta["steps"] == alone.meta["steps"]
+    for got, alone, mine, member in group_and_alone(
+        "scaffold", {"control_update": option}, datasets, workspace, prepared
+    ):
         assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
         assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
         assert difference(got.tensors["control_delta"], alone.tensors["control_delta"]) < EXACT
@@ -390,12 +402,7 @@ def test_fedproto_group_trains_each_member_from_its_own_model_with_its_own_proto
             out.append(dataclasses.replace(member, task=task))
         return out
 
-    group = prepared(members("fedproto", hp, datasets))
-    assert group[0].half.group_refusal(workspace) is None
-    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
-    for got, member, mine in zip(grouped, prepared(members("fedproto", hp, datasets)), group, strict=True):
-        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
-        assert got.meta["steps"] == alone.meta["steps"]
+    for got, alone, mine, member in group_and_alone("fedproto", hp, datasets, workspace, prepared):
         assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-9)
         assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
         assert torch.equal(got.tensors["class_means"]["counts"], alone.tensors["class_means"]["counts"])
@@ -422,15 +429,11 @@ def test_fednh_group_trains_the_cosine_classifier_of_each_member(digits: TensorD
             for m, p in zip(group, payloads, strict=True)
         ]
 
-    hp = {"learn_scale": learn_scale}
-    group = prepared(members("fednh", hp, datasets))
-    assert group[0].half.group_refusal(workspace) is None
-    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
     plain = members("fedavg", {}, datasets)
     fedavg = plain[0].half.train_group(plain, copy.deepcopy(workspace))
-    for got, member, baseline in zip(grouped, prepared(members("fednh", hp, datasets)), fedavg, strict=True):
-        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
-        assert got.meta["steps"] == alone.meta["steps"] and got.tensors.keys() == alone.tensors.keys()
+    trained = group_and_alone("fednh", {"learn_scale": learn_scale}, datasets, workspace, prepared)
+    for (got, alone, _, _), baseline in zip(trained, fedavg, strict=True):
+        assert got.tensors.keys() == alone.tensors.keys()
         assert got.meta["loss"] == pytest.approx(alone.meta["loss"], rel=1e-6)
         assert difference(got.tensors["model"], alone.tensors["model"]) < 1e-6
         assert torch.equal(got.tensors["class_means"]["counts"], alone.tensors["class_means"]["counts"])
