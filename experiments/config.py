@@ -1007,16 +1007,19 @@ def override_sources(sources: SourceMap, overrides: list[str]) -> SourceMap:
 
 def key_path(key: str) -> tuple[str, ...]:
     """Where `set_path` puts a dotted key (an old spelling in today's place), without its warning."""
-    return tuple((f"policy.{key}" if key in MOVED_TO_POLICY else key).split("."))
+    return tuple(_current_key(key).split("."))
 
 
 def moved_key(key: str) -> str:
     """A setting's key as it is written now: ``fraction`` and ``deadline_s`` (a ``--set``, a grid axis, an
     override), once at the top of the file, are the policy's, read with a warning that says so."""
-    if key not in MOVED_TO_POLICY:
-        return key
-    warnings.warn(f"{key} is deprecated: write policy.{key}", FutureWarning, stacklevel=3)
-    return f"policy.{key}"
+    if key in MOVED_TO_POLICY:
+        warnings.warn(f"{key} is deprecated: write policy.{key}", FutureWarning, stacklevel=3)
+    return _current_key(key)
+
+
+def _current_key(key: str) -> str:
+    return f"policy.{key}" if key in MOVED_TO_POLICY else key
 
 
 def set_path(data: dict[str, Any], key: str, value: Any, *, where: str) -> None:

@@ -840,13 +840,14 @@ def _results(
 ) -> list[tuple[StateDict, TrainStats]]:
     """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order."""
     keys = list(model.state_dict())
+    scalars = {name: t for name, t in terms.items() if t.dim() == 1}  # (K,): a mean over the steps
+    tensors = {name: t for name, t in terms.items() if t.dim() > 1}  # (K, ...): a sum over the steps
     by_node: dict[int, tuple[StateDict, TrainStats]] = {}
     for pos, k in enumerate(order):
         state = {name: stack.params[name][pos] if name in stack.params else frozen[name] for name in keys}
         n = float(seen[pos])
-        scalars = {name: t for name, t in terms.items() if t.dim() == 1}
         own = {name: float(t[pos]) / steps[k] for name, t in scalars.items()} if steps[k] else {}
-        sums = {name: t[pos].clone() for name, t in terms.items() if t.dim() > 1}
+        sums = {name: t[pos].clone() for name, t in tensors.items()}
         stats = TrainStats(
             loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own, sums=sums
         )

@@ -132,7 +132,7 @@ class NodeDaemon:
         self.tasks = TaskCourse(
             config, workspace, trainer=self.trainer, method_check=self.method_check, player=self.player,
             secure=self.secure, reports=self.reports, updates=self.updates, background=self.background,
-            crash=self._crash, log=self.log,
+            bus=self._bus_or_fail, crash=self._crash, log=self.log,
         )  # fmt: skip
         """The node's task from its arrival to its update (`fednode.task_course`)."""
 

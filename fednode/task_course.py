@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fedmq.broker import Message, Topics
+from fedmq.broker import BusClient, Message, Topics
 from fedmq.broker.background import Background
 from fedmq.broker.errors import BusError
 from fedmq.fednode.config import NodeConfig
@@ -42,10 +42,12 @@ class TaskCourse:
         reports: Reports,
         updates: UpdateJobs,
         background: Background,
+        bus: Callable[[], BusClient],
         crash: Callable[[], None],
         log: logging.LoggerAdapter[Any],
     ) -> None:
-        """`crash`: what the daemon does for the crash fault (drop the connection without a goodbye)."""
+        """`bus`: the node's connected bus client (the model's subscription, the count of a refused task);
+        `crash`: what the daemon does for the crash fault (drop the connection without a goodbye)."""
         self.config = config
         self.node_id = config.node_id
         self.topics = Topics(config.federation)
@@ -57,6 +59,7 @@ class TaskCourse:
         self.reports = reports
         self.updates = updates
         self.background = background
+        self.bus = bus
         self.crash = crash
         self.log = log
         self.pending: Task | None = None
@@ -72,7 +75,7 @@ class TaskCourse:
         check_deadline(task, message.sent_at, self.config.clock_skew_s)
         mismatch = self.method_check.mismatch(task.method)
         if mismatch is not None:  # the coordinator stops waiting for this node, and logs why
-            self.reports.connected().stats.rejected["method-mismatch"] += 1
+            self.bus().stats.rejected["method-mismatch"] += 1
             self.log.error("round %d's task refused: %s", task.round, mismatch)
             await self.reports.failure(task, mismatch)
             return
@@ -101,7 +104,7 @@ class TaskCourse:
         if task.inline:
             await self.on_model(message, 0)  # the task's frame is the model's
             return
-        await self.reports.connected().subscribe(task.model_topic)
+        await self.bus().subscribe(task.model_topic)
         await self.reports.ack(task)
         self.log.debug("task for round %d acknowledged", task.round)
 
@@ -152,7 +155,7 @@ class TaskCourse:
 
     async def _unsubscribe_model(self, task: Task) -> None:
         try:
-            await self.reports.connected().unsubscribe(task.model_topic)
+            await self.bus().unsubscribe(task.model_topic)
         except BusError as exc:
             self.log.warning("could not unsubscribe from %s: %s", task.model_topic, exc)
 
