@@ -86,6 +86,8 @@ class TrainStats:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     """A method's own tensors summed over the steps (vectorised training: FedProto's per-class sums of
     the representations it records)."""
+    carry: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A vectorised objective's carried state as the node's last step left it (`train_vectorized`)."""
 
 
 def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:

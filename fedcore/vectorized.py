@@ -180,6 +180,8 @@ class NodeBatch:
     inputs: dict[str, torch.Tensor]
     step: dict[str, torch.Tensor] = field(default_factory=dict)
     """This node's values drawn for this step (`StepDraws`), one row per sample of the batch."""
+    carry: dict[str, torch.Tensor] = field(default_factory=dict)
+    """This node's carried state as its previous step left it (`train_vectorized`'s `carry`)."""
 
     def logits(self) -> torch.Tensor:
         """The node's model on its batch."""
@@ -190,10 +192,16 @@ class NodeBatch:
         return (per_sample * self.weight).sum() / self.count
 
 
-GroupObjective = Callable[[NodeBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+GroupObjective = Callable[
+    [NodeBatch],
+    "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"
+    " | tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]",
+]
 """A node's mini-batch loss as a pure function of its `NodeBatch` (see there); with a dict of named
 terms beside it, each scalar term is averaged over the node's steps (`TrainStats.terms`) and each
-tensor term summed over them (`TrainStats.sums`)."""
+tensor term summed over them (`TrainStats.sums`); with a third dict, the node's carried state after
+the step (`NodeBatch.carry` at its next step; FedACD's running estimate of P). The carried state is
+read as a constant: no gradient flows through it from one step to the next."""
 
 
 class StepDraws(Protocol):
@@ -507,21 +515,22 @@ def _per_node(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _gradients(
-    losses_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    losses_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     params: dict[str, torch.Tensor],
     *batch: object,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
-    """Each node's gradient, loss and named terms. Node k's loss depends on its own slice of the stack
-    only, so the gradient of the sum of the losses is, slice by slice, each node's own gradient; plain
-    autograd through the vmapped forward gives it (torch.func.grad would too, but imports torch._dynamo,
-    seconds of start-up)."""
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each node's gradient, loss, named terms and carried state after the step. Node k's loss depends
+    on its own slice of the stack only, so the gradient of the sum of the losses is, slice by slice, each
+    node's own gradient; plain autograd through the vmapped forward gives it (torch.func.grad would
+    too, but imports torch._dynamo, seconds of start-up)."""
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
-        losses, terms = losses_of(leaves, *batch)
+        losses, terms, after = losses_of(leaves, *batch)
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
     # a parameter the objective does not use has no gradient, and is left as torch's optimisers leave one
     used = {name: g for name, g in zip(leaves, grads, strict=True) if g is not None}
-    return used, losses.detach(), {n: t.detach() for n, t in terms.items()}
+    detached = {n: t.detach() for n, t in terms.items()}
+    return used, losses.detach(), detached, {n: t.detach() for n, t in after.items()}
 
 
 def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
@@ -625,6 +634,7 @@ class _Round:
         inputs: dict[str, torch.Tensor],
         device: torch.device,
         starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
+        carry: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
         k = len(datasets)
@@ -650,9 +660,12 @@ class _Round:
             count: torch.Tensor,
             node_inputs: dict[str, torch.Tensor],
             step: dict[str, torch.Tensor],
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            out = objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step))
-            return out if isinstance(out, tuple) else (out, {})
+            carried: dict[str, torch.Tensor],
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            out = objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step, carried))
+            if not isinstance(out, tuple):
+                return out, {}, {}
+            return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], out[1], {})
 
         self.losses_of = vmap(node_loss)
         self.cur = _Buffers.first_of(plan)
@@ -661,6 +674,8 @@ class _Round:
         self.seen = torch.zeros(k, dtype=torch.float64, device=device)
         self.terms: dict[str, torch.Tensor] = {}
         """Each named term of the objective, summed over each node's steps."""
+        self.carry = carry or {}
+        """(K, ...) each node's carried state, updated in place by its steps (a captured graph's buffers)."""
 
     def load(self, s: int) -> None:
         self.cur.load(self.plan, s)
@@ -685,8 +700,9 @@ class _Round:
         params, state, steps = self.stack.head(a)
         inputs = {n: t[:a] for n, t in self.inputs.items()}
         step_inputs = {n: t[:a] for n, t in self.cur.step_inputs.items()}
-        grads, losses, terms = _gradients(
-            self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs
+        carried = {n: t[:a] for n, t in self.carry.items()}
+        grads, losses, terms, after = _gradients(
+            self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs, carried
         )
         settings = self.settings
         if settings.max_grad_norm is not None:
@@ -707,6 +723,14 @@ class _Round:
                     self.terms[name] = torch.zeros((len(self.totals), *value.shape[1:]), dtype=torch.float64,
                                                    device=self.totals.device)  # fmt: skip
                 self.terms[name][:a] += value.double() * _per_node(active.double(), value)
+            if set(after) != set(carried):
+                raise VectorizeError(
+                    f"the objective carried {sorted(after)}, not the state it was given {sorted(carried)}"
+                )
+            for name, value in after.items():  # a node with no batch left keeps its state
+                carried[name].copy_(
+                    torch.where(_per_node(active, value) > 0, value.to(carried[name].dtype), carried[name])
+                )
 
 
 WARMUP_STEPS = 3
@@ -772,6 +796,7 @@ def train_vectorized(
     draws: StepDraws | None = None,
     graphs: str | None = None,
     starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    carry: Mapping[str, torch.Tensor] | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -782,7 +807,11 @@ def train_vectorized(
     off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked
     along dimension 0; `draws`, what the objective draws from the node's generator besides the batches;
     `starts`, each node's own trainable parameters to start from instead of `model`'s (a method that
-    trains in several calls, FedRCL epoch by epoch); `NodeBatch.start` is `model`'s either way.
+    trains in several calls, FedRCL epoch by epoch); `NodeBatch.start` is `model`'s either way;
+    `carry`, each node's state at its first step, stacked along dimension 0 as `inputs` are, which the
+    objective reads (`NodeBatch.carry`) and returns updated after each of the node's steps (a state a
+    method's own training keeps across its steps: FedACD's running P). A node keeps its state through
+    the steps it does not take; its last state is in its `TrainStats.carry`.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -806,6 +835,7 @@ def train_vectorized(
     offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
     num_steps = max(steps)
     stacked = {name: t[torch.tensor(order, device=t.device)].to(device) for name, t in (inputs or {}).items()}
+    carried = {name: t[torch.tensor(order, device=t.device)].to(device) for name, t in (carry or {}).items()}
     was_training = model.training
     model.train()
     try:
@@ -813,19 +843,20 @@ def train_vectorized(
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
-            round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device, own)
+            round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device, own, carried)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
             terms = {name: t.cpu() for name, t in round_.terms.items()}
+            carried = {name: t.cpu() for name, t in round_.carry.items()}
         else:
-            terms = {}
+            terms, carried = {}, {name: t.cpu() for name, t in carried.items()}
             stack = _Stack.of(model, len(order), settings, device, [starts[k] for k in order] if starts else None)
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
-    return _results(model, stack, frozen, order, steps, totals, seen, terms)
+    return _results(model, stack, frozen, order, steps, totals, seen, terms, carried)
 
 
 def _results(
@@ -837,6 +868,7 @@ def _results(
     totals: torch.Tensor,
     seen: torch.Tensor,
     terms: Mapping[str, torch.Tensor],
+    carried: Mapping[str, torch.Tensor],
 ) -> list[tuple[StateDict, TrainStats]]:
     """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order."""
     keys = list(model.state_dict())
@@ -848,8 +880,9 @@ def _results(
         n = float(seen[pos])
         own = {name: float(t[pos]) / steps[k] for name, t in scalars.items()} if steps[k] else {}
         sums = {name: t[pos].clone() for name, t in tensors.items()}
+        carry = {name: t[pos].clone() for name, t in carried.items()}
         stats = TrainStats(
-            loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own, sums=sums
+            loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own, sums=sums, carry=carry
         )
         by_node[k] = (state, stats)
     return [by_node[k] for k in range(len(order))]

@@ -60,15 +60,15 @@ it; `logit_adjust` false replaces L2 by plain CE. With l1_weight = 0, logit_adju
 l2_weight = 1, mixup_alpha = 0 and weighting = "samples", FedACD trains and aggregates exactly as
 FedAvg does (the terms are skipped, and no random number is drawn beyond FedAvg's).
 
-Group form (`NodeHalf.train_group`, `fedcore.vectorized`) only where training does not use P, i.e.
-with ``logit_adjust: false`` or ``l2_weight: 0``: Eq. 9 as a pure function of each node's batch, its
-Mixup draws (the numpy seed first, then each batch's lam and permutation) drawn into the plan in the
-order `train` draws them, each member's score from its own trained model. With log Delta (the paper's
-setting and the default) the nodes train one by one (`group_refusal` says why): P is renewed every
-epoch from the node's own model as it trains (the detached outputs of its previous epoch, or a clean
-pass of it), state carried across the steps that a pure function of one step's batch cannot hold, and
-epoch-by-epoch vectorised calls would restart the optimiser's momentum, which `train`'s one
-`local_sgd` keeps across epochs.
+Group form (`NodeHalf.train_group`, `fedcore.vectorized`): Eq. 9 as a pure function of each node's
+batch, its Mixup draws (the numpy seed first, then each batch's lam and permutation) drawn into the
+plan in the order `train` draws them, each member's score from its own trained model. With log Delta
+and the running P (the paper's setting and the default), each node's P, its row sums and their
+weights are the vectorised step's carried state (`train_vectorized`'s `carry`): renewed at the first
+step of each epoch but the first (a constant per step in the plan), read as log Delta, and fed with
+the step's detached outputs, as `_Estimate` does in `train`. With ``p_estimate: clean`` the nodes
+train one by one (`group_refusal` says why): P renewed by a clean pass over the node's whole shard
+would be a pass per step inside a captured step, or epoch-by-epoch calls that restart the momentum.
 
 The coordinator never trusts the wire: a score that is missing, not a finite number or outside
 (0.5, 1] (the range of Sigmoid(1 / KL) for KL >= 0) leaves its update out of a score-weighted average,
@@ -93,7 +93,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import NodeBatch, nll, steps_per_epoch, train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,9 @@ def log_delta_matrix(
     missing_column = (~present).unsqueeze(0).expand_as(out)
     out = torch.where(missing_column, torch.full_like(out, math.log(delta_missing)), out)
     out = torch.where(present.unsqueeze(1), out, torch.zeros_like(out))
-    out.fill_diagonal_(0.0)
+    # the diagonal set to 0 without writing in place, so that the vectorised step can map it over nodes
+    diagonal = torch.eye(len(out), dtype=torch.bool, device=out.device)
+    out = torch.where(diagonal, torch.zeros_like(out), out)
     if clip > 0.0:
         out = out.clamp(-clip, clip)
     return out
@@ -258,6 +260,16 @@ def accumulate_rows(
     counts.index_add_(0, labels, torch.full_like(labels, 1, dtype=counts.dtype) * weight)
 
 
+def accumulated(
+    sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accumulate_rows` as a pure function with a weight per sample (0 for a vectorised batch's
+    padding): the sums and counts after adding each weighted probability vector to its label's row."""
+    rows = (labels.unsqueeze(1) == torch.arange(sums.shape[0], device=labels.device)).to(sums.dtype)
+    rows = rows * weight.to(sums.dtype).unsqueeze(1)
+    return sums + rows.T @ probs.to(sums.dtype), counts + rows.sum(dim=0)
+
+
 def rows_from(sums: torch.Tensor, counts: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """P from accumulated rows; a row with no weight keeps its `previous` value."""
     has = (counts > 0).unsqueeze(1)
@@ -268,17 +280,18 @@ def rows_from(sums: torch.Tensor, counts: torch.Tensor, previous: torch.Tensor) 
 def probability_matrix(model: nn.Module, data: TensorDataset, *, batch_size: int = _PASS_BATCH) -> torch.Tensor:
     """P over the clean local data (eval transform, no Mixup), the model in eval mode; rows of absent
     classes are 0. The model's train/eval mode is restored."""
-    device = next(model.parameters()).device
+    first = next(model.parameters())
+    device, dtype = first.device, torch.promote_types(first.dtype, torch.float32)  # float32 or a float64 model's
     num_classes = data.num_classes
-    sums = torch.zeros(num_classes, num_classes, device=device)
-    counts = torch.zeros(num_classes, device=device)
+    sums = torch.zeros(num_classes, num_classes, device=device, dtype=dtype)
+    counts = torch.zeros(num_classes, device=device, dtype=dtype)
     was_training = model.training
     model.eval()
     try:
         for start in range(0, len(data), batch_size):
             x, y = data.eval_batch(start, start + batch_size)
             x, y = x.to(device), y.to(device)
-            accumulate_rows(sums, counts, F.softmax(model(x).float(), dim=1), y)
+            accumulate_rows(sums, counts, F.softmax(model(x).to(dtype), dim=1), y)
     finally:
         model.train(was_training)
     return rows_from(sums, counts, torch.zeros_like(sums))
@@ -395,7 +408,7 @@ class NodeHalf(base.NodeHalf):
 
             stats = local_sgd(model, data, task.settings, generator, loss_fn=objective)
         else:
-            state = _Estimate(model, data, present, hp, task.settings.batch_size) if uses_delta else None
+            state = _Estimate(model, data, present, hp, task.settings) if uses_delta else None
 
             def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 log_delta = state.before_batch() if state is not None else None
@@ -431,8 +444,9 @@ class NodeHalf(base.NodeHalf):
         return adaptability_score(kl, self.hp.eps)
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
-        """`train` for every member at once, where training does not use P (`group_refusal`): Eq. 9 on
-        each node's batch mixed as `train` mixes it, the Mixup draws in the plan (`_MixupDraws`)."""
+        """`train` for every member at once (`group_refusal` says where not): Eq. 9 on each node's batch
+        mixed as `train` mixes it (the draws in the plan, `_StepDraws`), with log Delta from the node's
+        running P carried from step to step (`_running_p`)."""
         reason = self.group_refusal(model)
         if reason is not None:
             raise AlgorithmError(reason, node_id=self.node_id)
@@ -440,28 +454,50 @@ class NodeHalf(base.NodeHalf):
         shared.load_group(first.task, "model", model, node_id=first.half.node_id)
         present = [m.half._present(m.task, m.data) for m in members]  # type: ignore[attr-defined]
         hp = self.hp
-        draws = _MixupDraws(hp.mixup_alpha) if hp.mixup_alpha > 0.0 else None
+        uses_delta = hp.logit_adjust and hp.l2_weight != 0.0
+        draws = _StepDraws(hp.mixup_alpha, renew=uses_delta) if hp.mixup_alpha > 0.0 or uses_delta else None
+        carry, inputs = (
+            (_start_p(model, members, present), {"present": torch.stack(present)}) if uses_delta else ({}, {})
+        )
 
-        def loss_of(logits: torch.Tensor, y: torch.Tensor, batch: NodeBatch) -> torch.Tensor:
-            # l1_weight L1 + lambda CE (Eq. 9 without log Delta), each a mean over the real samples
-            loss = hp.l2_weight * batch.mean(nll(logits, y)) if hp.l2_weight != 0.0 else None
+        def loss_of(
+            logits: torch.Tensor, y: torch.Tensor, batch: NodeBatch, log_delta: torch.Tensor | None
+        ) -> torch.Tensor:
+            # l1_weight L1 + lambda L2 (Eq. 9), each a mean over the real samples
+            loss = None
+            if hp.l2_weight != 0.0:
+                adjusted = logits if log_delta is None else logits + log_delta[y]
+                loss = hp.l2_weight * batch.mean(nll(adjusted, y))
             if hp.l1_weight != 0.0:
                 l1 = hp.l1_weight * batch.mean(flatten_loss(logits, y, detach_target=hp.detach_target))
                 loss = l1 if loss is None else loss + l1
             assert loss is not None  # Hyperparams refuses both weights 0
             return loss
 
-        def objective(batch: NodeBatch) -> torch.Tensor:
-            if draws is None:
-                return loss_of(batch.logits(), batch.y, batch)
-            lam, perm = batch.step["lam"][0].to(batch.x.dtype), batch.step["perm"]
-            logits = batch.forward(batch.params, lam * batch.x + (1.0 - lam) * batch.x[perm])
-            # l = lam l(x~, y_a) + (1 - lam) l(x~, y_b); lam = 1 (no mixing drawn) gives l(x, y) exactly
-            return lam * loss_of(logits, batch.y, batch) + (1.0 - lam) * loss_of(logits, batch.y[perm], batch)
+        def objective(
+            batch: NodeBatch,
+        ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            state = _running_p(batch, hp) if uses_delta else None
+            log_delta = state.log_delta if state is not None else None
+            if hp.mixup_alpha == 0.0:
+                logits = batch.logits()
+                loss = loss_of(logits, batch.y, batch, log_delta)
+                lam, y_b = torch.ones((), dtype=batch.x.dtype), batch.y
+            else:
+                lam, perm = batch.step["lam"][0].to(batch.x.dtype), batch.step["perm"]
+                logits = batch.forward(batch.params, lam * batch.x + (1.0 - lam) * batch.x[perm])
+                # l = lam l(x~, y_a) + (1 - lam) l(x~, y_b); lam = 1 (no mixing drawn) gives l(x, y) exactly
+                y_b = batch.y[perm]
+                loss = lam * loss_of(logits, batch.y, batch, log_delta) + (1.0 - lam) * loss_of(
+                    logits, y_b, batch, log_delta
+                )
+            if state is None:
+                return loss
+            return loss, {}, state.fed(logits, batch.y, y_b, lam, batch.weight)
 
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, draws=draws,
+            objective=objective, draws=draws, inputs=inputs, carry=carry,
         )  # fmt: skip
         payloads = []
         for member, own, (state, stats) in zip(members, present, results, strict=True):
@@ -472,35 +508,86 @@ class NodeHalf(base.NodeHalf):
         return payloads
 
     def group_refusal(self, model: nn.Module) -> str | None:
-        if self.hp.logit_adjust and self.hp.l2_weight != 0.0:
+        if self.hp.logit_adjust and self.hp.l2_weight != 0.0 and self.hp.p_estimate == "clean":
             return (
-                "FedACD's log Delta comes from P, which its training renews every epoch from the node's own model"
-                " as it trains: per-node state across the steps, which a vectorised step (a pure function of one"
-                " batch) cannot carry (logit_adjust: false or l2_weight: 0 trains in groups)"
+                "FedACD's log Delta with p_estimate: clean renews P every epoch by a clean pass of the node's"
+                " model over its whole shard, which a vectorised step (one batch) cannot make (p_estimate:"
+                " running, the default, trains in groups)"
             )
         return super().group_refusal(model) or unsupported(model)
 
 
-class _MixupDraws:
-    """FedACD's draws besides the batches (`fedcore.vectorized.StepDraws`), as `NodeHalf.train` makes
-    them: the numpy stream's seed before the first batch, then per batch lam ~ Beta(alpha, alpha) from
-    it and, unless lam is 1, the batch's permutation from the node's generator."""
+def _epoch_steps(data: TensorDataset, settings: TrainSettings) -> int:
+    """The steps of one of `local_sgd`'s epochs over the node's data (at least 1): where P is renewed."""
+    return max(steps_per_epoch(len(data), settings.batch_size, settings.drop_last), 1)
 
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
+
+def _start_p(
+    model: nn.Module, members: Sequence[base.GroupMember], present: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each member's carried state before its first step, as `_Estimate` starts it: P from a clean pass
+    of the received model over its data, empty row sums and weights."""
+    p = torch.stack([probability_matrix(model, m.data) for m in members])
+    return {"p": p, "sums": torch.zeros_like(p), "counts": torch.zeros_like(p[:, 0])}
+
+
+@dataclass(frozen=True, slots=True)
+class _RunningP:
+    """One node's P at one vectorised step (`_Estimate`'s running form, as a pure function)."""
+
+    p: torch.Tensor
+    sums: torch.Tensor
+    counts: torch.Tensor
+    log_delta: torch.Tensor
+
+    def fed(
+        self, logits: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The carried state after the step: a mixed sample adds lam p to row y_a and (1 - lam) p to row y_b."""
+        probs = F.softmax(logits.detach().to(self.sums.dtype), dim=1)
+        sums, counts = accumulated(self.sums, self.counts, probs, y_a, weight * lam)
+        sums, counts = accumulated(sums, counts, probs, y_b, weight * (1.0 - lam))
+        return {"p": self.p, "sums": sums, "counts": counts}
+
+
+def _running_p(batch: NodeBatch, hp: Hyperparams) -> _RunningP:
+    """P for this step: at the first step of every epoch but the first (the plan's ``renew``), the rows
+    of the previous epoch, and the sums emptied; log Delta from it."""
+    carried, renew = batch.carry, batch.step["renew"][0] > 0
+    p = torch.where(renew, rows_from(carried["sums"], carried["counts"], carried["p"]), carried["p"])
+    keep = (~renew).to(p.dtype)
+    present = batch.inputs["present"]
+    log_delta = log_delta_matrix(p, present, delta_missing=hp.delta_missing, eps=hp.eps, clip=hp.log_delta_clip)
+    return _RunningP(p, carried["sums"] * keep, carried["counts"] * keep, log_delta)
+
+
+class _StepDraws:
+    """FedACD's draws besides the batches (`fedcore.vectorized.StepDraws`), as `NodeHalf.train` makes
+    them: with Mixup, the numpy stream's seed before the first batch, then per batch lam ~ Beta(alpha,
+    alpha) from it and, unless lam is 1, the batch's permutation from the node's generator; with `renew`,
+    whether the step is the first of an epoch but the first (a constant of the step, nothing drawn)."""
+
+    def __init__(self, alpha: float, *, renew: bool) -> None:
+        self.alpha, self.renew = alpha, renew
 
     def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
-        return numpy_stream(generator)
+        return numpy_stream(generator) if self.alpha > 0.0 else None, _epoch_steps(data, settings)
 
     def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        assert isinstance(state, np.random.Generator)
-        lam = mixup_lambda(self.alpha, state)
-        perm = (
-            torch.randperm(rows, generator=generator, device=generator.device)
-            if lam != 1.0
-            else torch.arange(rows, device=generator.device)
-        )
-        return {"lam": torch.full((rows,), lam, dtype=torch.float64), "perm": perm}
+        assert isinstance(state, tuple)
+        rng, per_epoch = state
+        drawn = {}
+        if self.alpha > 0.0:
+            lam = mixup_lambda(self.alpha, rng)
+            perm = (
+                torch.randperm(rows, generator=generator, device=generator.device)
+                if lam != 1.0
+                else torch.arange(rows, device=generator.device)
+            )
+            drawn = {"lam": torch.full((rows,), lam, dtype=torch.float64), "perm": perm}
+        if self.renew:
+            drawn["renew"] = torch.full((rows,), 1.0 if s > 0 and s % per_epoch == 0 else 0.0, dtype=torch.float64)
+        return drawn
 
     def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return drawn
@@ -512,10 +599,10 @@ class _Estimate:
     pass ("clean")."""
 
     def __init__(
-        self, model: nn.Module, data: TensorDataset, present: torch.Tensor, hp: Hyperparams, batch_size: int
+        self, model: nn.Module, data: TensorDataset, present: torch.Tensor, hp: Hyperparams, settings: TrainSettings
     ) -> None:
         self.model, self.data, self.hp = model, data, hp
-        self.per_epoch = max(shared.batches_per_epoch(len(data), batch_size), 1)
+        self.per_epoch = _epoch_steps(data, settings)
         self.step = 0
         self.p = probability_matrix(model, data)
         self.present = present.to(self.p.device)
@@ -546,7 +633,7 @@ class _Estimate:
         """Running estimate: a mixed sample adds lam p to row y_a and (1 - lam) p to row y_b."""
         if self.hp.p_estimate != "running":
             return
-        probs = F.softmax(logits.detach().float(), dim=1).to(self.sums.device)
+        probs = F.softmax(logits.detach().to(self.sums.dtype), dim=1).to(self.sums.device)
         accumulate_rows(self.sums, self.counts, probs, y_a.to(self.sums.device), lam)
         if lam != 1.0:
             accumulate_rows(self.sums, self.counts, probs, y_b.to(self.sums.device), 1.0 - lam)

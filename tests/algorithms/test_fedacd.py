@@ -18,6 +18,7 @@ from fedmq.fedcore.algorithms.base import Payload, TaskInput
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
+from fedmq.fedcore.training import TrainSettings
 from tests.algorithms.common import (
     SETTINGS,
     Federation,
@@ -257,8 +258,9 @@ def test_running_estimate_renews_p_at_each_epoch_from_the_previous_epoch() -> No
     model = tiny_model(2)
     hp = build_hyperparams(SPEC, {})
     present = torch.tensor([True, True, False])
-    est = fedacd._Estimate(model, data, present, hp, batch_size=8)
+    est = fedacd._Estimate(model, data, present, hp, TrainSettings(batch_size=8))
     assert est.per_epoch == 4
+    assert fedacd._Estimate(model, data, present, hp, TrainSettings(batch_size=8, drop_last=True)).per_epoch == 3
     clean = fedacd.probability_matrix(model, data)
     assert torch.equal(est.p, clean)
     log_delta = fedacd.log_delta_matrix(clean, present, delta_missing=0.01, eps=1e-8)
@@ -272,6 +274,20 @@ def test_running_estimate_renews_p_at_each_epoch_from_the_previous_epoch() -> No
     assert torch.equal(est.p[2], clean[2])  # absent class: no weight, keeps its value
     assert torch.allclose(renewed, fedacd.log_delta_matrix(est.p, present, delta_missing=0.01, eps=1e-8))
     assert float(est.counts.sum()) == 0.0
+
+
+def test_accumulated_rows_are_accumulate_rows_with_a_weight_per_sample() -> None:
+    """The vectorised step's pure form: a weight per sample (0 for padding) gives the rows that
+    `accumulate_rows` adds in place, sample by sample."""
+    gen = torch.Generator().manual_seed(0)
+    probs = F.softmax(torch.randn(6, 4, generator=gen, dtype=torch.float64), dim=1)
+    labels = torch.tensor([0, 2, 2, 3, 0, 1])
+    weight = torch.tensor([0.3, 0.3, 0.3, 0.3, 0.0, 0.0], dtype=torch.float64)  # the last two: padding
+    start_sums, start_counts = torch.rand(4, 4, generator=gen, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    sums, counts = start_sums.clone(), start_counts.clone()
+    fedacd.accumulate_rows(sums, counts, probs[:4], labels[:4], 0.3)
+    got_sums, got_counts = fedacd.accumulated(start_sums, start_counts, probs, labels, weight)
+    assert torch.allclose(got_sums, sums, rtol=0, atol=1e-15) and torch.allclose(got_counts, counts, rtol=0, atol=1e-15)
 
 
 # -- KL(P || Q) and the score (Eq. 10) -----------------------------------------------------------

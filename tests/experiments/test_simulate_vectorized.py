@@ -37,7 +37,7 @@ def test_auto_trains_one_by_one_on_a_cpu() -> None:
     assert build_local(_config(["rounds=1"]), device=CPU).vectorize is False
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedprox"])
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedacd"])
 def test_vectorised_rounds_equal_one_by_one_within_tolerance(method: str) -> None:
     common = ["rounds=3", f"method.name={method}"]
     alone, alone_records, none = _final([*common, "simulation.vectorize=false"])

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.algorithms import build_hyperparams, fedacd, get_algorithm
 from fedmq.fedcore.algorithms.base import GroupMember, Payload, TaskInput
 from fedmq.fedcore.data import TensorDataset, load_dataset
 from fedmq.fedcore.models import build_model
@@ -35,7 +35,7 @@ CASES: dict[str, dict[str, Any]] = {
     "moon": {"mu": 1.0, "temperature": 0.5, "previous_models": 2},
     "fedvls": {"lam": 1.0, "logit_scale": 0.5},
     "fedrcl": {"threshold": 0.3, "topk_pos": 2, "topk_neg": 3},  # local_lr_decay 0.998: epoch by epoch
-    "fedacd": {"logit_adjust": False},  # Mixup (alpha 1); with log Delta FedACD trains one by one
+    "fedacd": {},  # the paper's: log Delta from the running P, renewed each epoch, and Mixup (alpha 1)
     "feddecorr": {"beta": 1.0},  # the code's form; a batch of one (17 = 16 + 1) gives 0
 }
 FLOAT32 = 1e-5
@@ -257,19 +257,54 @@ def test_fedrcl_group_forms_of_each_term(digits: TensorDataset, hp: dict[str, An
     [
         {"l2_weight": 0.0, "mixup_alpha": 0.4, "detach_target": False},
         {"logit_adjust": False, "mixup_alpha": 0.0, "l2_weight": 2.0},
+        {"logit_adjust": False},
+        {"mixup_alpha": 0.0, "l1_weight": 0.0, "delta_missing": 1e-3},
+        {"log_delta_clip": 0.5, "mixup_alpha": 0.4, "l2_weight": 2.0},
     ],
-    ids=["flatten-mixup", "no-mixup"],
+    ids=["flatten-mixup", "no-mixup", "mixup-without-log-delta", "log-delta-alone", "clipped-log-delta"],
 )
-def test_fedacd_group_forms_without_log_delta(digits: TensorDataset, hp: dict[str, Any]) -> None:
-    """FedACD's L1 alone (gradient through q) with Mixup, and L1 + lambda CE without Mixup (no draws)."""
+def test_fedacd_group_forms(digits: TensorDataset, hp: dict[str, Any]) -> None:
+    """FedACD's L1 alone (gradient through q) with Mixup; L1 + lambda CE without Mixup (no draws) and
+    with it; log Delta from the running P with no Mixup and no L1 (P still carried and renewed), and
+    clipped, beside Mixup (the test above has the paper's setting)."""
     assert_group_is_each_own_train(digits, "fedacd", hp, shards(digits))
 
 
-def test_fedacd_with_log_delta_trains_one_by_one() -> None:
-    """The paper's setting renews P from each node's model every epoch: refused, with the reason."""
+def test_fedacd_group_renews_each_members_p_every_epoch(digits: TensorDataset, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over three epochs each member's P is renewed twice from its own previous epoch, as its own `train`
+    renews it; a group that never renewed P (its epoch made longer than the training) differs from it
+    on every shard with two classes or more, so the carried state is what makes the two agree."""
+    three = dataclasses.replace(SETTINGS, local_epochs=3)
+
+    def group_of() -> list[GroupMember]:
+        return [
+            dataclasses.replace(m, task=dataclasses.replace(m.task, settings=three))
+            for m in members("fedacd", {"mixup_alpha": 0.0}, shards(digits))
+        ]
+
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    group = group_of()
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    with monkeypatch.context() as patch:
+        patch.setattr(fedacd, "_epoch_steps", lambda data, settings: 10**6)
+        stale = group_of()
+        never = stale[0].half.train_group(stale, copy.deepcopy(workspace))
+    for got, unrenewed, member in zip(grouped, never, group_of(), strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"]
+        assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
+        if len(member.data.y.unique()) > 1:  # with one class, log Delta is log(delta_missing) whatever P is
+            assert difference(unrenewed.tensors["model"], alone.tensors["model"]) > 1e-6
+
+
+def test_fedacd_with_a_clean_p_trains_one_by_one() -> None:
+    """``p_estimate: clean`` renews P by a pass over the node's whole shard every epoch: refused, with
+    the reason; the running P (the default) is admitted."""
     spec = get_algorithm("fedacd")
-    half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
-    assert "log Delta" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    clean = spec.node(build_hyperparams(spec, {"p_estimate": "clean"}), node_id="node-0")
+    assert "p_estimate: clean" in (clean.group_refusal(model) or "")
+    assert spec.node(build_hyperparams(spec, {}), node_id="node-0").group_refusal(model) is None
 
 
 def test_feddisco_group_is_fedavgs_with_each_members_own_discrepancy(digits: TensorDataset) -> None:

@@ -30,9 +30,11 @@ from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, TrainStats, local_sgd
 from fedmq.fedcore.vectorized import (
+    NodeBatch,
     VectorizeError,
     augment_nodes,
     known_steps,
+    nll,
     steps_per_epoch,
     train_vectorized,
     unsupported,
@@ -188,6 +190,33 @@ def test_vectorized_node_out_of_batches_stops_moving_with_its_momentum(digits: T
     assert got[2][1] == TrainStats(loss=0.0, steps=0, samples_seen=0)
 
 
+def test_carried_state_follows_each_nodes_own_steps_and_stops_with_them(digits: TensorDataset) -> None:
+    """A carried state (a step counter, the labels seen per class) is each node's own: it advances with
+    the node's steps, holds still once the node has no batch left, and never sees the padding; an
+    objective that returns other names than it was given is refused."""
+    settings = TrainSettings(batch_size=8, lr=0.1, local_epochs=2)
+    model = build_model("mlp", digits.input_shape, 10, seed=1)
+    datasets = [*shards(digits, (5, 64, 13)), digits.subset(torch.arange(0).numpy())]
+    start = {"steps": torch.tensor([0.0, 10.0, 20.0, 30.0]), "seen": torch.zeros(4, 10)}
+
+    def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        labels = (batch.y.unsqueeze(1) == torch.arange(10)).to(batch.weight.dtype) * batch.weight.unsqueeze(1)
+        carried = {"steps": batch.carry["steps"] + 1, "seen": batch.carry["seen"] + labels.sum(0)}
+        return batch.mean(nll(batch.logits(), batch.y)), {}, carried
+
+    got = train_vectorized(model, datasets, settings, generators(4), objective=objective, carry=start)
+    for k, (data, (_, stats)) in enumerate(zip(datasets, got, strict=True)):
+        assert float(stats.carry["steps"]) == start["steps"][k] + stats.steps
+        assert torch.equal(stats.carry["seen"], torch.bincount(data.y, minlength=10).float() * 2)
+    assert [s.steps for _, s in got] == [2, 16, 4, 0]
+
+    def renamed(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return batch.mean(nll(batch.logits(), batch.y)), {}, {"other": batch.carry["steps"]}
+
+    with pytest.raises(VectorizeError, match="carried"):
+        train_vectorized(model, datasets, settings, generators(4), objective=renamed, carry=start)
+
+
 def test_vectorized_results_do_not_alias_the_model_or_each_other(digits: TensorDataset) -> None:
     """The returned weights are fresh tensors: loading another model into the template leaves them."""
     model = build_model("mlp", digits.input_shape, 10, seed=0)
@@ -253,19 +282,18 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
 
 
 @pytest.mark.parametrize(
-    ("method", "reason"),
+    ("method", "hyperparams", "reason"),
     [
-        (
-            "fedacd",
-            "log Delta",
-        ),  # P renewed from the node's own model every epoch (logit_adjust: false trains in groups)
+        ("fedacd", {"p_estimate": "clean"}, "p_estimate: clean"),  # P from a pass over the whole shard each epoch
+        ("scaffold", {"control_update": "gradient_mean"}, "gradient_mean"),  # the sum of each step's raw gradient
     ],
 )
-def test_methods_with_their_own_training_refuse_group_training(method: str, reason: str) -> None:
-    """Methods with extra update content, state kept across rounds, training of their own or an
-    objective not written as a GroupTerm never inherit group training."""
+def test_methods_with_their_own_training_refuse_group_training(
+    method: str, hyperparams: dict[str, str], reason: str
+) -> None:
+    """Settings whose training a vectorised step cannot reproduce refuse group training, with the reason."""
     spec = get_algorithm(method)
-    half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
+    half = spec.node(build_hyperparams(spec, hyperparams), node_id="node-0")
     assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
     with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
         half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))

@@ -117,15 +117,17 @@ async def test_failed_group_training_sends_every_member_back_to_train_alone() ->
 
 
 @pytest.mark.parametrize(
-    ("method", "model", "admitted"),
-    [("fedavg", "mlp", True), ("fedprox", "mlp", True), ("moon", "mlp", True), ("scaffold", "mlp", True),
-     ("fedacd", "mlp", False)],
+    ("method", "hyperparams", "admitted"),
+    [("fedavg", {}, True), ("fedprox", {}, True), ("moon", {}, True), ("scaffold", {}, True), ("fedacd", {}, True),
+     ("fedacd", {"p_estimate": "clean"}, False), ("scaffold", {"control_update": "gradient_mean"}, False)],
 )  # fmt: skip
-def test_rendezvous_admits_only_methods_with_a_group_form(method: str, model: str, admitted: bool) -> None:
+def test_rendezvous_admits_only_methods_with_a_group_form(
+    method: str, hyperparams: dict[str, str], admitted: bool
+) -> None:
     spec = get_algorithm(method)
     rendezvous = trainer(wait_s=1)
-    rendezvous.model = build_model(model, (1, 8, 8), 10, seed=0)
-    assert rendezvous.admits(spec.node(build_hyperparams(spec, {}), node_id="node-0")) is admitted
+    rendezvous.model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    assert rendezvous.admits(spec.node(build_hyperparams(spec, hyperparams), node_id="node-0")) is admitted
 
 
 def test_rendezvous_refuses_a_batchnorm_model_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
