@@ -88,6 +88,9 @@ class TrainStats:
     the representations it records)."""
     carry: dict[str, torch.Tensor] = field(default_factory=dict)
     """A vectorised objective's carried state as the node's last step left it (`train_vectorized`)."""
+    gradient_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each trainable parameter's gradient of the objective summed over the node's steps, before any
+    clipping (`train_vectorized(sum_gradients=True)`: SCAFFOLD's gradient_mean)."""
 
 
 def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:

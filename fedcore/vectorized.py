@@ -635,6 +635,7 @@ class _Round:
         device: torch.device,
         starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
         carry: dict[str, torch.Tensor] | None = None,
+        sum_gradients: bool = False,
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
         k = len(datasets)
@@ -676,6 +677,10 @@ class _Round:
         """Each named term of the objective, summed over each node's steps."""
         self.carry = carry or {}
         """(K, ...) each node's carried state, updated in place by its steps (a captured graph's buffers)."""
+        self.gradient_sums = (
+            {name: torch.zeros_like(p) for name, p in self.stack.params.items()} if sum_gradients else None
+        )
+        """Each node's gradients summed over its steps, before clipping (`sum_gradients`)."""
 
     def load(self, s: int) -> None:
         self.cur.load(self.plan, s)
@@ -705,6 +710,10 @@ class _Round:
             self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs, carried
         )
         settings = self.settings
+        if self.gradient_sums is not None:
+            with torch.no_grad():
+                for name, g in grads.items():
+                    self.gradient_sums[name][:a] += g * _per_node(active, g)
         if settings.max_grad_norm is not None:
             _clip(grads, settings.max_grad_norm)
         with torch.no_grad():
@@ -797,6 +806,7 @@ def train_vectorized(
     graphs: str | None = None,
     starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
     carry: Mapping[str, torch.Tensor] | None = None,
+    sum_gradients: bool = False,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -811,7 +821,8 @@ def train_vectorized(
     `carry`, each node's state at its first step, stacked along dimension 0 as `inputs` are, which the
     objective reads (`NodeBatch.carry`) and returns updated after each of the node's steps (a state a
     method's own training keeps across its steps: FedACD's running P). A node keeps its state through
-    the steps it does not take; its last state is in its `TrainStats.carry`.
+    the steps it does not take; its last state is in its `TrainStats.carry`. `sum_gradients`: each
+    node's gradients of the objective summed over its steps, before clipping (`TrainStats.gradient_sums`).
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -843,20 +854,24 @@ def train_vectorized(
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
-            round_ = _Round(model, ordered, settings, plan, known, objective, stacked, device, own, carried)
+            round_ = _Round(
+                model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients
+            )
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
             terms = {name: t.cpu() for name, t in round_.terms.items()}
             carried = {name: t.cpu() for name, t in round_.carry.items()}
+            gradients = {name: t.cpu() for name, t in (round_.gradient_sums or {}).items()}
         else:
             terms, carried = {}, {name: t.cpu() for name, t in carried.items()}
+            gradients = {name: torch.zeros_like(t).cpu() for name, t in stack.params.items()} if sum_gradients else {}
             stack = _Stack.of(model, len(order), settings, device, [starts[k] for k in order] if starts else None)
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
-    return _results(model, stack, frozen, order, steps, totals, seen, terms, carried)
+    return _results(model, stack, frozen, order, steps, totals, seen, terms, carried, gradients)
 
 
 def _results(
@@ -869,6 +884,7 @@ def _results(
     seen: torch.Tensor,
     terms: Mapping[str, torch.Tensor],
     carried: Mapping[str, torch.Tensor],
+    gradients: Mapping[str, torch.Tensor],
 ) -> list[tuple[StateDict, TrainStats]]:
     """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order."""
     keys = list(model.state_dict())
@@ -880,9 +896,14 @@ def _results(
         n = float(seen[pos])
         own = {name: float(t[pos]) / steps[k] for name, t in scalars.items()} if steps[k] else {}
         sums = {name: t[pos].clone() for name, t in tensors.items()}
-        carry = {name: t[pos].clone() for name, t in carried.items()}
         stats = TrainStats(
-            loss=float(totals[pos]) / max(n, 1), steps=steps[k], samples_seen=int(n), terms=own, sums=sums, carry=carry
+            loss=float(totals[pos]) / max(n, 1),
+            steps=steps[k],
+            samples_seen=int(n),
+            terms=own,
+            sums=sums,
+            carry={name: t[pos].clone() for name, t in carried.items()},
+            gradient_sums={name: t[pos].clone() for name, t in gradients.items()},
         )
         by_node[k] = (state, stats)
     return [by_node[k] for k in range(len(order))]

@@ -269,9 +269,10 @@ class NodeHalf(base.NodeHalf):
         )
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
-        """`train` for every member at once (options I and II): each member's correction c - c_i as a
-        loss term ``<c - c_i, y>`` on its parameters (its gradient is the one `train` adds, the loss
-        reported stays the cross-entropy), then each member's c_i+ from its own steps and trained model."""
+        """`train` for every member at once: each member's correction c - c_i as a loss term
+        ``<c - c_i, y>`` on its parameters (its gradient is the one `train` adds, the loss reported stays
+        the cross-entropy), then each member's c_i+ from its own steps and trained model (gradient_mean:
+        from its gradients summed over its steps, each the raw gradient plus c - c_i)."""
         reason = self.group_refusal(model)
         if reason is not None:
             raise AlgorithmError(reason, node_id=self.node_id)
@@ -300,7 +301,7 @@ class NodeHalf(base.NodeHalf):
 
         results = train_vectorized(
             model, [m.data for m in members], settings, [m.generator for m in members], objective=objective,
-            inputs=inputs,
+            inputs=inputs, sum_gradients=option == "gradient_mean",
         )  # fmt: skip
         payloads = []
         for i, (half, member, (state, stats)) in enumerate(zip(halves, members, results, strict=True)):
@@ -312,6 +313,8 @@ class NodeHalf(base.NodeHalf):
                 acc, c_i = shared.accumulator(p.dtype), controls[i][name]
                 if g_xs:  # option I: c_i+ - c_i = g_i(x) - c_i
                     delta = g_xs[i][name].to(acc) - c_i.to(acc)
+                elif option == "gradient_mean":  # (1/K) sum_k (g_i(y_k) + c - c_i) - c = (1/K) sum_k g_i(y_k) - c_i
+                    delta = stats.gradient_sums[name].to(acc) / stats.steps - c[name].to(acc)
                 else:  # option II: c_i+ - c_i = (x - y)/(K lr) - c
                     delta = option_ii_delta(
                         x[name].to(acc), state[name].to(acc), c[name].to(acc), stats.steps, settings.lr
@@ -326,8 +329,6 @@ class NodeHalf(base.NodeHalf):
         return payloads
 
     def group_refusal(self, model: nn.Module) -> str | None:
-        if self.hp.control_update == "gradient_mean":
-            return "SCAFFOLD's gradient_mean sums each local step's raw gradient, which a vectorised step does not keep"
         return super().group_refusal(model) or unsupported(model)
 
     def _control(

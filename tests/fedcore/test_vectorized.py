@@ -285,7 +285,6 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
     ("method", "hyperparams", "reason"),
     [
         ("fedacd", {"p_estimate": "clean"}, "p_estimate: clean"),  # P from a pass over the whole shard each epoch
-        ("scaffold", {"control_update": "gradient_mean"}, "gradient_mean"),  # the sum of each step's raw gradient
     ],
 )
 def test_methods_with_their_own_training_refuse_group_training(
