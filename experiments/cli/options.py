@@ -77,14 +77,13 @@ def add_experiment(p: argparse.ArgumentParser, *, positional: bool = False) -> N
         p.add_argument("config", type=Path, metavar="EXP.yaml", help="the experiment file")
     else:
         p.add_argument("--config", required=True, type=Path, metavar="EXP.yaml", help="the experiment file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set rounds=5 --set train.lr=0.1 (repeatable)",
-    )
+    add_overrides(p, "override a config field, e.g. --set rounds=5 --set train.lr=0.1 (repeatable)")
+
+
+def add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """`--set KEY=VALUE` (repeatable) into `args.overrides`: the experiment's (`add_experiment`), or
+    the change a counterfactual replay makes; each says which."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
 def experiment(args: argparse.Namespace) -> Any:

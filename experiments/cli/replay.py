@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedmq.experiments.cli.exits import EXIT_MISMATCH, EXIT_OK
-from fedmq.experiments.cli.options import add_common, add_out, add_threads, device
+from fedmq.experiments.cli.options import add_common, add_out, add_overrides, add_threads, device
 
 if TYPE_CHECKING:
     from fedmq.experiments.cli.options import SubParsers
@@ -32,14 +32,7 @@ def add_parser(subparsers: SubParsers) -> None:
         "write the replay's metrics and summary here (default: none for an exact replay;"
         " runs/NAME-counterfactual-TIMESTAMP with --set)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a counterfactual change, e.g. --set method.name=kdia or --set engine.buffer=5 (repeatable)",
-    )
+    add_overrides(p, "a counterfactual change, e.g. --set method.name=kdia or --set engine.buffer=5 (repeatable)")
     p.add_argument("--device", type=device, help="torch device (default cpu: a CPU run replays bit for bit on the CPU)")
     add_threads(p, "torch threads (default 1, as the node hosts train)", default=1)
     add_common(p)
