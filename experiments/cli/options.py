@@ -6,12 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
-
-if TYPE_CHECKING:
-    # what `add_subparsers` returns: every command module's `add_parser` adds itself to it
-    SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
-
+from typing import Any
 
 # -- argument types ----------------------------------------------------------------------------------
 

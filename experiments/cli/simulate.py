@@ -20,19 +20,19 @@ from fedmq.experiments.cli.options import (
 from fedmq.fedcore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
     from fedmq.experiments.yaml_source import SourceMap
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "simulate",
-        help="run a federation in one process on a virtual clock, under a scenario",
-        description="The same engine, methods, data and seeds as `fedmq run`, with no broker and no sleeping:"
-        " node availability, compute and link times and dropped tasks come from the scenario (the"
-        " experiment's `scenario:` or --scenario), so hours of a federation run in the time its training"
-        " takes. Writes a run directory with events.jsonl, which `fedmq replay` can check.",
-    )
+HELP = "run a federation in one process on a virtual clock, under a scenario"
+DESCRIPTION = (
+    "The same engine, methods, data and seeds as `fedmq run`, with no broker and no sleeping:"
+    " node availability, compute and link times and dropped tasks come from the scenario (the"
+    " experiment's `scenario:` or --scenario), so hours of a federation run in the time its training"
+    " takes. Writes a run directory with events.jsonl, which `fedmq replay` can check."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_experiment(p, positional=True)
     p.add_argument("--scenario", type=Path, metavar="FILE", help="a scenario file (replaces the experiment's)")
     add_out(p, "run directory (default: runs/NAME-sim-TIMESTAMP)")
