@@ -6,10 +6,11 @@ failed (no nodes, no progress), 5 a replay differs from its recorded run, 130 in
 
 Each command is a module of this package that declares what `fedmq --help` says of it (`HELP`,
 `DESCRIPTION`), `add_arguments(p)`, its own options, and `run(args) -> int`, its handler (`Command`);
-`COMMANDS` names them, in the order `fedmq --help` lists them, and `build_parser` makes each one's
-subparser from its declaration, so that no module repeats how a subparser is added. What several
-commands share: `cli.options` (logging, the experiment file, `--out`, HTTP), `cli.daemon` (the
-daemons' service options and signals), `experiments.broker_flags` (`--broker` and its access).
+`COMMANDS` names them, in the order `fedmq --help` lists them. `build_parser` makes each one's
+subparser from its declaration and adds the logging options every command takes, so that no module
+repeats how a subparser is made. What several commands share: `cli.options` (logging, the
+experiment file, `--out`, HTTP), `cli.daemon` (the daemons' service options and signals),
+`experiments.broker_flags` (`--broker` and its access).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from fedmq.experiments.cli.exits import (
     exit_for,
 )
 from fedmq.experiments.cli.loop import event_loop_factory
+from fedmq.experiments.cli.options import add_common
 from fedmq.experiments.service import die_with_parent
 
 __all__ = [
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=getattr(command, "FORMATTER_CLASS", argparse.HelpFormatter),
         )
         command.add_arguments(p)
+        add_common(p)  # the logging options, which `main` reads whatever the command, last in every --help
     return parser
 
 

@@ -10,13 +10,7 @@ from typing import Any
 from fedmq.experiments.broker_flags import add_broker
 from fedmq.experiments.cli import daemon
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_federation,
-    add_out,
-    add_threads,
-)
+from fedmq.experiments.cli.options import add_experiment, add_federation, add_out, add_threads
 
 HELP = "run a site aggregator daemon (hierarchical federations)"
 DESCRIPTION = (
@@ -50,7 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-when-done", action="store_true", help="exit when the coordinator finishes the run")
     daemon.add_service(p)
     add_threads(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

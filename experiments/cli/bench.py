@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "run the benchmark suite"
@@ -51,7 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a suite-specific setting, e.g. --opt nodes=10,100 (repeatable; see docs/bench.md)",
     )
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ from fedmq.broker.errors import BusError
 from fedmq.experiments.cli import bridge
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
 from fedmq.experiments.cli.loop import run_async
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "run a development broker"
@@ -35,7 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " (its own address and port; --port and --host are ignored)",
     )
     bridge.add_bridge(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

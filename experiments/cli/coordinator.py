@@ -14,14 +14,7 @@ from typing import Any
 from fedmq.experiments.broker_flags import add_access, add_broker, broker_access
 from fedmq.experiments.cli import daemon
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_federation,
-    add_http,
-    add_out,
-    add_threads,
-)
+from fedmq.experiments.cli.options import add_experiment, add_federation, add_http, add_out, add_threads
 from fedmq.fedcore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -58,7 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_http(p)
     add_access(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ import argparse
 import textwrap
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "list the methods and their hyperparameters"
@@ -18,7 +17,6 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="one method, e.g. kdia, or your own, e.g. my_package.my_method")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,14 +13,7 @@ from typing import Any
 from fedmq.experiments.broker_flags import add_access, add_broker, broker_access
 from fedmq.experiments.cli import daemon
 from fedmq.experiments.cli.exits import EXIT_BUS, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_federation,
-    add_threads,
-    device,
-    http_address,
-)
+from fedmq.experiments.cli.options import add_experiment, add_federation, add_threads, device, http_address
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "run node daemon(s)"
@@ -62,7 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " loopback only; 0 picks a free port, printed at start; docs/metrics.md)",
     )
     add_access(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

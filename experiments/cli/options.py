@@ -53,7 +53,8 @@ def http_address(text: str) -> tuple[str, int]:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    """Logging, which every command takes last."""
+    """Logging, which every command takes, last: `build_parser` adds it to each, as `main` reads it
+    before the command runs."""
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     p.add_argument("--log-file", type=Path, help="also write the log to this file")
     p.add_argument("--log-config", type=Path, help="a logging dictConfig YAML file, replacing the defaults")

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common, add_experiment, add_federation, experiment, positive_int
+from fedmq.experiments.cli.options import add_experiment, add_federation, experiment, positive_int
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "write what a secure federation needs: CA, broker certificate, credentials, broker configs"
@@ -40,7 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8883, help="the broker's TLS port (default 8883)")
     p.add_argument("--bind", default="127.0.0.1", help="the address the broker listens on (default 127.0.0.1)")
     p.add_argument("--days", type=positive_int, default=365, help="certificate lifetime in days (default 365)")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from fedmq.experiments.cli.exits import EXIT_MISMATCH, EXIT_OK
-from fedmq.experiments.cli.options import add_common, add_out, add_overrides, add_threads, device
+from fedmq.experiments.cli.options import add_out, add_overrides, add_threads, device
 
 HELP = "replay a recorded run and check it, or re-run it counterfactually"
 DESCRIPTION = (
@@ -31,7 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_overrides(p, "a counterfactual change, e.g. --set method.name=kdia or --set engine.buffer=5 (repeatable)")
     p.add_argument("--device", type=device, help="torch device (default cpu: a CPU run replays bit for bit on the CPU)")
     add_threads(p, "torch threads (default 1, as the node hosts train)", default=1)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "rebuild a run's report from its saved metrics"
@@ -20,7 +19,6 @@ DESCRIPTION = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a directory written by `fedmq run`")
     p.add_argument("--no-plots", action="store_true", help="tables only, no PNG curves")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

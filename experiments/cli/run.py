@@ -6,7 +6,7 @@ import argparse
 
 from fedmq.experiments.broker_flags import add_access, add_broker
 from fedmq.experiments.cli.loop import run_async
-from fedmq.experiments.cli.options import add_common, add_experiment, add_http, add_out
+from fedmq.experiments.cli.options import add_experiment, add_http, add_out
 
 HELP = "run a whole federation on this machine"
 DESCRIPTION = (
@@ -36,7 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_http(p)
     add_access(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,15 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_out,
-    add_threads,
-    device,
-    positive_int,
-    set_threads,
-)
+from fedmq.experiments.cli.options import add_experiment, add_out, add_threads, device, positive_int, set_threads
 from fedmq.fedcore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,7 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " uncut run would; without one yet, start from the beginning; a finished run or grid cell is not run"
         " again",
     )
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from fedmq.experiments.cli.exits import EXIT_BUS, EXIT_OK
-from fedmq.experiments.cli.options import add_common, positive_int
+from fedmq.experiments.cli.options import positive_int
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "a running coordinator's state, from its HTTP API"
@@ -24,7 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the raw state as JSON instead of tables")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until the run ends")
     p.add_argument("--last", type=positive_int, default=10, help="rounds shown (default 10)")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

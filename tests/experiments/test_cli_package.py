@@ -32,6 +32,12 @@ def test_commands_each_module_declares_the_subparser_of_its_name_in_the_tables_o
         assert {a.dest for a in alone._actions} <= {a.dest for a in parser._actions}, name
 
 
+def test_every_command_takes_the_logging_options_after_its_own() -> None:
+    """`main` reads the logging options whatever the command: `build_parser` adds them to each, last."""
+    for name, parser in _subparsers().choices.items():
+        assert [a.dest for a in parser._actions][-4:] == ["verbose", "log_file", "log_config", "log_format"], name
+
+
 def test_a_description_laid_out_by_hand_keeps_its_lines() -> None:
     """A module whose DESCRIPTION has line breaks (examples, a table) declares FORMATTER_CLASS, or
     argparse would run its lines together."""
