@@ -82,9 +82,8 @@ Start with:  fedmq run experiments/quickstart.yaml
 
 class Command(Protocol):
     """What a command module declares; its name is its key in `COMMANDS`. `HELP` is its line in
-    `fedmq --help`, `DESCRIPTION` heads its own --help. A module whose description is laid out by
-    hand (examples, a table) also sets `FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter`;
-    argparse rewraps the others."""
+    `fedmq --help`, `DESCRIPTION` heads its own --help: wrapped to the terminal, unless it has line
+    breaks, which it then keeps (`_formatter`)."""
 
     HELP: str
     DESCRIPTION: str
@@ -111,21 +110,21 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fedmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="fedmq", description=DESCRIPTION, formatter_class=_formatter(DESCRIPTION))
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         p = subparsers.add_parser(
-            name,
-            help=command.HELP,
-            description=command.DESCRIPTION,
-            # optional, so not in `Command`: the few modules that need it set it
-            formatter_class=getattr(command, "FORMATTER_CLASS", argparse.HelpFormatter),
+            name, help=command.HELP, description=command.DESCRIPTION, formatter_class=_formatter(command.DESCRIPTION)
         )
         command.add_arguments(p)
         add_common(p)  # the logging options, which `main` reads whatever the command, last in every --help
     return parser
+
+
+def _formatter(description: str) -> type[argparse.HelpFormatter]:
+    """A description with line breaks is laid out by hand (examples, a table): argparse keeps its
+    lines. Any other it wraps to the terminal, as it would have run the lines together anyway."""
+    return argparse.RawDescriptionHelpFormatter if "\n" in description else argparse.HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ DESCRIPTION = (
     "  fedmq aggregator --broker mqtt://127.0.0.1:1884 --site site-0 --config EXP.yaml --federation FED\n"
     "  fedmq node --broker mqtt://127.0.0.1:1884 --federation FED.site-0 --node-id node-000 ..."
 )
-FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter  # the example commands keep their lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

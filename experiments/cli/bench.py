@@ -28,7 +28,6 @@ DESCRIPTION = (
     "  secure     secure aggregation (SecAgg, SecAgg+) vs the plain round: time and bytes, 10 and 100 nodes\n"
     "  all        every suite above, in that order"
 )
-FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter  # the table of suites keeps its lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

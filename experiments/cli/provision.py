@@ -22,7 +22,6 @@ DESCRIPTION = (
     "  fedmq coordinator --broker mqtts://broker.example.org:8883 --credentials secure/credentials ...\n"
     "  fedmq node --broker mqtts://broker.example.org:8883 --credentials node-003.json --node-id node-003 ..."
 )
-FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter  # the example commands keep their lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

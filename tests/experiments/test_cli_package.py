@@ -39,8 +39,8 @@ def test_every_command_takes_the_logging_options_after_its_own() -> None:
 
 
 def test_a_description_laid_out_by_hand_keeps_its_lines() -> None:
-    """A module whose DESCRIPTION has line breaks (examples, a table) declares FORMATTER_CLASS, or
-    argparse would run its lines together."""
+    """A DESCRIPTION with line breaks (examples, a table) keeps them; argparse would run its lines
+    together."""
     sub = _subparsers()
     laid_out = [name for name, module in COMMANDS.items() if "\n" in module.DESCRIPTION]
     assert laid_out  # bench, provision, aggregator
