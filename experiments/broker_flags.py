@@ -18,6 +18,7 @@ def add_broker(p: argparse.ArgumentParser, help: str = BROKER_URL_HELP, *, requi
 
 
 def add_access(p: argparse.ArgumentParser) -> None:
+    """Who connects and how (credentials, TLS), read back by `broker_access`, passed on by `access_flags`."""
     g = p.add_argument_group(
         "broker access",
         "For a broker with TLS (mqtts://) and per-identity credentials, e.g. one set up by `fedmq provision`."

@@ -4,10 +4,13 @@ Exit codes: 0 success, 2 invalid configuration or arguments, 3 broker unreachabl
 failed (no nodes, no progress), 5 a replay differs from its recorded run, 130 interrupted
 (`cli.exits`, which also says which error is which).
 
-Each command is a module of this package with `add_parser(subparsers)`, its options, and
-`run(args) -> int`, its handler; `COMMANDS` names them, in the order `fedmq --help` lists them. What
-several commands share: `cli.options` (logging, the experiment file, `--out`, HTTP), `cli.daemon`
-(the daemons' service options and signals), `experiments.broker_flags` (`--broker` and its access).
+Each command is a module of this package that declares what `fedmq --help` says of it (`HELP`,
+`DESCRIPTION`), `add_arguments(p)`, its own options, and `run(args) -> int`, its handler (`Command`);
+`COMMANDS` names them, in the order `fedmq --help` lists them. `build_parser` makes each one's
+subparser from its declaration and adds the logging options every command takes, so that no module
+repeats how a subparser is made. What several commands share: `cli.options` (logging, the
+experiment file, `--out`, HTTP), `cli.daemon` (the daemons' service options and signals),
+`experiments.broker_flags` (`--broker` and its access).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from fedmq.experiments.cli import (
     aggregator,
@@ -41,10 +44,8 @@ from fedmq.experiments.cli.exits import (
     exit_for,
 )
 from fedmq.experiments.cli.loop import event_loop_factory
+from fedmq.experiments.cli.options import add_common
 from fedmq.experiments.service import die_with_parent
-
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
 
 __all__ = [
     "COMMANDS",
@@ -80,9 +81,14 @@ Start with:  fedmq run experiments/quickstart.yaml
 
 
 class Command(Protocol):
-    """What a command module holds: its subparser, added under its name, and its handler."""
+    """What a command module declares; its name is its key in `COMMANDS`. `HELP` is its line in
+    `fedmq --help`, `DESCRIPTION` heads its own --help: wrapped to the terminal, unless it has line
+    breaks, which it then keeps (`_formatter`)."""
 
-    def add_parser(self, subparsers: SubParsers) -> None: ...
+    HELP: str
+    DESCRIPTION: str
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None: ...
 
     def run(self, args: argparse.Namespace) -> int: ...
 
@@ -104,13 +110,21 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fedmq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="fedmq", description=DESCRIPTION, formatter_class=_formatter(DESCRIPTION))
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS.values():
-        command.add_parser(subparsers)
+    for name, command in COMMANDS.items():
+        p = subparsers.add_parser(
+            name, help=command.HELP, description=command.DESCRIPTION, formatter_class=_formatter(command.DESCRIPTION)
+        )
+        command.add_arguments(p)
+        add_common(p)  # the logging options, which `main` reads whatever the command, last in every --help
     return parser
+
+
+def _formatter(description: str) -> type[argparse.HelpFormatter]:
+    """A description with line breaks is laid out by hand (examples, a table): argparse keeps its
+    lines. Any other it wraps to the terminal, as it would have run the lines together anyway."""
+    return argparse.RawDescriptionHelpFormatter if "\n" in description else argparse.HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,38 +5,28 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.experiments.broker_flags import add_broker
 from fedmq.experiments.cli import daemon
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_federation,
-    add_out,
-    add_threads,
+from fedmq.experiments.cli.options import add_experiment, add_federation, add_out, add_threads
+
+HELP = "run a site aggregator daemon (hierarchical federations)"
+DESCRIPTION = (
+    "One site of an experiment with hierarchy.sites: the coordinator of the site's nodes (on"
+    " --broker, the site's broker, federation FED.SITE) and, upstream, one node of the federation (node id"
+    " SITE) that sends one partial update a round for all of them. By default upstream is reached through"
+    " --broker, bridged to the central broker (`fedmq broker --bridge`); --upstream connects directly."
+    " Only methods whose aggregation splits into parts run this way (FedAvg and the methods that reuse its"
+    " server); docs/hierarchy.md.\n\n"
+    "  fedmq broker --port 1884 --bridge mqtt://central:1883 --federation FED --site site-0\n"
+    "  fedmq aggregator --broker mqtt://127.0.0.1:1884 --site site-0 --config EXP.yaml --federation FED\n"
+    "  fedmq node --broker mqtt://127.0.0.1:1884 --federation FED.site-0 --node-id node-000 ..."
 )
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
 
-
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "aggregator",
-        help="run a site aggregator daemon (hierarchical federations)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="One site of an experiment with hierarchy.sites: the coordinator of the site's nodes (on"
-        " --broker, the site's broker, federation FED.SITE) and, upstream, one node of the federation (node id"
-        " SITE) that sends one partial update a round for all of them. By default upstream is reached through"
-        " --broker, bridged to the central broker (`fedmq broker --bridge`); --upstream connects directly."
-        " Only methods whose aggregation splits into parts run this way (FedAvg and the methods that reuse its"
-        " server); docs/hierarchy.md.\n\n"
-        "  fedmq broker --port 1884 --bridge mqtt://central:1883 --federation FED --site site-0\n"
-        "  fedmq aggregator --broker mqtt://127.0.0.1:1884 --site site-0 --config EXP.yaml --federation FED\n"
-        "  fedmq node --broker mqtt://127.0.0.1:1884 --federation FED.site-0 --node-id node-000 ...",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_broker(p, "the site's broker, where its nodes are")
     p.add_argument("--site", required=True, metavar="SITE", help="the site, e.g. site-0 (hierarchy.sites names them)")
     add_experiment(p)
@@ -53,7 +43,6 @@ def add_parser(subparsers: SubParsers) -> None:
     p.add_argument("--exit-when-done", action="store_true", help="exit when the coordinator finishes the run")
     daemon.add_service(p)
     add_threads(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

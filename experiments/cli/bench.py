@@ -5,38 +5,32 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "run the benchmark suite"
+DESCRIPTION = (
+    "Measure fedmq side by side with the limits of this machine and with other libraries,"
+    " as ratios measured in one run, and print a table per suite (and the targets it meets).\n\n"
+    "suites:\n  codec      encode/decode of a ResNet-18-sized model vs memcpy, torch.save, safetensors\n"
+    "  transport  45 MB to 1 and to 10 nodes through the broker vs a raw TCP socket; small round trips\n"
+    "  rounds     round overhead with no training, 10/100/1000 nodes at C = 0.1 and 1.0\n"
+    "  flower     the same FedAvg federation in fedmq and in Flower (simulation and deployment)\n"
+    "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
+    "  hierarchy  1,000 nodes flat vs in 10 bridged sites: bytes into the central broker, coordinator CPU\n"
+    "  train      many simulated nodes trained together (vmap) vs one at a time\n"
+    "  sim        the simulator's node training vs bare PyTorch (eager, CUDA graph, vmap); simulate's share\n"
+    "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
+    "  node       one node process: start-up time and memory, on the partition and on its own data (--data)\n"
+    "  fedsa      FedSA's skew-aware aggregation vs the weighted mean, K = 5 to 50 updates of ResNet-18\n"
+    "  teacher    KDIA's teacher modes with 10,000 nodes: memory and time a round vs the exact teacher\n"
+    "  secure     secure aggregation (SecAgg, SecAgg+) vs the plain round: time and bytes, 10 and 100 nodes\n"
+    "  all        every suite above, in that order"
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="run the benchmark suite",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Measure fedmq side by side with the limits of this machine and with other libraries,"
-        " as ratios measured in one run, and print a table per suite (and the targets it meets).\n\n"
-        "suites:\n  codec      encode/decode of a ResNet-18-sized model vs memcpy, torch.save, safetensors\n"
-        "  transport  45 MB to 1 and to 10 nodes through the broker vs a raw TCP socket; small round trips\n"
-        "  rounds     round overhead with no training, 10/100/1000 nodes at C = 0.1 and 1.0\n"
-        "  flower     the same FedAvg federation in fedmq and in Flower (simulation and deployment)\n"
-        "  scale      the most node daemons on one broker, memory per idle node, rounds at 1% participation\n"
-        "  hierarchy  1,000 nodes flat vs in 10 bridged sites: bytes into the central broker, coordinator CPU\n"
-        "  train      many simulated nodes trained together (vmap) vs one at a time\n"
-        "  sim        the simulator's node training vs bare PyTorch (eager, CUDA graph, vmap); simulate's share\n"
-        "  async      sync FedAvg vs FedAsync and FedBuff under heterogeneous speeds; async ingest rate; KDIA\n"
-        "  node       one node process: start-up time and memory, on the partition and on its own data (--data)\n"
-        "  fedsa      FedSA's skew-aware aggregation vs the weighted mean, K = 5 to 50 updates of ResNet-18\n"
-        "  teacher    KDIA's teacher modes with 10,000 nodes: memory and time a round vs the exact teacher\n"
-        "  secure     secure aggregation (SecAgg, SecAgg+) vs the plain round: time and bytes, 10 and 100 nodes\n"
-        "  all        every suite above, in that order",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suites", nargs="*", default=["all"], metavar="SUITE", help="suites to run (default: all)")
     p.add_argument("--json", type=Path, help="write every figure, ratio and target to this JSON file")
     p.add_argument("--markdown", type=Path, help="write the tables to this markdown file")
@@ -55,7 +49,6 @@ def add_parser(subparsers: SubParsers) -> None:
         metavar="KEY=VALUE",
         help="a suite-specific setting, e.g. --opt nodes=10,100 (repeatable; see docs/bench.md)",
     )
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

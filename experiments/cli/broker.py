@@ -7,26 +7,21 @@ import argparse
 import asyncio
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedmq.broker.errors import BusError
 from fedmq.experiments.cli import bridge
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
 from fedmq.experiments.cli.loop import run_async
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "run a development broker"
+DESCRIPTION = (
+    "mosquitto with a generated config (TCP_NODELAY, large packets) when it is installed,"
+    " otherwise the embedded pure-Python broker (amqtt, MQTT 3.1.1). Runs until interrupted."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "broker",
-        help="run a development broker",
-        description="mosquitto with a generated config (TCP_NODELAY, large packets) when it is installed,"
-        " otherwise the embedded pure-Python broker (amqtt, MQTT 3.1.1). Runs until interrupted.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=1883, help="TCP port (default 1883)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--config", type=Path, help="a mosquitto.conf to use instead of the generated one")
@@ -39,7 +34,6 @@ def add_parser(subparsers: SubParsers) -> None:
         " (its own address and port; --port and --host are ignored)",
     )
     bridge.add_bridge(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,34 +9,25 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.experiments.broker_flags import add_access, add_broker, broker_access
 from fedmq.experiments.cli import daemon
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_federation,
-    add_http,
-    add_out,
-    add_threads,
-)
+from fedmq.experiments.cli.options import add_experiment, add_federation, add_http, add_out, add_threads
 from fedmq.fedcore.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
 
 logger = logging.getLogger(__name__)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "coordinator",
-        help="run the coordinator daemon",
-        description="Waits for the experiment's nodes, runs its rounds, writes metrics, participation,"
-        " checkpoints and a summary to --out.",
-    )
+HELP = "run the coordinator daemon"
+DESCRIPTION = (
+    "Waits for the experiment's nodes, runs its rounds, writes metrics, participation,"
+    " checkpoints and a summary to --out."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_broker(p)
     add_experiment(p)
     add_out(p, "run directory (default runs/coordinator)", default=Path("runs/coordinator"))
@@ -60,7 +51,6 @@ def add_parser(subparsers: SubParsers) -> None:
     )
     add_http(p)
     add_access(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

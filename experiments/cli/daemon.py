@@ -15,6 +15,8 @@ Daemon = Callable[[argparse.Namespace, Any], Coroutine[Any, Any, int]]
 
 
 def add_service(p: argparse.ArgumentParser) -> None:
+    """A daemon's life under a supervisor: how long it waits for its broker (`wait_for_broker`), how
+    long a drain may take (`serve`)."""
     g = p.add_argument_group(
         "service",
         "As a daemon under systemd, Docker or another supervisor (docs/services.md): with $NOTIFY_SOCKET set it"

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from typing import TYPE_CHECKING
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "list the methods and their hyperparameters"
+DESCRIPTION = (
+    "Without NAME: every method a config's method.name may give. With NAME: its"
+    " hyperparameters (method.hyperparams), their types, defaults and what each does."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "methods",
-        help="list the methods and their hyperparameters",
-        description="Without NAME: every method a config's method.name may give. With NAME: its"
-        " hyperparameters (method.hyperparams), their types, defaults and what each does.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="one method, e.g. kdia, or your own, e.g. my_package.my_method")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,33 +8,23 @@ import contextlib
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.experiments.broker_flags import add_access, add_broker, broker_access
 from fedmq.experiments.cli import daemon
 from fedmq.experiments.cli.exits import EXIT_BUS, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_federation,
-    add_threads,
-    device,
-    http_address,
-)
+from fedmq.experiments.cli.options import add_experiment, add_federation, add_threads, device, http_address
 from fedmq.fedcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "run node daemon(s)"
+DESCRIPTION = (
+    "One node daemon per --node-id, all in this process (one MQTT connection each, one"
+    " shared dataset load, training one at a time). In an experiment a node takes its shard of the partition;"
+    " with --data, a deployed node trains on its own data instead and the dataset is never loaded."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "node",
-        help="run node daemon(s)",
-        description="One node daemon per --node-id, all in this process (one MQTT connection each, one"
-        " shared dataset load, training one at a time). In an experiment a node takes its shard of the partition;"
-        " with --data, a deployed node trains on its own data instead and the dataset is never loaded.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_broker(p)
     p.add_argument(
         "--node-id",
@@ -65,7 +55,6 @@ def add_parser(subparsers: SubParsers) -> None:
         " loopback only; 0 picks a free port, printed at start; docs/metrics.md)",
     )
     add_access(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,12 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
-
-if TYPE_CHECKING:
-    # what `add_subparsers` returns: every command module's `add_parser` adds itself to it
-    SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
-
+from typing import Any
 
 # -- argument types ----------------------------------------------------------------------------------
 
@@ -58,7 +53,8 @@ def http_address(text: str) -> tuple[str, int]:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    """Logging, which every command takes last."""
+    """Logging, which every command takes, last: `build_parser` adds it to each, as `main` reads it
+    before the command runs."""
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     p.add_argument("--log-file", type=Path, help="also write the log to this file")
     p.add_argument("--log-config", type=Path, help="a logging dictConfig YAML file, replacing the defaults")
@@ -77,14 +73,13 @@ def add_experiment(p: argparse.ArgumentParser, *, positional: bool = False) -> N
         p.add_argument("config", type=Path, metavar="EXP.yaml", help="the experiment file")
     else:
         p.add_argument("--config", required=True, type=Path, metavar="EXP.yaml", help="the experiment file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set rounds=5 --set train.lr=0.1 (repeatable)",
-    )
+    add_overrides(p, "override a config field, e.g. --set rounds=5 --set train.lr=0.1 (repeatable)")
+
+
+def add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """`--set KEY=VALUE` (repeatable) into `args.overrides`: the experiment's (`add_experiment`), or
+    the change a counterfactual replay makes; each says which."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
 def experiment(args: argparse.Namespace) -> Any:

@@ -6,43 +6,31 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedmq.experiments.cli.exits import EXIT_MISMATCH, EXIT_OK
-from fedmq.experiments.cli.options import add_common, add_out, add_threads, device
+from fedmq.experiments.cli.options import add_out, add_overrides, add_threads, device
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "replay a recorded run and check it, or re-run it counterfactually"
+DESCRIPTION = (
+    "Without --set: drive the engine in this process (no broker, the recorded clock) with the"
+    " run's recorded events, recompute every node's update and every aggregation, and check each update's"
+    " and each model's hash against events.jsonl; exit 0 when all match, 5 at the first difference (the"
+    " message names the log line, the step, the node and what differed). With --set: the same"
+    " availability and per-task timing the run recorded, with the experiment changed (another method,"
+    " seed, buffer size...), written to --out."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "replay",
-        help="replay a recorded run and check it, or re-run it counterfactually",
-        description="Without --set: drive the engine in this process (no broker, the recorded clock) with the"
-        " run's recorded events, recompute every node's update and every aggregation, and check each update's"
-        " and each model's hash against events.jsonl; exit 0 when all match, 5 at the first difference (the"
-        " message names the log line, the step, the node and what differed). With --set: the same"
-        " availability and per-task timing the run recorded, with the experiment changed (another method,"
-        " seed, buffer size...), written to --out.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory with events.jsonl and config.yaml")
     add_out(
         p,
         "write the replay's metrics and summary here (default: none for an exact replay;"
         " runs/NAME-counterfactual-TIMESTAMP with --set)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a counterfactual change, e.g. --set method.name=kdia or --set engine.buffer=5 (repeatable)",
-    )
+    add_overrides(p, "a counterfactual change, e.g. --set method.name=kdia or --set engine.buffer=5 (repeatable)")
     p.add_argument("--device", type=device, help="torch device (default cpu: a CPU run replays bit for bit on the CPU)")
     add_threads(p, "torch threads (default 1, as the node hosts train)", default=1)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedmq.experiments.cli.exits import EXIT_OK
-from fedmq.experiments.cli.options import add_common
 from fedmq.fedcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "rebuild a run's report from its saved metrics"
+DESCRIPTION = (
+    "Write report.md (accuracy tables as mean +- std over seeds, rounds to the target, the"
+    " paper's figures beside ours), report.json and the accuracy curves (PNG) into RUN_DIR, from the"
+    " metrics saved there. Works on a grid's directory and on a single run's."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "report",
-        help="rebuild a run's report from its saved metrics",
-        description="Write report.md (accuracy tables as mean +- std over seeds, rounds to the target, the"
-        " paper's figures beside ours), report.json and the accuracy curves (PNG) into RUN_DIR, from the"
-        " metrics saved there. Works on a grid's directory and on a single run's.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a directory written by `fedmq run`")
     p.add_argument("--no-plots", action="store_true", help="tables only, no PNG curves")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

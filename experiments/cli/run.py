@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from fedmq.experiments.broker_flags import add_access, add_broker
 from fedmq.experiments.cli.loop import run_async
-from fedmq.experiments.cli.options import add_common, add_experiment, add_http, add_out
+from fedmq.experiments.cli.options import add_experiment, add_http, add_out
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "run a whole federation on this machine"
+DESCRIPTION = (
+    "Start a broker (the embedded one unless --broker is given), the coordinator and the nodes as"
+    " separate processes; show progress; write the results to the run directory."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "run",
-        help="run a whole federation on this machine",
-        description="Start a broker (the embedded one unless --broker is given), the coordinator and the nodes as"
-        " separate processes; show progress; write the results to the run directory.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_experiment(p, positional=True)
     add_out(p, "run directory (default: runs/NAME-TIMESTAMP)")
     add_broker(p, "use this broker, e.g. mqtt://127.0.0.1:1883, instead of starting one", required=False)
@@ -40,7 +36,6 @@ def add_parser(subparsers: SubParsers) -> None:
     )
     add_http(p)
     add_access(p)
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,31 +8,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
-from fedmq.experiments.cli.options import (
-    add_common,
-    add_experiment,
-    add_out,
-    add_threads,
-    device,
-    positive_int,
-    set_threads,
-)
+from fedmq.experiments.cli.options import add_experiment, add_out, add_threads, device, positive_int, set_threads
 from fedmq.fedcore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
     from fedmq.experiments.yaml_source import SourceMap
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "simulate",
-        help="run a federation in one process on a virtual clock, under a scenario",
-        description="The same engine, methods, data and seeds as `fedmq run`, with no broker and no sleeping:"
-        " node availability, compute and link times and dropped tasks come from the scenario (the"
-        " experiment's `scenario:` or --scenario), so hours of a federation run in the time its training"
-        " takes. Writes a run directory with events.jsonl, which `fedmq replay` can check.",
-    )
+HELP = "run a federation in one process on a virtual clock, under a scenario"
+DESCRIPTION = (
+    "The same engine, methods, data and seeds as `fedmq run`, with no broker and no sleeping:"
+    " node availability, compute and link times and dropped tasks come from the scenario (the"
+    " experiment's `scenario:` or --scenario), so hours of a federation run in the time its training"
+    " takes. Writes a run directory with events.jsonl, which `fedmq replay` can check."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_experiment(p, positional=True)
     p.add_argument("--scenario", type=Path, metavar="FILE", help="a scenario file (replaces the experiment's)")
     add_out(p, "run directory (default: runs/NAME-sim-TIMESTAMP)")
@@ -52,7 +44,6 @@ def add_parser(subparsers: SubParsers) -> None:
         " uncut run would; without one yet, start from the beginning; a finished run or grid cell is not run"
         " again",
     )
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,30 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedmq.experiments.cli.exits import EXIT_BUS, EXIT_OK
-from fedmq.experiments.cli.options import add_common, positive_int
+from fedmq.experiments.cli.options import positive_int
 from fedmq.fedcore.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fedmq.experiments.cli.options import SubParsers
+HELP = "a running coordinator's state, from its HTTP API"
+DESCRIPTION = (
+    "Prints what the dashboard shows: the state, the round or model version, accuracy, the last"
+    " rounds and the nodes, from a coordinator started with --http. Exit 0, 2 when the token is missing or"
+    " wrong, 3 when nothing answers."
+)
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    p = subparsers.add_parser(
-        "status",
-        help="a running coordinator's state, from its HTTP API",
-        description="Prints what the dashboard shows: the state, the round or model version, accuracy, the last"
-        " rounds and the nodes, from a coordinator started with --http. Exit 0, 2 when the token is missing or"
-        " wrong, 3 when nothing answers.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="URL|RUN_DIR", help="http://HOST:PORT/, or a run directory with http.json")
     p.add_argument("--token-file", type=Path, metavar="FILE", help="the bearer token, if the API wants one")
     p.add_argument("--json", action="store_true", help="print the raw state as JSON instead of tables")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until the run ends")
     p.add_argument("--last", type=positive_int, default=10, help="rounds shown (default 10)")
-    add_common(p)
 
 
 def run(args: argparse.Namespace) -> int:

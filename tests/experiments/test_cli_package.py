@@ -13,15 +13,41 @@ from fedmq.experiments.cli.exits import exit_for
 from fedmq.fedcore.errors import ConfigError, DataError
 
 
-def test_commands_each_module_adds_the_subparser_of_its_name_in_the_tables_order() -> None:
-    """`fedmq --help` lists the commands as COMMANDS holds them, each added by its own module."""
-    parser = build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+def _subparsers() -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub
+
+
+def test_commands_each_module_declares_the_subparser_of_its_name_in_the_tables_order() -> None:
+    """`fedmq --help` lists the commands as COMMANDS holds them, each subparser made from its module's
+    declaration: HELP its line there, DESCRIPTION heading its own help, then the module's options."""
+    sub = _subparsers()
     assert list(sub.choices) == list(COMMANDS)
+    helps = {choice.dest: choice.help for choice in sub._choices_actions}
     for name, module in COMMANDS.items():
-        alone = argparse.ArgumentParser(prog="fedmq").add_subparsers()
-        module.add_parser(alone)
-        assert list(alone.choices) == [name], module
+        parser = sub.choices[name]
+        assert (parser.prog, helps[name], parser.description) == (f"fedmq {name}", module.HELP, module.DESCRIPTION)
+        alone = argparse.ArgumentParser()
+        module.add_arguments(alone)
+        assert {a.dest for a in alone._actions} <= {a.dest for a in parser._actions}, name
+
+
+def test_every_command_takes_the_logging_options_after_its_own() -> None:
+    """`main` reads the logging options whatever the command: `build_parser` adds them to each, last."""
+    for name, parser in _subparsers().choices.items():
+        assert [a.dest for a in parser._actions][-4:] == ["verbose", "log_file", "log_config", "log_format"], name
+
+
+def test_a_description_laid_out_by_hand_keeps_its_lines() -> None:
+    """A DESCRIPTION with line breaks (examples, a table) keeps them; argparse would run its lines
+    together."""
+    sub = _subparsers()
+    laid_out = [name for name, module in COMMANDS.items() if "\n" in module.DESCRIPTION]
+    assert laid_out  # bench, provision, aggregator
+    for name in laid_out:
+        text = sub.choices[name].format_help()
+        for line in COMMANDS[name].DESCRIPTION.splitlines():
+            assert line in text, (name, line)
 
 
 @pytest.mark.parametrize(
