@@ -130,11 +130,8 @@ def data_root() -> Path:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """As the node hosts train: one torch thread (hosting.threads_per_process), so sums run in one
-    order and an in-process run matches a daemon run or its replay bit for bit."""
-    import torch
+    """`tests.helpers.one_torch_thread` around a test (a module-scoped run is made before it: wrap it)."""
+    from tests.helpers import one_torch_thread
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield

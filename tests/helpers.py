@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -44,6 +44,20 @@ stale in async."""
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """Prometheus samples by name and sorted labels."""
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """As the node hosts train: one torch thread (hosting.threads_per_process), so sums run in one
+    order and an in-process run matches a daemon run or its replay bit for bit."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_metrics(body: bytes) -> Samples:

@@ -19,6 +19,7 @@ from fedmq.experiments.replay import counterfactual, replay_run, trace_of
 from fedmq.experiments.scenario import resolve_scenario
 from fedmq.experiments.simulate import simulate
 from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
+from tests.helpers import one_torch_thread
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,8 @@ def _simulated(tmp_path: Path, name: str, overrides: list[str], scenario: str | 
         data["scenario"] = resolve_scenario(scenario, ROOT / "experiments" / "scenarios")
     cfg = parse_config(data)
     out = tmp_path / name.removesuffix(".yaml")
-    summary = simulate(cfg, out, device=torch.device("cpu"))
+    with one_torch_thread():  # as the tests that replay it run (a module's run is made before their fixture)
+        summary = simulate(cfg, out, device=torch.device("cpu"))
     assert summary["state"] == "finished"
     return out
 
