@@ -483,7 +483,9 @@ class SimulationConfig(_Strict):
         " as fast and bitwise equal to the daemons)",
     )
     graphs: Literal["auto"] | bool = Field(
-        "auto", description="capture each vectorised step as a CUDA graph: auto (with a CUDA device), true, false"
+        "auto",
+        description="capture each vectorised step (and KDIA's generator step) as a CUDA graph: auto (with a CUDA"
+        " device), true, false",
     )
     checkpoint_every: int = Field(
         10,

@@ -139,7 +139,7 @@ class LocalFederation:
     """Train the nodes a step sends one model to as one vectorised computation (`NodeHalf.train_group`)
     where their method allows; the others, and every node of a group whose training fails, one by one."""
     graphs: str = "auto"
-    """CUDA graphs for vectorised steps (fedcore.vectorized.train_vectorized's `graphs`)."""
+    """CUDA graphs for vectorised steps and the methods' own captured steps (`fedcore.vectorized.graph_mode`)."""
     groups_trained: int = 0
     """Groups of nodes trained as one computation."""
     images_trained: int = 0
@@ -214,10 +214,11 @@ class LocalFederation:
             self.online(*(node for node in self.nodes if node not in decided))
             self._drain_now()
             self._feed(e.Start())
-        for _ in range(max_events):
-            if self.engine.finished or (until is not None and until()):
-                return self.records
-            self._step()
+        with graph_mode(self.graphs):  # the nodes' groups and the coordinator's own steps (KDIA's generator)
+            for _ in range(max_events):
+                if self.engine.finished or (until is not None and until()):
+                    return self.records
+                self._step()
         raise RuntimeError(f"the federation did not finish within {max_events} events")
 
     def _drain_now(self) -> None:

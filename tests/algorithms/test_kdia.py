@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm, kdia
 from fedmq.fedcore.algorithms.base import Payload, RoundContext, TaskInput
@@ -153,6 +154,84 @@ def test_generator_training_lowers_the_ensemble_loss_and_is_reproducible() -> No
     first = train(a, 0, 1)
     assert train(b, 0, 1) == first and same_state(a.state_dict(), b.state_dict())
     assert train(a, 0, 10) < 0.8 * first  # ten more epochs: the head classifies its features better
+
+
+def _loop_by_hand(
+    gen: FeatureGenerator, ensemble: HeadEnsemble, epochs: int, rng: torch.Generator, state: dict | None
+) -> tuple[float, dict]:
+    """The round's loop as kdia.md 1.6 writes it, each step drawing its labels and noise as it goes."""
+    optimizer = torch.optim.Adam(gen.parameters(), lr=1e-2, weight_decay=1e-4)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    pool = torch.randint(0, gen.num_classes, (5 * 16,), generator=rng)
+    ce_sum = 0.0
+    for _ in range(epochs):
+        pool = pool[torch.randperm(len(pool), generator=rng)]
+        for b in range(5):
+            y = pool[b * 16 : (b + 1) * 16]
+            z = torch.randn(16, gen.noise_dim, 1, 1, generator=rng)
+            features = gen(z, y)
+            ce = F.cross_entropy(ensemble(features), y)
+            optimizer.zero_grad(set_to_none=True)
+            (ce + diversity_loss(z, features)).backward()
+            optimizer.step()
+            ce_sum += float(ce.detach())
+    return ce_sum / (epochs * 5), optimizer.state_dict()
+
+
+def test_generator_training_with_its_draws_made_first_is_the_loop_drawing_as_it_goes() -> None:
+    """Every label and noise drawn before the first step (so that the steps wait for no host copy)
+    gives, bit for bit, the generator, BatchNorm statistics, Adam state and loss of the loop that draws
+    them step by step; a second round from the first's Adam state too."""
+    model = build_model("mlp", (4,), 3, seed=0, hidden=[8])
+    ensemble = HeadEnsemble(model, [model.state_dict()], [1.0], torch.device("cpu"))
+
+    def fresh() -> FeatureGenerator:
+        gen = build_generator(6, model)
+        gen.reset_parameters(torch_generator(0, "init"))
+        return gen
+
+    ours, theirs = fresh(), fresh()
+    state: dict | None = None
+    mine: dict | None = None
+    for round_ in (1, 2):
+        stats, mine = train_generator(
+            ours, ensemble, epochs=2, batches_per_epoch=5, batch_size=16, lr=1e-2, weight_decay=1e-4,
+            rng=torch_generator(0, "gen", round_), device=torch.device("cpu"), optimizer_state=mine,
+        )  # fmt: skip
+        ce, state = _loop_by_hand(theirs, ensemble, 2, torch_generator(0, "gen", round_), state)
+        assert stats.steps == 10 and stats.ce == pytest.approx(ce, rel=1e-6)
+        assert same_state(ours.state_dict(), theirs.state_dict())
+        assert all(
+            torch.equal(mine["state"][k][name], state["state"][k][name])
+            for k in state["state"]
+            for name in ("exp_avg", "exp_avg_sq")
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generator_training_captured_as_a_cuda_graph_is_the_eager_loop_within_tolerance() -> None:
+    """On a GPU the steps after the third replay one captured graph: the same generator as the eager
+    steps within float tolerance (a capturable Adam computes its bias corrections as tensors), the
+    same number of steps, and bit for bit the same twice (what a replay of the run needs)."""
+    cuda = torch.device("cuda")
+    model = build_model("mlp", (4,), 3, seed=0, hidden=[8])
+    ensemble = HeadEnsemble(model, [model.state_dict()], [1.0], cuda)
+    results = []
+    for graphs in ("off", "on", "on"):
+        gen = build_generator(6, model)
+        gen.reset_parameters(torch_generator(0, "init"))
+        stats, _ = train_generator(
+            gen, ensemble, epochs=3, batches_per_epoch=5, batch_size=16, lr=1e-2, weight_decay=1e-4,
+            rng=torch_generator(0, "gen", 1), device=cuda, graphs=graphs,
+        )  # fmt: skip
+        assert stats.steps == 15
+        results.append((stats.ce, {k: v.detach().cpu() for k, v in gen.state_dict().items()}))
+    (eager_ce, eager), (ce, graphed), (again_ce, again) = results
+    assert ce == again_ce and same_state(graphed, again)
+    assert ce == pytest.approx(eager_ce, rel=1e-4)
+    for k, v in eager.items():
+        torch.testing.assert_close(graphed[k].double(), v.double(), rtol=1e-3, atol=1e-4)
 
 
 # -- both halves -----------------------------------------------------------------------------------

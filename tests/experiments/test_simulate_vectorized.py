@@ -74,8 +74,8 @@ def test_replay_one_by_one_of_a_vectorised_run_is_a_mismatch(tmp_path: Path) -> 
 
 def test_a_method_without_a_group_form_trains_one_by_one_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="fedmq.coordinator.drivers.local"):
-        overrides = ["method.name=scaffold", "method.hyperparams.control_update=gradient_mean"]
+        overrides = ["method.name=fedacd", "method.hyperparams.p_estimate=clean"]
         _, records, groups = _final(["rounds=2", *overrides, "simulation.vectorize=true"])
     assert groups == 0 and len(records) == 2
     reasons = [r.message for r in caplog.records if "simulation.vectorize" in r.message]
-    assert len(reasons) == 1 and "gradient_mean" in reasons[0]
+    assert len(reasons) == 1 and "p_estimate: clean" in reasons[0]

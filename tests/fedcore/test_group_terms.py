@@ -18,12 +18,13 @@ from fedmq.fedcore.data import TensorDataset, load_dataset
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fedcore.vectorized import NodeBatch
+from fedmq.fedcore.vectorized import NodeBatch, graph_mode
 
 SETTINGS = TrainSettings(local_epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3)
 SIZES = (30, 17, 1, 45)
 """Unequal shards: a trailing batch of one (17), a single sample, and one longer than the rest."""
 EXACT = 1e-10
+CPU = torch.device("cpu")
 
 CASES: dict[str, dict[str, Any]] = {
     "fedprox": {"mu": 0.5},
@@ -134,11 +135,17 @@ def test_group_term_trains_each_node_as_its_own_objective(digits: TensorDataset,
 
 
 def assert_group_is_each_own_train(
-    digits: TensorDataset, method: str, hp: Mapping[str, Any], datasets: list[TensorDataset]
+    digits: TensorDataset,
+    method: str,
+    hp: Mapping[str, Any],
+    datasets: list[TensorDataset],
+    device: torch.device = CPU,
 ) -> None:
-    """The group's updates are each member's own `train`'s (float64, 1e-10), and differ from FedAvg's."""
+    """The group's updates are each member's own `train`'s (float64, 1e-10), and differ from FedAvg's;
+    the data and models on `device`."""
+    datasets = [d.to(device) for d in datasets]
     group = members(method, hp, datasets)
-    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double().to(device)
     assert group[0].half.group_refusal(workspace) is None
     grouped = group[0].half.train_group(group, workspace)
     plain = members("fedavg", {}, datasets)
@@ -156,6 +163,17 @@ def assert_group_is_each_own_train(
         assert difference(payload.tensors["model"], alone.tensors["model"]) < TOLERANCE.get(method, EXACT)
         moved.append(difference(payload.tensors["model"], baseline.tensors["model"]))
     assert max(moved) > 1e-4, "the term changed nothing"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_group_term_captured_as_a_cuda_graph_trains_each_node_as_its_own_objective(
+    digits: TensorDataset, method: str
+) -> None:
+    """On a GPU, each step after the third a replay of one captured graph (whatever the objective keeps
+    across steps: terms, sums, FedACD's carried P), each member still gets its own `train`'s update."""
+    with graph_mode("on"):
+        assert_group_is_each_own_train(digits, method, CASES[method], shards(digits), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("method", sorted(CASES))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.tensors import StateDict
+from fedmq.fedcore.vectorized import GRAPHS, use_graphs
 
 LEAKY_SLOPE = 0.2
 DIVERSITY_EPS = 1e-5
@@ -184,44 +185,114 @@ def train_generator(
     rng: torch.Generator,
     device: torch.device,
     optimizer_state: Mapping[str, Any] | None = None,
+    graphs: str | None = None,
 ) -> tuple[GeneratorStats, dict[str, Any]]:
     """One round of generator training (kdia.md 1.6 "Server training loop", Algorithm 1 l.13-18).
 
     A label pool of ``batches_per_epoch x batch_size`` uniform labels is drawn once (spec A3);
     each epoch shuffles it and takes `batch_size` labels per step with fresh noise ``z ~ N(0, I)``.
-    Every draw comes from `rng` (on the CPU, so the result does not depend on `device`). Adam is
-    re-created each round (spec A4) unless `optimizer_state` (the previous round's) is given.
-    Returns the statistics and the optimiser's state.
+    Every draw comes from `rng` (on the CPU, so the result does not depend on `device`), all of them
+    before the first step (`generator_draws`) and moved to the device at once, so that the steps wait
+    for no host copy; on a CUDA device all steps but the first three are replays of one captured CUDA
+    graph (`graphs`: auto, on, off; default: `fedcore.vectorized.graph_mode`'s), the tiny generator's
+    steps being bound by kernel launches. Adam is re-created each round (spec A4) unless
+    `optimizer_state` (the previous round's) is given. Returns the statistics and the optimiser's state.
     """
     generator.to(device).train()
-    optimizer = torch.optim.Adam(generator.parameters(), lr=lr, weight_decay=weight_decay)
+    captured = use_graphs(device, graphs or GRAPHS.get())
+    # a captured Adam keeps its step count on the device (capturable): its bias corrections are tensors
+    optimizer = torch.optim.Adam(generator.parameters(), lr=lr, weight_decay=weight_decay, capturable=captured)
     if optimizer_state is not None:
         optimizer.load_state_dict(dict(optimizer_state))
     started = time.perf_counter()
-    pool = torch.randint(0, generator.num_classes, (batches_per_epoch * batch_size,), generator=rng)
+    labels, noise = generator_draws(
+        epochs=epochs,
+        batches_per_epoch=batches_per_epoch,
+        batch_size=batch_size,
+        noise_dim=generator.noise_dim,
+        num_classes=generator.num_classes,
+        rng=rng,
+    )
+    labels, noise = labels.to(device), noise.to(device)
     ce_sum = torch.zeros((), device=device)
     div_sum = torch.zeros((), device=device)
-    steps = 0
-    for _ in range(epochs):
-        pool = pool[torch.randperm(len(pool), generator=rng)]
-        for b in range(batches_per_epoch):
-            y = pool[b * batch_size : (b + 1) * batch_size].to(device)
-            z = torch.randn(batch_size, generator.noise_dim, 1, 1, generator=rng).to(device)
-            features = generator(z, y)
-            # Eq. 3: CE of the p_k-weighted sum of the frozen heads' logits; Eq. 4: diversity
-            ce = F.cross_entropy(ensemble(features), y)
-            div = diversity_loss(z, features)
+    # the step's inputs, at fixed addresses (what a captured graph reads)
+    y, z = labels.new_zeros(labels.shape[1:]), noise.new_zeros(noise.shape[1:])
+
+    def step() -> None:
+        features = generator(z, y)
+        # Eq. 3: CE of the p_k-weighted sum of the frozen heads' logits; Eq. 4: diversity
+        ce = F.cross_entropy(ensemble(features), y)
+        div = diversity_loss(z, features)
+        (ce + div).backward()
+        optimizer.step()  # only the generator's parameters: the heads are frozen
+        ce_sum.add_(ce.detach())
+        div_sum.add_(div.detach())
+
+    def load(s: int) -> None:
+        y.copy_(labels[s])
+        z.copy_(noise[s])
+
+    steps = len(labels)
+    if not captured or steps <= _WARMUP_STEPS + 1:
+        for s in range(steps):
+            load(s)
             optimizer.zero_grad(set_to_none=True)
-            (ce + div).backward()
-            optimizer.step()  # only the generator's parameters: the heads are frozen
-            ce_sum += ce.detach()
-            div_sum += div.detach()
-            steps += 1
+            step()
+    else:
+        _captured_steps(step, load, optimizer, steps)
     n = max(steps, 1)
     stats = GeneratorStats(
         ce=float(ce_sum) / n, diversity=float(div_sum) / n, steps=steps, seconds=time.perf_counter() - started
     )
     return stats, optimizer.state_dict()
+
+
+_WARMUP_STEPS = 3
+"""Eager steps before the generator's step is captured (on a side stream, as torch.cuda.graphs asks)."""
+
+
+def _captured_steps(
+    step: Callable[[], None], load: Callable[[int], None], optimizer: torch.optim.Optimizer, steps: int
+) -> None:
+    """All `steps`: the first few eagerly on a side stream, then one captured as a CUDA graph (recorded,
+    not run) and replayed for each of the others, as the torch.cuda.graphs whole-network example does.
+    The gradients are made inside the graph (set to None before the capture), so every replay writes
+    them afresh rather than adding to the last step's."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in range(_WARMUP_STEPS):
+            load(s)
+            optimizer.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    load(_WARMUP_STEPS)
+    with torch.cuda.graph(graph):
+        step()
+    for s in range(_WARMUP_STEPS, steps):
+        load(s)
+        graph.replay()
+
+
+def generator_draws(
+    *, epochs: int, batches_per_epoch: int, batch_size: int, noise_dim: int, num_classes: int, rng: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every step's labels ``(S, B)`` and noise ``(S, B, noise_dim, 1, 1)``, drawn from `rng` in the
+    order the round's loop uses them: the label pool once, then per epoch its permutation and each
+    step's noise."""
+    pool = torch.randint(0, num_classes, (batches_per_epoch * batch_size,), generator=rng)
+    labels, noise = [], []
+    for _ in range(epochs):
+        pool = pool[torch.randperm(len(pool), generator=rng)]
+        for b in range(batches_per_epoch):
+            labels.append(pool[b * batch_size : (b + 1) * batch_size])
+            noise.append(torch.randn(batch_size, noise_dim, 1, 1, generator=rng))
+    if not labels:
+        return torch.zeros((0, batch_size), dtype=torch.long), torch.zeros((0, batch_size, noise_dim, 1, 1))
+    return torch.stack(labels), torch.stack(noise)
 
 
 def generator_state(generator: FeatureGenerator) -> StateDict:
