@@ -9,16 +9,7 @@ from typing import Any
 import pytest
 
 from fedmq.fedcore import protocol
-from fedmq.fedcore.protocol import (
-    ProtocolError,
-    SecAggDirectory,
-    SecAggKeys,
-    SecAggReveal,
-    SecAggShared,
-    SecAggShares,
-    SecAggUnmask,
-    Task,
-)
+from fedmq.fedcore.protocol import ProtocolError, Task
 from fedmq.fedcore.secagg import SecAggSettings
 from fedmq.fedcore.training import TrainSettings
 
@@ -27,12 +18,14 @@ KEY = b"k" * 32
 SHARE = b"s" * 34
 
 EXAMPLES: list[Any] = [
-    SecAggKeys(task_id=TASK, encryption_key=KEY, mask_key=b"m" * 32),
-    SecAggDirectory(task_id=TASK, neighbours={"node-001": (KEY, KEY), "node-002": (KEY, b"x" * 32)}, weight_total=99),
-    SecAggShares(task_id=TASK, commitment=KEY, shares={"node-001": b"c" * 96}),
-    SecAggShared(task_id=TASK, shares={"node-001": b"c" * 96, "node-002": b"d" * 96}),
-    SecAggUnmask(task_id=TASK, survivors=("node-001",), dropped=("node-002",)),
-    SecAggReveal(task_id=TASK, seed_shares={"node-001": SHARE}, key_shares={"node-002": SHARE}),
+    protocol.SecAggKeys(task_id=TASK, encryption_key=KEY, mask_key=b"m" * 32),
+    protocol.SecAggDirectory(
+        task_id=TASK, neighbours={"node-001": (KEY, KEY), "node-002": (KEY, b"x" * 32)}, weight_total=99
+    ),
+    protocol.SecAggShares(task_id=TASK, commitment=KEY, shares={"node-001": b"c" * 96}),
+    protocol.SecAggShared(task_id=TASK, shares={"node-001": b"c" * 96, "node-002": b"d" * 96}),
+    protocol.SecAggUnmask(task_id=TASK, survivors=("node-001",), dropped=("node-002",)),
+    protocol.SecAggReveal(task_id=TASK, seed_shares={"node-001": SHARE}, key_shares={"node-002": SHARE}),
 ]
 
 
@@ -43,19 +36,19 @@ def test_each_message_round_trips_through_its_meta(message: Any) -> None:
 
 
 MALFORMED = [
-    (SecAggKeys, {"task": TASK, "encryption_key": KEY, "mask_key": b"short"}),
-    (SecAggKeys, {"task": b"t", "encryption_key": KEY, "mask_key": KEY}),
-    (SecAggDirectory, {"task": TASK, "neighbours": {"n": [KEY]}, "weight_total": 5}),
-    (SecAggDirectory, {"task": TASK, "neighbours": {"n": [KEY, KEY]}, "weight_total": 0}),
-    (SecAggDirectory, {"task": TASK, "neighbours": {"": [KEY, KEY]}, "weight_total": 5}),
-    (SecAggDirectory, {"task": TASK, "neighbours": [], "weight_total": 5}),
-    (SecAggShares, {"task": TASK, "commitment": KEY, "shares": {"n": b"x" * 10_000}}),
-    (SecAggShares, {"task": TASK, "commitment": KEY, "shares": {"n": "not bytes"}}),
-    (SecAggShared, {"task": TASK, "shares": {"n" * 65: b"c"}}),
-    (SecAggUnmask, {"task": TASK, "survivors": ["a", "a"], "dropped": []}),
-    (SecAggUnmask, {"task": TASK, "survivors": "a", "dropped": []}),
-    (SecAggReveal, {"task": TASK, "seed_shares": {"a": b"s" * 33}, "key_shares": {}}),
-    (SecAggReveal, {"task": TASK, "seed_shares": {}, "key_shares": None}),
+    (protocol.SecAggKeys, {"task": TASK, "encryption_key": KEY, "mask_key": b"short"}),
+    (protocol.SecAggKeys, {"task": b"t", "encryption_key": KEY, "mask_key": KEY}),
+    (protocol.SecAggDirectory, {"task": TASK, "neighbours": {"n": [KEY]}, "weight_total": 5}),
+    (protocol.SecAggDirectory, {"task": TASK, "neighbours": {"n": [KEY, KEY]}, "weight_total": 0}),
+    (protocol.SecAggDirectory, {"task": TASK, "neighbours": {"": [KEY, KEY]}, "weight_total": 5}),
+    (protocol.SecAggDirectory, {"task": TASK, "neighbours": [], "weight_total": 5}),
+    (protocol.SecAggShares, {"task": TASK, "commitment": KEY, "shares": {"n": b"x" * 10_000}}),
+    (protocol.SecAggShares, {"task": TASK, "commitment": KEY, "shares": {"n": "not bytes"}}),
+    (protocol.SecAggShared, {"task": TASK, "shares": {"n" * 65: b"c"}}),
+    (protocol.SecAggUnmask, {"task": TASK, "survivors": ["a", "a"], "dropped": []}),
+    (protocol.SecAggUnmask, {"task": TASK, "survivors": "a", "dropped": []}),
+    (protocol.SecAggReveal, {"task": TASK, "seed_shares": {"a": b"s" * 33}, "key_shares": {}}),
+    (protocol.SecAggReveal, {"task": TASK, "seed_shares": {}, "key_shares": None}),
 ]
 
 
