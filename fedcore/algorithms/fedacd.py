@@ -433,11 +433,7 @@ class NodeHalf(base.NodeHalf):
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
         """`train` for every member at once, where training does not use P (`group_refusal`): Eq. 9 on
         each node's batch mixed as `train` mixes it, the Mixup draws in the plan (`_MixupDraws`)."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        first = shared.start_group(self, members, model)
         present = [m.half._present(m.task, m.data) for m in members]  # type: ignore[attr-defined]
         hp = self.hp
         draws = _MixupDraws(hp.mixup_alpha) if hp.mixup_alpha > 0.0 else None
