@@ -15,8 +15,8 @@
   FedDyn, FedAvgM), a node's state per parameter (`node_state`: SCAFFOLD, FedDyn), a checkpointed
   dict of tensors (`load_tensors`) and its norm (`state_norm`), the federation size N (SCAFFOLD,
   FedDyn), a node's label counts (FedLC, FedRS, FedVLS), `local_sgd`'s batch count (FedACD,
-  FedProto), the shape of a FedModel and the checks on uploaded class means (FedNH, FedProto), and
-  the filter that leaves invalid updates out with a warning.
+  FedProto), the shape of a FedModel and the update's class means, their schema and their checks
+  (FedNH, FedProto), and the filter that leaves invalid updates out with a warning.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from fedmq.fedcore.algorithms import base
 from fedmq.fedcore.algorithms.base import mean_reported_loss
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.tensors import StateDict
+from fedmq.fedcore.tensors import StateDict, TensorSpec
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
 from fedmq.fedcore.vectorized import (
     GroupObjective,
@@ -425,6 +425,20 @@ def model_shape(model: nn.Module, method: str) -> tuple[int, int]:
     if not isinstance(classes, int) or not isinstance(dim, int) or not hasattr(model, "extract"):
         raise ValueError(f"{method} needs a FedModel (num_classes, feature_dim, extract), not {type(model).__name__}")
     return classes, dim
+
+
+def node_model_shape(model: nn.Module, method: str, *, node_id: str, round: int) -> tuple[int, int]:
+    """`model_shape` on a node: a model that is no FedModel is an AlgorithmError naming the node and round."""
+    try:
+        return model_shape(model, method)
+    except ValueError as exc:
+        raise AlgorithmError(str(exc), node_id=node_id, round=round) from exc
+
+
+def class_means_schema(classes: int, dim: int) -> dict[str, TensorSpec]:
+    """The ``class_means`` group of an update: float32 ``means`` (C, d) and int64 ``counts`` (C,)
+    (`class_means_problem` checks what a schema cannot)."""
+    return {"means": TensorSpec(torch.float32, (classes, dim)), "counts": TensorSpec(torch.int64, (classes,))}
 
 
 def class_means_problem(update: base.NodeUpdate, classes: int, dim: int) -> str | None:
