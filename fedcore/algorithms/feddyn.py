@@ -61,7 +61,6 @@ from torch import nn
 
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import local_sgd
 from fedmq.fedcore.vectorized import NodeBatch, train_vectorized, unsupported
 
@@ -139,11 +138,9 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        if not updates:
-            raise AlgorithmError("no update to aggregate", round=ctx.round)
         weights = shared.sample_weights(updates, weighted=self.hp.weighted)
+        average = shared.sync_average(self, ctx, updates, weights)
         models = [u.payload.tensors["model"] for u in updates]
-        average = self.average(models, base.staleness_weighted(ctx, updates, weights))
         m = shared.federation_size(self.hp.num_nodes, ctx, len(updates), method="FedDyn")
         alpha = self.hp.alpha
         new: dict[str, torch.Tensor] = {}

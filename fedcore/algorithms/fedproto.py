@@ -202,8 +202,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             raise AlgorithmError("no update of this round carries valid FedProto prototypes", round=ctx.round)
         weights = [float(u.num_samples) for u in valid]
         # the models' average: for evaluation only (local_models) or the next global model
-        models = [u.payload.tensors["model"] for u in valid]
-        self.model.load_state_dict(self.average(models, base.staleness_weighted(ctx, valid, weights)))
+        self.model.load_state_dict(shared.sync_average(self, ctx, valid, weights))
         # C_bar^(j) for the classes held this round; the others keep theirs
         stats = [u.payload.tensors["class_means"] for u in valid]
         new, held = aggregate_prototypes([s["means"] for s in stats], [s["counts"] for s in stats], self.hp.weighting)

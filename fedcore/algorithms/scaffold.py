@@ -182,11 +182,8 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        if not updates:
-            raise AlgorithmError("no update to aggregate", round=ctx.round)
         weights = shared.sample_weights(updates, weighted=self.hp.weighted)
-        models = [u.payload.tensors["model"] for u in updates]
-        average = self.average(models, base.staleness_weighted(ctx, updates, weights))
+        average = shared.sync_average(self, ctx, updates, weights)
         new: dict[str, torch.Tensor] = {}
         for name, current in self.model.state_dict().items():
             if name not in self.control:

@@ -81,6 +81,19 @@ def sample_weights(updates: Sequence[base.NodeUpdate], *, weighted: bool = True)
     return [float(u.num_samples) if weighted else 1.0 for u in updates]
 
 
+def sync_average(
+    half: base.CoordinatorHalf, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], weights: Sequence[float]
+) -> StateDict:
+    """The mean of the updates' models by the half's averaging rule (``half.average``: the weighted
+    mean, or FedSA's), weighted by `weights` discounted by staleness: the average a sync-only half
+    takes for its own rule (SCAFFOLD, FedDyn, FedProto), where `next_model` would fold by
+    ``ctx.folding``'s. No update is an AlgorithmError."""
+    if not updates:
+        raise AlgorithmError("no update to aggregate", round=ctx.round)
+    models = [u.payload.tensors["model"] for u in updates]
+    return half.average(models, base.staleness_weighted(ctx, updates, weights))
+
+
 def valid_updates(
     ctx: base.RoundContext,
     updates: Sequence[base.NodeUpdate],
