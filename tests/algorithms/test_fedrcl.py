@@ -13,15 +13,14 @@ from torch import nn
 
 from fedmq.fedcore.algorithms import build_hyperparams, fedrcl
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, local_sgd
+from tests.algorithms import common
 from tests.algorithms.common import (
     SETTINGS,
     Federation,
-    Scratch,
     context,
     same_state,
     scalar_model,
@@ -300,17 +299,7 @@ def test_fedrcl_server_averages_by_size_or_plainly_and_ignores_bad_reported_loss
 
 def test_fedrcl_model_without_taps_or_tap_raises_algorithm_error() -> None:
     """A model without forward_taps, or without a requested tap, is an AlgorithmError naming node and round."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
-    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
-
-    def task_for(m: nn.Module) -> TaskInput:
-        payload = Payload(tensors={"model": m.state_dict()})
-        return TaskInput(node_id="n0", round=2, payload=payload, settings=SETTINGS, scratch=Scratch(m))
-
-    half = SPEC.node(build_hyperparams(SPEC, {}), node_id="n0")
     with pytest.raises(AlgorithmError, match=r"forward_taps.*node n0, round 2"):
-        half.train(task_for(model), model, data, torch_generator(0, "t"))
-    mlp = tiny_model(0)
-    half = SPEC.node(build_hyperparams(SPEC, {"taps": "layer3"}), node_id="n0")
+        common.train_alone(SPEC, common.plain_module())
     with pytest.raises(AlgorithmError, match=r"layer3.*node n0, round 2"):
-        half.train(task_for(mlp), mlp, data, torch_generator(0, "t"))
+        common.train_alone(SPEC, tiny_model(0), {"taps": "layer3"})
