@@ -15,6 +15,7 @@ from fedmq.fedcore.algorithms import build_hyperparams, fedlc
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
+from tests.algorithms import common
 from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, shards, tiny_model
 
 SPEC = fedlc.SPEC
@@ -93,9 +94,7 @@ def test_fedlc_neutral_setting_equals_fedavg_exactly() -> None:
 def test_fedlc_training_is_deterministic_finite_and_sends_only_the_model() -> None:
     """Same seed, same model; another seed differs; every node (each lacks a class) reports a finite
     loss, and the update holds the model, the loss and the steps only: the histogram stays home."""
-    a = Federation(SPEC, {"tau": 1.0})
-    assert same_state(a.run(2), Federation(SPEC, {"tau": 1.0}).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"tau": 1.0}, seed=1).run(2))
+    a = common.assert_deterministic(SPEC, {"tau": 1.0})
     payload = Payload(tensors={"model": tiny_model().state_dict()})
     for node in a.node_ids:
         out = a.train(node, payload)
