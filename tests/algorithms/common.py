@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -47,10 +48,12 @@ __all__ = [
     "Rounds",
     "Scratch",
     "aggregate",
+    "aggregate_scalars",
     "assert_deterministic",
     "clone",
     "column",
     "context",
+    "empty_shard",
     "plain_module",
     "same_state",
     "scalar_model",
@@ -100,6 +103,16 @@ def aggregate(
     """One aggregation of `updates` in round `round`, their nodes the selected ones; the half's metrics."""
     ctx = context(round, tuple(u.node_id for u in updates), participation=participation)
     return dict(coordinator.aggregate(ctx, updates, []))
+
+
+def aggregate_scalars(
+    coordinator: CoordinatorHalf, rows: Sequence[tuple[float, int, dict[str, Any]]]
+) -> tuple[float, dict[str, float]]:
+    """One aggregation in round 0 of hand-made updates of a scalar model, node n{i} sending row i's
+    (weight, num_samples, meta); the new global weight and the half's metrics."""
+    updates = [update(f"n{i}", scalar_state(value), n, 0, **meta) for i, (value, n, meta) in enumerate(rows)]
+    metrics = aggregate(coordinator, updates)
+    return scalar_value(coordinator.model.weight), metrics
 
 
 # -- a two-weight model on two samples, for local steps by hand (FedDyn, SCAFFOLD) -----------------
@@ -157,13 +170,25 @@ def plain_module() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
 
 
-def train_alone(spec: AlgorithmSpec, model: nn.Module, hyperparams: dict[str, Any] | None = None) -> Payload:
-    """Node "n0" of `spec` trains `model` from its own weights in round 2, on four samples of 4
-    features (3 classes): for what a method refuses to train (an AlgorithmError naming n0 and round 2)."""
+def empty_shard() -> TensorDataset:
+    """A node's shard without a sample."""
+    return shards()[0].subset(np.array([], dtype=np.int64))
+
+
+def train_alone(
+    spec: AlgorithmSpec,
+    model: nn.Module,
+    hyperparams: dict[str, Any] | None = None,
+    data: TensorDataset | None = None,
+) -> Payload:
+    """Node "n0" of `spec` trains `model` from its own weights in round 2, on `data` (default: four
+    samples of 4 features, 3 classes): for what a method refuses to train (an AlgorithmError naming
+    n0 and round 2)."""
     half = spec.node(build_hyperparams(spec, hyperparams or {}), node_id="n0")
     payload = Payload(tensors={"model": model.state_dict()})
     task = TaskInput(node_id="n0", round=2, payload=payload, settings=SETTINGS, scratch=Scratch(model))
-    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
+    if data is None:
+        data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
     return half.train(task, model, data, torch_generator(0, "t"))
 
 

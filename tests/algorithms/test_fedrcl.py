@@ -18,17 +18,7 @@ from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, local_sgd
 from tests.algorithms import common
-from tests.algorithms.common import (
-    SETTINGS,
-    Federation,
-    context,
-    same_state,
-    scalar_model,
-    scalar_state,
-    shards,
-    tiny_model,
-    update,
-)
+from tests.algorithms.common import SETTINGS, Federation, same_state, shards, tiny_model
 
 SPEC = fedrcl.SPEC
 NEUTRAL = {"scl_weight": 0.0, "beta": 0.0, "local_lr_decay": 1.0}
@@ -286,10 +276,13 @@ def test_fedrcl_training_is_deterministic_under_a_fixed_seed() -> None:
 def test_fedrcl_server_averages_by_size_or_plainly_and_ignores_bad_reported_losses() -> None:
     """weighted (default): (10 * 1 + 30 * 3) / 40; weighted false (the code): the plain mean 2; a reported
     loss that is not a finite number is left out of train_loss."""
-    updates = [update("a", scalar_state(1.0), 10, loss="nan"), update("b", scalar_state(3.0), 30, loss=0.25)]
+    updates = [
+        common.update("a", common.scalar_state(1.0), 10, loss="nan"),
+        common.update("b", common.scalar_state(3.0), 30, loss=0.25),
+    ]
     for weighted, value in ((True, 2.5), (False, 2.0)):
-        coordinator = SPEC.coordinator(build_hyperparams(SPEC, {"weighted": weighted}), model=scalar_model())
-        metrics = coordinator.aggregate(context(0, ("a", "b")), updates, [])
+        coordinator = SPEC.coordinator(build_hyperparams(SPEC, {"weighted": weighted}), model=common.scalar_model())
+        metrics = common.aggregate(coordinator, updates)
         assert float(coordinator.model.weight.detach()) == pytest.approx(value)
         assert metrics["train_loss"] == 0.25
         assert coordinator.state_dict() == {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -294,7 +293,7 @@ def test_option_ii_with_adam_is_refused_on_both_halves() -> None:
 
 def test_node_without_local_steps_is_an_algorithm_error() -> None:
     """An empty shard takes no step, so (x - y)/(K lr) is undefined: AlgorithmError."""
-    empty = common.shards()[0].subset(np.array([], dtype=np.int64))
+    empty = common.empty_shard()
     fed = Federation(SPEC)
     task = TaskInput(
         node_id="node-000",

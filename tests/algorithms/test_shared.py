@@ -13,16 +13,8 @@ from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from tests.algorithms.common import (
-    Federation,
-    context,
-    same_state,
-    scalar_model,
-    scalar_state,
-    shards,
-    tiny_model,
-    update,
-)
+from tests.algorithms import common
+from tests.algorithms.common import Federation, same_state, shards, tiny_model, update
 
 
 @pytest.mark.parametrize(
@@ -46,9 +38,8 @@ def test_local_label_counts_is_the_shard_histogram() -> None:
 
 def test_local_label_counts_of_empty_or_mismatched_shard_raise_algorithm_error() -> None:
     """No labels, or labels that do not fit the model's logits, fail the round naming the node."""
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
     with pytest.raises(AlgorithmError, match="empty"):
-        shared.local_label_counts(empty, tiny_model(), node_id="n", round=0)
+        shared.local_label_counts(common.empty_shard(), tiny_model(), node_id="n", round=0)
     wide = tiny_model()
     wide.num_classes = 5  # the data has 3 classes
     with pytest.raises(AlgorithmError, match="5 logits"):
@@ -120,11 +111,12 @@ def test_node_state_starts_at_zero_on_the_cpu_and_refuses_changed_parameters() -
 def test_sync_average_is_the_halfs_rule_over_the_models_and_refuses_no_update() -> None:
     """The models' mean weighted by the given weights, through the half's averaging rule (swapped
     here as FedSA swaps it); no update is an AlgorithmError; state_norm is the Euclidean norm."""
-    half = fedavg.CoordinatorHalf(fedavg.Hyperparams(), model=scalar_model(0.0))
-    updates = [update("a", scalar_state(1.0), 10), update("b", scalar_state(3.0), 30)]
-    assert float(shared.sync_average(half, context(0, ("a", "b")), updates, [10.0, 30.0])["weight"]) == 2.5
+    half = fedavg.CoordinatorHalf(fedavg.Hyperparams(), model=common.scalar_model(0.0))
+    updates = [update("a", common.scalar_state(1.0), 10), update("b", common.scalar_state(3.0), 30)]
+    ctx = common.context(0, ("a", "b"))
+    assert float(shared.sync_average(half, ctx, updates, [10.0, 30.0])["weight"]) == 2.5
     half.average = lambda states, weights: {k: v.clone() for k, v in states[-1].items()}
-    assert float(shared.sync_average(half, context(0, ("a", "b")), updates, [10.0, 30.0])["weight"]) == 3.0
+    assert float(shared.sync_average(half, ctx, updates, [10.0, 30.0])["weight"]) == 3.0
     with pytest.raises(AlgorithmError, match="no update to aggregate"):
-        shared.sync_average(half, context(0, ()), [], [])
+        shared.sync_average(half, common.context(0, ()), [], [])
     assert shared.state_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]) == 5.0
