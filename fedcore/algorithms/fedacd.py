@@ -447,11 +447,7 @@ class NodeHalf(base.NodeHalf):
         """`train` for every member at once (`group_refusal` says where not): Eq. 9 on each node's batch
         mixed as `train` mixes it (the draws in the plan, `_StepDraws`), with log Delta from the node's
         running P carried from step to step (`_running_p`)."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        first = shared.start_group(self, members, model)
         present = [m.half._present(m.task, m.data) for m in members]  # type: ignore[attr-defined]
         hp = self.hp
         uses_delta = hp.logit_adjust and hp.l2_weight != 0.0

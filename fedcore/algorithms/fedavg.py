@@ -15,7 +15,6 @@ from torch import nn
 
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import local_sgd
 from fedmq.fedcore.vectorized import train_vectorized, unsupported
 
@@ -43,22 +42,16 @@ class NodeHalf(base.NodeHalf):
     ) -> base.Payload:
         shared.load_group(task, "model", model, node_id=self.node_id)
         stats = local_sgd(model, data, task.settings, generator)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return shared.model_update(model.state_dict(), stats)
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
-        """`train` for every member at once: local SGD from the one broadcast model, vectorised."""
-        reason = self.group_refusal(model)
-        if reason is not None:  # a subclass with its own `train` (FedDisco) inherits this method, not its use
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        """`train` for every member at once: local SGD from the one broadcast model, vectorised. A
+        subclass with its own `train` (FedDisco) inherits this method, and `start_group` refuses its use."""
+        first = shared.start_group(self, members, model)
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members]
         )
-        return [
-            base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
-            for state, stats in results
-        ]
+        return [shared.model_update(state, stats) for state, stats in results]
 
     def group_refusal(self, model: nn.Module) -> str | None:
         return super().group_refusal(model) or unsupported(model)

@@ -89,7 +89,7 @@ class CoordinatorHalf(shared.AveragingCoordinator):
             # exactly the average when beta = 0 and eta = 1 (then Delta_t - v_{t+1} is exactly 0)
             new[name] = (avg.to(v.dtype) + delta.sub_(v, alpha=eta)).to(current.dtype)
         self.model.load_state_dict(new)
-        velocity_norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in self.velocity.values()))
+        velocity_norm = shared.state_norm(self.velocity.values())
         return {"train_loss": shared.mean_reported_loss(updates, weights), "velocity_norm": velocity_norm}
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -52,8 +52,7 @@ Choices and deviations:
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -62,9 +61,8 @@ from torch import nn
 
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import NodeBatch, train_vectorized, unsupported
 
 STATE_PREFIX = "h/"
 """Prefix of h's entries in `CoordinatorHalf.state_dict`."""
@@ -140,11 +138,9 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        if not updates:
-            raise AlgorithmError("no update to aggregate", round=ctx.round)
         weights = shared.sample_weights(updates, weighted=self.hp.weighted)
+        average = shared.sync_average(self, ctx, updates, weights)
         models = [u.payload.tensors["model"] for u in updates]
-        average = self.average(models, base.staleness_weighted(ctx, updates, weights))
         m = shared.federation_size(self.hp.num_nodes, ctx, len(updates), method="FedDyn")
         alpha = self.hp.alpha
         new: dict[str, torch.Tensor] = {}
@@ -158,10 +154,9 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.model.load_state_dict(new)
         if self.average_model is not None:
             self.average_model.load_state_dict(average)
-        h_norm = math.sqrt(sum(float(h.double().pow(2).sum()) for h in self.h.values()))
         return {
             "train_loss": shared.mean_reported_loss(updates, weights),
-            "h_norm": h_norm,
+            "h_norm": shared.state_norm(self.h.values()),
             "federation_size": float(m),
         }
 
@@ -205,18 +200,14 @@ class NodeHalf(base.NodeHalf):
 
         stats = local_sgd(model, data, task.settings, generator, after_backward=regularise)
         self._step_state({name: p.detach() for name, p in params}, anchor)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return shared.model_update(model.state_dict(), stats)
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
         """`train` for every member at once: the regulariser as a loss term on each member's parameters,
-        with its own grad_k in the group's inputs. The term is added to the loss as ``reg - reg.detach()``:
-        its gradient is the one `train` adds after the backward pass, and the loss reported stays the
-        cross-entropy, as `train` reports it."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
+        with its own grad_k in the group's inputs. The term is added to the loss as ``reg - reg.detach()``
+        (`shared.gradient_terms`): its gradient is the one `train` adds after the backward pass, and the
+        loss reported stays the cross-entropy, as `train` reports it."""
+        first = shared.start_group(self, members, model)
         params = shared.trainable(model)
         halves = [cast(NodeHalf, m.half) for m in members]
         for half, member in zip(halves, members, strict=True):
@@ -229,36 +220,26 @@ class NodeHalf(base.NodeHalf):
             for name in names
         }
 
-        def objective(batch: NodeBatch) -> torch.Tensor:
-            reg = sum(
-                (alpha / 2) * (batch.params[n] - batch.start[n]).pow(2).sum()
-                - (batch.inputs[n] * batch.params[n]).sum()
-                for n in names
-            )
-            assert isinstance(reg, torch.Tensor)
-            return batch.mean(nll(batch.logits(), batch.y)) + (reg - reg.detach())
+        def regulariser(batch: NodeBatch) -> Iterator[torch.Tensor]:
+            """- <grad_k, theta> + (alpha/2) ||theta - theta^{t-1}||^2, parameter by parameter."""
+            for n in names:
+                theta, start, grad_k = batch.params[n], batch.start[n], batch.inputs[n]
+                yield (alpha / 2) * (theta - start).pow(2).sum() - (grad_k * theta).sum()
 
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, inputs=inputs,
+            objective=shared.gradient_terms(regulariser), inputs=inputs,
         )  # fmt: skip
         for half, (state, _) in zip(halves, results, strict=True):
             half._step_state({name: state[name] for name in names}, anchor)
-        return [
-            base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
-            for state, stats in results
-        ]
+        return [shared.model_update(state, stats) for state, stats in results]
 
     def group_refusal(self, model: nn.Module) -> str | None:
         return super().group_refusal(model) or unsupported(model)
 
     def _check_state(self, params: Sequence[tuple[str, nn.Parameter]], round: int) -> None:
         """grad_k made (zero before the first round) and matching the model's parameters."""
-        if self.gradient is None:  # grad_k = 0 before the first round
-            self.gradient = shared.zero_state(params, device="cpu")
-        if self.gradient.keys() != {name for name, _ in params}:
-            message = "the model's parameters changed since this node's last round"
-            raise AlgorithmError(message, node_id=self.node_id, round=round)
+        self.gradient = shared.node_state(self.gradient, params, node_id=self.node_id, round=round)
 
     def _step_state(self, trained: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]) -> None:
         """grad_k <- grad_k - alpha (theta_k - theta^{t-1}), from the node's trained parameters."""

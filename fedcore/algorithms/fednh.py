@@ -266,10 +266,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
         schema = {
             "model": schema_of(self.model.state_dict()),
-            "class_means": {
-                "means": TensorSpec(torch.float32, (self.classes, self.dim)),
-                "counts": TensorSpec(torch.int64, (self.classes,)),
-            },
+            "class_means": shared.class_means_schema(self.classes, self.dim),
         }
         if self.hp.learn_scale:
             schema["scale"] = {"value": TensorSpec(torch.float32, (1,))}
@@ -350,10 +347,7 @@ class NodeHalf(base.NodeHalf):
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
         shared.load_group(task, "model", model, node_id=self.node_id)
-        try:
-            classes, dim = shared.model_shape(model, "FedNH")
-        except ValueError as exc:
-            raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
+        classes, dim = shared.node_model_shape(model, "FedNH", node_id=self.node_id, round=task.round)
         prototypes = self._tensor(task, "prototypes", "weight", (classes, dim))
         scale = self._tensor(task, "scale", "value", (1,))
         device = next(model.parameters()).device
@@ -374,16 +368,8 @@ class NodeHalf(base.NodeHalf):
         computation of FedNH's cosine classifier on the fixed prototypes (`_Trainable`: the same network
         as `PrototypeClassifier`, with the prototypes held outside its parameters and buffers), then each
         member's class means from its own trained body."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        task = first.task
-        shared.load_group(task, "model", model, node_id=first.half.node_id)
-        try:
-            classes, dim = shared.model_shape(model, "FedNH")
-        except ValueError as exc:
-            raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
+        task = shared.start_group(self, members, model).task
+        classes, dim = shared.node_model_shape(model, "FedNH", node_id=self.node_id, round=task.round)
         device = next(model.parameters()).device
         prototypes = self._tensor(task, "prototypes", "weight", (classes, dim)).to(device)
         scale = self._tensor(task, "scale", "value", (1,)).to(device)

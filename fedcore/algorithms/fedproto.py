@@ -186,10 +186,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def update_schema(self) -> dict[str, dict[str, TensorSpec]]:
         return {
             "model": schema_of(self.model.state_dict()),
-            "class_means": {
-                "means": TensorSpec(torch.float32, (self.classes, self.dim)),
-                "counts": TensorSpec(torch.int64, (self.classes,)),
-            },
+            "class_means": shared.class_means_schema(self.classes, self.dim),
         }
 
     def evaluation_models(self) -> Mapping[str, nn.Module]:
@@ -205,8 +202,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             raise AlgorithmError("no update of this round carries valid FedProto prototypes", round=ctx.round)
         weights = [float(u.num_samples) for u in valid]
         # the models' average: for evaluation only (local_models) or the next global model
-        models = [u.payload.tensors["model"] for u in valid]
-        self.model.load_state_dict(self.average(models, base.staleness_weighted(ctx, valid, weights)))
+        self.model.load_state_dict(shared.sync_average(self, ctx, valid, weights))
         # C_bar^(j) for the classes held this round; the others keep theirs
         stats = [u.payload.tensors["class_means"] for u in valid]
         new, held = aggregate_prototypes([s["means"] for s in stats], [s["counts"] for s in stats], self.hp.weighting)
@@ -254,10 +250,7 @@ class NodeHalf(base.NodeHalf):
         shared.load_group(task, "model", model, node_id=self.node_id)
         if self.hp.local_models and self.local is not None:
             model.load_state_dict(self.local)  # FedProto: the node goes on from its own model
-        try:
-            classes, dim = shared.model_shape(model, "FedProto")
-        except ValueError as exc:
-            raise AlgorithmError(str(exc), node_id=self.node_id, round=task.round) from exc
+        classes, dim = shared.node_model_shape(model, "FedProto", node_id=self.node_id, round=task.round)
         device = next(model.parameters()).device
         prototypes, present = self._global_prototypes(task, classes, dim, device)
         lam = self.hp.proto_weight
@@ -299,15 +292,8 @@ class NodeHalf(base.NodeHalf):
         prototype term on its padded batch, and its local prototypes from the representations of its
         last epoch, summed on the device as it trains (``prototype_pass: train``), or from a pass of its
         trained model (``eval``)."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        shared.load_group(first.task, "model", model, node_id=first.half.node_id)
-        try:
-            classes, dim = shared.model_shape(model, "FedProto")
-        except ValueError as exc:
-            raise AlgorithmError(str(exc), node_id=self.node_id, round=first.task.round) from exc
+        first = shared.start_group(self, members, model)
+        classes, dim = shared.node_model_shape(model, "FedProto", node_id=self.node_id, round=first.task.round)
         device = next(model.parameters()).device
         prototypes, present = self._global_prototypes(first.task, classes, dim, device)
         lam, record = self.hp.proto_weight, self.hp.prototype_pass == "train"

@@ -59,8 +59,7 @@ Choices and deviations:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -73,7 +72,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import TensorSpec, schema_of
 from fedmq.fedcore.training import local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import NodeBatch, train_vectorized, unsupported
 
 CONTROL = "control"
 """The task's tensor group holding the server control variate c."""
@@ -183,11 +182,8 @@ class CoordinatorHalf(base.CoordinatorHalf):
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
     ) -> Mapping[str, float]:
-        if not updates:
-            raise AlgorithmError("no update to aggregate", round=ctx.round)
         weights = shared.sample_weights(updates, weighted=self.hp.weighted)
-        models = [u.payload.tensors["model"] for u in updates]
-        average = self.average(models, base.staleness_weighted(ctx, updates, weights))
+        average = shared.sync_average(self, ctx, updates, weights)
         new: dict[str, torch.Tensor] = {}
         for name, current in self.model.state_dict().items():
             if name not in self.control:
@@ -201,10 +197,9 @@ class CoordinatorHalf(base.CoordinatorHalf):
         for name, c in self.control.items():
             deltas = [u.payload.tensors[CONTROL_DELTA][name] for u in updates]
             c.copy_(server_control_step(c, deltas, n))  # c <- c + (|S|/N) mean(Delta c_i)
-        control_norm = math.sqrt(sum(float(c.double().pow(2).sum()) for c in self.control.values()))
         return {
             "train_loss": shared.mean_reported_loss(updates, weights),
-            "control_norm": control_norm,
+            "control_norm": shared.state_norm(self.control.values()),
             "federation_size": float(n),
         }
 
@@ -232,7 +227,7 @@ class NodeHalf(base.NodeHalf):
             raise self._error(task, "SCAFFOLD's option II assumes SGD local steps, not " + repr(settings.optimizer))
         params = shared.trainable(model)
         c = self._server_control(task, params)
-        c_i = self._control(task, params, c)
+        c_i = self._control(task, params)
         assert self.control is not None
         x = {name: p.detach().clone() for name, p in params}
         g_x = None
@@ -273,18 +268,14 @@ class NodeHalf(base.NodeHalf):
         ``<c - c_i, y>`` on its parameters (its gradient is the one `train` adds, the loss reported stays
         the cross-entropy), then each member's c_i+ from its own steps and trained model (gradient_mean:
         from its gradients summed over its steps, each the raw gradient plus c - c_i)."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
+        first = shared.start_group(self, members, model)
         task, settings, option = first.task, first.task.settings, self.hp.control_update
         if option == "option_ii" and settings.optimizer != "sgd":
             raise self._error(task, "SCAFFOLD's option II assumes SGD local steps, not " + repr(settings.optimizer))
-        shared.load_group(task, "model", model, node_id=first.half.node_id)
         params = shared.trainable(model)
         c = self._server_control(task, params)
         halves = [cast(NodeHalf, m.half) for m in members]
-        controls = [half._control(member.task, params, c) for half, member in zip(halves, members, strict=True)]
+        controls = [half._control(member.task, params) for half, member in zip(halves, members, strict=True)]
         x = {name: p.detach().clone() for name, p in params}
         g_xs: list[dict[str, torch.Tensor]] = []
         if option == "option_i":  # c_i+ = g_i(x): each member's extra pass over its data, before training
@@ -294,14 +285,13 @@ class NodeHalf(base.NodeHalf):
         names = [name for name, _ in params]
         inputs = {name: torch.stack([c[name] - c_i[name] for c_i in controls]) for name in names}
 
-        def objective(batch: NodeBatch) -> torch.Tensor:
-            correction = sum((batch.inputs[n] * batch.params[n]).sum() for n in names)
-            assert isinstance(correction, torch.Tensor)
-            return batch.mean(nll(batch.logits(), batch.y)) + (correction - correction.detach())
+        def correction(batch: NodeBatch) -> Iterator[torch.Tensor]:
+            """<c - c_i, y>, parameter by parameter."""
+            return ((batch.inputs[n] * batch.params[n]).sum() for n in names)
 
         results = train_vectorized(
-            model, [m.data for m in members], settings, [m.generator for m in members], objective=objective,
-            inputs=inputs, sum_gradients=option == "gradient_mean",
+            model, [m.data for m in members], settings, [m.generator for m in members],
+            objective=shared.gradient_terms(correction), inputs=inputs, sum_gradients=option == "gradient_mean",
         )  # fmt: skip
         payloads = []
         for i, (half, member, (state, stats)) in enumerate(zip(halves, members, results, strict=True)):
@@ -331,14 +321,9 @@ class NodeHalf(base.NodeHalf):
     def group_refusal(self, model: nn.Module) -> str | None:
         return super().group_refusal(model) or unsupported(model)
 
-    def _control(
-        self, task: base.TaskInput, params: list[tuple[str, nn.Parameter]], c: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    def _control(self, task: base.TaskInput, params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
         """c_i on the parameters' devices and dtypes (zero at the node's first participation)."""
-        if self.control is None:  # c_i = 0 at the first participation
-            self.control = shared.zero_state(params, device="cpu")
-        if self.control.keys() != c.keys():
-            raise self._error(task, "the model's parameters changed since this node's last round")
+        self.control = shared.node_state(self.control, params, node_id=self.node_id, round=task.round)
         return {name: self.control[name].to(p.device, p.dtype) for name, p in params}
 
     def _server_control(self, task: base.TaskInput, params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:

@@ -8,11 +8,15 @@
 - `LossTermNode`, the template of "FedAvg plus a loss term": the node loads the global model, trains
   with `local_sgd` on the method's objective and returns the model; a subclass gives the objective
   (`LossTermNode.objective`), and a hook when it keeps state (`trained`) or trains otherwise (`fit`).
+- Group training: `start_group` (what every `train_group` checks and loads first), `gradient_terms`
+  (the group form of a gradient added after the backward pass: SCAFFOLD, FedDyn), and
+  `model_update` (an update that carries the trained model alone).
 - Small pieces of several methods: the trainable parameters and their accumulator dtypes (SCAFFOLD,
-  FedDyn, FedAvgM), a checkpointed dict of tensors (`load_tensors`), the federation size N
-  (SCAFFOLD, FedDyn), a node's label counts (FedLC, FedRS, FedVLS), `local_sgd`'s batch count
-  (FedACD, FedProto), the shape of a FedModel and the checks on uploaded class means (FedNH,
-  FedProto), and the filter that leaves invalid updates out with a warning.
+  FedDyn, FedAvgM), a node's state per parameter (`node_state`: SCAFFOLD, FedDyn), a checkpointed
+  dict of tensors (`load_tensors`) and its norm (`state_norm`), the federation size N (SCAFFOLD,
+  FedDyn), a node's label counts (FedLC, FedRS, FedVLS), `local_sgd`'s batch count (FedACD,
+  FedProto), the shape of a FedModel and the update's class means, their schema and their checks
+  (FedNH, FedProto), and the filter that leaves invalid updates out with a warning.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -32,9 +36,16 @@ from fedmq.fedcore.algorithms import base
 from fedmq.fedcore.algorithms.base import mean_reported_loss
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.tensors import StateDict
+from fedmq.fedcore.tensors import StateDict, TensorSpec
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
-from fedmq.fedcore.vectorized import GroupObjective, cross_entropy_objective, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import (
+    GroupObjective,
+    NodeBatch,
+    cross_entropy_objective,
+    nll,
+    train_vectorized,
+    unsupported,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +71,27 @@ def task_flag(task: base.TaskInput, key: str, *, node_id: str, default: bool | N
     return value
 
 
+def model_update(state: StateDict, stats: TrainStats) -> base.Payload:
+    """The update of a node that sends its trained model alone: the model, the training loss and the step count."""
+    return base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
+
+
 def sample_weights(updates: Sequence[base.NodeUpdate], *, weighted: bool = True) -> list[float]:
     """Each update's weight in an average: its number of samples n_k, or 1 when not `weighted`."""
     return [float(u.num_samples) if weighted else 1.0 for u in updates]
+
+
+def sync_average(
+    half: base.CoordinatorHalf, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], weights: Sequence[float]
+) -> StateDict:
+    """The mean of the updates' models by the half's averaging rule (``half.average``: the weighted
+    mean, or FedSA's), weighted by `weights` discounted by staleness: the average a sync-only half
+    takes for its own rule (SCAFFOLD, FedDyn, FedProto), where `next_model` would fold by
+    ``ctx.folding``'s. No update is an AlgorithmError."""
+    if not updates:
+        raise AlgorithmError("no update to aggregate", round=ctx.round)
+    models = [u.payload.tensors["model"] for u in updates]
+    return half.average(models, base.staleness_weighted(ctx, updates, weights))
 
 
 def valid_updates(
@@ -179,7 +208,7 @@ class LossTermNode(base.NodeHalf):
         stats = self.fit(model, data, task.settings, generator, objective)
         if objective is not None:
             self.trained(model)
-        return base.Payload(tensors={"model": model.state_dict()}, meta={"loss": stats.loss, "steps": stats.steps})
+        return model_update(model.state_dict(), stats)
 
     @abstractmethod
     def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
@@ -199,11 +228,7 @@ class LossTermNode(base.NodeHalf):
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
         """`train` for every member at once: each member's `group_term`, one vectorised local SGD."""
-        reason = self.group_refusal(model)
-        if reason is not None:
-            raise AlgorithmError(reason, node_id=self.node_id)
-        first = base.same_task(members)
-        load_group(first.task, "model", model, node_id=first.half.node_id)
+        first = start_group(self, members, model)
         terms = [m.half.group_term(m.task, model, m.data) for m in members]  # type: ignore[attr-defined]
         neutral = terms[0] is None
         if any((t is None) != neutral for t in terms):
@@ -219,10 +244,7 @@ class LossTermNode(base.NodeHalf):
                 for member, (state, _) in zip(members, results, strict=True):
                     model.load_state_dict(state)
                     member.half.trained(model)  # type: ignore[attr-defined]
-        return [
-            base.Payload(tensors={"model": state}, meta={"loss": stats.loss, "steps": stats.steps})
-            for state, stats in results
-        ]
+        return [model_update(state, stats) for state, stats in results]
 
     def group_refusal(self, model: nn.Module) -> str | None:
         """A subclass trains in groups when it writes its objective as a `GroupTerm` and keeps the
@@ -272,6 +294,32 @@ def _owner(cls: type, name: str) -> type:
     return next(c for c in cls.__mro__ if name in vars(c))
 
 
+def start_group(half: base.NodeHalf, members: Sequence[base.GroupMember], model: nn.Module) -> base.GroupMember:
+    """What a `train_group` does first: refuse a group the half cannot train (an AlgorithmError with
+    `group_refusal`'s reason), check that the members received one task (`base.same_task`) and load
+    its global model into the workspace `model`. The first member."""
+    reason = half.group_refusal(model)
+    if reason is not None:
+        raise AlgorithmError(reason, node_id=half.node_id)
+    first = base.same_task(members)
+    load_group(first.task, "model", model, node_id=first.half.node_id)
+    return first
+
+
+def gradient_terms(terms: Callable[[NodeBatch], Iterable[torch.Tensor]]) -> GroupObjective:
+    """The group objective of a method whose `train` adds the gradient of a term to each local step
+    after the backward pass (SCAFFOLD's correction, FedDyn's regulariser): the cross-entropy plus the
+    sum of `terms` (one per parameter) as ``term - term.detach()``, whose gradient is the term's and
+    whose value is 0, so that the loss reported stays the cross-entropy, as `train` reports it."""
+
+    def objective(batch: NodeBatch) -> torch.Tensor:
+        term = sum(terms(batch))
+        assert isinstance(term, torch.Tensor)  # a term of at least one parameter
+        return batch.mean(nll(batch.logits(), batch.y)) + (term - term.detach())
+
+    return objective
+
+
 def frozen_model(task: base.TaskInput, key: str, group: str, *, node_id: str) -> nn.Module:
     """The task's tensor group `group` (the global model, a teacher) in the process's spare module
     `key` (`TaskInput.scratch`), in eval mode: a model the node runs without training it."""
@@ -297,6 +345,26 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
 def zero_state(params: Sequence[tuple[str, nn.Parameter]], device: str | None = None) -> dict[str, torch.Tensor]:
     """A zero tensor per named parameter, in its accumulator dtype, on `device` (default: the parameter's)."""
     return {name: torch.zeros_like(p.detach(), dtype=accumulator(p.dtype), device=device) for name, p in params}
+
+
+def node_state(
+    state: dict[str, torch.Tensor] | None, params: Sequence[tuple[str, nn.Parameter]], *, node_id: str, round: int
+) -> dict[str, torch.Tensor]:
+    """A node's tensor per trainable parameter, kept across rounds (SCAFFOLD's c_i, FedDyn's grad_k):
+    `state`, or zero on the CPU before the node's first round (`state` None); an AlgorithmError when
+    the model's parameters changed since."""
+    if state is None:
+        state = zero_state(params, device="cpu")
+    if state.keys() != {name for name, _ in params}:
+        message = "the model's parameters changed since this node's last round"
+        raise AlgorithmError(message, node_id=node_id, round=round)
+    return state
+
+
+def state_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The Euclidean norm of all the entries of `tensors`, summed in float64: the size of a server
+    state (FedAvgM's velocity, SCAFFOLD's c, FedDyn's h) as a metric."""
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
 
 def load_tensors(
@@ -370,6 +438,20 @@ def model_shape(model: nn.Module, method: str) -> tuple[int, int]:
     if not isinstance(classes, int) or not isinstance(dim, int) or not hasattr(model, "extract"):
         raise ValueError(f"{method} needs a FedModel (num_classes, feature_dim, extract), not {type(model).__name__}")
     return classes, dim
+
+
+def node_model_shape(model: nn.Module, method: str, *, node_id: str, round: int) -> tuple[int, int]:
+    """`model_shape` on a node: a model that is no FedModel is an AlgorithmError naming the node and round."""
+    try:
+        return model_shape(model, method)
+    except ValueError as exc:
+        raise AlgorithmError(str(exc), node_id=node_id, round=round) from exc
+
+
+def class_means_schema(classes: int, dim: int) -> dict[str, TensorSpec]:
+    """The ``class_means`` group of an update: float32 ``means`` (C, d) and int64 ``counts`` (C,)
+    (`class_means_problem` checks what a schema cannot)."""
+    return {"means": TensorSpec(torch.float32, (classes, dim)), "counts": TensorSpec(torch.int64, (classes,))}
 
 
 def class_means_problem(update: base.NodeUpdate, classes: int, dim: int) -> str | None:

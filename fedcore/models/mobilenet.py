@@ -31,15 +31,6 @@ from torch import nn
 
 from fedmq.fedcore.models.base import FedModel, Taps, choice, image_shape, positive_int, record
 
-CIFAR_STAGES = (
-    (1, 16, 1, 1),
-    (6, 24, 2, 1),
-    (6, 32, 3, 2),
-    (6, 64, 4, 2),
-    (6, 96, 3, 1),
-    (6, 160, 3, 2),
-    (6, 320, 1, 1),
-)
 IMAGENET_STAGES = (
     (1, 16, 1, 1),
     (6, 24, 2, 2),
@@ -49,6 +40,9 @@ IMAGENET_STAGES = (
     (6, 160, 3, 2),
     (6, 320, 1, 1),
 )
+"""Each stage's (t, c, n, s): expansion, channels, blocks, first stride (Sandler et al.: the "imagenet" variant)."""
+CIFAR_STAGES = (IMAGENET_STAGES[0], (6, 24, 2, 1), *IMAGENET_STAGES[2:])
+"""The code's CIFAR table: the paper's with stride 1 in the second stage."""
 TAPPED_STAGES = {1: "layer1", 2: "layer2", 4: "layer3", 6: "layer4"}
 
 

@@ -19,18 +19,8 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
-from tests.algorithms.common import (
-    SETTINGS,
-    Federation,
-    Scratch,
-    context,
-    same_state,
-    scalar_model,
-    scalar_state,
-    shards,
-    tiny_model,
-    update,
-)
+from tests.algorithms import common
+from tests.algorithms.common import SETTINGS, Federation, context, same_state, shards, tiny_model
 
 SPEC = fedacd.SPEC
 NEUTRAL = {"l1_weight": 0.0, "logit_adjust": False, "mixup_alpha": 0.0, "weighting": "samples"}
@@ -341,17 +331,17 @@ def test_adaptability_score_and_its_inverse_by_hand() -> None:
 
 
 def _coordinator(**hp: object):  # type: ignore[no-untyped-def]
-    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=scalar_model(0.0))
+    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=common.scalar_model(0.0))
 
 
 def _aggregate(coordinator, rows: list[tuple[float, int, object]]) -> tuple[float, dict[str, float]]:  # type: ignore[no-untyped-def]
-    """One round of hand-made updates (value, num_samples, score or `...` for none); the new weight."""
-    updates = []
-    for i, (value, n, v) in enumerate(rows):
-        meta = {"loss": float(i + 1)} if v is ... else {"loss": float(i + 1), fedacd.SCORE: v}
-        updates.append(update(f"n{i}", scalar_state(value), n, 0, **meta))
-    metrics = coordinator.aggregate(context(0, tuple(u.node_id for u in updates)), updates, [])
-    return float(coordinator.model.weight.detach()), dict(metrics)
+    """One round of hand-made updates (value, num_samples, score or `...` for none), update i
+    reporting loss i + 1; the new weight and the metrics."""
+    scored = [
+        (value, n, {"loss": float(i + 1)} if v is ... else {"loss": float(i + 1), fedacd.SCORE: v})
+        for i, (value, n, v) in enumerate(rows)
+    ]
+    return common.aggregate_scalars(coordinator, scored)
 
 
 def test_aggregation_weights_by_hand() -> None:
@@ -451,9 +441,7 @@ def test_neutral_setting_equals_fedavg_exactly() -> None:
 
 def test_training_is_deterministic_under_a_fixed_seed() -> None:
     """Same seed, same global model (Mixup draws included); another seed differs; the loss is finite."""
-    a = Federation(SPEC)
-    assert same_state(a.run(2), Federation(SPEC).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(2))
+    a = common.assert_deterministic(SPEC)
     assert all(math.isfinite(m["train_loss"]) and m["acd_invalid"] == 0.0 for m in a.metrics)
 
 
@@ -494,18 +482,8 @@ def test_node_reports_the_score_of_its_final_model() -> None:
 
 def test_node_with_empty_shard_raises_algorithm_error() -> None:
     """No sample, no class-probability matrix: the node fails the round with an AlgorithmError naming itself."""
-    node = SPEC.node(build_hyperparams(SPEC, {}), node_id="node-000")
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
-    model = tiny_model()
-    task = TaskInput(
-        node_id="node-000",
-        round=0,
-        payload=Payload(tensors={"model": tiny_model().state_dict()}),
-        settings=SETTINGS,
-        scratch=Scratch(model),
-    )
-    with pytest.raises(AlgorithmError, match=r"at least 2 classes and 1 sample.*node node-000"):
-        node.train(task, model, empty, torch_generator(0, "node-train", "node-000", 0))
+    with pytest.raises(AlgorithmError, match=r"at least 2 classes and 1 sample.*node n0, round 2"):
+        common.train_alone(SPEC, tiny_model(), data=common.empty_shard())
 
 
 @pytest.mark.gpu

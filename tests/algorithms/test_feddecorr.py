@@ -8,15 +8,14 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from fedmq.fedcore.algorithms import build_hyperparams, feddecorr
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
-from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, tiny_model
+from tests.algorithms import common
+from tests.algorithms.common import Federation, same_state, tiny_model
 
 SPEC = feddecorr.SPEC
 
@@ -119,20 +118,11 @@ def test_feddecorr_node_decorrelates_its_features() -> None:
 @pytest.mark.parametrize("form", feddecorr.FORMS)
 def test_feddecorr_training_is_deterministic_under_a_fixed_seed(form: str) -> None:
     """Two federations with the same seed end with the same model; another seed differs."""
-    a = Federation(SPEC, {"form": form})
-    assert same_state(a.run(2), Federation(SPEC, {"form": form}).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"form": form}, seed=1).run(2))
+    a = common.assert_deterministic(SPEC, {"form": form})
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 
 
 def test_feddecorr_model_without_extract_raises_algorithm_error() -> None:
     """A plain module cannot give the features before the classifier: AlgorithmError naming node and round."""
-    half = SPEC.node(build_hyperparams(SPEC, {}), node_id="n0")
-    model = nn.Sequential(nn.Linear(4, 3))
-    task = TaskInput(
-        node_id="n0", round=3, payload=Payload(tensors={"model": model.state_dict()}), settings=SETTINGS,
-        scratch=Scratch(model),
-    )  # fmt: skip
-    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
-    with pytest.raises(AlgorithmError, match=r"extract.*node n0, round 3"):
-        half.train(task, model, data, torch_generator(0, "t"))
+    with pytest.raises(AlgorithmError, match=r"extract.*node n0, round 2"):
+        common.train_alone(SPEC, common.plain_module())

@@ -10,41 +10,26 @@ import numpy as np
 import pytest
 
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
-from fedmq.fedcore.algorithms.base import Payload, TaskInput
 from fedmq.fedcore.algorithms.feddisco import DISCREPANCY, disco_weights, label_discrepancy
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.seeding import torch_generator
-from tests.algorithms.common import (
-    SETTINGS,
-    Federation,
-    Scratch,
-    context,
-    same_state,
-    scalar_model,
-    scalar_state,
-    shards,
-    tiny_model,
-    update,
-)
+from tests.algorithms import common
+from tests.algorithms.common import Federation, context, same_state, tiny_model
 
 SPEC = get_algorithm("feddisco")
 
 
 def _coordinator(num_classes: int | None = None, **hp: object):  # type: ignore[no-untyped-def]
-    model = scalar_model(0.0)
+    model = common.scalar_model(0.0)
     if num_classes is not None:
         model.num_classes = num_classes  # what the framework's models expose; bounds d_k by log C
     return SPEC.coordinator(build_hyperparams(SPEC, hp), model=model)
 
 
 def _aggregate(coordinator, rows: list[tuple[float, int, object]]) -> tuple[float, dict[str, float]]:  # type: ignore[no-untyped-def]
-    """One round of hand-made updates (value, num_samples, discrepancy or `...` for none); the new weight."""
-    updates = []
-    for i, (value, n, d) in enumerate(rows):
-        meta = {"loss": 1.0} if d is ... else {"loss": 1.0, DISCREPANCY: d}
-        updates.append(update(f"n{i}", scalar_state(value), n, 0, **meta))
-    metrics = coordinator.aggregate(context(0, tuple(u.node_id for u in updates)), updates, [])
-    return float(coordinator.model.weight.detach()), dict(metrics)
+    """One round of hand-made updates (value, num_samples, discrepancy or `...` for none), each
+    reporting loss 1; the new weight and the metrics."""
+    reported = [(value, n, {"loss": 1.0} if d is ... else {"loss": 1.0, DISCREPANCY: d}) for value, n, d in rows]
+    return common.aggregate_scalars(coordinator, reported)
 
 
 # -- the discrepancy and Eq. 8 by hand ----------------------------------------------------------
@@ -185,17 +170,5 @@ def test_node_reports_discrepancy_of_its_shard_histogram() -> None:
 
 def test_node_with_empty_shard_raises_algorithm_error() -> None:
     """No labels, no distribution: the node fails the round with an AlgorithmError naming itself."""
-    spec = SPEC
-    hp = build_hyperparams(spec, {})
-    node = spec.node(hp, node_id="node-000")
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
-    model = tiny_model()
-    task = TaskInput(
-        node_id="node-000",
-        round=0,
-        payload=Payload(tensors={"model": tiny_model().state_dict()}),
-        settings=SETTINGS,
-        scratch=Scratch(model),
-    )
-    with pytest.raises(AlgorithmError, match="empty"):
-        node.train(task, model, empty, torch_generator(0, "node-train", "node-000", 0))
+    with pytest.raises(AlgorithmError, match=r"empty.*node n0, round 2"):
+        common.train_alone(SPEC, tiny_model(), data=common.empty_shard())

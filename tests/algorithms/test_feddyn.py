@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from fedmq.fedcore.algorithms import build_hyperparams
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
@@ -20,60 +19,23 @@ from fedmq.fedcore.algorithms.feddyn import (
     server_model,
     server_state_step,
 )
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.participation import ParticipationRecord
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import schema_mismatch
 from fedmq.fedcore.training import TrainSettings
-from tests.algorithms.common import (
-    Federation,
-    context,
-    same_state,
-    scalar_model,
-    scalar_state,
-    shards,
-    tiny_model,
-    update,
-)
-
-G0 = 0.25
-"""First coordinate of the cross-entropy gradient of `_data()` at W = 0 (the second is its negative)."""
-
-
-def _data() -> TensorDataset:
-    """Two samples: x = 1 with label 0, x = 2 with label 1."""
-    return TensorDataset(x=torch.tensor([[1.0], [2.0]]), y=torch.tensor([0, 1]), num_classes=2)
-
-
-def _column(a: float, b: float) -> torch.Tensor:
-    return torch.tensor([[a], [b]])
-
-
-def _model(w: tuple[float, float] = (0.0, 0.0)) -> nn.Module:
-    """Logits (w0 x, w1 x): two weights, no bias."""
-    model = nn.Linear(1, 2, bias=False)
-    with torch.no_grad():
-        model.weight.copy_(_column(*w))
-    return model
+from tests.algorithms import common
+from tests.algorithms.common import Federation, column, same_state, scalar_value, two_weight_model
 
 
 def _train(node, steps: int, round: int = 0) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """`steps` full-batch SGD steps of lr 0.5 from theta^{t-1} = 0; the node's model."""
     settings = TrainSettings(local_epochs=steps, batch_size=2, lr=0.5)
-    task = TaskInput(
-        node_id="n0", round=round, payload=Payload(tensors={"model": _model().state_dict()}), settings=settings
-    )
-    out = node.train(task, _model((9.0, 9.0)), _data(), torch_generator(0, "t"))
+    payload = Payload(tensors={"model": two_weight_model().state_dict()})
+    task = TaskInput(node_id="n0", round=round, payload=payload, settings=settings)
+    out = node.train(task, two_weight_model((9.0, 9.0)), common.two_samples(), torch_generator(0, "t"))
     assert out.meta["steps"] == steps
     return out.tensors["model"]["weight"]
-
-
-def _gradient_at(w: float) -> float:
-    """First coordinate of the cross-entropy gradient at W = (w, -w), by hand: sample 1 (x = 1, y = 0)
-    has p0 = 1 / (1 + e^{-2w}), sample 2 (x = 2, y = 1) p0 = 1 / (1 + e^{-4w}); mean of (p0 - 1) x and p0 x."""
-    p1, p2 = 1 / (1 + math.exp(-2 * w)), 1 / (1 + math.exp(-4 * w))
-    return ((p1 - 1) * 1 + p2 * 2) / 2
 
 
 # -- the rules by hand ---------------------------------------------------------------------------
@@ -92,9 +54,9 @@ def test_node_two_steps_and_gradient_state_by_hand() -> None:
     """alpha = 0.1, grad_k = 0: step 1 is plain SGD, W1 = -lr g0 = (-0.125, 0.125); step 2 adds
     alpha (W1 - 0): W2 = W1 - lr (g(W1) + alpha W1); then grad_k = -alpha (W2 - 0)."""
     node = SPEC.node(build_hyperparams(SPEC, {"alpha": 0.1}), node_id="n0")
-    w2 = -0.125 - 0.5 * (_gradient_at(-0.125) + 0.1 * -0.125)
-    assert torch.allclose(_train(node, 2), _column(w2, -w2), atol=1e-6)
-    assert torch.allclose(node.gradient["weight"], _column(-0.1 * w2, 0.1 * w2), atol=1e-6)
+    w2 = -0.125 - 0.5 * (common.two_sample_gradient(-0.125) + 0.1 * -0.125)
+    assert torch.allclose(_train(node, 2), column(w2, -w2), atol=1e-6)
+    assert torch.allclose(node.gradient["weight"], column(-0.1 * w2, 0.1 * w2), atol=1e-6)
 
 
 def test_gradient_state_persists_and_enters_the_next_round_as_the_linear_term() -> None:
@@ -103,23 +65,23 @@ def test_gradient_state_persists_and_enters_the_next_round_as_the_linear_term() 
     node = SPEC.node(build_hyperparams(SPEC, {"alpha": 0.1}), node_id="n0")
     _train(node, 2)
     g = float(node.gradient["weight"][0, 0])
-    w = -0.5 * (G0 - g)
-    assert torch.allclose(_train(node, 1, round=1), _column(w, -w), atol=1e-6)
-    assert torch.allclose(node.gradient["weight"], _column(g - 0.1 * w, -(g - 0.1 * w)), atol=1e-6)
+    w = -0.5 * (common.TWO_SAMPLE_GRADIENT - g)
+    assert torch.allclose(_train(node, 1, round=1), column(w, -w), atol=1e-6)
+    assert torch.allclose(node.gradient["weight"], column(g - 0.1 * w, -(g - 0.1 * w)), atol=1e-6)
 
 
 def test_first_local_step_equals_fedavg_exactly() -> None:
     """A node's first round with one full-batch step: both regularisers have zero gradient at theta =
     theta^{t-1} with grad_k = 0, so the model is FedAvg's bit for bit; with two steps it is not."""
-    data = shards()[2]
-    start = tiny_model(1).state_dict()
+    data = common.shards()[2]
+    start = common.tiny_model(1).state_dict()
     plain = Federation("fedavg").nodes["node-000"]
     for epochs, equal in ((1, True), (2, False)):
         settings = TrainSettings(local_epochs=epochs, batch_size=len(data), lr=0.5, momentum=0.5)
         task = TaskInput(node_id="n0", round=0, payload=Payload(tensors={"model": start}), settings=settings)
         node = SPEC.node(build_hyperparams(SPEC, {"alpha": 0.5}), node_id="n0")
-        dyn = node.train(task, tiny_model(99), data, torch_generator(0, "t")).tensors["model"]
-        avg = plain.train(task, tiny_model(99), data, torch_generator(0, "t")).tensors["model"]
+        dyn = node.train(task, common.tiny_model(99), data, torch_generator(0, "t")).tensors["model"]
+        avg = plain.train(task, common.tiny_model(99), data, torch_generator(0, "t")).tensors["model"]
         assert same_state(dyn, avg) is equal
 
 
@@ -127,17 +89,13 @@ def test_first_local_step_equals_fedavg_exactly() -> None:
 
 
 def _coordinator(**hp: object):  # type: ignore[no-untyped-def]
-    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=scalar_model(0.0))
+    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=common.scalar_model(0.0))
 
 
 def _aggregate(coordinator, rows, round: int = 0, participation=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    updates = [update(f"n{i}", scalar_state(v), n, round, loss=1.0) for i, (v, n) in enumerate(rows)]
-    ctx = context(round, tuple(u.node_id for u in updates), participation=participation)
-    return dict(coordinator.aggregate(ctx, updates, []))
-
-
-def _value(t: torch.Tensor) -> float:
-    return float(t.detach().reshape(()))
+    """One round of updates (value, num_samples), each reporting loss 1."""
+    updates = [common.update(f"n{i}", common.scalar_state(v), n, round, loss=1.0) for i, (v, n) in enumerate(rows)]
+    return common.aggregate(coordinator, updates, round, participation)
 
 
 @pytest.mark.parametrize(
@@ -155,14 +113,14 @@ def test_server_h_and_model_by_hand(hp: dict[str, object], theta1: float, theta2
     """theta = 0, h = 0, alpha = 0.5, m = 4: h and theta after two rounds of two updates, by hand."""
     coordinator = _coordinator(**hp)
     metrics = _aggregate(coordinator, [(1.0, 10), (3.0, 30)])
-    assert _value(coordinator.model.weight) == pytest.approx(theta1, abs=1e-6)
-    assert _value(coordinator.h["weight"]) == pytest.approx(-0.5, abs=1e-6)
+    assert scalar_value(coordinator.model.weight) == pytest.approx(theta1, abs=1e-6)
+    assert scalar_value(coordinator.h["weight"]) == pytest.approx(-0.5, abs=1e-6)
     assert metrics["federation_size"] == 4.0 and metrics["h_norm"] == pytest.approx(0.5, abs=1e-6)
     _aggregate(coordinator, [(3.5, 10), (4.5, 30)], round=1)
-    assert _value(coordinator.model.weight) == pytest.approx(theta2, abs=1e-6)
-    payload = coordinator.configure_round(context(2, ("n0",)))
+    assert scalar_value(coordinator.model.weight) == pytest.approx(theta2, abs=1e-6)
+    payload = coordinator.configure_round(common.context(2, ("n0",)))
     assert payload.tensors.keys() == {"model"}
-    assert _value(payload.tensors["model"]["weight"]) == pytest.approx(theta2, abs=1e-6)
+    assert scalar_value(payload.tensors["model"]["weight"]) == pytest.approx(theta2, abs=1e-6)
 
 
 def test_m_comes_from_the_participation_record_by_default() -> None:
@@ -172,8 +130,8 @@ def test_m_comes_from_the_participation_record_by_default() -> None:
         record.ensure(f"n{i}")
     coordinator = _coordinator(alpha=0.5)
     assert _aggregate(coordinator, [(1.0, 10), (3.0, 30)], participation=record)["federation_size"] == 5.0
-    assert _value(coordinator.h["weight"]) == pytest.approx(-0.4, abs=1e-6)
-    assert _value(coordinator.model.weight) == pytest.approx(2.8, abs=1e-6)
+    assert scalar_value(coordinator.h["weight"]) == pytest.approx(-0.4, abs=1e-6)
+    assert scalar_value(coordinator.model.weight) == pytest.approx(2.8, abs=1e-6)
 
 
 def test_replaced_averaging_step_keeps_h_on_its_own_rule() -> None:
@@ -181,8 +139,8 @@ def test_replaced_averaging_step_keeps_h_on_its_own_rule() -> None:
     coordinator = _coordinator(alpha=0.5, num_nodes=4)
     coordinator.average = lambda states, weights: {k: v.clone() for k, v in states[0].items()}
     _aggregate(coordinator, [(1.0, 10), (3.0, 30)])
-    assert _value(coordinator.h["weight"]) == pytest.approx(-0.5, abs=1e-6)
-    assert _value(coordinator.model.weight) == pytest.approx(2.0, abs=1e-6)
+    assert scalar_value(coordinator.h["weight"]) == pytest.approx(-0.5, abs=1e-6)
+    assert scalar_value(coordinator.model.weight) == pytest.approx(2.0, abs=1e-6)
 
 
 def test_evaluate_average_adds_the_mean_of_the_node_models() -> None:
@@ -192,8 +150,8 @@ def test_evaluate_average_adds_the_mean_of_the_node_models() -> None:
     _aggregate(coordinator, [(1.0, 10), (3.0, 30)])
     models = coordinator.evaluation_models()
     assert list(models) == ["global", "average"]
-    assert _value(models["global"].weight) == pytest.approx(3.0, abs=1e-6)
-    assert _value(models["average"].weight) == pytest.approx(2.0, abs=1e-6)
+    assert scalar_value(models["global"].weight) == pytest.approx(3.0, abs=1e-6)
+    assert scalar_value(models["average"].weight) == pytest.approx(2.0, abs=1e-6)
 
 
 def test_h_is_the_mean_of_the_node_gradient_states_with_partial_participation() -> None:
@@ -215,7 +173,7 @@ def test_update_schema_is_the_model_alone_and_rejects_bad_shapes() -> None:
     fed = Federation(SPEC)
     schema = fed.coordinator.update_schema()
     assert schema.keys() == {"model"}
-    out = fed.train("node-000", fed.coordinator.configure_round(context(0, fed.node_ids)))
+    out = fed.train("node-000", fed.coordinator.configure_round(common.context(0, fed.node_ids)))
     assert out.payload.tensors.keys() == {"model"}
     assert schema_mismatch(out.payload.tensors["model"], schema["model"]) is None
     model = dict(out.payload.tensors["model"])
@@ -225,10 +183,7 @@ def test_update_schema_is_the_model_alone_and_rejects_bad_shapes() -> None:
 
 def test_feddyn_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model and h; another seed differs."""
-    a, b = Federation(SPEC), Federation(SPEC)
-    assert same_state(a.run(2), b.run(2))
-    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(1))
+    a = common.assert_deterministic(SPEC)
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 
 

@@ -11,6 +11,7 @@ import torch
 from fedmq.fedcore.algorithms import build_hyperparams, fedgkd, get_algorithm
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.errors import AlgorithmError
+from tests.algorithms import common
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, tiny_model, update
 
 SPEC = get_algorithm("fedgkd")
@@ -70,10 +71,7 @@ def test_fedgkd_neutral_setting_equals_fedavg_exactly() -> None:
 
 def test_fedgkd_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model and buffer; another seed differs."""
-    a, b = Federation("fedgkd", {"buffer_size": 2}), Federation("fedgkd", {"buffer_size": 2})
-    assert same_state(a.run(3), b.run(3))
-    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
-    assert not same_state(a.coordinator.model.state_dict(), Federation("fedgkd", seed=1).run(3))
+    a = common.assert_deterministic("fedgkd", {"buffer_size": 2}, rounds=3)
     assert set(a.scratch.modules) == {"fedgkd-teacher"}
 
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
-from fedmq.fedcore.algorithms import build_hyperparams, fedlc
-from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.algorithms import fedlc
+from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.seeding import torch_generator
-from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, shards, tiny_model
+from tests.algorithms import common
+from tests.algorithms.common import Federation, same_state, tiny_model
 
 SPEC = fedlc.SPEC
 
@@ -66,21 +65,9 @@ def test_calibrated_cross_entropy_with_wrong_width_raises_value_error() -> None:
         fedlc.calibrated_cross_entropy(torch.zeros(2, 3), torch.tensor([0, 1]), torch.zeros(4))
 
 
-def _task(round: int = 0) -> TaskInput:
-    return TaskInput(
-        node_id="node-000",
-        round=round,
-        payload=Payload(tensors={"model": tiny_model().state_dict()}),
-        settings=SETTINGS,
-        scratch=Scratch(tiny_model()),
-    )
-
-
 def test_node_with_empty_shard_raises_algorithm_error() -> None:
-    node = SPEC.node(build_hyperparams(SPEC, {}), node_id="node-000")
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
-    with pytest.raises(AlgorithmError, match="empty"):
-        node.train(_task(), tiny_model(), empty, torch_generator(0, "node-train", "node-000", 0))
+    with pytest.raises(AlgorithmError, match=r"empty.*node n0, round 2"):
+        common.train_alone(SPEC, tiny_model(), data=common.empty_shard())
 
 
 def test_fedlc_neutral_setting_equals_fedavg_exactly() -> None:
@@ -93,9 +80,7 @@ def test_fedlc_neutral_setting_equals_fedavg_exactly() -> None:
 def test_fedlc_training_is_deterministic_finite_and_sends_only_the_model() -> None:
     """Same seed, same model; another seed differs; every node (each lacks a class) reports a finite
     loss, and the update holds the model, the loss and the steps only: the histogram stays home."""
-    a = Federation(SPEC, {"tau": 1.0})
-    assert same_state(a.run(2), Federation(SPEC, {"tau": 1.0}).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"tau": 1.0}, seed=1).run(2))
+    a = common.assert_deterministic(SPEC, {"tau": 1.0})
     payload = Payload(tensors={"model": tiny_model().state_dict()})
     for node in a.node_ids:
         out = a.train(node, payload)

@@ -10,18 +10,17 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from fedmq.fedcore.aggregation import weighted_average
 from fedmq.fedcore.algorithms import build_hyperparams, fednh
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import non_finite, schema_mismatch
 from fedmq.fedcore.training import TrainSettings
-from tests.algorithms.common import SETTINGS, Federation, Scratch, context, same_state, shards, tiny_model
+from tests.algorithms import common
+from tests.algorithms.common import Federation, context, same_state, shards, tiny_model
 
 SPEC = fednh.SPEC
 
@@ -185,17 +184,10 @@ def test_node_without_prototypes_or_with_a_plain_model_raises_algorithm_error() 
     payload = fed.coordinator.configure_round(context(0, fed.node_ids))
     with pytest.raises(AlgorithmError, match=r"prototypes/weight.*node node-000, round 0"):
         fed.train("node-000", Payload(tensors={"model": payload.tensors["model"], "scale": payload.tensors["scale"]}))
-    half = SPEC.node(build_hyperparams(SPEC, {}), node_id="n0")
-    plain = nn.Sequential(nn.Linear(4, 3))
-    task = TaskInput(
-        node_id="n0", round=2, payload=Payload(tensors={"model": plain.state_dict()}), settings=SETTINGS,
-        scratch=Scratch(plain),
-    )  # fmt: skip
-    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
     with pytest.raises(AlgorithmError, match=r"FedModel.*node n0, round 2"):
-        half.train(task, plain, data, torch_generator(0, "t"))
+        common.train_alone(SPEC, common.plain_module())
     with pytest.raises(ValueError, match="FedModel"):
-        SPEC.coordinator(build_hyperparams(SPEC, {}), model=plain)
+        SPEC.coordinator(build_hyperparams(SPEC, {}), model=common.plain_module())
 
 
 # -- the coordinator half --------------------------------------------------------------------------
@@ -255,22 +247,15 @@ def test_evaluation_model_gives_fednh_logits_of_the_global_model() -> None:
 
 def test_fednh_learns_and_is_deterministic_under_a_fixed_seed() -> None:
     """Same seed, same model, W and s; another seed another model; the training loss falls over rounds."""
-    a, b = Federation(SPEC, {"scale": 10.0}), Federation(SPEC, {"scale": 10.0})
-    assert same_state(a.run(3), b.run(3))
-    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"scale": 10.0}, seed=1).run(3))
+    a = common.assert_deterministic(SPEC, {"scale": 10.0}, rounds=3)
     assert a.metrics[-1]["train_loss"] < a.metrics[0]["train_loss"]
 
 
 BAD_STATS = {
-    "negative-count": lambda m, c: (m, c - torch.tensor([c[0] + 1, 0, 0])),
-    "no-samples": lambda m, c: (m, torch.zeros_like(c)),
-    "more-than-num-samples": lambda m, c: (m, c + 1000),
-    "float-counts": lambda m, c: (m, c.float()),
-    "nan-mean": lambda m, c: (m.clone().fill_(float("nan")), c),
+    **common.BAD_CLASS_MEANS,
     "zero-mean-for-held-class": lambda m, c: (torch.zeros_like(m), c),
-    "wrong-shape": lambda m, c: (m[:, :4], c),
 }
+"""What every method's check of class means refuses, and FedNH's own: a zero mean for a class the node holds."""
 
 
 @pytest.mark.parametrize("bad", sorted(BAD_STATS))
@@ -279,11 +264,7 @@ def test_invalid_class_means_leave_the_update_out(bad: str) -> None:
     fed = Federation(SPEC)
     good, other, _ = _updates(fed)
     stats = other.payload.tensors["class_means"]
-    means, counts = BAD_STATS[bad](stats["means"], stats["counts"])
-    tensors = {**other.payload.tensors, "class_means": {"means": means, "counts": counts}}
-    broken = type(other)(
-        node_id=other.node_id, round=0, num_samples=other.num_samples, payload=Payload(tensors=tensors)
-    )
+    broken = common.with_class_means(other, *BAD_STATS[bad](stats["means"], stats["counts"]))
     metrics = fed.coordinator.aggregate(context(0, fed.node_ids), [good, broken], [])
     assert metrics["fednh_invalid"] == 1.0
     assert same_state(fed.coordinator.model.state_dict(), good.payload.tensors["model"])

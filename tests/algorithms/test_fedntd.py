@@ -12,6 +12,7 @@ import torch
 from fedmq.fedcore.algorithms import build_hyperparams, fedntd
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.errors import AlgorithmError
+from tests.algorithms import common
 from tests.algorithms.common import Federation, same_state, tiny_model
 
 SPEC = fedntd.SPEC
@@ -90,9 +91,7 @@ def test_fedntd_neutral_setting_equals_fedavg_exactly() -> None:
 
 def test_fedntd_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model; another seed differs; the teacher is one scratch."""
-    a = Federation(SPEC)
-    assert same_state(a.run(2), Federation(SPEC).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(2))
+    a = common.assert_deterministic(SPEC)
     assert set(a.scratch.modules) == {"fedntd-global"}
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 

@@ -14,11 +14,12 @@ from torch import nn
 
 from fedmq.fedcore.aggregation import weighted_average
 from fedmq.fedcore.algorithms import build_hyperparams, fedproto
-from fedmq.fedcore.algorithms.base import NodeUpdate, Payload, TaskInput
+from fedmq.fedcore.algorithms.base import Payload, TaskInput
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import non_finite, schema_mismatch
 from fedmq.fedcore.training import TrainSettings
+from tests.algorithms import common
 from tests.algorithms.common import Federation, context, same_state, shards, tiny_model
 
 SPEC = fedproto.SPEC
@@ -237,33 +238,18 @@ def test_evaluation_models_put_the_prototype_rule_first_only_when_asked() -> Non
 
 def test_fedproto_is_deterministic_under_a_fixed_seed() -> None:
     """Same seed, same averaged model and prototypes; another seed differs."""
-    a, b = Federation(SPEC), Federation(SPEC)
-    assert same_state(a.run(3), b.run(3))
-    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(3))
+    a = common.assert_deterministic(SPEC, rounds=3)
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 
 
-BAD_STATS = {
-    "negative-count": lambda m, c: (m, c - torch.tensor([c[0] + 1, 0, 0])),
-    "no-samples": lambda m, c: (m, torch.zeros_like(c)),
-    "more-than-num-samples": lambda m, c: (m, c + 1000),
-    "float-counts": lambda m, c: (m, c.float()),
-    "inf-mean": lambda m, c: (m.clone().fill_(float("inf")), c),
-    "wrong-shape": lambda m, c: (m[:2], c),
-}
-
-
-@pytest.mark.parametrize("bad", sorted(BAD_STATS))
+@pytest.mark.parametrize("bad", sorted(common.BAD_CLASS_MEANS))
 def test_invalid_class_means_leave_the_update_out(bad: str) -> None:
     """An update with unusable counts or prototypes is left out of the model average and of the global prototypes."""
     fed = Federation(SPEC)
     payload = fed.coordinator.configure_round(context(0, fed.node_ids))
     good, other = fed.train("node-000", payload), fed.train("node-001", payload)
     stats = other.payload.tensors["class_means"]
-    means, counts = BAD_STATS[bad](stats["means"], stats["counts"])
-    tensors = {**other.payload.tensors, "class_means": {"means": means, "counts": counts}}
-    broken = NodeUpdate(node_id=other.node_id, round=0, num_samples=other.num_samples, payload=Payload(tensors=tensors))
+    broken = common.with_class_means(other, *common.BAD_CLASS_MEANS[bad](stats["means"], stats["counts"]))
     metrics = fed.coordinator.aggregate(context(0, fed.node_ids), [good, broken], [])
     assert metrics["fedproto_invalid"] == 1.0
     assert same_state(fed.coordinator.model.state_dict(), good.payload.tensors["model"])

@@ -15,6 +15,7 @@ from fedmq.fedcore.algorithms.fedprox import proximal_term
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
+from tests.algorithms import common
 from tests.algorithms.common import Federation, same_state, shards, tiny_model
 
 SPEC = get_algorithm("fedprox")
@@ -65,9 +66,7 @@ def test_fedprox_neutral_setting_equals_fedavg_exactly() -> None:
 
 def test_fedprox_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model; another seed differs."""
-    a = Federation("fedprox")
-    assert same_state(a.run(2), Federation("fedprox").run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation("fedprox", seed=1).run(2))
+    a = common.assert_deterministic("fedprox")
     assert a.metrics[-1]["train_loss"] < 1.2
 
 

@@ -13,23 +13,12 @@ from torch import nn
 
 from fedmq.fedcore.algorithms import build_hyperparams, fedrcl
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from tests.algorithms.common import (
-    SETTINGS,
-    Federation,
-    Scratch,
-    context,
-    same_state,
-    scalar_model,
-    scalar_state,
-    shards,
-    tiny_model,
-    update,
-)
+from tests.algorithms import common
+from tests.algorithms.common import SETTINGS, Federation, same_state, shards, tiny_model
 
 SPEC = fedrcl.SPEC
 NEUTRAL = {"scl_weight": 0.0, "beta": 0.0, "local_lr_decay": 1.0}
@@ -280,19 +269,20 @@ def test_local_lr_decay_trains_epoch_e_at_lr_times_decay_to_the_e() -> None:
 
 def test_fedrcl_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model; another seed differs; losses are finite."""
-    a = Federation(SPEC)
-    assert same_state(a.run(2), Federation(SPEC).run(2))
-    assert not same_state(Federation(SPEC).run(1), Federation(SPEC, seed=1).run(1))
+    a = common.assert_deterministic(SPEC)
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 
 
 def test_fedrcl_server_averages_by_size_or_plainly_and_ignores_bad_reported_losses() -> None:
     """weighted (default): (10 * 1 + 30 * 3) / 40; weighted false (the code): the plain mean 2; a reported
     loss that is not a finite number is left out of train_loss."""
-    updates = [update("a", scalar_state(1.0), 10, loss="nan"), update("b", scalar_state(3.0), 30, loss=0.25)]
+    updates = [
+        common.update("a", common.scalar_state(1.0), 10, loss="nan"),
+        common.update("b", common.scalar_state(3.0), 30, loss=0.25),
+    ]
     for weighted, value in ((True, 2.5), (False, 2.0)):
-        coordinator = SPEC.coordinator(build_hyperparams(SPEC, {"weighted": weighted}), model=scalar_model())
-        metrics = coordinator.aggregate(context(0, ("a", "b")), updates, [])
+        coordinator = SPEC.coordinator(build_hyperparams(SPEC, {"weighted": weighted}), model=common.scalar_model())
+        metrics = common.aggregate(coordinator, updates)
         assert float(coordinator.model.weight.detach()) == pytest.approx(value)
         assert metrics["train_loss"] == 0.25
         assert coordinator.state_dict() == {}
@@ -300,17 +290,7 @@ def test_fedrcl_server_averages_by_size_or_plainly_and_ignores_bad_reported_loss
 
 def test_fedrcl_model_without_taps_or_tap_raises_algorithm_error() -> None:
     """A model without forward_taps, or without a requested tap, is an AlgorithmError naming node and round."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
-    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
-
-    def task_for(m: nn.Module) -> TaskInput:
-        payload = Payload(tensors={"model": m.state_dict()})
-        return TaskInput(node_id="n0", round=2, payload=payload, settings=SETTINGS, scratch=Scratch(m))
-
-    half = SPEC.node(build_hyperparams(SPEC, {}), node_id="n0")
     with pytest.raises(AlgorithmError, match=r"forward_taps.*node n0, round 2"):
-        half.train(task_for(model), model, data, torch_generator(0, "t"))
-    mlp = tiny_model(0)
-    half = SPEC.node(build_hyperparams(SPEC, {"taps": "layer3"}), node_id="n0")
+        common.train_alone(SPEC, common.plain_module())
     with pytest.raises(AlgorithmError, match=r"layer3.*node n0, round 2"):
-        half.train(task_for(mlp), mlp, data, torch_generator(0, "t"))
+        common.train_alone(SPEC, tiny_model(0), {"taps": "layer3"})

@@ -14,6 +14,7 @@ from fedmq.fedcore.algorithms import build_hyperparams, fedrs
 from fedmq.fedcore.algorithms.base import Payload, TaskInput
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
+from tests.algorithms import common
 from tests.algorithms.common import Federation, same_state, shards, tiny_model
 
 SPEC = fedrs.SPEC
@@ -91,9 +92,7 @@ def test_fedrs_node_training_follows_the_restricted_gradient() -> None:
 @pytest.mark.parametrize("scaling", ["hard", "proportional"])
 def test_fedrs_training_is_deterministic_and_sends_only_the_model(scaling: str) -> None:
     """Same seed, same model; another seed differs; the update holds the model, loss and steps only."""
-    a = Federation(SPEC, {"scaling": scaling})
-    assert same_state(a.run(2), Federation(SPEC, {"scaling": scaling}).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"scaling": scaling}, seed=1).run(2))
+    a = common.assert_deterministic(SPEC, {"scaling": scaling})
     out = a.train("node-001", Payload(tensors={"model": tiny_model().state_dict()}))
     assert set(out.payload.tensors) == {"model"} and set(out.payload.meta) == {"loss", "steps"}
     assert math.isfinite(out.payload.meta["loss"])

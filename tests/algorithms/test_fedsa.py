@@ -16,6 +16,7 @@ from fedmq.fedcore.aggregation import skew_aware, weighted_average
 from fedmq.fedcore.aggregation.skew_aware import coefficient_of_variation, high_dispersion
 from fedmq.fedcore.algorithms import fedsa
 from fedmq.fedcore.algorithms.fedsa import Hyperparams
+from tests.algorithms import common
 from tests.algorithms.common import Federation, context, same_state, update
 
 SPEC = fedsa.SPEC
@@ -43,9 +44,7 @@ def test_fedsa_neutral_setting_equals_fedavg_exactly() -> None:
 
 def test_fedsa_is_deterministic_and_reports_its_statistics() -> None:
     """Same seed, same model; the metrics and the per-tensor records describe what SA did."""
-    a = Federation(SPEC)
-    assert same_state(a.run(2), Federation(SPEC).run(2))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(2))
+    a = common.assert_deterministic(SPEC)
     metrics = a.metrics[-1]
     assert math.isfinite(metrics["train_loss"])
     assert 0 < metrics["sa_high_share"] < 1 and metrics["sa_layers_clustered"] >= 1

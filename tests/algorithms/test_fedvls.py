@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import build_hyperparams, fedvls
 from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.participation import ParticipationRecord
+from tests.algorithms import common
 from tests.algorithms.common import Federation, context, same_state, scalar_model, scalar_state, tiny_model, update
 
 SPEC = fedvls.SPEC
@@ -213,9 +214,7 @@ def test_fedvls_neutral_setting_equals_fedavg_exactly() -> None:
 def test_fedvls_training_is_deterministic_and_sends_only_the_model() -> None:
     """Same seed, same model; another seed differs; the update holds the model, the loss and the
     steps only (the histogram and the vacant set stay on the node)."""
-    a = Federation(SPEC, {"lam": 1.0})
-    assert same_state(a.run(1), Federation(SPEC, {"lam": 1.0}).run(1))
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, {"lam": 1.0}, seed=1).run(1))
+    a = common.assert_deterministic(SPEC, {"lam": 1.0}, rounds=1)
     out = a.train("node-000", Payload(tensors={"model": tiny_model().state_dict()}))
     assert set(out.payload.tensors) == {"model"} and set(out.payload.meta) == {"loss", "steps"}
 

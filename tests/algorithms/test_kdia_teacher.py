@@ -349,13 +349,20 @@ def _files(directory: Path) -> list[str]:
     return sorted(os.listdir(directory))
 
 
+def _disk_store(directory: Path, **models: tuple[int, float]) -> DiskStore:
+    """A new DiskStore in `directory` at its first round, holding each ``node=(round, value)`` as
+    `_state(value)` put at that round."""
+    store = DiskStore(directory)
+    store.begin_round(-1)
+    for node, (round, value) in models.items():
+        store.put(node, round, _state(value))
+    return store
+
+
 def test_disk_store_rolls_back_writes_newer_than_last_checkpoint(tmp_path: Path) -> None:
     """Round 0 is checkpointed, round 1 replaces a (twice), adds c, then crashes: resume restores round 0 exactly."""
     directory = tmp_path / "store"
-    store = DiskStore(directory)
-    store.begin_round(-1)
-    store.put("a", 0, _state(1.0))
-    store.put("b", 0, _state(2.0))
+    store = _disk_store(directory, a=(0, 1.0), b=(0, 2.0))
     store.begin_round(0)  # round 0 checkpointed
     assert _files(directory) == ["a.safetensors", "b.safetensors"]
     store.put("a", 1, _state(5.0))
@@ -375,9 +382,7 @@ def test_disk_store_rolls_back_writes_newer_than_last_checkpoint(tmp_path: Path)
 def test_disk_store_begin_round_clears_previous_versions(tmp_path: Path) -> None:
     """Once round 1 is checkpointed, begin_round drops the .prev files and the round-1 models stay."""
     directory = tmp_path / "store"
-    store = DiskStore(directory)
-    store.begin_round(-1)
-    store.put("a", 0, _state(1.0))
+    store = _disk_store(directory, a=(0, 1.0))
     store.begin_round(0)
     store.put("a", 1, _state(5.0))
     assert (directory / "a.prev.safetensors").exists()
@@ -392,10 +397,7 @@ def test_disk_store_begin_round_clears_previous_versions(tmp_path: Path) -> None
 def test_disk_store_fresh_run_empties_directory(tmp_path: Path) -> None:
     """A store that was not resumed starts empty at its first round, whatever an earlier run left."""
     directory = tmp_path / "store"
-    old = DiskStore(directory)
-    old.begin_round(-1)
-    old.put("a", 0, _state(1.0))
-    old.put("b", 3, _state(2.0))
+    _disk_store(directory, a=(0, 1.0), b=(3, 2.0))  # what an earlier run left
     fresh = DiskStore(directory)
     fresh.begin_round(-1)
     assert fresh.rounds() == {} and _files(directory) == []

@@ -7,14 +7,13 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
-from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm, moon
-from fedmq.fedcore.algorithms.base import Payload, TaskInput
+from fedmq.fedcore.algorithms import get_algorithm, moon
+from fedmq.fedcore.algorithms.base import Payload
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.seeding import torch_generator
-from tests.algorithms.common import SETTINGS, Federation, Scratch, same_state, tiny_model
+from tests.algorithms import common
+from tests.algorithms.common import Federation, same_state, tiny_model
 
 SPEC = get_algorithm("moon")
 
@@ -66,9 +65,7 @@ def test_moon_neutral_setting_equals_fedavg_exactly() -> None:
 
 def test_moon_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model; another seed differs."""
-    a = Federation("moon")
-    assert same_state(a.run(3), Federation("moon").run(3))
-    assert not same_state(a.coordinator.model.state_dict(), Federation("moon", seed=1).run(3))
+    a = common.assert_deterministic("moon", rounds=3)
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 
 
@@ -91,15 +88,5 @@ def test_moon_cnn_contrasts_the_projection_head(monkeypatch: pytest.MonkeyPatch)
 
 def test_moon_model_without_represent_raises_algorithm_error() -> None:
     """A model that cannot give (z, logits) is an AlgorithmError naming the node and the round."""
-    half = SPEC.node(build_hyperparams(SPEC, {}), node_id="n0")
-    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
-    task = TaskInput(
-        node_id="n0",
-        round=2,
-        payload=Payload(tensors={"model": model.state_dict()}),
-        settings=SETTINGS,
-        scratch=Scratch(model),
-    )
-    data = TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long), 3)
     with pytest.raises(AlgorithmError, match=r"represent.*node n0, round 2"):
-        half.train(task, model, data, torch_generator(0, "t"))
+        common.train_alone(SPEC, common.plain_module())

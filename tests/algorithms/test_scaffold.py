@@ -8,10 +8,8 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from fedmq.fedcore.algorithms import build_hyperparams
 from fedmq.fedcore.algorithms.base import NodeUpdate, Payload, RoundContext, TaskInput
@@ -24,37 +22,20 @@ from fedmq.fedcore.algorithms.scaffold import (
     server_control_step,
     server_model_step,
 )
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.participation import ParticipationRecord
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.tensors import schema_mismatch
 from fedmq.fedcore.training import TrainSettings
-from tests.algorithms.common import Federation, context, same_state, scalar_model, shards, tiny_model
+from tests.algorithms import common
+from tests.algorithms.common import Federation, column, context, same_state, scalar_value, two_samples, two_weight_model
 
-G0 = (0.25, -0.25)
-"""The gradient of the mean cross-entropy of `_data()` at W = 0: ((p - onehot(y)) x) averaged, p = (1/2, 1/2)."""
-
-
-def _data() -> TensorDataset:
-    """Two samples: x = 1 with label 0, x = 2 with label 1."""
-    return TensorDataset(x=torch.tensor([[1.0], [2.0]]), y=torch.tensor([0, 1]), num_classes=2)
-
-
-def _model(w: tuple[float, float] = (0.0, 0.0)) -> nn.Module:
-    """Logits (w0 x, w1 x): two weights, no bias."""
-    model = nn.Linear(1, 2, bias=False)
-    with torch.no_grad():
-        model.weight.copy_(torch.tensor([[w[0]], [w[1]]]))
-    return model
-
-
-def _column(a: float, b: float) -> torch.Tensor:
-    return torch.tensor([[a], [b]])
+G0 = (common.TWO_SAMPLE_GRADIENT, -common.TWO_SAMPLE_GRADIENT)
+"""The gradient of the mean cross-entropy of `two_samples()` at W = 0: ((p - onehot(y)) x) averaged, p = (1/2, 1/2)."""
 
 
 def _task(c: tuple[float, float], settings: TrainSettings, round: int = 0, w=(0.0, 0.0)) -> TaskInput:  # type: ignore[no-untyped-def]
-    tensors = {"model": _model(w).state_dict(), CONTROL: {"weight": _column(*c)}}
+    tensors = {"model": two_weight_model(w).state_dict(), CONTROL: {"weight": column(*c)}}
     return TaskInput(node_id="n0", round=round, payload=Payload(tensors=tensors), settings=settings)
 
 
@@ -68,15 +49,8 @@ def _plain(steps: int = 1, lr: float = 0.5, **extra: object) -> TrainSettings:
 
 
 def _train(node, task: TaskInput):  # type: ignore[no-untyped-def]
-    out = node.train(task, _model((9.0, 9.0)), _data(), torch_generator(0, "t"))
+    out = node.train(task, two_weight_model((9.0, 9.0)), two_samples(), torch_generator(0, "t"))
     return out.tensors["model"]["weight"], out.tensors[CONTROL_DELTA]["weight"], out.meta
-
-
-def _second_gradient(w: float) -> float:
-    """The first coordinate of the gradient at W = (-w, w) (the second is its negative), by hand:
-    sample 1 (x = 1, y = 0): p0 = 1 / (1 + e^{2w}); sample 2 (x = 2, y = 1): p0 = 1 / (1 + e^{4w})."""
-    p1, p2 = 1 / (1 + math.exp(2 * w)), 1 / (1 + math.exp(4 * w))
-    return ((p1 - 1) * 1 + p2 * 2) / 2
 
 
 # -- the rules by hand ---------------------------------------------------------------------------
@@ -98,9 +72,9 @@ def test_first_round_single_step_corrected_gradient_and_option_ii_by_hand() -> N
     Delta c_i = (x - y)/(1 lr) - c = g exactly the gradient, (0.25, -0.25); the node keeps c_i = g."""
     node = _node()
     y, delta, meta = _train(node, _task((0.1, -0.3), _plain()))
-    assert torch.allclose(y, _column(-0.5 * (0.25 + 0.1), -0.5 * (-0.25 - 0.3)))
-    assert torch.allclose(delta, _column(*G0), atol=1e-6)
-    assert torch.allclose(node.control["weight"], _column(*G0), atol=1e-6)
+    assert torch.allclose(y, column(-0.5 * (0.25 + 0.1), -0.5 * (-0.25 - 0.3)))
+    assert torch.allclose(delta, column(*G0), atol=1e-6)
+    assert torch.allclose(node.control["weight"], column(*G0), atol=1e-6)
     assert meta["steps"] == 1 and meta["loss"] == pytest.approx(math.log(2))
 
 
@@ -110,24 +84,24 @@ def test_node_control_variate_persists_into_the_next_round() -> None:
     node = _node()
     _train(node, _task((0.1, -0.3), _plain()))
     y, delta, _ = _train(node, _task((0.0, 0.0), _plain(), round=1))
-    assert torch.allclose(y, _column(0.0, 0.0), atol=1e-7)
-    assert torch.allclose(delta, _column(0.0, 0.0), atol=1e-6)
+    assert torch.allclose(y, column(0.0, 0.0), atol=1e-7)
+    assert torch.allclose(delta, column(0.0, 0.0), atol=1e-6)
     y, delta, _ = _train(node, _task((0.1, -0.3), _plain(), round=2))
-    assert torch.allclose(y, _column(-0.05, 0.15), atol=1e-6)
-    assert torch.allclose(delta, _column(0.0, 0.0), atol=1e-6)
-    assert torch.allclose(node.control["weight"], _column(*G0), atol=1e-6)
+    assert torch.allclose(y, column(-0.05, 0.15), atol=1e-6)
+    assert torch.allclose(delta, column(0.0, 0.0), atol=1e-6)
+    assert torch.allclose(node.control["weight"], column(*G0), atol=1e-6)
 
 
 def test_two_steps_option_ii_is_the_mean_of_the_two_gradients() -> None:
     """c = c_i = 0, two steps of lr 0.5: W1 = -lr g0, W2 = W1 - lr g(W1); Delta c_i = (x - W2)/(2 lr)
     = (g0 + g(W1)) / 2, with g(W1) from the softmax by hand."""
-    g1 = _second_gradient(0.125)
+    g1 = common.two_sample_gradient(-0.125)
     y, delta, meta = _train(_node(), _task((0.0, 0.0), _plain(steps=2)))
     w2 = -0.125 - 0.5 * g1
     assert meta["steps"] == 2
-    assert torch.allclose(y, _column(w2, -w2), atol=1e-6)
+    assert torch.allclose(y, column(w2, -w2), atol=1e-6)
     mean = (G0[0] + g1) / 2
-    assert torch.allclose(delta, _column(mean, -mean), atol=1e-6)
+    assert torch.allclose(delta, column(mean, -mean), atol=1e-6)
 
 
 def test_option_i_sets_c_i_to_the_gradient_at_x() -> None:
@@ -135,7 +109,7 @@ def test_option_i_sets_c_i_to_the_gradient_at_x() -> None:
     steps did; the local steps themselves are option II's."""
     y_i, delta_i, _ = _train(_node(control_update="option_i"), _task((0.0, 0.0), _plain(steps=2)))
     y_ii, delta_ii, _ = _train(_node(), _task((0.0, 0.0), _plain(steps=2)))
-    assert torch.allclose(delta_i, _column(*G0), atol=1e-6)
+    assert torch.allclose(delta_i, column(*G0), atol=1e-6)
     assert torch.equal(y_i, y_ii)
     assert not torch.allclose(delta_i, delta_ii, atol=1e-3)
 
@@ -157,7 +131,7 @@ def test_gradient_mean_equals_option_ii_under_plain_sgd_but_not_under_momentum()
 
 
 def _coordinator(**hp: object):  # type: ignore[no-untyped-def]
-    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=scalar_model(0.0))
+    return SPEC.coordinator(build_hyperparams(SPEC, hp), model=common.scalar_model(0.0))
 
 
 def _update(node: str, value: float, delta: float, n: int, round: int = 0) -> NodeUpdate:
@@ -166,13 +140,9 @@ def _update(node: str, value: float, delta: float, n: int, round: int = 0) -> No
 
 
 def _aggregate(coordinator, rows, round: int = 0, participation=None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """One round of updates (value, control delta, num_samples), each reporting loss 1."""
     updates = [_update(f"n{i}", v, d, n, round) for i, (v, d, n) in enumerate(rows)]
-    ctx = context(round, tuple(u.node_id for u in updates), participation=participation)
-    return dict(coordinator.aggregate(ctx, updates, []))
-
-
-def _value(t: torch.Tensor) -> float:
-    return float(t.detach().reshape(()))
+    return common.aggregate(coordinator, updates, round, participation)
 
 
 @pytest.mark.parametrize(
@@ -191,15 +161,15 @@ def test_server_steps_x_and_c_by_hand(hp: dict[str, object], x1: float, x2: floa
     round 2: models (2, 2), deltas (0.1, 0.1): c = 0.3 + 0.2/4 = 0.35, unweighted in both cases."""
     coordinator = _coordinator(**hp)
     metrics = _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)])
-    assert _value(coordinator.model.weight) == pytest.approx(x1, abs=1e-6)
-    assert _value(coordinator.control["weight"]) == pytest.approx(0.3, abs=1e-6)
+    assert scalar_value(coordinator.model.weight) == pytest.approx(x1, abs=1e-6)
+    assert scalar_value(coordinator.control["weight"]) == pytest.approx(0.3, abs=1e-6)
     assert metrics["federation_size"] == 4.0 and metrics["control_norm"] == pytest.approx(0.3, abs=1e-6)
     _aggregate(coordinator, [(2.0, 0.1, 10), (2.0, 0.1, 30)], round=1)
-    assert _value(coordinator.model.weight) == pytest.approx(x2, abs=1e-6)
-    assert _value(coordinator.control["weight"]) == pytest.approx(0.35, abs=1e-6)
+    assert scalar_value(coordinator.model.weight) == pytest.approx(x2, abs=1e-6)
+    assert scalar_value(coordinator.control["weight"]) == pytest.approx(0.35, abs=1e-6)
     payload = coordinator.configure_round(context(2, ("n0",)))
-    assert _value(payload.tensors[CONTROL]["weight"]) == pytest.approx(0.35, abs=1e-6)
-    assert _value(payload.tensors["model"]["weight"]) == pytest.approx(x2, abs=1e-6)
+    assert scalar_value(payload.tensors[CONTROL]["weight"]) == pytest.approx(0.35, abs=1e-6)
+    assert scalar_value(payload.tensors["model"]["weight"]) == pytest.approx(x2, abs=1e-6)
 
 
 def test_federation_size_comes_from_the_participation_record_by_default() -> None:
@@ -210,7 +180,7 @@ def test_federation_size_comes_from_the_participation_record_by_default() -> Non
         record.ensure(f"n{i}")
     coordinator = _coordinator()
     assert _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)], participation=record)["federation_size"] == 5.0
-    assert _value(coordinator.control["weight"]) == pytest.approx(0.24, abs=1e-6)
+    assert scalar_value(coordinator.control["weight"]) == pytest.approx(0.24, abs=1e-6)
     coordinator = _coordinator(num_nodes=2)
     metrics = _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)], participation=record)
     assert metrics["federation_size"] == 5.0
@@ -229,8 +199,8 @@ def test_replaced_averaging_step_moves_x_while_c_keeps_its_own_rule() -> None:
     coordinator = _coordinator(num_nodes=4)
     coordinator.average = lambda states, weights: {k: v.clone() for k, v in states[0].items()}
     _aggregate(coordinator, [(1.0, 0.4, 10), (3.0, 0.8, 30)])
-    assert _value(coordinator.model.weight) == pytest.approx(1.0)
-    assert _value(coordinator.control["weight"]) == pytest.approx(0.3, abs=1e-6)
+    assert scalar_value(coordinator.model.weight) == pytest.approx(1.0)
+    assert scalar_value(coordinator.control["weight"]) == pytest.approx(0.3, abs=1e-6)
 
 
 def test_server_control_is_the_mean_of_the_node_controls_with_partial_participation() -> None:
@@ -281,10 +251,7 @@ def test_first_round_equals_fedavg_exactly_with_zero_control_variates() -> None:
 
 def test_scaffold_training_is_deterministic_under_a_fixed_seed() -> None:
     """Two federations with the same seed end with the same model and c; another seed differs."""
-    a, b = Federation(SPEC), Federation(SPEC)
-    assert same_state(a.run(2), b.run(2))
-    assert same_state(a.coordinator.state_dict(), b.coordinator.state_dict())
-    assert not same_state(a.coordinator.model.state_dict(), Federation(SPEC, seed=1).run(1))
+    a = common.assert_deterministic(SPEC)
     assert all(math.isfinite(m["train_loss"]) for m in a.metrics)
 
 
@@ -299,7 +266,7 @@ def test_task_without_or_with_misshapen_control_is_an_algorithm_error() -> None:
         node_id="n0", round=0, payload=Payload(tensors={"model": task.payload.tensors["model"]}), settings=_plain()
     )
     with pytest.raises(AlgorithmError, match=r"no control group.*node n0, round 0"):
-        node.train(no_control, _model(), _data(), torch_generator(0, "t"))
+        node.train(no_control, two_weight_model(), two_samples(), torch_generator(0, "t"))
     for control in ({}, {"weight": torch.zeros(2)}):
         bad = TaskInput(
             node_id="n0",
@@ -308,7 +275,7 @@ def test_task_without_or_with_misshapen_control_is_an_algorithm_error() -> None:
             settings=_plain(),
         )
         with pytest.raises(AlgorithmError, match="control"):
-            node.train(bad, _model(), _data(), torch_generator(0, "t"))
+            node.train(bad, two_weight_model(), two_samples(), torch_generator(0, "t"))
     assert node.control is None  # a refused task leaves the node's state alone
 
 
@@ -319,14 +286,14 @@ def test_option_ii_with_adam_is_refused_on_both_halves() -> None:
         _train(_node(), _task((0.0, 0.0), adam))
     with pytest.raises(AlgorithmError, match="SGD"):
         ctx = RoundContext(round=0, selected=("n0",), participation=ParticipationRecord(), settings=adam)
-        SPEC.coordinator(build_hyperparams(SPEC, {}), model=_model()).configure_round(ctx)
+        SPEC.coordinator(build_hyperparams(SPEC, {}), model=two_weight_model()).configure_round(ctx)
     _, delta, _ = _train(_node(control_update="gradient_mean"), _task((0.0, 0.0), adam))
-    assert torch.allclose(delta, _column(*G0), atol=1e-6)  # one step: the mean gradient is g(x)
+    assert torch.allclose(delta, column(*G0), atol=1e-6)  # one step: the mean gradient is g(x)
 
 
 def test_node_without_local_steps_is_an_algorithm_error() -> None:
     """An empty shard takes no step, so (x - y)/(K lr) is undefined: AlgorithmError."""
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
+    empty = common.empty_shard()
     fed = Federation(SPEC)
     task = TaskInput(
         node_id="node-000",
@@ -335,4 +302,4 @@ def test_node_without_local_steps_is_an_algorithm_error() -> None:
         settings=_plain(),
     )
     with pytest.raises(AlgorithmError, match="no local step"):
-        fed.nodes["node-000"].train(task, tiny_model(3), empty, torch_generator(0, "t"))
+        fed.nodes["node-000"].train(task, common.tiny_model(3), empty, torch_generator(0, "t"))

@@ -1,5 +1,6 @@
 """The helpers several methods share (`fedcore.algorithms.shared`): local_sgd's batch count, a node's
-label counts, the checks on uploaded class means, and the template of FedAvg plus a loss term."""
+label counts, the checks on uploaded class means, the template of FedAvg plus a loss term, a node's
+state per parameter and a sync-only half's average."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, local_sgd
+from tests.algorithms import common
 from tests.algorithms.common import Federation, same_state, shards, tiny_model, update
 
 
@@ -36,9 +38,8 @@ def test_local_label_counts_is_the_shard_histogram() -> None:
 
 def test_local_label_counts_of_empty_or_mismatched_shard_raise_algorithm_error() -> None:
     """No labels, or labels that do not fit the model's logits, fail the round naming the node."""
-    empty = shards()[0].subset(np.array([], dtype=np.int64))
     with pytest.raises(AlgorithmError, match="empty"):
-        shared.local_label_counts(empty, tiny_model(), node_id="n", round=0)
+        shared.local_label_counts(common.empty_shard(), tiny_model(), node_id="n", round=0)
     wide = tiny_model()
     wide.num_classes = 5  # the data has 3 classes
     with pytest.raises(AlgorithmError, match="5 logits"):
@@ -92,3 +93,30 @@ def test_averaging_coordinator_weights_by_samples_and_fedavg_may_not() -> None:
     assert fedprox.CoordinatorHalf(fedprox.Hyperparams(), model=tiny_model()).weights(updates) == [10.0, 30.0]
     plain = fedavg.CoordinatorHalf(fedavg.Hyperparams(weighted=False), model=tiny_model())
     assert plain.weights(updates) == [1.0, 1.0]
+
+
+def test_node_state_starts_at_zero_on_the_cpu_and_refuses_changed_parameters() -> None:
+    """A node's state per parameter (SCAFFOLD's c_i, FedDyn's grad_k): zero on the CPU in the
+    accumulator dtype before its first round, then kept as it is; an AlgorithmError naming node and
+    round once the model's parameters are not the ones it was made for."""
+    params = shared.trainable(tiny_model(0))
+    state = shared.node_state(None, params, node_id="n0", round=0)
+    assert list(state) == [name for name, _ in params]
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.any() for t in state.values())
+    assert shared.node_state(state, params, node_id="n0", round=1) is state
+    with pytest.raises(AlgorithmError, match=r"parameters changed.*node n0, round 2"):
+        shared.node_state(state, params[1:], node_id="n0", round=2)
+
+
+def test_sync_average_is_the_halfs_rule_over_the_models_and_refuses_no_update() -> None:
+    """The models' mean weighted by the given weights, through the half's averaging rule (swapped
+    here as FedSA swaps it); no update is an AlgorithmError; state_norm is the Euclidean norm."""
+    half = fedavg.CoordinatorHalf(fedavg.Hyperparams(), model=common.scalar_model(0.0))
+    updates = [update("a", common.scalar_state(1.0), 10), update("b", common.scalar_state(3.0), 30)]
+    ctx = common.context(0, ("a", "b"))
+    assert float(shared.sync_average(half, ctx, updates, [10.0, 30.0])["weight"]) == 2.5
+    half.average = lambda states, weights: {k: v.clone() for k, v in states[-1].items()}
+    assert float(shared.sync_average(half, ctx, updates, [10.0, 30.0])["weight"]) == 3.0
+    with pytest.raises(AlgorithmError, match="no update to aggregate"):
+        shared.sync_average(half, common.context(0, ()), [], [])
+    assert shared.state_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]) == 5.0
