@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -12,7 +12,7 @@ import aiomqtt
 import msgpack
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedmq.broker import BusClient, Envelope, Topics
+from fedmq.broker import BusClient, Envelope, Message, Topics
 from fedmq.broker.codec import ALIGN, FORMAT_VERSION, PREFIX, PREFIX_BYTES, checksum
 
 if TYPE_CHECKING:
@@ -25,6 +25,15 @@ async def next_message(bus: BusClient, timeout: float = 10.0) -> Envelope:
         return await asyncio.wait_for(anext(it), timeout)
     finally:
         await it.aclose()
+
+
+async def next_matching(bus: BusClient, wanted: Callable[[Message], bool], timeout: float = 20.0) -> Message:
+    """The next message `wanted` accepts within `timeout` seconds; others are skipped."""
+    async with asyncio.timeout(timeout):
+        while True:
+            message = (await next_message(bus, timeout)).message
+            if wanted(message):
+                return message
 
 
 @contextlib.asynccontextmanager

@@ -25,7 +25,7 @@ from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.daemon import NodeDaemon
 from fedmq.fednode.workspace import Workspace
-from tests.helpers import next_message
+from tests.helpers import next_matching
 
 pytestmark = pytest.mark.slow
 
@@ -54,18 +54,9 @@ def _task(federation: str, round: int, *, sent_at: float, deadline_s: float) -> 
                    meta=meta, tensors=tensors, sent_at=sent_at)  # fmt: skip
 
 
-async def _until(bus: BusClient, wanted: Any, timeout: float = 20.0) -> Message:
-    """The next message `wanted` accepts; others are skipped."""
-    async with asyncio.timeout(timeout):
-        while True:
-            message = (await next_message(bus, timeout)).message
-            if wanted(message):
-                return message
-
-
 async def _serve_until_online(node: NodeDaemon, coordinator: BusClient) -> asyncio.Task[None]:
     serving = asyncio.create_task(node.serve())
-    await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
+    await next_matching(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
     return serving
 
 
@@ -86,7 +77,7 @@ async def test_node_back_from_offline_answers_the_fresh_queued_task_and_refuses_
         serving = await _serve_until_online(first, coordinator)
         first._stop.set()  # a clean stop: DISCONNECT, the session stays on the broker
         await asyncio.wait_for(serving, 10)
-        await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "offline")
+        await next_matching(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "offline")
 
         expired = _task(federation, 3, sent_at=time.time() - 120, deadline_s=30)
         fresh = _task(federation, 4, sent_at=time.time(), deadline_s=60)
@@ -95,7 +86,7 @@ async def test_node_back_from_offline_answers_the_fresh_queued_task_and_refuses_
 
         second = _node(mosquitto_broker, federation, protocol)
         serving = asyncio.create_task(second.serve())
-        update = await _until(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK))
+        update = await next_matching(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK))
         assert update.kind == Kind.UPDATE and update.round == 4 and update.meta["task"] == fresh.meta["task"]
         assert "failed" not in update.meta and update.meta["num_samples"] == 16
         assert second._bus is not None and second._bus.stats.rejected == {"expired-task": 1}
@@ -127,7 +118,7 @@ async def test_mosquitto_drops_a_task_whose_message_expiry_passed_while_the_node
 
         second = _node(mosquitto_broker, federation)
         serving = asyncio.create_task(second.serve())
-        update = await _until(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK))
+        update = await next_matching(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK))
         assert update.kind == Kind.UPDATE and update.meta["task"] == fresh.meta["task"]
         assert second._bus is not None and second._bus.stats.rejected == {}  # never delivered
         assert second._bus.stats.received >= 1 and await _trained(second) == 1
@@ -159,7 +150,7 @@ async def test_a_node_is_announced_online_only_once_its_inbox_is_subscribed(
         serving = await _serve_until_online(node, coordinator)
         task = _task(federation, 0, sent_at=time.time(), deadline_s=60)
         await coordinator.publish(topics.task("node-000"), task)
-        update = await _until(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK), timeout=15)
+        update = await next_matching(coordinator, lambda m: m.kind in (Kind.UPDATE, Kind.ACK), timeout=15)
         assert update.kind == Kind.UPDATE and update.meta["task"] == task.meta["task"]
         node._stop.set()
         await asyncio.wait_for(serving, 10)
@@ -196,6 +187,6 @@ async def test_a_node_connects_only_with_a_turn_at_its_process_s_connection_gate
         await asyncio.sleep(2.0)  # past its 1 s connect timeout, had the clock started
         assert not node.connected.is_set() and not serving.done() and bus.stats.received == 0
         node.connect_gate.release()
-        await _until(bus, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
+        await next_matching(bus, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)

@@ -30,7 +30,7 @@ from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.config import NodeConfig
 from fedmq.fednode.daemon import NodeDaemon
 from fedmq.fednode.workspace import Workspace
-from tests.helpers import next_message
+from tests.helpers import next_matching, next_message
 from tests.integration.daemons import QUICKSTART, ROOT, NotifySocket, fedmq, start, tail, wait_for_line
 from tests.integration.federation import Federation, base_config
 
@@ -217,7 +217,7 @@ async def test_a_draining_node_abandons_a_task_whose_model_has_not_come(mosquitt
     async with BusClient(config, client_id=f"{federation}-coordinator", federation=federation) as coordinator:
         await coordinator.subscribe(topics.node_status("node-000"), topics.update("node-000"), topics.ack("node-000"))
         serving = asyncio.create_task(node.serve())
-        await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
+        await next_matching(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "online")
         # the announcement goes out from the connect hook, beside the subscription: it may arrive first
         await asyncio.wait_for(node.connected.wait(), 10)
         task_id = os.urandom(16)
@@ -227,22 +227,14 @@ async def test_a_draining_node_abandons_a_task_whose_model_has_not_come(mosquitt
         }  # fmt: skip
         task = Message(kind=Kind.TASK, federation=federation, round=0, sender="coordinator", meta=meta)
         await coordinator.publish(topics.task("node-000"), task)
-        ack = await _until(coordinator, lambda m: m.kind == Kind.ACK)
+        ack = await next_matching(coordinator, lambda m: m.kind == Kind.ACK)
         assert ack.meta["task"] == task_id
         node.drain("a test")
-        failure = await _until(coordinator, lambda m: m.kind == Kind.UPDATE)
+        failure = await next_matching(coordinator, lambda m: m.kind == Kind.UPDATE)
         assert failure.meta == {"task": task_id, "failed": "abandoned: the node is stopping (a test)"}
-        await _until(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "offline")
+        await next_matching(coordinator, lambda m: m.kind == Kind.NODE_STATUS and m.meta.get("state") == "offline")
         await asyncio.wait_for(serving, 10)
         assert not node.connected.is_set() and node.rounds_trained == 0
-
-
-async def _until(bus: BusClient, wanted: Any, timeout: float = 20.0) -> Message:
-    async with asyncio.timeout(timeout):
-        while True:
-            message = (await next_message(bus, timeout)).message
-            if wanted(message):
-                return message
 
 
 def _unit(name: str) -> configparser.RawConfigParser:
