@@ -20,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -167,7 +167,11 @@ class TaskInput:
     per node. Its weights are whatever the last user left: load what you need into it."""
 
 
-class CoordinatorHalf(ABC):
+H = TypeVar("H")
+"""A method's frozen Hyperparams: ``class NodeHalf(base.NodeHalf[Hyperparams])`` types its `hp`."""
+
+
+class CoordinatorHalf(ABC, Generic[H]):
     """Server side. Holds the global model; `hp` is the algorithm's frozen Hyperparams."""
 
     sync_only: ClassVar[str | None] = (
@@ -176,7 +180,7 @@ class CoordinatorHalf(ABC):
     """Why this half cannot run in async mode (one sentence, shown to the user as a config error),
     or None when its `aggregate` folds buffers of stale updates correctly (through `next_model`)."""
 
-    def __init__(self, hp: Any, *, model: nn.Module, device: torch.device | None = None) -> None:
+    def __init__(self, hp: H, *, model: nn.Module, device: torch.device | None = None) -> None:
         self.hp = hp
         self.model = model
         self.device = device or torch.device("cpu")
@@ -320,10 +324,10 @@ class GroupMember:
     generator: torch.Generator
 
 
-class NodeHalf(ABC):
+class NodeHalf(ABC, Generic[H]):
     """Node side. One instance per node id; it may keep state across rounds (SCAFFOLD, MOON)."""
 
-    def __init__(self, hp: Any, *, node_id: str) -> None:
+    def __init__(self, hp: H, *, node_id: str) -> None:
         self.hp = hp
         self.node_id = node_id
 

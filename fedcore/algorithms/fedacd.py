@@ -342,11 +342,9 @@ def aggregation_weights(scores: Sequence[float], num_samples: Sequence[int], wei
     raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
 
 
-class CoordinatorHalf(shared.AveragingCoordinator):
+class CoordinatorHalf(shared.AveragingCoordinator[Hyperparams]):
     """FedAvg's broadcast; the average is weighted by the nodes' adaptability scores (Eq. 11). Async
     mode: a score is a property of its own update, so a buffer folds with the same weights."""
-
-    hp: Hyperparams
 
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
@@ -386,10 +384,8 @@ class CoordinatorHalf(shared.AveragingCoordinator):
         return score
 
 
-class NodeHalf(base.NodeHalf):
+class NodeHalf(base.NodeHalf[Hyperparams]):
     """Local training with L1 + lambda L2 (Eq. 9) and Mixup; the update carries V_m in meta ``score``."""
-
-    hp: Hyperparams
 
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator

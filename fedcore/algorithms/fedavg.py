@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -25,17 +26,26 @@ class Hyperparams:
     """Weight updates by the node's number of samples (the paper); False gives the plain mean."""
 
 
-class CoordinatorHalf(shared.AveragingCoordinator):
-    """The shared averaging server with FedAvg's option: sample-count weights, or the plain mean."""
+class Weighted(Protocol):
+    """What FedAvg's server reads of its hyperparameters; a method built on it (FedSA) has its own."""
 
-    hp: Hyperparams
+    @property
+    def weighted(self) -> bool: ...
+
+
+W = TypeVar("W", bound=Weighted)
+
+
+class CoordinatorHalf(shared.AveragingCoordinator[W]):
+    """The shared averaging server with FedAvg's option: sample-count weights, or the plain mean."""
 
     def weights(self, updates: Sequence[base.NodeUpdate]) -> list[float]:
         return shared.sample_weights(updates, weighted=self.hp.weighted)
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
+class NodeHalf(base.NodeHalf[base.H]):
+    """Local SGD from the global model; it reads no hyperparameter, so a method built on it (FedDisco)
+    gives it its own."""
 
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator

@@ -55,11 +55,10 @@ class Hyperparams:
         base.require_positive(self, "server_lr")
 
 
-class CoordinatorHalf(shared.AveragingCoordinator):
+class CoordinatorHalf(shared.AveragingCoordinator[Hyperparams]):
     """Async mode: the target is `next_model`'s (a fedasync or fedbuff step instead of the average),
     Delta = w - target, and the momentum runs once per aggregation (per model version)."""
 
-    hp: Hyperparams
     sync_only = None
     aggregates_the_mean = True  # momentum on the sample-weighted mean: site aggregators may send partial means
 

@@ -85,11 +85,9 @@ def disco_weights(num_samples: Sequence[int], discrepancies: Sequence[float], a:
     return [max(0.0, float(n_k) - n * (a * d_k - b)) for n_k, d_k in zip(num_samples, discrepancies, strict=True)]
 
 
-class CoordinatorHalf(shared.AveragingCoordinator):
+class CoordinatorHalf(shared.AveragingCoordinator[Hyperparams]):
     """Async mode: Eq. 8 (and the normalisation of d_k) runs over the buffer's updates in place of a
     round's; the weights need nothing else from the cohort."""
-
-    hp: Hyperparams
 
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
@@ -137,7 +135,7 @@ class CoordinatorHalf(shared.AveragingCoordinator):
         return d_k
 
 
-class NodeHalf(fedavg.NodeHalf):
+class NodeHalf(fedavg.NodeHalf[Hyperparams]):
     """FedAvg's local training; the update also carries d_k (the histogram itself stays here)."""
 
     def __init__(self, hp: Hyperparams, *, node_id: str) -> None:

@@ -118,8 +118,7 @@ def server_model(average: torch.Tensor, h: torch.Tensor, alpha: float) -> torch.
 # -- the two halves ----------------------------------------------------------------------------
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
-    hp: Hyperparams
+class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     sync_only = (
         "FedDyn updates its server state h from the drift of one round's models from the model they "
         "all trained from, so it has no form for updates trained from different versions"
@@ -172,9 +171,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         shared.load_tensors(self.h, state, STATE_PREFIX, owner="FedDyn", what="h")
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
-
+class NodeHalf(base.NodeHalf[Hyperparams]):
     def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
         super().__init__(hp, node_id=node_id)
         self.gradient: dict[str, torch.Tensor] | None = None

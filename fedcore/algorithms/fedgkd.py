@@ -86,11 +86,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     )
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
+class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     """Async mode: every aggregation's model (one per version) enters the buffer, so the teacher is
     the mean of the last M model versions."""
 
-    hp: Hyperparams
     sync_only = None
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
@@ -144,9 +143,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.buffer = buffer[-self.hp.buffer_size :]
 
 
-class NodeHalf(shared.LossTermNode):
-    hp: Hyperparams
-
+class NodeHalf(shared.LossTermNode[Hyperparams]):
     def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         distill = shared.task_flag(task, "distill", node_id=self.node_id)
         if not distill or self.hp.gamma == 0.0:

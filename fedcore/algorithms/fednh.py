@@ -238,8 +238,7 @@ class _Trainable(nn.Module):
 # -- the two halves --------------------------------------------------------------------------------
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
-    hp: Hyperparams
+class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     sync_only = (
         "FedNH learns its scale s outside the model group and moves its prototypes by each round's "
         "class means, and neither step has a form for updates trained from different versions"
@@ -340,9 +339,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.scale = scale.detach().to("cpu", torch.float32).clone()
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
-
+class NodeHalf(base.NodeHalf[Hyperparams]):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:

@@ -160,8 +160,7 @@ class NearestPrototype(nn.Module):
 # -- the two halves --------------------------------------------------------------------------------
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
-    hp: Hyperparams
+class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     sync_only = (
         "FedProto nodes train their own kept models, not the model they are sent, so an update is no "
         "step from a version, and each round's prototypes replace the global ones by that cohort's mean"
@@ -236,9 +235,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         self.present = present.detach().to("cpu").clone()
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
-
+class NodeHalf(base.NodeHalf[Hyperparams]):
     def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
         super().__init__(hp, node_id=node_id)
         self.local: StateDict | None = None

@@ -53,9 +53,7 @@ CoordinatorHalf = shared.AveragingCoordinator
 """FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(shared.LossTermNode):
-    hp: Hyperparams
-
+class NodeHalf(shared.LossTermNode[Hyperparams]):
     def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         mu = self.hp.mu
         if mu == 0.0:

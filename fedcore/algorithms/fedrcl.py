@@ -328,9 +328,7 @@ class CoordinatorHalf(fedavg.CoordinatorHalf):
     """FedAvg's server: the (size-weighted, or plain with ``weighted: false``) average of the updates."""
 
 
-class NodeHalf(shared.LossTermNode):
-    hp: Hyperparams
-
+class NodeHalf(shared.LossTermNode[Hyperparams]):
     def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         hp = self.hp
         if hp.scl_weight == 0.0 and hp.beta == 0.0:

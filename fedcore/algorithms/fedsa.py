@@ -32,10 +32,9 @@ class Hyperparams(skew_aware.SkewAwareOptions):
     to the run's ``fedsa_layers.jsonl`` every round (spec 6.4)."""
 
 
-class CoordinatorHalf(fedavg.CoordinatorHalf):
+class CoordinatorHalf(fedavg.CoordinatorHalf[Hyperparams]):
     """FedAvg's server with SA as its averaging step (FedSA = FedAvg + SA, paper section "SA")."""
 
-    hp: Hyperparams  # type: ignore[assignment]  # FedSA's own, which has FedAvg's `weighted` too
     sync_only = (
         "FedSA's skew-aware aggregator computes its dispersion statistics and clusters over one round's "
         "client models, and asynchronous aggregation folds stale updates with the 'mean' aggregator only"

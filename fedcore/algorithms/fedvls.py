@@ -191,12 +191,10 @@ def set_teacher_mode(teacher: nn.Module, bn: str) -> None:
                 module.train()
 
 
-class CoordinatorHalf(shared.AveragingCoordinator):
+class CoordinatorHalf(shared.AveragingCoordinator[Hyperparams]):
     """Async mode: "total" aggregation folds the buffer with the previous model as one more input of
     weight 1 - sum_i n_i / |D| (a node with two updates in one buffer counts its n_i twice among the
     inputs and once in |D|); "participants" is FedAvg's."""
-
-    hp: Hyperparams
 
     def aggregate(
         self, ctx: base.RoundContext, updates: Sequence[base.NodeUpdate], failures: Sequence[base.Failure]
@@ -229,9 +227,7 @@ class CoordinatorHalf(shared.AveragingCoordinator):
         }
 
 
-class NodeHalf(shared.LossTermNode):
-    hp: Hyperparams
-
+class NodeHalf(shared.LossTermNode[Hyperparams]):
     def objective(self, task: base.TaskInput, model: nn.Module, data: TensorDataset) -> LossFn | None:
         hp = self.hp
         counts = shared.local_label_counts(data, model, node_id=self.node_id, round=task.round)

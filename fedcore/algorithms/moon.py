@@ -86,9 +86,7 @@ CoordinatorHalf = shared.AveragingCoordinator
 """FedAvg's server: the global model is the sample-weighted average of the updates."""
 
 
-class NodeHalf(shared.LossTermNode):
-    hp: Hyperparams
-
+class NodeHalf(shared.LossTermNode[Hyperparams]):
     def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
         super().__init__(hp, node_id=node_id)
         self.previous: list[StateDict] = []

@@ -25,9 +25,7 @@ class Hyperparams:
     work per round is FedAvg's exactly."""
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
-
+class NodeHalf(base.NodeHalf[Hyperparams]):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:

@@ -155,8 +155,7 @@ def local_gradient(model: nn.Module, data: TensorDataset, batch_size: int) -> di
 # -- the two halves ----------------------------------------------------------------------------
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
-    hp: Hyperparams
+class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     sync_only = (
         "SCAFFOLD moves its control variate c by each round's control deltas and sends c with the model, so "
         "an update trained from an older version carries a correction computed against a c the server no longer holds"
@@ -210,9 +209,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
         shared.load_tensors(self.control, state, STATE_PREFIX, owner="SCAFFOLD", what="control")
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
-
+class NodeHalf(base.NodeHalf[Hyperparams]):
     def __init__(self, hp: Hyperparams, *, node_id: str) -> None:
         super().__init__(hp, node_id=node_id)
         self.control: dict[str, torch.Tensor] | None = None

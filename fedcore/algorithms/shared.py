@@ -118,7 +118,7 @@ PROBE = (("a", 3), ("b", 5))
 """Two updates' node ids and sample counts, to check that a half weights updates by their counts."""
 
 
-class AveragingCoordinator(base.CoordinatorHalf):
+class AveragingCoordinator(base.CoordinatorHalf[base.H]):
     """FedAvg's server: every selected node receives the global model, and the next global model is
     the average of the updates (``self.average``) weighted by `weights`, their sample counts.
 
@@ -192,7 +192,7 @@ class GroupTerm:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class LossTermNode(base.NodeHalf):
+class LossTermNode(base.NodeHalf[base.H]):
     """FedAvg's local training on the method's own per-batch objective: load the global model, set
     up the objective (`objective`), train (`fit`), keep what the method keeps (`trained`), return
     the model with the loss and step count.

@@ -202,13 +202,12 @@ def batch_offsets(num_samples: int, batch_size: int) -> list[int]:
     return starts
 
 
-class CoordinatorHalf(base.CoordinatorHalf):
+class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     """Async mode: ``ctx.round`` is the model version index, so t_k, the intervals and the warm-up
     rounds count versions; the student folds every update by ``ctx.folding`` (`next_model`), the
     teacher stores each node's last update of the version, and the generator trains against every
     folded update's head."""
 
-    hp: Hyperparams
     sync_only = None
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
@@ -375,9 +374,7 @@ class CoordinatorHalf(base.CoordinatorHalf):
             self.teacher.load_state_dict(groups.get("stream", {}))
 
 
-class NodeHalf(base.NodeHalf):
-    hp: Hyperparams
-
+class NodeHalf(base.NodeHalf[Hyperparams]):
     def train(
         self, task: base.TaskInput, model: nn.Module, data: TensorDataset, generator: torch.Generator
     ) -> base.Payload:
