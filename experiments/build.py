@@ -23,6 +23,9 @@ from fedmq.broker.topics import check_id
 from fedmq.coordinator.config import INLINE_MODEL_BYTES, AsyncPolicy, CoordinatorConfig, RoundPolicy
 from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.coordinator.engine.relay import ENDLESS
+from fedmq.coordinator.observers.reporting import Evaluator
+from fedmq.coordinator.storage.persistence import Persistence
+from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.experiments.scenario import expand as expand_scenario
 from fedmq.fedcore.aggregation import build_aggregator
@@ -314,7 +317,9 @@ def build_coordinator(
     }
     credentials = access.for_identity(COORDINATOR) if access is not None else None
     bus = update_sized(bus_config(cfg, url, credentials), half)
-    return Coordinator(config, bus, half, split.test, val_data=split.val, extra_summary=extra)
+    evaluator = Evaluator(half, split.test, split.val, config.eval_device)
+    persistence = Persistence(RunDir(config.out_dir), half)
+    return Coordinator(config, bus, half, evaluator=evaluator, persistence=persistence, extra_summary=extra)
 
 
 UPDATE_HEADER_ALLOWANCE = 1 << 20

@@ -48,7 +48,6 @@ from fedmq.coordinator.storage.run_dir import RunDir
 from fedmq.coordinator.updates import ingest
 from fedmq.fedcore.algorithms.base import CoordinatorHalf
 from fedmq.fedcore.algorithms.fingerprint import fingerprint_of
-from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.participation import ParticipationRecord
 from fedmq.fedcore.protocol import RunState
 from fedmq.fedcore.tensors import schema_of
@@ -84,37 +83,37 @@ class Coordinator:
         config: CoordinatorConfig,
         bus_config: BusConfig,
         half: CoordinatorHalf,
-        test_data: TensorDataset | None = None,
         *,
-        val_data: TensorDataset | None = None,
+        evaluator: Evaluator | None = None,
+        persistence: Persistence | None = None,
         extra_summary: Mapping[str, Any] | None = None,
         clock: Clock | None = None,
         new_engine: EngineFactory | None = None,
         calls: HalfCalls | None = None,
         run_id: str | None = None,
     ) -> None:
-        """The parts a composition swaps (a site aggregator's relay, `aggregator.site`): `new_engine` (by
-        default the round policy the config names), `calls` (how the half's heavy calls are made) and
+        """The parts the composition root hands in (`experiments.build`; a site aggregator's relay,
+        `aggregator.site`): `evaluator` (by default none: the run does not evaluate), `persistence` (the
+        run directory and checkpoints; by default the config's `out_dir`), `new_engine` (by default the
+        round policy the config names), `calls` (how the half's heavy calls are made), `clock` and
         `run_id` (by default a fresh random one)."""
         self.config = config
         self.bus_config = bus_config
         self.half = half
-        self.test_data = test_data
-        self.val_data = val_data
         self.clock = clock or MonotonicClock()
         self.topics = Topics(config.federation)
         self.registry = NodeRegistry()
         self.fingerprint = fingerprint_of(half, schema_of(half.model.state_dict()))
         """The method, hyperparameters and model schema nodes must share: in every task and status."""
-        self.run_dir = RunDir(config.out_dir)
+        self.persistence = persistence or Persistence(RunDir(config.out_dir), half)
+        self.run_dir = self.persistence.run_dir
         self.run_id = run_id or os.urandom(8).hex()
         self.client_id = f"{config.federation}-coordinator"
         """The MQTT client id (a broker lets one connection hold it at a time)."""
+        self.evaluator = evaluator or Evaluator(half, None, None, config.eval_device)
         self.event_log = EventLog(self.run_dir.root / EVENT_LOG)
         new_id = self.event_log.recording(new_task_id)
         self.engine = new_engine(new_id) if new_engine is not None else self._default_engine(new_id)
-        self.evaluator = Evaluator(half, test_data, val_data, config.eval_device)
-        self.persistence = Persistence(self.run_dir, half)
         self._events: asyncio.Queue[e.Event | Failed] = asyncio.Queue()
         self.background = Background(logger)
         """The publishes nothing waits for, kept until they end."""
@@ -145,7 +144,7 @@ class Coordinator:
     def _default_engine(self, new_id: Callable[[], bytes]) -> Engine:
         """The round policy the config names (evaluating when there is test data)."""
         schema = update_schema(self.half, self.config)
-        return make_engine(self.config, schema, evaluates=self.test_data is not None, new_id=new_id)
+        return make_engine(self.config, schema, evaluates=self.evaluator.test is not None, new_id=new_id)
 
     def post(self, event: e.Event) -> None:
         """Feed the engine an event that comes from outside the bus (a site's requests from upstream):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedmq.broker import BusConfig, Envelope, Kind, Message, Topics, decode, encode
 from fedmq.coordinator.drivers import inbox
@@ -20,6 +21,10 @@ from fedmq.coordinator.drivers.task_frames import TaskFrame
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.errors import ProtocolError
+from fedmq.coordinator.observers.reporting import Evaluator
+from fedmq.coordinator.storage.persistence import Persistence
+from fedmq.coordinator.storage.run_dir import RunDir
+from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.tensors import arrays_sha256
 from fedmq.fedcore.training import TrainSettings
 from tests.coordinator.engine_helpers import config
@@ -259,3 +264,23 @@ async def test_a_large_update_is_read_off_the_event_loop_before_the_engine(
     _dispatch(coordinator, sent(5000, failed="out of memory"))
     failed = coordinator._events.get_nowait()
     assert isinstance(failed, e.UpdateArrived) and failed.ingested is None and len(threads) == 2
+
+
+def test_the_coordinator_evaluates_and_stores_with_the_parts_it_is_handed(tmp_path: Path) -> None:
+    """The composition root hands the coordinator its evaluator and persistence: with no evaluator its
+    engine schedules no evaluation; with one holding a test split it does; the run directory is the
+    persistence's, not the config's, when one is handed in."""
+    bare = _coordinator(tmp_path / "bare")
+    assert bare.evaluator.test is None and bare.run_dir.root == tmp_path / "bare"
+    cfg = dataclasses.replace(config(), out_dir=tmp_path / "config")
+    half = PerNode(None, model=_model())
+    test = TensorDataset(x=torch.zeros(4, 3), y=torch.zeros(4, dtype=torch.long), num_classes=2)
+    handed = Coordinator(
+        cfg,
+        BusConfig.from_url("mqtt://127.0.0.1:1"),
+        half,
+        evaluator=Evaluator(half, test, None),
+        persistence=Persistence(RunDir(tmp_path / "handed"), half),
+    )
+    assert handed.evaluator.test is test and handed.run_dir.root == tmp_path / "handed"
+    assert not bare.engine.evaluates and handed.engine.evaluates
