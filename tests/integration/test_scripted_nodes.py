@@ -7,12 +7,14 @@ Each test runs against the embedded broker and against mosquitto.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from fedmq.broker import Topics, decode
 from fedmq.coordinator.drivers.mqtt import Coordinator
 from fedmq.experiments.build import build_coordinator, build_nodes, node_scripts
 from fedmq.experiments.config import parse_config
+from fedmq.fedcore.training import TrainSettings, local_sgd
 from fedmq.fednode.daemon import NodeDaemon, serve_nodes
 from fedmq.fednode.scenario import NodeScript, Transition
 from tests.helpers import raw_client
@@ -39,7 +42,18 @@ def _build(
     coordinator = build_coordinator(cfg, url, tmp_path / "run", federation=federation)
     nodes = build_nodes(cfg, url, cfg.node_ids(), federation=federation, exit_when_done=True)
     assert [n.config.script for n in nodes] == [scripts.get(n.node_id, NodeScript()) for n in nodes]
+    _warm_up(nodes[0])
     return coordinator, nodes
+
+
+def _warm_up(node: NodeDaemon) -> None:
+    """A few training steps of the nodes' model before the scripts' clocks start: a fresh process's
+    first backward passes take a second or more, which would otherwise land inside a script's
+    timeline (node-002 then crashes before it has finished its first round)."""
+    model = copy.deepcopy(node.workspace.model)
+    local_sgd(
+        model, node.data.subset(np.arange(min(len(node.data), 32))), TrainSettings(batch_size=8), torch.Generator()
+    )
 
 
 async def _run(coordinator: Coordinator, nodes: list[NodeDaemon], timeout: float = 60) -> dict[str, Any]:
