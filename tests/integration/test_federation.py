@@ -132,10 +132,11 @@ def test_node_whose_training_fails_reports_it_and_the_round_does_not_wait(tmp_pa
 
 def test_node_joining_late_is_sampled_from_then_on(tmp_path: Path, broker_url: str) -> None:
     """The run starts with 2 of 3 nodes (min_nodes=2); node-002 joins mid-run and is selected in
-    every round after it came online (C=1)."""
+    every round after it came online (C=1). node-000's 0.3 s a round keeps the run going for about
+    9 s after node-002's process is started, which its start-up (Python and torch) needs under load."""
     cfg = base_config(
         nodes=3, rounds=30, eval_every=30, policy={"min_nodes": 2, "ack_timeout_s": 3},
-        faults={"node-000": {"delay_s": 0.15}},
+        faults={"node-000": {"delay_s": 0.3}},
     )  # fmt: skip
     fed = Federation(tmp_path, broker_url, cfg)
     fed.start_coordinator()
