@@ -865,8 +865,8 @@ def train_vectorized(
             gradients = {name: t.cpu() for name, t in (round_.gradient_sums or {}).items()}
         else:
             terms, carried = {}, {name: t.cpu() for name, t in carried.items()}
-            gradients = {name: torch.zeros_like(t).cpu() for name, t in stack.params.items()} if sum_gradients else {}
             stack = _Stack.of(model, len(order), settings, device, [starts[k] for k in order] if starts else None)
+            gradients = {name: torch.zeros_like(t).cpu() for name, t in stack.params.items()} if sum_gradients else {}
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:

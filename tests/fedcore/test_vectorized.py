@@ -217,6 +217,26 @@ def test_carried_state_follows_each_nodes_own_steps_and_stops_with_them(digits: 
         train_vectorized(model, datasets, settings, generators(4), objective=renamed, carry=start)
 
 
+def test_summed_gradients_are_each_nodes_steps_and_zero_without_any(digits: TensorDataset) -> None:
+    """With plain SGD a node's weights move by -lr times its summed gradients, so the sums equal
+    (start - end) / lr per node; with no step anywhere (every shard empty) they are zeros, and a
+    carried state comes back as it was given."""
+    settings = TrainSettings(batch_size=8, lr=0.1, momentum=0.0, local_epochs=2)
+    model = build_model("mlp", digits.input_shape, 10, seed=1).double()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    data = dataclasses.replace(digits, x=digits.x.double())
+    got = train_vectorized(model, shards(data, (5, 21)), settings, generators(2), sum_gradients=True)
+    for state, stats in got:
+        assert stats.steps > 0
+        for name, total in stats.gradient_sums.items():
+            torch.testing.assert_close(total, (start[name] - state[name]) / settings.lr, rtol=0, atol=1e-10)
+    empty = [digits.subset(torch.arange(0).numpy())] * 2
+    carry = {"n": torch.tensor([3.0, 4.0])}
+    none = train_vectorized(model, empty, settings, generators(2), sum_gradients=True, carry=carry)
+    assert all(float(t.abs().sum()) == 0.0 for _, stats in none for t in stats.gradient_sums.values())
+    assert [float(stats.carry["n"]) for _, stats in none] == [3.0, 4.0]
+
+
 def test_vectorized_results_do_not_alias_the_model_or_each_other(digits: TensorDataset) -> None:
     """The returned weights are fresh tensors: loading another model into the template leaves them."""
     model = build_model("mlp", digits.input_shape, 10, seed=0)
