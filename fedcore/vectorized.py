@@ -748,27 +748,38 @@ are real steps of the round."""
 
 
 def _run(round_: _Round, active: Sequence[int], graphs: bool) -> None:
-    """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s."""
-    total = len(active)
+    """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s, all K
+    (the others masked) in a captured step."""
     k = len(round_.totals)
+    run_steps(len(active), round_.load, lambda s: round_.step(active[s]), lambda: round_.step(k), graphs)
+
+
+def run_steps(
+    total: int, load: Callable[[int], None], eager: Callable[[int], None], whole: Callable[[], None], graphs: bool
+) -> None:
+    """`total` steps over static buffers, `load(s)` copying step s's inputs into them first: each run by
+    `eager(s)`, or with `graphs` (a CUDA device) the first `WARMUP_STEPS` by `whole()` on a side stream,
+    then `whole()` captured once as a CUDA graph (recorded, not run) and replayed for each step left, as
+    the torch.cuda.graphs whole-network example does. `whole` must be a step every later one can be (the
+    vectorised round's with every node, the inactive masked)."""
     if not graphs or total <= WARMUP_STEPS + 1:
         for s in range(total):
-            round_.load(s)
-            round_.step(active[s])
+            load(s)
+            eager(s)
         return
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for s in range(WARMUP_STEPS):
-            round_.load(s)
-            round_.step(k)
+            load(s)
+            whole()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    round_.load(WARMUP_STEPS)
+    load(WARMUP_STEPS)
     with torch.cuda.graph(graph):
-        round_.step(k)  # recorded, not run
+        whole()  # recorded, not run
     for s in range(WARMUP_STEPS, total):
-        round_.load(s)
+        load(s)
         graph.replay()
 
 

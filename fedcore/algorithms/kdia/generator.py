@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.tensors import StateDict
-from fedmq.fedcore.vectorized import GRAPHS, use_graphs
+from fedmq.fedcore.vectorized import GRAPHS, run_steps, use_graphs
 
 LEAKY_SLOPE = 0.2
 DIVERSITY_EPS = 1e-5
@@ -220,6 +220,9 @@ def train_generator(
     y, z = labels.new_zeros(labels.shape[1:]), noise.new_zeros(noise.shape[1:])
 
     def step() -> None:
+        # the gradients set to None, not zeroed: a captured step makes them inside the graph, so that each
+        # replay writes them afresh rather than adding to the last step's
+        optimizer.zero_grad(set_to_none=True)
         features = generator(z, y)
         # Eq. 3: CE of the p_k-weighted sum of the frozen heads' logits; Eq. 4: diversity
         ce = F.cross_entropy(ensemble(features), y)
@@ -234,47 +237,12 @@ def train_generator(
         z.copy_(noise[s])
 
     steps = len(labels)
-    if not captured or steps <= _WARMUP_STEPS + 1:
-        for s in range(steps):
-            load(s)
-            optimizer.zero_grad(set_to_none=True)
-            step()
-    else:
-        _captured_steps(step, load, optimizer, steps)
+    run_steps(steps, load, lambda _: step(), step, captured)
     n = max(steps, 1)
     stats = GeneratorStats(
         ce=float(ce_sum) / n, diversity=float(div_sum) / n, steps=steps, seconds=time.perf_counter() - started
     )
     return stats, optimizer.state_dict()
-
-
-_WARMUP_STEPS = 3
-"""Eager steps before the generator's step is captured (on a side stream, as torch.cuda.graphs asks)."""
-
-
-def _captured_steps(
-    step: Callable[[], None], load: Callable[[int], None], optimizer: torch.optim.Optimizer, steps: int
-) -> None:
-    """All `steps`: the first few eagerly on a side stream, then one captured as a CUDA graph (recorded,
-    not run) and replayed for each of the others, as the torch.cuda.graphs whole-network example does.
-    The gradients are made inside the graph (set to None before the capture), so every replay writes
-    them afresh rather than adding to the last step's."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in range(_WARMUP_STEPS):
-            load(s)
-            optimizer.zero_grad(set_to_none=True)
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    load(_WARMUP_STEPS)
-    with torch.cuda.graph(graph):
-        step()
-    for s in range(_WARMUP_STEPS, steps):
-        load(s)
-        graph.replay()
 
 
 def generator_draws(
