@@ -93,8 +93,11 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 def steps_per_epoch(n: int, batch_size: int, drop_last: bool = False) -> int:
-    """Batches `local_sgd` trains on per epoch: a trailing batch of one sample is skipped unless n == 1,
-    and with `drop_last` any trailing batch short of `batch_size`."""
+    """Batches `local_sgd` trains on per epoch: it stops at a batch of one sample unless n == 1 (so a
+    trailing one is skipped, and with `batch_size` 1 every one), and with `drop_last` at any trailing
+    batch short of `batch_size`."""
+    if batch_size == 1 and n > 1:
+        return 0
     full, rest = divmod(n, batch_size)
     if drop_last:
         return full

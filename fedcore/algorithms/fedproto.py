@@ -72,7 +72,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, TensorSpec, cpu_copy, schema_of
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, steps_per_epoch, train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         record = self.hp.prototype_pass == "train"
         sums = torch.zeros(classes, dim, device=device)
         counts = torch.zeros(classes, dtype=torch.int64, device=device)
-        per_epoch = shared.batches_per_epoch(len(data), task.settings.batch_size)
+        per_epoch = steps_per_epoch(len(data), task.settings.batch_size, task.settings.drop_last)
         first_recorded = (task.settings.local_epochs - 1) * per_epoch
         step = 0
 
@@ -367,7 +367,7 @@ class _LastEpoch:
     (`fedcore.vectorized.StepDraws`: a constant per step, nothing drawn from the generator)."""
 
     def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
-        return (settings.local_epochs - 1) * shared.batches_per_epoch(len(data), settings.batch_size)
+        return (settings.local_epochs - 1) * steps_per_epoch(len(data), settings.batch_size, settings.drop_last)
 
     def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         assert isinstance(state, int)

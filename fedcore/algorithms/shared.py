@@ -14,9 +14,9 @@
 - Small pieces of several methods: the trainable parameters and their accumulator dtypes (SCAFFOLD,
   FedDyn, FedAvgM), a node's state per parameter (`node_state`: SCAFFOLD, FedDyn), a checkpointed
   dict of tensors (`load_tensors`) and its norm (`state_norm`), the federation size N (SCAFFOLD,
-  FedDyn), a node's label counts (FedLC, FedRS, FedVLS), `local_sgd`'s batch count (FedACD,
-  FedProto), the shape of a FedModel and the update's class means, their schema and their checks
-  (FedNH, FedProto), and the filter that leaves invalid updates out with a warning.
+  FedDyn), a node's label counts (FedLC, FedRS, FedVLS), the shape of a FedModel and the update's
+  class means, their schema and their checks (FedNH, FedProto), and the filter that leaves invalid
+  updates out with a warning.
 """
 
 from __future__ import annotations
@@ -416,17 +416,6 @@ def local_label_counts(data: TensorDataset, model: nn.Module, *, node_id: str, r
     if sum(histogram) <= 0:
         raise AlgorithmError("an empty training set has no label distribution", node_id=node_id, round=round)
     return torch.tensor(histogram, dtype=torch.float32, device=data.y.device)
-
-
-def batches_per_epoch(n: int, batch_size: int) -> int:
-    """How many batches `local_sgd` trains on per epoch over n samples: it stops before a trailing
-    batch of one sample (mirrors its loop, ``drop_last`` aside)."""
-    count = 0
-    for start in range(0, n, batch_size):
-        if min(batch_size, n - start) == 1 and n > 1:
-            break
-        count += 1
-    return count
 
 
 # -- prototype methods (FedNH, FedProto) -----------------------------------------------------------

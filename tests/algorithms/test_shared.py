@@ -13,20 +13,25 @@ from fedmq.fedcore.algorithms.base import NodeUpdate, Payload
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.vectorized import steps_per_epoch
 from tests.algorithms import common
 from tests.algorithms.common import Federation, same_state, shards, tiny_model, update
 
 
 @pytest.mark.parametrize(
-    ("n", "batch", "expected"),
-    [(20, 8, 3), (17, 8, 2), (16, 8, 2), (9, 8, 1), (1, 8, 1), (5, 1, 0), (40, 8, 5), (33, 8, 4), (9, 40, 1)],
-)
-def test_batches_per_epoch_counts_the_batches_local_sgd_trains_on(n: int, batch: int, expected: int) -> None:
-    """local_sgd skips a trailing batch of one sample (every batch when batch_size is 1); FedACD's
-    running estimate and FedProto's last-epoch pass count on the same number."""
-    assert shared.batches_per_epoch(n, batch) == expected
+    ("n", "batch", "drop_last", "expected"),
+    [(20, 8, False, 3), (17, 8, False, 2), (16, 8, False, 2), (9, 8, False, 1), (1, 8, False, 1), (5, 1, False, 0),
+     (40, 8, False, 5), (33, 8, False, 4), (9, 40, False, 1), (20, 8, True, 2), (9, 40, True, 0), (5, 1, True, 0)],
+)  # fmt: skip
+def test_steps_per_epoch_counts_the_batches_local_sgd_trains_on(
+    n: int, batch: int, drop_last: bool, expected: int
+) -> None:
+    """local_sgd stops at a batch of one sample (so a trailing one is skipped, and with batch_size 1
+    every one) and, with drop_last, at a short trailing batch; FedACD's running estimate, FedProto's
+    last epoch and the vectorised plan count on the same number."""
+    assert steps_per_epoch(n, batch, drop_last) == expected
     data = shards()[2].subset(np.arange(n))
-    settings = TrainSettings(local_epochs=1, batch_size=batch, lr=0.01)
+    settings = TrainSettings(local_epochs=1, batch_size=batch, lr=0.01, drop_last=drop_last)
     assert local_sgd(tiny_model(0), data, settings, torch_generator(0, "t")).steps == expected
 
 
