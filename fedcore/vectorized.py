@@ -848,6 +848,10 @@ def train_vectorized(
         raise ValueError(f"{len(datasets)} datasets and {len(generators)} generators: one of each per node")
     if starts is not None and len(starts) != len(datasets):
         raise ValueError(f"{len(starts)} starting models for {len(datasets)} nodes")
+    for what, given in (("inputs", inputs), ("carry", carry)):
+        for name, t in (given or {}).items():
+            if len(t) != len(datasets):
+                raise ValueError(f"{what} {name!r} holds {len(t)} rows for {len(datasets)} nodes: one per node")
     first = next(model.parameters())
     device, dtype = first.device, first.dtype
     steps = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size, settings.drop_last) for d in datasets]

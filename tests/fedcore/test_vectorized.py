@@ -215,6 +215,10 @@ def test_carried_state_follows_each_nodes_own_steps_and_stops_with_them(digits: 
 
     with pytest.raises(VectorizeError, match="carried"):
         train_vectorized(model, datasets, settings, generators(4), objective=renamed, carry=start)
+    with pytest.raises(ValueError, match="carry 'steps' holds 3 rows for 4 nodes"):
+        train_vectorized(
+            model, datasets, settings, generators(4), objective=objective, carry={**start, "steps": start["steps"][:3]}
+        )
 
 
 def test_summed_gradients_are_each_nodes_steps_and_zero_without_any(digits: TensorDataset) -> None:
