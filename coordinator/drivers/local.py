@@ -411,8 +411,7 @@ class LocalFederation:
             for t, p, s in work
         ]
         try:
-            with graph_mode(self.graphs):
-                updates = half.train_group(members, self.workspace)
+            updates = half.train_group(members, self.workspace)  # under `run`'s (or a replay's) graph_mode
         except Exception as exc:  # as the daemons' group trainer: every member then trains alone
             logger.error("training a group of %d failed, each trains alone: %r", len(members), exc, exc_info=exc)
             return {}

@@ -36,6 +36,7 @@ from fedmq.fedcore.protocol import SecAggDirectory, UpdateFailed
 from fedmq.fedcore.secagg import quantise
 from fedmq.fedcore.tensors import arrays_sha256, flatten_groups, model_sha256, split_groups
 from fedmq.fedcore.training import TrainSettings
+from fedmq.fedcore.vectorized import graph_mode
 
 CACHED_UPDATES = 256
 """Recomputed updates kept for duplicates (a node's update delivered twice)."""
@@ -212,6 +213,14 @@ class Replay(LocalFederation):
     def replay(self) -> ReplayReport:
         """Feed every recorded event; raise `ReplayMismatch` at the first difference."""
         groups = list(_groups(self.entries))
+        with graph_mode(self.graphs):  # as the run: its nodes' groups and its coordinator's captured steps
+            self._feed_all(groups)
+        self.report.complete = self.engine.finished
+        self.report.final_model_sha256 = model_sha256(self.half.model)
+        return self.report
+
+    def _feed_all(self, groups: list[tuple[Entry, list[Entry]]]) -> None:
+        """Each recorded event to the engine, its answer compared and executed."""
         for i, (entry, answer) in enumerate(groups):
             self._line = entry.line
             try:
@@ -226,9 +235,6 @@ class Replay(LocalFederation):
                 self._execute(command)
             self._note_group([command for command in commands if isinstance(command, c.SendTask)])
             self.report.events += 1
-        self.report.complete = self.engine.finished
-        self.report.final_model_sha256 = model_sha256(self.half.model)
-        return self.report
 
     def _compare(self, entry: Entry, commands: list[c.Command], answer: list[Entry], *, last: bool) -> bool:
         """Check the engine's answer against the log's; False when the log's last answer was cut short."""

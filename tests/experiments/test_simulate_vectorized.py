@@ -14,6 +14,8 @@ from fedmq.experiments.config import apply_overrides, parse_config, read_yaml
 from fedmq.experiments.local import build_local
 from fedmq.experiments.replay import replay_run
 from fedmq.experiments.simulate import simulate
+from fedmq.fedcore.algorithms.shared import AveragingCoordinator
+from fedmq.fedcore.vectorized import GRAPHS
 from tests.helpers import QUICKSTART_STRAGGLERS as STRAGGLERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train
@@ -70,6 +72,27 @@ def test_replay_one_by_one_of_a_vectorised_run_is_a_mismatch(tmp_path: Path) -> 
     config.write_text(config.read_text().replace("vectorize: true", "vectorize: false"))
     outcome = replay_run(tmp_path / "run", device=CPU)
     assert not outcome.ok and "differs from the recorded one" in str(outcome.mismatch)
+
+
+def test_the_run_and_its_replay_aggregate_under_the_runs_graph_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator's own steps (KDIA's generator) follow `simulation.graphs` as the nodes' groups
+    do, in the run and in its replay: every aggregation sees the recorded mode, not the default."""
+    seen: list[str] = []
+    aggregate = AveragingCoordinator.aggregate
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(GRAPHS.get())
+        return aggregate(self, *args, **kwargs)
+
+    monkeypatch.setattr(AveragingCoordinator, "aggregate", recording)
+    simulate(
+        _config(["rounds=2", "simulation.vectorize=true", "simulation.graphs=false"]), tmp_path / "run", device=CPU
+    )
+    ran = len(seen)
+    assert replay_run(tmp_path / "run", device=CPU).ok
+    assert ran == 2 and len(seen) == 4 and set(seen) == {"off"}, seen
 
 
 def test_a_method_without_a_group_form_trains_one_by_one_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
