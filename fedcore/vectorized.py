@@ -39,7 +39,8 @@ computation can reproduce node by node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -544,19 +545,19 @@ def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
         g.mul_(_per_node(coef, g))
 
 
-def _sgd(
-    p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], active: torch.Tensor, settings: TrainSettings
+def _sgd_all(
+    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], settings: TrainSettings
 ) -> None:
-    """torch.optim.SGD's step (dampening 0, no Nesterov) for the active nodes; the others keep their
-    weights and momentum. A zero buffer makes the first step buf = g exactly, as torch's does."""
-    on = _per_node(active, p)
+    """torch.optim.SGD's step for every node of the stack at once, as its foreach form computes it: a
+    few multi-tensor operations over all the parameters (one kernel each on a GPU) instead of several
+    per parameter, for a step in which no node is masked. `bufs` is empty without momentum."""
     if settings.weight_decay != 0:
-        g = g.add(p, alpha=settings.weight_decay)
+        grads = torch._foreach_add(grads, params, alpha=settings.weight_decay)
     if settings.momentum != 0:
-        buf = state[0]
-        buf.copy_(torch.where(on > 0, buf * settings.momentum + g, buf))
-        g = buf
-    p.add_(g * (on * -settings.lr))
+        torch._foreach_mul_(bufs, settings.momentum)
+        torch._foreach_add_(bufs, grads)
+        grads = bufs
+    torch._foreach_add_(params, grads, alpha=-settings.lr)
 
 
 def _adam(
@@ -675,7 +676,8 @@ class _Round:
         self.cur = _Buffers.first_of(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
-        self.seen = torch.zeros(k, dtype=torch.float64, device=device)
+        self.seen = plan.count.double().sum(0)
+        """Each node's real samples over the round, known from the plan."""
         self.terms: dict[str, torch.Tensor] = {}
         """Each named term of the objective, summed over each node's steps."""
         self.carry = carry or {}
@@ -700,8 +702,11 @@ class _Round:
             x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.normalize)
         return x.view(*rows.shape, *x.shape[1:]), y
 
-    def step(self, a: int) -> None:
-        """One optimizer step of the first `a` nodes (all K under a CUDA graph; inactive ones masked)."""
+    def step(self, a: int, masked: bool = False) -> None:
+        """One optimizer step of the first `a` nodes. Nodes are sorted by their steps, so the first
+        `a` all train when `a` is the step's active count (an eager step); a captured step takes all K,
+        `masked` where some of them have no batch left: those keep their weights, optimizer state and
+        carried state, restored after the update so that the others' arithmetic is the unmasked step's."""
         x, y = self.batch(a)
         count = self.cur.count[:a]
         active = (count > 0).to(count.dtype)
@@ -713,36 +718,51 @@ class _Round:
             self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs, carried
         )
         settings = self.settings
-        if self.gradient_sums is not None:
-            with torch.no_grad():
-                for name, g in grads.items():
-                    self.gradient_sums[name][:a] += g * _per_node(active, g)
-        if settings.max_grad_norm is not None:
-            _clip(grads, settings.max_grad_norm)
         with torch.no_grad():
-            steps.add_(active)
-            for name, p in params.items():
-                if name not in grads:  # unused by the objective (FedNH's classifier): skipped, as torch's optimisers do
-                    continue
-                if settings.optimizer == "adam":
-                    _adam(p, grads[name], state[name], active, steps, settings)
-                else:
-                    _sgd(p, grads[name], state[name], active, settings)
+            if self.gradient_sums is not None:
+                sums = [self.gradient_sums[name][:a] for name in grads]
+                torch._foreach_add_(sums, _masked(list(grads.values()), active, masked))
+            if settings.max_grad_norm is not None:
+                _clip(grads, settings.max_grad_norm)
+            # a parameter the objective leaves unused (FedNH's classifier) has no gradient: skipped, as torch's
+            # optimisers skip it
+            names = [name for name in params if name in grads]
+            if settings.optimizer == "adam":
+                steps.add_(active)
+                for name in names:
+                    _adam(params[name], grads[name], state[name], active, steps, settings)
+            else:
+                tensors = [params[n] for n in names] + [t for n in names for t in state[n]]
+                kept = torch._foreach_mul(tensors, 1.0) if masked else []
+                _sgd_all(
+                    [params[n] for n in names],
+                    [grads[n] for n in names],
+                    [state[n][0] for n in names if state[n]],
+                    settings,
+                )
+                for t, old in zip(tensors, kept, strict=masked):  # nodes with no batch left keep what they had
+                    t.copy_(torch.where(_per_node(active, t) > 0, t, old))
             self.totals[:a] += losses.double() * count.double()
-            self.seen[:a] += count.double()
             for name, value in terms.items():
                 if name not in self.terms:  # created by the first (eager) step, before any graph is captured
                     self.terms[name] = torch.zeros((len(self.totals), *value.shape[1:]), dtype=torch.float64,
                                                    device=self.totals.device)  # fmt: skip
-                self.terms[name][:a] += value.double() * _per_node(active.double(), value)
+                self.terms[name][:a] += _masked([value.double()], active.double(), masked)[0]
             if set(after) != set(carried):
                 raise VectorizeError(
                     f"the objective carried {sorted(after)}, not the state it was given {sorted(carried)}"
                 )
             for name, value in after.items():  # a node with no batch left keeps its state
+                value = value.to(carried[name].dtype)
                 carried[name].copy_(
-                    torch.where(_per_node(active, value) > 0, value.to(carried[name].dtype), carried[name])
+                    torch.where(_per_node(active, value) > 0, value, carried[name]) if masked else value
                 )
+
+
+def _masked(tensors: list[torch.Tensor], active: torch.Tensor, masked: bool) -> list[torch.Tensor]:
+    """Each (K, ...) tensor with the rows of inactive nodes zeroed, when the step is `masked` (filled, not
+    multiplied: an inactive node's all-padding batch must not spill a NaN into its sums)."""
+    return [t.masked_fill(_per_node(active, t) == 0, 0) for t in tensors] if masked else tensors
 
 
 WARMUP_STEPS = 3
@@ -751,39 +771,62 @@ are real steps of the round."""
 
 
 def _run(round_: _Round, active: Sequence[int], graphs: bool) -> None:
-    """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s, all K
-    (the others masked) in a captured step."""
+    """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s. Captured,
+    a step takes all K: unmasked while every node trains (every step, with equal shards), masked once
+    some have no batch left, each its own graph."""
     k = len(round_.totals)
-    run_steps(len(active), round_.load, lambda s: round_.step(active[s]), lambda: round_.step(k), graphs)
+    run_steps(
+        len(active),
+        round_.load,
+        lambda s: round_.step(active[s]),
+        lambda masked: round_.step(k, masked=bool(masked)),
+        graphs,
+        kind=lambda s: active[s] < k,
+    )
 
 
 def run_steps(
-    total: int, load: Callable[[int], None], eager: Callable[[int], None], whole: Callable[[], None], graphs: bool
+    total: int,
+    load: Callable[[int], None],
+    eager: Callable[[int], None],
+    whole: Callable[[Hashable], None],
+    graphs: bool,
+    kind: Callable[[int], Hashable] = lambda s: None,
 ) -> None:
     """`total` steps over static buffers, `load(s)` copying step s's inputs into them first: each run by
-    `eager(s)`, or with `graphs` (a CUDA device) the first `WARMUP_STEPS` by `whole()` on a side stream,
-    then `whole()` captured once as a CUDA graph (recorded, not run) and replayed for each step left, as
-    the torch.cuda.graphs whole-network example does. `whole` must be a step every later one can be (the
-    vectorised round's with every node, the inactive masked)."""
+    `eager(s)`, or with `graphs` (a CUDA device) by `whole(kind(s))`, the steps of each kind one
+    computation every step of that kind can be. A kind with more than `WARMUP_STEPS` + 1 steps runs its
+    first `WARMUP_STEPS` on a side stream, is then captured once as a CUDA graph (recorded, not run) and
+    replayed for each of its steps left, as the torch.cuda.graphs whole-network example does; the steps
+    of a kind too rare to capture run by `eager(s)`."""
     if not graphs or total <= WARMUP_STEPS + 1:
         for s in range(total):
             load(s)
             eager(s)
         return
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in range(WARMUP_STEPS):
-            load(s)
-            whole()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    load(WARMUP_STEPS)
-    with torch.cuda.graph(graph):
-        whole()  # recorded, not run
-    for s in range(WARMUP_STEPS, total):
+    kinds = [kind(s) for s in range(total)]
+    counts = Counter(kinds)
+    warmed: Counter[Hashable] = Counter()
+    captured: dict[Hashable, torch.cuda.CUDAGraph] = {}
+    side = torch.cuda.Stream()
+    for s, k in enumerate(kinds):
         load(s)
-        graph.replay()
+        if k in captured:
+            captured[k].replay()
+        elif counts[k] <= WARMUP_STEPS + 1:
+            eager(s)
+        elif warmed[k] < WARMUP_STEPS:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                whole(k)
+            torch.cuda.current_stream().wait_stream(side)
+            warmed[k] += 1
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                whole(k)  # recorded, not run
+            graph.replay()
+            captured[k] = graph
 
 
 GRAPHS: ContextVar[str] = ContextVar("fedmq_vectorized_graphs", default="auto")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ from fedmq.fedcore.data import TensorDataset, load_dataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
-from fedmq.fedcore.training import TrainSettings, TrainStats, local_sgd
+from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
 from fedmq.fedcore.vectorized import (
     NodeBatch,
     VectorizeError,
@@ -65,12 +65,12 @@ def generators(k: int) -> list[torch.Generator]:
 
 
 def one_by_one(
-    model: torch.nn.Module, datasets: Sequence[TensorDataset], settings: TrainSettings
+    model: torch.nn.Module, datasets: Sequence[TensorDataset], settings: TrainSettings, loss_fn: LossFn = cross_entropy
 ) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
     out = []
     for data, gen in zip(datasets, generators(len(datasets)), strict=True):
         copy_ = copy.deepcopy(model)
-        stats = local_sgd(copy_, data, settings, gen)
+        stats = local_sgd(copy_, data, settings, gen, loss_fn=loss_fn)
         out.append((copy_.state_dict(), stats))
     return out
 
@@ -128,6 +128,68 @@ def test_vectorized_in_float64_equals_one_by_one_to_rounding(
     for (want_state, want), (state, stats) in zip(expected, got, strict=True):
         assert max_difference(state, want_state) < 1e-12
         assert stats.loss == pytest.approx(want.loss, rel=1e-12)
+
+
+def proximal(model: torch.nn.Module, mu: float) -> LossFn:
+    """The cross-entropy plus mu times the squared distance from `model`'s weights (FedProx's kind)."""
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_fn(trained: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        drift = sum(((p - start[n]) ** 2).sum() for n, p in trained.named_parameters())
+        return cross_entropy(trained, x, y) + mu * drift
+
+    return loss_fn
+
+
+def _every_step_whole(
+    total: int, load: Callable[[int], None], eager: Callable[[int], None], whole: Callable[[Hashable], None],
+    graphs: bool, kind: Callable[[int], Hashable] = lambda s: None,
+) -> None:  # fmt: skip
+    """`run_steps` with every step as a captured graph runs it (all K nodes, masked where some have
+    no batch left), eagerly: what a CUDA device replays, checkable on the CPU."""
+    for s in range(total):
+        load(s)
+        whole(kind(s))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("settings", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_the_captured_steps_computation_equals_one_by_one_in_float64(
+    digits: TensorDataset, name: str, settings: TrainSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A captured step trains all K nodes: unmasked while every node has a batch, masked once some have
+    none (they keep weights and optimizer state, restored after the update). Run that way on the CPU, in
+    float64, every node is its own local_sgd to 1e-12, its summed gradients and a carried state what the
+    eager steps give."""
+    from fedmq.fedcore import vectorized
+
+    data64 = dataclasses.replace(digits, x=digits.x.double())
+    model = build_model(name, digits.input_shape, 10, seed=0).double()
+    datasets = shards(data64, SIZES)
+    expected = one_by_one(model, datasets, settings, loss_fn=proximal(model, 0.01))
+    carry = {"steps": torch.zeros(len(SIZES), dtype=torch.float64)}
+
+    def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        # a term of the parameters (a proximal term's kind): its value and gradient are not zero on a
+        # node with no batch left, so only the masking keeps them out of that node's sums
+        drift = sum(((p - batch.start[n]) ** 2).sum() for n, p in batch.params.items())
+        loss = batch.mean(nll(batch.logits(), batch.y))
+        return loss + 0.01 * drift, {"drift": drift}, {"steps": batch.carry["steps"] + 1}
+
+    def train() -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+        gens = generators(len(SIZES))
+        return train_vectorized(model, datasets, settings, gens, objective=objective, carry=carry, sum_gradients=True)
+
+    eager = train()
+    monkeypatch.setattr(vectorized, "run_steps", _every_step_whole)
+    whole = train()
+    for (want_state, want), (state, stats), (_, eager_stats) in zip(expected, whole, eager, strict=True):
+        assert max_difference(state, want_state) < 1e-12
+        assert stats.loss == pytest.approx(want.loss, rel=1e-12)
+        assert stats.terms["drift"] == pytest.approx(eager_stats.terms["drift"], rel=1e-12)
+        assert float(stats.carry["steps"]) == stats.steps == want.steps
+        for key, total in stats.gradient_sums.items():
+            torch.testing.assert_close(total, eager_stats.gradient_sums[key], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("augment", [{"crop": 8, "padding": 1, "flip": True}, {"padding": 2, "rotation_deg": 30}])

@@ -237,7 +237,7 @@ def train_generator(
         z.copy_(noise[s])
 
     steps = len(labels)
-    run_steps(steps, load, lambda _: step(), step, captured)
+    run_steps(steps, load, lambda _: step(), lambda _: step(), captured)
     n = max(steps, 1)
     stats = GeneratorStats(
         ce=float(ce_sum) / n, diversity=float(div_sum) / n, steps=steps, seconds=time.perf_counter() - started
