@@ -552,7 +552,7 @@ def _sgd_all(
     few multi-tensor operations over all the parameters (one kernel each on a GPU) instead of several
     per parameter, for a step in which no node is masked. `bufs` is empty without momentum."""
     if settings.weight_decay != 0:
-        grads = torch._foreach_add(grads, params, alpha=settings.weight_decay)
+        grads = list(torch._foreach_add(grads, params, alpha=settings.weight_decay))
     if settings.momentum != 0:
         torch._foreach_mul_(bufs, settings.momentum)
         torch._foreach_add_(bufs, grads)

@@ -28,11 +28,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
@@ -261,6 +264,51 @@ def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Ti
     return {name: _timed(call, device, repeats) for name, call in paths.items()}
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the operators dispatched inside it, views aside: on a GPU each is about one kernel, so the
+    count is what a step costs in launches (eager) or in a graph's nodes (captured), on any device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(case: Case, device: torch.device) -> dict[str, int]:
+    """Operators dispatched by one step, the copy of its batch's slice into place included: the
+    simulator's vectorised step (its last: with equal shards every node trains at every step) and the
+    vmap reference's."""
+    from fedmq.fedcore import vectorized
+
+    data = cifar_shaped()
+    data = TensorDataset(data.x, data.y, data.num_classes, train_transform=data.train_transform)
+    model = build_model("moon-cnn", data.input_shape, data.num_classes, seed=0).to(device)
+    datasets = [d.to(device) for d in equal_shards(data, case.k, case.size)]
+    counted = OpCount()
+
+    def last_step_counted(
+        total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: Any, **__: Any
+    ) -> None:
+        for s in range(total):
+            with counted if s == total - 1 else contextlib.nullcontext():
+                load(s)
+                eager(s)
+
+    with mock.patch.object(vectorized, "run_steps", last_step_counted):
+        train_vectorized(model, datasets, case.settings, generators(case.k, torch.device("cpu")), graphs="off")
+    reference = VmapStep(model, datasets, case, device)
+    reference.step_idx.copy_(reference.idx[:, 0])
+    reference._step()  # the first step builds what later steps reuse
+    with OpCount() as ref:
+        reference.step_idx.copy_(reference.idx[:, 1])
+        reference._step()
+    return {"simulator, vectorised": counted.count, "reference: vmap over nodes": ref.count}
+
+
 def _add_case(report: Report, case: Case, device: torch.device, timings: dict[str, Timing]) -> float:
     """Rows for one case; the vectorised simulator's share of the best reference."""
     images = case.k * case.size * case.epochs
@@ -326,6 +374,18 @@ def run(options: BenchOptions) -> Report:
             for case in cases(options.quick, gpu):
                 timings = measure_case(case, device, repeats)
                 share = _add_case(report, case, device, timings)
+                ops = step_ops(case, device)
+                reference_ops = ops["reference: vmap over nodes"]
+                for name, count in ops.items():
+                    report.add(
+                        f"{name}: operators a step",
+                        count,
+                        "ops",
+                        ratio=reference_ops / count,
+                        ratio_means="the vmap reference's count (fewer is faster)",
+                        note="dispatched, views aside: about one GPU kernel each",
+                        section=f"{case.label}, {device}",
+                    )
                 if options.quick:
                     continue
                 if gpu:
