@@ -41,6 +41,10 @@ class TrainSettings:
     `max_grad_norm` and Gaussian noise of this times it added to each batch's sum; None: plain SGD.
     Sent in a task only when set, so tasks without it are as before (`fedcore.privacy`). Set from the
     experiment file's ``privacy:`` section, not from ``train:``."""
+    precision: Literal["float32", "bf16"] = "float32"
+    """bf16: each step's forward pass and loss under torch.autocast in bfloat16 (matrix products and
+    convolutions in bfloat16; weights, gradients and the optimizer stay in the model's dtype), for a
+    GPU's tensor cores; float32: none. Sent in a task only when bf16, so other tasks are as before."""
 
     def __post_init__(self) -> None:
         check_section(self, "train")
@@ -52,6 +56,12 @@ class TrainSettings:
                 " (each sample's gradient is clipped to it)",
                 field="train.dp_noise_multiplier",
             )
+        if self.precision != "float32" and self.dp_noise_multiplier is not None:
+            raise ConfigError(
+                "bf16 is not offered with node-level DP-SGD (Opacus computes each sample's gradient from the"
+                " layers' activations in their own dtype); use float32",
+                field="train.precision",
+            )
 
     def for_round(self, round: int) -> TrainSettings:
         return replace(self, lr=self.lr * self.lr_decay ** max(round, 0))
@@ -60,6 +70,8 @@ class TrainSettings:
         meta = asdict(self)
         if meta["dp_noise_multiplier"] is None:
             del meta["dp_noise_multiplier"]  # tasks without DP-SGD stay byte for byte what they were
+        if meta["precision"] == "float32":
+            del meta["precision"]  # and tasks in float32 too
         return meta
 
     @classmethod
@@ -133,6 +145,14 @@ def local_sgd(
             close()
 
 
+def autocast(settings: TrainSettings, device: torch.device) -> torch.autocast:
+    """The step's autocast: bfloat16 when `settings.precision` asks for it, otherwise off. Its cache of
+    cast weights is off, as a CUDA graph's capture requires (the weights change every step anyway)."""
+    return torch.autocast(
+        device_type=device.type, dtype=torch.bfloat16, enabled=settings.precision == "bf16", cache_enabled=False
+    )
+
+
 def _epochs(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -155,7 +175,8 @@ def _epochs(
                 break  # DataLoader(drop_last=True): a short last batch is not trained on
             x, y = data.train_batch(idx, generator)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model, x, y)
+            with autocast(settings, x.device):
+                loss = loss_fn(model, x, y)
             loss.backward()
             if after_backward is not None:
                 after_backward(model)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ from torch.nn import functional as F
 
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.tensors import StateDict
-from fedmq.fedcore.training import TrainSettings, TrainStats
+from fedmq.fedcore.training import TrainSettings, TrainStats, autocast
 from fedmq.fedcore.transforms import (
     BatchTransform,
     Compose,
@@ -672,7 +672,13 @@ class _Round:
                 return out, {}, {}
             return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], out[1], {})
 
-        self.losses_of = vmap(node_loss)
+        vmapped = vmap(node_loss)
+
+        def losses_of(*args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            with autocast(settings, device):  # the forward pass only, as local_sgd's; the backward follows it
+                return vmapped(*args)
+
+        self.losses_of = losses_of
         self.cur = _Buffers.first_of(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
