@@ -267,3 +267,16 @@ def test_bad_options_are_refused_before_anything_runs(
 def test_replay_of_a_directory_that_is_not_a_run_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(tmp_path)]) == 2
     assert "config.yaml" in capsys.readouterr().err
+
+
+def test_a_bf16_run_replays_bit_for_bit_and_not_as_float32(tmp_path: Path) -> None:
+    """`train.precision: bf16` is deterministic on one device: its run replays bit for bit; its log
+    replayed with the config edited back to float32 differs (the precision is what its models were)."""
+    run = _simulated(tmp_path, "quickstart.yaml", ["rounds=2", "train.precision=bf16"])
+    outcome = replay_run(run)
+    assert outcome.ok and outcome.mismatch is None and outcome.report.aggregations == 2
+    edited = _copy(run, tmp_path)
+    config = edited / "config.yaml"
+    config.write_text(config.read_text().replace("precision: bf16", "precision: float32"))
+    assert "precision: float32" in config.read_text()
+    assert replay_run(edited).mismatch is not None
