@@ -477,7 +477,7 @@ class SimulationConfig(_Strict):
     vectorize: Literal["auto"] | bool = Field(
         "auto",
         description="train each round's selected nodes (each async wave's) as one vectorised computation where"
-        " the method allows (every built-in method but FedACD with p_estimate: clean;"
+        " the method allows (every built-in method;"
         " fedcore.vectorized; equal to one by one within float tolerance): true, false, or"
         " auto (true with a CUDA device, where it is several times faster; false on a CPU, where one by one is"
         " as fast and bitwise equal to the daemons)",

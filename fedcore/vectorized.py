@@ -622,6 +622,31 @@ class _Buffers:
             buf.copy_(plan.step_inputs[name][s])
 
 
+@dataclass(frozen=True)
+class _EpochStarts:
+    """Where nodes renew their carried state from their own parameters (`train_vectorized`'s epoch_start)."""
+
+    at: dict[int, list[int]]
+    """Step -> the stack positions whose epoch (not the first) starts there."""
+    state: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+    """(stack position, the node's parameters now) -> its renewed carried state."""
+
+    @classmethod
+    def of(
+        cls,
+        renew: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]],
+        order: Sequence[int],
+        ordered: Sequence[TensorDataset],
+        settings: TrainSettings,
+    ) -> _EpochStarts:
+        at: dict[int, list[int]] = {}
+        for pos, data in enumerate(ordered):
+            per_epoch = steps_per_epoch(len(data), settings.batch_size, settings.drop_last)
+            for epoch in range(1, settings.local_epochs if per_epoch else 0):
+                at.setdefault(epoch * per_epoch, []).append(pos)
+        return cls(at, lambda pos, params: renew(order[pos], params))
+
+
 class _Round:
     """The K nodes' local training as S identical steps over static buffers: each step copies its slice
     of the plan into the buffers (device to device) and runs, eagerly or as one replay of a CUDA graph
@@ -640,8 +665,10 @@ class _Round:
         starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
         carry: dict[str, torch.Tensor] | None = None,
         sum_gradients: bool = False,
+        epoch_starts: _EpochStarts | None = None,
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
+        self.epoch_starts = epoch_starts
         k = len(datasets)
         self.stack = _Stack.of(model, k, settings, device, starts)
         self.frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -694,7 +721,17 @@ class _Round:
         """Each node's gradients summed over its steps, before clipping (`sum_gradients`)."""
 
     def load(self, s: int) -> None:
+        """Step `s`'s slice of the plan into the buffers, and the carried state of each node whose epoch
+        starts at `s` renewed from its current parameters (`epoch_start`; eager, before the step)."""
         self.cur.load(self.plan, s)
+        if self.epoch_starts is None:
+            return
+        for pos in self.epoch_starts.at.get(s, ()):
+            renewed = self.epoch_starts.state(pos, {name: t[pos] for name, t in self.stack.params.items()})
+            if set(renewed) != set(self.carry):
+                raise VectorizeError(f"epoch_start gave {sorted(renewed)}, not the carried {sorted(self.carry)}")
+            for name, value in renewed.items():
+                self.carry[name][pos].copy_(value)
 
     def batch(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
         cur = self.cur
@@ -870,6 +907,7 @@ def train_vectorized(
     starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
     carry: Mapping[str, torch.Tensor] | None = None,
     sum_gradients: bool = False,
+    epoch_start: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -886,6 +924,9 @@ def train_vectorized(
     method's own training keeps across its steps: FedACD's running P). A node keeps its state through
     the steps it does not take; its last state is in its `TrainStats.carry`. `sum_gradients`: each
     node's gradients of the objective summed over its steps, before clipping (`TrainStats.gradient_sums`).
+    `epoch_start(k, params)`: node k's carried state renewed from its parameters as they are before the
+    first step of each of its epochs but the first (a state a method's training recomputes from the
+    model every epoch: FedACD's P from a clean pass); run eagerly between steps, outside any graph.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -921,9 +962,11 @@ def train_vectorized(
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
+            starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start is not None else None
             round_ = _Round(
-                model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients
-            )
+                model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
+                starts_at,
+            )  # fmt: skip
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()

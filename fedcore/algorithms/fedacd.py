@@ -66,9 +66,9 @@ plan in the order `train` draws them, each member's score from its own trained m
 and the running P (the paper's setting and the default), each node's P, its row sums and their
 weights are the vectorised step's carried state (`train_vectorized`'s `carry`): renewed at the first
 step of each epoch but the first (a constant per step in the plan), read as log Delta, and fed with
-the step's detached outputs, as `_Estimate` does in `train`. With ``p_estimate: clean`` the nodes
-train one by one (`group_refusal` says why): P renewed by a clean pass over the node's whole shard
-would be a pass per step inside a captured step, or epoch-by-epoch calls that restart the momentum.
+the step's detached outputs, as `_Estimate` does in `train`. With ``p_estimate: clean`` the carried
+state is P alone, renewed between steps, before each epoch but the first, by a clean pass of the
+node's model as it then is over its whole shard (`train_vectorized`'s `epoch_start`, `_CleanP`).
 
 The coordinator never trusts the wire: a score that is missing, not a finite number or outside
 (0.5, 1] (the range of Sigmoid(1 / KL) for KL >= 0) leaves its update out of a score-weighted average,
@@ -79,6 +79,7 @@ AlgorithmError. The metric ``acd_kl`` is the mean KL(P || Q) over the valid scor
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -447,10 +448,14 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         present = [m.half._present(m.task, m.data) for m in members]  # type: ignore[attr-defined]
         hp = self.hp
         uses_delta = hp.logit_adjust and hp.l2_weight != 0.0
-        draws = _StepDraws(hp.mixup_alpha, renew=uses_delta) if hp.mixup_alpha > 0.0 or uses_delta else None
+        running = uses_delta and hp.p_estimate == "running"
+        draws = _StepDraws(hp.mixup_alpha, renew=running) if hp.mixup_alpha > 0.0 or running else None
         carry, inputs = (
-            (_start_p(model, members, present), {"present": torch.stack(present)}) if uses_delta else ({}, {})
+            (_start_p(model, members, present, running=running), {"present": torch.stack(present)})
+            if uses_delta
+            else ({}, {})
         )
+        clean_p = _CleanP(model, [m.data for m in members]) if uses_delta and not running else None
 
         def loss_of(
             logits: torch.Tensor, y: torch.Tensor, batch: NodeBatch, log_delta: torch.Tensor | None
@@ -469,7 +474,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         def objective(
             batch: NodeBatch,
         ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            state = _running_p(batch, hp) if uses_delta else None
+            state = (_running_p(batch, hp) if running else _held_p(batch, hp)) if uses_delta else None
             log_delta = state.log_delta if state is not None else None
             if hp.mixup_alpha == 0.0:
                 logits = batch.logits()
@@ -489,7 +494,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
 
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, draws=draws, inputs=inputs, carry=carry,
+            objective=objective, draws=draws, inputs=inputs, carry=carry, epoch_start=clean_p,
         )  # fmt: skip
         payloads = []
         for member, own, (state, stats) in zip(members, present, results, strict=True):
@@ -500,12 +505,6 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         return payloads
 
     def group_refusal(self, model: nn.Module) -> str | None:
-        if self.hp.logit_adjust and self.hp.l2_weight != 0.0 and self.hp.p_estimate == "clean":
-            return (
-                "FedACD's log Delta with p_estimate: clean renews P every epoch by a clean pass of the node's"
-                " model over its whole shard, which a vectorised step (one batch) cannot make (p_estimate:"
-                " running, the default, trains in groups)"
-            )
         return super().group_refusal(model) or unsupported(model)
 
 
@@ -515,12 +514,36 @@ def _epoch_steps(data: TensorDataset, settings: TrainSettings) -> int:
 
 
 def _start_p(
-    model: nn.Module, members: Sequence[base.GroupMember], present: Sequence[torch.Tensor]
+    model: nn.Module, members: Sequence[base.GroupMember], present: Sequence[torch.Tensor], *, running: bool
 ) -> dict[str, torch.Tensor]:
     """Each member's carried state before its first step, as `_Estimate` starts it: P from a clean pass
-    of the received model over its data, empty row sums and weights."""
+    of the received model over its data, and for the running P empty row sums and weights."""
     p = torch.stack([probability_matrix(model, m.data) for m in members])
-    return {"p": p, "sums": torch.zeros_like(p), "counts": torch.zeros_like(p[:, 0])}
+    return {"p": p, "sums": torch.zeros_like(p), "counts": torch.zeros_like(p[:, 0])} if running else {"p": p}
+
+
+class _CleanP:
+    """``p_estimate: clean`` in a group: before each epoch but the first, node k's P from a clean pass of
+    its model as it is then over its whole shard (`probability_matrix`, as `_Estimate` renews it), through
+    a copy of the model holding the node's parameters (`train_vectorized`'s epoch_start)."""
+
+    def __init__(self, model: nn.Module, datasets: Sequence[TensorDataset]) -> None:
+        self.probe, self.datasets = copy.deepcopy(model), datasets
+
+    @torch.no_grad()
+    def __call__(self, k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, p in self.probe.named_parameters():
+            p.copy_(params[name])
+        return {"p": probability_matrix(self.probe, self.datasets[k])}
+
+
+def _held_p(batch: NodeBatch, hp: Hyperparams) -> _RunningP:
+    """P for this step with ``p_estimate: clean``: the carried P, which only `_CleanP` renews between steps."""
+    p = batch.carry["p"]
+    log_delta = log_delta_matrix(
+        p, batch.inputs["present"], delta_missing=hp.delta_missing, eps=hp.eps, clip=hp.log_delta_clip
+    )
+    return _RunningP(p, None, None, log_delta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,14 +551,17 @@ class _RunningP:
     """One node's P at one vectorised step (`_Estimate`'s running form, as a pure function)."""
 
     p: torch.Tensor
-    sums: torch.Tensor
-    counts: torch.Tensor
+    sums: torch.Tensor | None
+    """None with the clean P, which nothing accumulates into."""
+    counts: torch.Tensor | None
     log_delta: torch.Tensor
 
     def fed(
         self, logits: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """The carried state after the step: a mixed sample adds lam p to row y_a and (1 - lam) p to row y_b."""
+        if self.sums is None or self.counts is None:  # the clean P: nothing accumulates
+            return {"p": self.p}
         probs = F.softmax(logits.detach().to(self.sums.dtype), dim=1)
         sums, counts = accumulated(self.sums, self.counts, probs, y_a, weight * lam)
         sums, counts = accumulated(sums, counts, probs, y_b, weight * (1.0 - lam))

@@ -95,10 +95,11 @@ def test_the_run_and_its_replay_aggregate_under_the_runs_graph_mode(
     assert ran == 2 and len(seen) == 4 and set(seen) == {"off"}, seen
 
 
-def test_a_method_without_a_group_form_trains_one_by_one_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+def test_nodes_that_cannot_train_in_groups_train_one_by_one_and_say_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Every built-in method has a group form, so the refusal here is the model's: BatchNorm (its batch
+    statistics would include the padding) is refused, said once, and the run trains one by one."""
     with caplog.at_level(logging.WARNING, logger="fedmq.coordinator.drivers.local"):
-        overrides = ["method.name=fedacd", "method.hyperparams.p_estimate=clean"]
-        _, records, groups = _final(["rounds=2", *overrides, "simulation.vectorize=true"])
+        _, records, groups = _final(["rounds=2", "model.name=resnet32", "simulation.vectorize=true"])
     assert groups == 0 and len(records) == 2
     reasons = [r.message for r in caplog.records if "simulation.vectorize" in r.message]
-    assert len(reasons) == 1 and "p_estimate: clean" in reasons[0]
+    assert len(reasons) == 1 and "BatchNorm" in reasons[0]

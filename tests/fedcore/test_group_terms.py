@@ -176,6 +176,15 @@ def test_group_term_captured_as_a_cuda_graph_trains_each_node_as_its_own_objecti
         assert_group_is_each_own_train(digits, method, CASES[method], shards(digits), torch.device("cuda"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fedacd_clean_p_renewed_between_cuda_graph_replays(digits: TensorDataset) -> None:
+    """On a GPU with graphs, FedACD's clean P is renewed between replays (outside the graph, into the
+    buffers it reads): each member still gets its own `train`'s update."""
+    with graph_mode("on"):
+        hp = {"p_estimate": "clean", "mixup_alpha": 0.0}
+        assert_group_is_each_own_train(digits, "fedacd", hp, shards(digits), torch.device("cuda"))
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_group_term_at_the_neutral_setting_is_fedavg(digits: TensorDataset, method: str) -> None:
     datasets = shards(digits)
@@ -315,14 +324,49 @@ def test_fedacd_group_renews_each_members_p_every_epoch(digits: TensorDataset, m
             assert difference(unrenewed.tensors["model"], alone.tensors["model"]) > 1e-6
 
 
-def test_fedacd_with_a_clean_p_trains_one_by_one() -> None:
-    """``p_estimate: clean`` renews P by a pass over the node's whole shard every epoch: refused, with
-    the reason; the running P (the default) is admitted."""
+@pytest.mark.parametrize("mixup_alpha", [0.0, 1.0])
+def test_fedacd_group_with_a_clean_p_renews_each_members_p_from_its_own_model(
+    digits: TensorDataset, mixup_alpha: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``p_estimate: clean``: before each epoch but the first, each member's P is a clean pass of its own
+    model as it then is over its whole shard, as its own `train` makes it (three epochs, float64, with
+    and without Mixup); a group that never renewed P differs on every shard with two classes, so the
+    renewal between steps is what makes the two agree."""
     spec = get_algorithm("fedacd")
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
-    clean = spec.node(build_hyperparams(spec, {"p_estimate": "clean"}), node_id="node-0")
-    assert "p_estimate: clean" in (clean.group_refusal(model) or "")
-    assert spec.node(build_hyperparams(spec, {}), node_id="node-0").group_refusal(model) is None
+    assert spec.node(build_hyperparams(spec, {"p_estimate": "clean"}), node_id="node-0").group_refusal(model) is None
+    three = dataclasses.replace(SETTINGS, local_epochs=3)
+    hp = {"p_estimate": "clean", "mixup_alpha": mixup_alpha}
+
+    def group_of() -> list[GroupMember]:
+        return [
+            dataclasses.replace(m, task=dataclasses.replace(m.task, settings=three))
+            for m in members("fedacd", hp, shards(digits))
+        ]
+
+    workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+    group = group_of()
+    grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
+    with monkeypatch.context() as patch:
+        patch.setattr(fedacd, "_CleanP", _NeverRenewed)
+        stale = group_of()
+        never = stale[0].half.train_group(stale, copy.deepcopy(workspace))
+    for got, unrenewed, member in zip(grouped, never, group_of(), strict=True):
+        alone = member.half.train(member.task, copy.deepcopy(workspace), member.data, member.generator)
+        assert got.meta["steps"] == alone.meta["steps"] and got.meta["score"] == pytest.approx(alone.meta["score"])
+        assert difference(got.tensors["model"], alone.tensors["model"]) < EXACT
+        if len(member.data.y.unique()) > 1:  # with one class, log Delta is log(delta_missing) whatever P is
+            assert difference(unrenewed.tensors["model"], alone.tensors["model"]) > 1e-6
+
+
+class _NeverRenewed:
+    """A clean P that keeps the received model's P (what no renewal between steps would give)."""
+
+    def __init__(self, model: torch.nn.Module, datasets: list[TensorDataset]) -> None:
+        self.datasets, self.model = datasets, copy.deepcopy(model)
+
+    def __call__(self, k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"p": fedacd.probability_matrix(self.model, self.datasets[k])}
 
 
 def test_feddisco_group_is_fedavgs_with_each_members_own_discrepancy(digits: TensorDataset) -> None:

@@ -367,21 +367,21 @@ def test_group_training_of_a_method_equals_its_train_per_node(digits: TensorData
         assert payload.tensors["model"]["classifier.3.bias"].data_ptr() != workspace.classifier[3].bias.data_ptr()
 
 
-@pytest.mark.parametrize(
-    ("method", "hyperparams", "reason"),
-    [
-        ("fedacd", {"p_estimate": "clean"}, "p_estimate: clean"),  # P from a pass over the whole shard each epoch
-    ],
-)
-def test_methods_with_their_own_training_refuse_group_training(
-    method: str, hyperparams: dict[str, str], reason: str
-) -> None:
-    """Settings whose training a vectorised step cannot reproduce refuse group training, with the reason."""
-    spec = get_algorithm(method)
-    half = spec.node(build_hyperparams(spec, hyperparams), node_id="node-0")
-    assert reason in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
-    with pytest.raises((NotImplementedError, AlgorithmError), match=r"group|vectorised|overrides"):
-        half.train_group([], build_model("mlp", (1, 8, 8), 10, seed=0))
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_every_built_in_method_trains_in_groups(model: str) -> None:
+    """Every method fedmq ships has a group form at its defaults (FedACD's clean P too), on both
+    models of these tests: `fedmq simulate` trains none of them one by one."""
+    from fedmq.fedcore.algorithms import ALGORITHMS
+
+    net = build_model(model, (1, 8, 8), 10, seed=0)
+    settings = [(name, {}) for name in ALGORITHMS] + [("fedacd", {"p_estimate": "clean"})]
+    refused = {}
+    for name, hp in settings:
+        spec = get_algorithm(name)
+        reason = spec.node(build_hyperparams(spec, hp), node_id="node-0").group_refusal(net)
+        if reason is not None:
+            refused[name] = reason
+    assert refused == {} and len(settings) == 21
 
 
 def test_a_loss_term_method_without_a_group_term_trains_one_by_one() -> None:
@@ -491,3 +491,34 @@ def test_the_plan_drawn_an_epoch_at_a_time_is_the_plan_drawn_a_step_at_a_time(
     assert torch.equal(fast.count, slow.count) and len(fast.draws) == len(slow.draws)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(fast.draws, slow.draws, strict=True))
     assert float(slow.count.sum()) > 0 and (not steps or any(bool(d.any()) for d in slow.draws))
+
+
+def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_first(digits: TensorDataset) -> None:
+    """`epoch_start(k, params)` runs before the first step of each of node k's epochs but the first, with
+    k in the caller's order and the node's parameters as they are then; a state under other names is refused."""
+    settings = TrainSettings(batch_size=8, lr=0.1, local_epochs=3)
+    model = build_model("mlp", digits.input_shape, 10, seed=1)
+    datasets = [*shards(digits, (5, 64, 13)), digits.subset(torch.arange(0).numpy())]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls: list[tuple[int, float]] = []
+
+    def renew(k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        moved = max(float((params[n] - start[n]).abs().max()) for n in start)
+        calls.append((k, moved))
+        return {"epochs": torch.tensor(float(sum(1 for j, _ in calls if j == k)))}
+
+    def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return batch.mean(nll(batch.logits(), batch.y)), {}, {"epochs": batch.carry["epochs"]}
+
+    carry = {"epochs": torch.zeros(4)}
+    got = train_vectorized(
+        model, datasets, settings, generators(4), objective=objective, carry=carry, epoch_start=renew
+    )
+    assert sorted(k for k, _ in calls) == [0, 0, 1, 1, 2, 2]  # 3 epochs: 2 renewals each; none for the empty shard
+    assert all(moved > 0 for _, moved in calls)  # the node's trained parameters, not the start
+    assert [float(stats.carry["epochs"]) for _, stats in got] == [2.0, 2.0, 2.0, 0.0]
+    with pytest.raises(VectorizeError, match="epoch_start gave"):
+        train_vectorized(
+            model, datasets, settings, generators(4), objective=objective, carry=carry,
+            epoch_start=lambda k, params: {"other": torch.zeros(())},
+        )  # fmt: skip
