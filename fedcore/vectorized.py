@@ -5,8 +5,8 @@ method's objective (`GroupObjective`; the cross-entropy by default), starting fr
 parameters of the K nodes are stacked along a leading dimension and every step is one `torch.func.vmap`
 over `functional_call` (and one backward pass through it), so K small forward and backward passes
 become one batched pass. Every draw of the round is made before its first step (`_plan`), so the
-steps read only device buffers; on a CUDA device all but the first three are replays of one captured
-CUDA graph (`graphs`).
+steps read only device buffers; on a CUDA device all but the first three of each kind (every node
+training, or some masked) are replays of that kind's captured CUDA graph (`graphs`).
 
 What is reproduced per node, exactly as `local_sgd` does it:
 - its own shard and its own generator, drawn in the same order (the epoch's `randperm`, then each
@@ -17,7 +17,8 @@ What is reproduced per node, exactly as `local_sgd` does it:
   takes no step, as with a DataLoader);
 - shards of different sizes: a node with no batch left at a step does not move (neither do its
   optimizer state and step count). Nodes are sorted by their number of steps, longest first; eager
-  steps train the prefix still training, a captured step all K with the others masked;
+  steps train the prefix still training, unmasked; a captured step trains all K, and once some have
+  no batch left restores theirs after the update;
 - batches short of the batch size are padded to it with copies of the node's first sample of the
   batch, weighted 0, and each node's loss is the mean over its own real samples;
 - SGD with momentum, weight decay and lr as `torch.optim.SGD` computes them, Adam as
