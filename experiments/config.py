@@ -461,8 +461,8 @@ class HostingConfig(_Strict):
         False,
         description="train a process's nodes of the same task together, as one vectorised computation (the"
         " methods with a group form: FedAvg, FedAvgM, FedSA, FedDisco, FedProx, FedLC, FedRS, FedNTD, FedGKD, MOON,"
-        " FedVLS, FedRCL, FedDecorr, FedDyn, SCAFFOLD (options I and II), FedProto, FedNH, KDIA, FedACD without log"
-        " Delta, docs/simulation.md; no BatchNorm): equal to one-by-one training within float tolerance, so a run is"
+        " FedVLS, FedRCL, FedDecorr, FedDyn, SCAFFOLD (options I and II), FedProto, FedNH, KDIA, FedACD,"
+        " docs/simulation.md; no BatchNorm): equal to one-by-one training within float tolerance, so a run is"
         " then reproducible from its seed only within that tolerance",
     )
     vectorize_wait_s: float = Field(
@@ -486,6 +486,12 @@ class SimulationConfig(_Strict):
         "auto",
         description="capture each vectorised step (and KDIA's generator step) as a CUDA graph: auto (with a CUDA"
         " device), true, false",
+    )
+    reuse_rounds: bool = Field(
+        False,
+        description="keep each vectorised group's round, its buffers and on a GPU its captured CUDA graphs, for"
+        " the next group of the same shape (FedAvg's training: FedAvg, FedAvgM, FedSA, FedDisco), so that"
+        " later rounds replay the graphs with no warm-up steps and no capture; bitwise the same results",
     )
     checkpoint_every: int = Field(
         10,

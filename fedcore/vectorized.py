@@ -623,6 +623,17 @@ class _Buffers:
             buf.copy_(plan.step_inputs[name][s])
 
 
+def _rows_of(parts: Sequence[torch.Tensor], device: torch.device, capacity: int) -> torch.Tensor:
+    """The nodes' rows concatenated on `device`, in a buffer of at least `capacity` rows (a kept round's:
+    a later call with more rows than the first fills the same buffer)."""
+    rows = torch.cat([t.to(device) for t in parts])
+    if capacity <= len(rows):
+        return rows
+    buffer = rows.new_zeros((capacity, *rows.shape[1:]))
+    buffer[: len(rows)] = rows
+    return buffer
+
+
 @dataclass(frozen=True)
 class _EpochStarts:
     """Where nodes renew their carried state from their own parameters (`train_vectorized`'s epoch_start)."""
@@ -667,6 +678,7 @@ class _Round:
         carry: dict[str, torch.Tensor] | None = None,
         sum_gradients: bool = False,
         epoch_starts: _EpochStarts | None = None,
+        capacity: int = 0,
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
         self.epoch_starts = epoch_starts
@@ -674,8 +686,8 @@ class _Round:
         self.stack = _Stack.of(model, k, settings, device, starts)
         self.frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
         self.start = {n: p.detach().to(device).clone() for n, p in model.named_parameters() if p.requires_grad}
-        self.x = torch.cat([d.x.to(device) for d in datasets]) if plan.inputs is None else None
-        self.y = torch.cat([d.y.to(device) for d in datasets])
+        self.x = _rows_of([d.x for d in datasets], device, capacity) if plan.inputs is None else None
+        self.y = _rows_of([d.y for d in datasets], device, capacity)
         self.inputs = inputs
         self.normalize = _normalizers(steps or [], device)
         frozen = self.frozen
@@ -720,6 +732,31 @@ class _Round:
             {name: torch.zeros_like(p) for name, p in self.stack.params.items()} if sum_gradients else None
         )
         """Each node's gradients summed over its steps, before clipping (`sum_gradients`)."""
+
+    def reset(
+        self,
+        model: nn.Module,
+        datasets: Sequence[TensorDataset],
+        plan: _Plan,
+        starts: Sequence[Mapping[str, torch.Tensor]] | None,
+    ) -> None:
+        """Make this round another call's (`keep_rounds`: the same signature), in place: every tensor a
+        captured step reads keeps its address, so the graphs captured for the first call replay this one.
+        The new data fills the front of the data buffers, the new plan is what `load` copies from."""
+        with torch.no_grad():
+            fresh = _Stack.of(model, len(self.totals), self.settings, self.totals.device, starts)
+            torch._foreach_copy_(list(self.stack.params.values()), list(fresh.params.values()))
+            for kept in self.stack.state.values():
+                torch._foreach_zero_(kept)
+            self.stack.step.zero_()
+            for name, p in model.named_parameters():
+                (self.frozen if name in self.frozen else self.start)[name].copy_(p.detach())
+            if self.x is not None:
+                self.x[: sum(len(d) for d in datasets)].copy_(torch.cat([d.x for d in datasets]))
+            self.y[: sum(len(d) for d in datasets)].copy_(torch.cat([d.y for d in datasets]))
+            for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
+                t.zero_()
+        self.plan, self.seen = plan, plan.count.double().sum(0)
 
     def load(self, s: int) -> None:
         """Step `s`'s slice of the plan into the buffers, and the carried state of each node whose epoch
@@ -814,10 +851,15 @@ WARMUP_STEPS = 3
 are real steps of the round."""
 
 
-def _run(round_: _Round, active: Sequence[int], graphs: bool) -> None:
+def _run(
+    round_: _Round,
+    active: Sequence[int],
+    graphs: bool,
+    captured: dict[Hashable, torch.cuda.CUDAGraph] | None = None,
+) -> None:
     """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s. Captured,
     a step takes all K: unmasked while every node trains (every step, with equal shards), masked once
-    some have no batch left, each its own graph."""
+    some have no batch left, each its own graph (kept in `captured` for the round's next call)."""
     k = len(round_.totals)
     run_steps(
         len(active),
@@ -826,6 +868,7 @@ def _run(round_: _Round, active: Sequence[int], graphs: bool) -> None:
         lambda masked: round_.step(k, masked=bool(masked)),
         graphs,
         kind=lambda s: active[s] < k,
+        captured=captured,
     )
 
 
@@ -836,14 +879,16 @@ def run_steps(
     whole: Callable[[Hashable], None],
     graphs: bool,
     kind: Callable[[int], Hashable] = lambda s: None,
+    captured: dict[Hashable, torch.cuda.CUDAGraph] | None = None,
 ) -> None:
     """`total` steps over static buffers, `load(s)` copying step s's inputs into them first: each run by
     `eager(s)`, or with `graphs` (a CUDA device) by `whole(kind(s))`, the steps of each kind one
     computation every step of that kind can be. A kind with more than `WARMUP_STEPS` + 1 steps runs its
     first `WARMUP_STEPS` on a side stream, is then captured once as a CUDA graph (recorded, not run) and
     replayed for each of its steps left, as the torch.cuda.graphs whole-network example does; the steps
-    of a kind too rare to capture run by `eager(s)`."""
-    if not graphs or total <= WARMUP_STEPS + 1:
+    of a kind too rare to capture run by `eager(s)`. `captured`: graphs captured by an earlier call over
+    the same buffers, replayed from the first step (and the graphs this call captures are added to it)."""
+    if not graphs or (total <= WARMUP_STEPS + 1 and not captured):
         for s in range(total):
             load(s)
             eager(s)
@@ -851,7 +896,7 @@ def run_steps(
     kinds = [kind(s) for s in range(total)]
     counts = Counter(kinds)
     warmed: Counter[Hashable] = Counter()
-    captured: dict[Hashable, torch.cuda.CUDAGraph] = {}
+    captured = {} if captured is None else captured
     side = torch.cuda.Stream()
     for s, k in enumerate(kinds):
         load(s)
@@ -871,6 +916,46 @@ def run_steps(
                 whole(k)  # recorded, not run
             graph.replay()
             captured[k] = graph
+
+
+@dataclass
+class _Kept:
+    """A round kept after its call, with the graphs captured over its buffers (`keep_rounds`)."""
+
+    round: _Round
+    graphs: dict[Hashable, torch.cuda.CUDAGraph]
+    capacity: int
+    """Rows its data buffers hold: a call with more builds a new round."""
+    model: nn.Module
+    transform: object
+    """Held so that the ids in the signature stay theirs."""
+
+
+KEPT: ContextVar[dict[Hashable, _Kept] | None] = ContextVar("fedmq_vectorized_kept", default=None)
+"""The rounds `train_vectorized` keeps for the next call with the same signature, inside `keep_rounds`."""
+
+
+@contextmanager
+def keep_rounds() -> Iterator[None]:
+    """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training: no
+    inputs, draws, carried state or epoch start) keeps its round, and a later call with the same
+    signature (model class and parameters, device, number of nodes, settings, transform) and no more
+    rows of data trains in it: its buffers refilled in place, so that on a CUDA device the graphs
+    captured by the first call replay every later one, with no warm-up steps and no capture. Results
+    are bitwise those of a fresh round. Rounds and graphs are freed when the block ends."""
+    token = KEPT.set({})
+    try:
+        yield
+    finally:
+        KEPT.reset(token)
+
+
+def _signature(
+    model: nn.Module, k: int, settings: TrainSettings, transform: object, sum_gradients: bool, plain: bool
+) -> Hashable:
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
+    first = next(model.parameters())
+    return (type(model), params, first.device, k, settings, id(transform), sum_gradients, plain)
 
 
 GRAPHS: ContextVar[str] = ContextVar("fedmq_vectorized_graphs", default="auto")
@@ -963,13 +1048,25 @@ def train_vectorized(
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
-            starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start is not None else None
-            round_ = _Round(
-                model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
-                starts_at,
-            )  # fmt: skip
+            kept_rounds = KEPT.get()
+            keeps = kept_rounds is not None and objective is cross_entropy_objective
+            keeps = keeps and not stacked and not carried and draws is None and epoch_start is None
+            key = _signature(model, len(order), settings, transform, sum_gradients, known is not None)
+            kept = kept_rounds.get(key) if keeps and kept_rounds is not None else None
+            if kept is not None and sum(sizes) <= kept.capacity:
+                round_ = kept.round
+                round_.reset(model, ordered, plan, own)
+            else:
+                starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
+                capacity = sum(sizes) * 5 // 4 if keeps else 0  # a kept round's room for later, larger groups
+                round_ = _Round(
+                    model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
+                    starts_at, capacity=capacity,
+                )  # fmt: skip
+                if keeps and kept_rounds is not None:
+                    kept = kept_rounds[key] = _Kept(round_, {}, capacity, model, transform)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
-            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()))
+            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if keeps and kept else None)
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
             terms = {name: t.cpu() for name, t in round_.terms.items()}
             carried = {name: t.cpu() for name, t in round_.carry.items()}
@@ -982,7 +1079,9 @@ def train_vectorized(
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
-    return _results(model, stack, frozen, order, steps, totals, seen, terms, carried, gradients)
+    return _results(
+        model, stack, frozen, order, steps, totals, seen, terms, carried, gradients, kept=KEPT.get() is not None
+    )
 
 
 def _results(
@@ -996,14 +1095,18 @@ def _results(
     terms: Mapping[str, torch.Tensor],
     carried: Mapping[str, torch.Tensor],
     gradients: Mapping[str, torch.Tensor],
+    kept: bool = False,
 ) -> list[tuple[StateDict, TrainStats]]:
-    """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order."""
+    """Each node's state dict (keys in `model.state_dict()` order) and stats, back in the caller's order;
+    `kept`: the stack is a kept round's, which the next call overwrites, so the weights are copied out."""
     keys = list(model.state_dict())
     scalars = {name: t for name, t in terms.items() if t.dim() == 1}  # (K,): a mean over the steps
     tensors = {name: t for name, t in terms.items() if t.dim() > 1}  # (K, ...): a sum over the steps
     by_node: dict[int, tuple[StateDict, TrainStats]] = {}
     for pos, k in enumerate(order):
         state = {name: stack.params[name][pos] if name in stack.params else frozen[name] for name in keys}
+        if kept:
+            state = {name: t.clone() for name, t in state.items()}
         n = float(seen[pos])
         own = {name: float(t[pos]) / steps[k] for name, t in scalars.items()} if steps[k] else {}
         sums = {name: t[pos].clone() for name, t in tensors.items()}

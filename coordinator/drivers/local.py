@@ -19,6 +19,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +50,7 @@ from fedmq.fedcore.secure_task import SecureTask
 from fedmq.fedcore.seeding import stream
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fedcore.vectorized import graph_mode
+from fedmq.fedcore.vectorized import graph_mode, keep_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class LocalFederation:
     where their method allows; the others, and every node of a group whose training fails, one by one."""
     graphs: str = "auto"
     """CUDA graphs for vectorised steps and the methods' own captured steps (`fedcore.vectorized.graph_mode`)."""
+    reuse_rounds: bool = False
+    """Keep each vectorised group's round (its buffers and captured graphs) for the next group of its
+    shape (`fedcore.vectorized.keep_rounds`)."""
     groups_trained: int = 0
     """Groups of nodes trained as one computation."""
     images_trained: int = 0
@@ -214,12 +218,21 @@ class LocalFederation:
             self.online(*(node for node in self.nodes if node not in decided))
             self._drain_now()
             self._feed(e.Start())
-        with graph_mode(self.graphs):  # the nodes' groups and the coordinator's own steps (KDIA's generator)
+        with self.training_modes():
             for _ in range(max_events):
                 if self.engine.finished or (until is not None and until()):
                     return self.records
                 self._step()
         raise RuntimeError(f"the federation did not finish within {max_events} events")
+
+    def training_modes(self) -> ExitStack:
+        """The graph mode of the nodes' groups and of the coordinator's own captured steps (KDIA's
+        generator), and the kept rounds, entered once around the run's loop (and its replay's)."""
+        modes = ExitStack()
+        modes.enter_context(graph_mode(self.graphs))
+        if self.reuse_rounds:
+            modes.enter_context(keep_rounds())
+        return modes
 
     def _drain_now(self) -> None:
         """Events already due (the nodes' first statuses) go before the run starts, as retained messages do."""

@@ -36,7 +36,6 @@ from fedmq.fedcore.protocol import SecAggDirectory, UpdateFailed
 from fedmq.fedcore.secagg import quantise
 from fedmq.fedcore.tensors import arrays_sha256, flatten_groups, model_sha256, split_groups
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fedcore.vectorized import graph_mode
 
 CACHED_UPDATES = 256
 """Recomputed updates kept for duplicates (a node's update delivered twice)."""
@@ -213,7 +212,7 @@ class Replay(LocalFederation):
     def replay(self) -> ReplayReport:
         """Feed every recorded event; raise `ReplayMismatch` at the first difference."""
         groups = list(_groups(self.entries))
-        with graph_mode(self.graphs):  # as the run: its nodes' groups and its coordinator's captured steps
+        with self.training_modes():  # as the run: its nodes' groups and its coordinator's captured steps
             self._feed_all(groups)
         self.report.complete = self.engine.finished
         self.report.final_model_sha256 = model_sha256(self.half.model)

@@ -64,6 +64,29 @@ def test_a_vectorised_simulation_replays_bit_for_bit(tmp_path: Path) -> None:
     assert outcome.report.final_model_sha256 == summary["model_sha256"]
 
 
+def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`simulation.reuse_rounds` trains each round's group in the buffers of the first (on a GPU, replaying
+    its graphs): the run ends on bitwise the model of fresh rounds, and replays bit for bit."""
+    from fedmq.fedcore.vectorized import _Round
+
+    common = ["rounds=4", "simulation.vectorize=true", *STRAGGLERS]
+    fresh, fresh_records, _ = _final(common)
+    resets: list[int] = []
+    reset = _Round.reset
+    monkeypatch.setattr(_Round, "reset", lambda self, *args: (resets.append(1), reset(self, *args))[1])
+    fed = build_local(_config([*common, "simulation.reuse_rounds=true"]), device=CPU)
+    assert fed.reuse_rounds
+    kept_records = fed.run()
+    assert len(resets) >= 2 and fed.groups_trained == 4  # rounds trained in a kept round's buffers
+    assert all(torch.equal(fresh[k], v) for k, v in fed.model().items())
+    assert [r["accuracy"] for r in kept_records] == [r["accuracy"] for r in fresh_records]
+    summary = simulate(_config([*common, "simulation.reuse_rounds=true"]), tmp_path / "run", device=CPU)
+    outcome = replay_run(tmp_path / "run", device=CPU)
+    assert outcome.ok and outcome.report.final_model_sha256 == summary["model_sha256"]
+
+
 def test_replay_one_by_one_of_a_vectorised_run_is_a_mismatch(tmp_path: Path) -> None:
     """The replay trains as the run did: told to train one by one instead, it finds the difference."""
     cfg = _config(["rounds=2", "simulation.vectorize=true"])

@@ -33,6 +33,7 @@ from fedmq.fedcore.vectorized import (
     NodeBatch,
     VectorizeError,
     augment_nodes,
+    cross_entropy_objective,
     known_steps,
     nll,
     steps_per_epoch,
@@ -143,7 +144,7 @@ def proximal(model: torch.nn.Module, mu: float) -> LossFn:
 
 def _every_step_whole(
     total: int, load: Callable[[int], None], eager: Callable[[int], None], whole: Callable[[Hashable], None],
-    graphs: bool, kind: Callable[[int], Hashable] = lambda s: None,
+    graphs: bool, kind: Callable[[int], Hashable] = lambda s: None, captured: object = None,
 ) -> None:  # fmt: skip
     """`run_steps` with every step as a captured graph runs it (all K nodes, masked where some have
     no batch left), eagerly: what a CUDA device replays, checkable on the CPU."""
@@ -522,3 +523,92 @@ def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_f
             model, datasets, settings, generators(4), objective=objective, carry=carry,
             epoch_start=lambda k, params: {"other": torch.zeros(())},
         )  # fmt: skip
+
+
+def _kept_tensors(round_: object) -> list[torch.Tensor]:
+    """Every tensor a captured step of the round reads or writes: what must keep its address."""
+    from fedmq.fedcore.vectorized import _Round
+
+    assert isinstance(round_, _Round)
+    cur = round_.cur
+    found = [*round_.stack.params.values(), *(t for v in round_.stack.state.values() for t in v), round_.stack.step]
+    found += [*round_.start.values(), *round_.frozen.values(), round_.y, round_.totals]
+    found += [t for pair in round_.normalize.values() for t in pair]
+    found += [cur.rows, cur.weight, cur.count, *cur.draws] + ([round_.x] if round_.x is not None else [])
+    return found
+
+
+@pytest.mark.parametrize("settings", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_a_kept_round_trains_later_calls_bitwise_as_fresh_rounds_in_the_same_buffers(
+    digits: TensorDataset, settings: TrainSettings
+) -> None:
+    """Inside `keep_rounds`, calls of one shape train in the first call's round, its buffers refilled in
+    place (what lets a GPU replay the graphs captured by the first call): each call's weights and stats
+    are bitwise a fresh round's, for other nodes, another starting model, fewer rows and more rows than
+    the round holds (a new round then); no returned weight is overwritten by a later call; a call of
+    another objective is not kept."""
+    from fedmq.fedcore import vectorized
+
+    perm = torch.randperm(len(digits), generator=torch.Generator().manual_seed(3))
+    sizes = [(40, 17, 1, 33), (20, 35, 9, 2), (64, 64, 64, 64), (5, 5, 5, 5)]
+    calls, at = [], 0
+    for i, group in enumerate(sizes):
+        parts = [digits.subset(perm[at + sum(group[:j]) : at + sum(group[: j + 1])].numpy()) for j in range(4)]
+        at += sum(group)
+        calls.append((parts, build_model("cnn", digits.input_shape, 10, seed=i % 2)))
+    model = build_model("cnn", digits.input_shape, 10, seed=0)
+
+    def train(parts: list[TensorDataset], start: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+        model.load_state_dict(start.state_dict())
+        return train_vectorized(model, parts, settings, generators(4))
+
+    fresh = [train(parts, start) for parts, start in calls]
+    with vectorized.keep_rounds():
+        kept = vectorized.KEPT.get()
+        assert kept is not None
+        got = [train(*calls[0])]
+        (first,) = kept.values()
+        addresses = [t.data_ptr() for t in _kept_tensors(first.round)]
+        got.append(train(*calls[1]))
+        assert list(kept.values()) == [first]  # the same round, its tensors where they were
+        assert [t.data_ptr() for t in _kept_tensors(first.round)] == addresses
+        got += [train(*calls[2]), train(*calls[3])]  # more rows than the round holds: a new round, kept
+        (second,) = kept.values()
+        assert second is not first and second.capacity >= sum(sizes[2])
+        train_vectorized(model, calls[0][0], settings, generators(4), objective=lambda b: cross_entropy_objective(b))
+        assert list(kept.values()) == [second]
+    for want, have in zip(fresh, got, strict=True):
+        for (w_state, w_stats), (h_state, h_stats) in zip(want, have, strict=True):
+            assert all(torch.equal(w_state[k], h_state[k]) for k in w_state)
+            assert w_stats == h_stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kept_rounds_replay_the_first_calls_cuda_graphs_bitwise_as_fresh_rounds(digits: TensorDataset) -> None:
+    """On a GPU with graphs, later calls in a kept round replay the graphs the first call captured (no
+    warm-up, no capture): each call's weights are bitwise a fresh round's, and within 1e-10 of one-by-one
+    training in float64; unequal shards, so both kinds of step (unmasked and masked) are replayed."""
+    from fedmq.fedcore import vectorized
+
+    cuda = torch.device("cuda")
+    data64 = dataclasses.replace(digits, x=digits.x.double()).to(cuda)
+    perm = torch.randperm(len(digits), generator=torch.Generator().manual_seed(3))
+    groups = [shards(data64.subset(perm[i * 200 : (i + 1) * 200].numpy()), SIZES) for i in range(3)]
+    model = build_model("cnn", digits.input_shape, 10, seed=0).to(cuda, torch.float64)
+
+    settings = dataclasses.replace(SGD, local_epochs=6)  # 6 steps with every node, 18 with some masked
+
+    def train(parts: list[TensorDataset]) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+        return train_vectorized(model, parts, settings, generators(len(parts)), graphs="on")
+
+    fresh = [train(parts) for parts in groups]
+    with vectorized.keep_rounds():
+        kept = [train(parts) for parts in groups]
+        (round_,) = vectorized.KEPT.get().values()  # type: ignore[union-attr]
+        assert set(round_.graphs) == {False, True}  # the unmasked and the masked step, captured once each
+    for parts, want, have in zip(groups, fresh, kept, strict=True):
+        alone = one_by_one(model, parts, settings)
+        for (w_state, _), (h_state, _), (a_state, _) in zip(want, have, alone, strict=True):
+            assert all(torch.equal(w_state[k], h_state[k]) for k in w_state)
+            assert max_difference(h_state, a_state) < 1e-10
