@@ -938,11 +938,12 @@ KEPT: ContextVar[dict[Hashable, _Kept] | None] = ContextVar("fedmq_vectorized_ke
 @contextmanager
 def keep_rounds() -> Iterator[None]:
     """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training: no
-    inputs, draws, carried state or epoch start) keeps its round, and a later call with the same
-    signature (model class and parameters, device, number of nodes, settings, transform) and no more
-    rows of data trains in it: its buffers refilled in place, so that on a CUDA device the graphs
-    captured by the first call replay every later one, with no warm-up steps and no capture. Results
-    are bitwise those of a fresh round. Rounds and graphs are freed when the block ends."""
+    inputs, draws, carried state or epoch start; a model with no tensor outside its parameters and
+    buffers) keeps its round, and a later call with the same signature (the same model object, device,
+    number of nodes, settings, transform) and no more rows of data trains in it: its buffers refilled
+    in place, so that on a CUDA device the graphs captured by the first call replay every later one,
+    with no warm-up steps and no capture. Results are bitwise those of a fresh round. At most
+    `KEPT_ROUNDS` are kept; rounds and graphs are freed when the block ends."""
     token = KEPT.set({})
     try:
         yield
@@ -950,12 +951,25 @@ def keep_rounds() -> Iterator[None]:
         KEPT.reset(token)
 
 
+KEPT_ROUNDS = 4
+"""Rounds kept at most (the oldest dropped first): one per shape a simulation's groups take."""
+
+
 def _signature(
     model: nn.Module, k: int, settings: TrainSettings, transform: object, sum_gradients: bool, plain: bool
 ) -> Hashable:
+    """What a kept round was built for: the model object itself (the forward pass and a captured graph
+    read its tensors), its parameters' shapes, the number of nodes, the settings (the optimizer's
+    constants are in the graph) and the transform (its constants too)."""
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
     first = next(model.parameters())
-    return (type(model), params, first.device, k, settings, id(transform), sum_gradients, plain)
+    return (id(model), params, first.device, k, settings, id(transform), sum_gradients, plain)
+
+
+def _holds_loose_tensors(model: nn.Module) -> bool:
+    """Whether a module keeps a tensor outside its parameters and buffers (FedNH's trainable wrapper holds
+    its round's prototypes so): a kept round would go on reading the first round's."""
+    return any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values())
 
 
 GRAPHS: ContextVar[str] = ContextVar("fedmq_vectorized_graphs", default="auto")
@@ -1051,6 +1065,7 @@ def train_vectorized(
             kept_rounds = KEPT.get()
             keeps = kept_rounds is not None and objective is cross_entropy_objective
             keeps = keeps and not stacked and not carried and draws is None and epoch_start is None
+            keeps = keeps and not _holds_loose_tensors(model)
             key = _signature(model, len(order), settings, transform, sum_gradients, known is not None)
             kept = kept_rounds.get(key) if keeps and kept_rounds is not None else None
             if kept is not None and sum(sizes) <= kept.capacity:
@@ -1064,6 +1079,9 @@ def train_vectorized(
                     starts_at, capacity=capacity,
                 )  # fmt: skip
                 if keeps and kept_rounds is not None:
+                    kept_rounds.pop(key, None)
+                    while len(kept_rounds) >= KEPT_ROUNDS:
+                        kept_rounds.pop(next(iter(kept_rounds)))
                     kept = kept_rounds[key] = _Kept(round_, {}, capacity, model, transform)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if keeps and kept else None)

@@ -17,7 +17,8 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
     report = run(BenchOptions(quick=True))
     training = [f for f in report.figures if f.unit == "images/s"]
     labels = {f.label for f in training}
-    expected = {"simulator, one by one", "simulator, vectorised", "reference: eager loop", "reference: vmap over nodes"}
+    expected = {"simulator, one by one", "simulator, vectorised", "simulator, vectorised, rounds kept",
+                "reference: eager loop", "reference: vmap over nodes"}  # fmt: skip
     if torch.cuda.is_available():
         expected |= {"simulator, vectorised without graphs", "reference: eager loop, CUDA graph",
                      "reference: vmap over nodes, CUDA graph"}  # fmt: skip

@@ -612,3 +612,31 @@ def test_kept_rounds_replay_the_first_calls_cuda_graphs_bitwise_as_fresh_rounds(
         for (w_state, _), (h_state, _), (a_state, _) in zip(want, have, alone, strict=True):
             assert all(torch.equal(w_state[k], h_state[k]) for k in w_state)
             assert max_difference(h_state, a_state) < 1e-10
+
+
+def test_rounds_are_not_kept_for_another_model_object_or_a_model_holding_loose_tensors(digits: TensorDataset) -> None:
+    """A kept round reads its model object's tensors: a call on another model object (of the same class
+    and shapes) builds its own round, a model holding a tensor outside its parameters and buffers (FedNH's
+    wrapper holds its round's prototypes so) keeps none, and at most KEPT_ROUNDS rounds are kept."""
+    from fedmq.fedcore import vectorized
+
+    parts = shards(digits, (20, 30))
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build_model("mlp", digits.input_shape, 10, seed=0)
+            self.scale = torch.tensor(2.0)  # neither a parameter nor a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x) * self.scale
+
+    with vectorized.keep_rounds():
+        kept = vectorized.KEPT.get()
+        assert kept is not None
+        train_vectorized(Scaled(), parts, SGD, generators(2))
+        assert kept == {}
+        models = [build_model("mlp", digits.input_shape, 10, seed=0) for _ in range(vectorized.KEPT_ROUNDS + 1)]
+        for model in models:
+            train_vectorized(model, parts, SGD, generators(2))
+        assert [k.model for k in kept.values()] == models[1:]  # one per object, the oldest dropped
