@@ -58,8 +58,8 @@ class TrainSettings:
             )
         if self.precision != "float32" and self.dp_noise_multiplier is not None:
             raise ConfigError(
-                "bf16 is not offered with node-level DP-SGD (Opacus computes each sample's gradient from the"
-                " layers' activations in their own dtype); use float32",
+                "bf16 is not offered with node-level DP-SGD (Opacus's per-sample gradients under autocast are"
+                " untested here); use float32",
                 field="train.precision",
             )
 

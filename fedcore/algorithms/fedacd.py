@@ -93,7 +93,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
-from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.training import TrainSettings, autocast, local_sgd
 from fedmq.fedcore.vectorized import NodeBatch, nll, steps_per_epoch, train_vectorized, unsupported
 
 logger = logging.getLogger(__name__)
@@ -455,7 +455,8 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             if uses_delta
             else ({}, {})
         )
-        clean_p = _CleanP(model, [m.data for m in members]) if uses_delta and not running else None
+        settings = first.task.settings
+        clean_p = _CleanP(model, [m.data for m in members], settings) if uses_delta and not running else None
 
         def loss_of(
             logits: torch.Tensor, y: torch.Tensor, batch: NodeBatch, log_delta: torch.Tensor | None
@@ -525,16 +526,18 @@ def _start_p(
 class _CleanP:
     """``p_estimate: clean`` in a group: before each epoch but the first, node k's P from a clean pass of
     its model as it is then over its whole shard (`probability_matrix`, as `_Estimate` renews it), through
-    a copy of the model holding the node's parameters (`train_vectorized`'s epoch_start)."""
+    a copy of the model holding the node's parameters (`train_vectorized`'s epoch_start); under the
+    step's autocast, as `train` makes it inside its objective."""
 
-    def __init__(self, model: nn.Module, datasets: Sequence[TensorDataset]) -> None:
-        self.probe, self.datasets = copy.deepcopy(model), datasets
+    def __init__(self, model: nn.Module, datasets: Sequence[TensorDataset], settings: TrainSettings) -> None:
+        self.probe, self.datasets, self.settings = copy.deepcopy(model), datasets, settings
 
     @torch.no_grad()
     def __call__(self, k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, p in self.probe.named_parameters():
             p.copy_(params[name])
-        return {"p": probability_matrix(self.probe, self.datasets[k])}
+        with autocast(self.settings, next(iter(params.values())).device):
+            return {"p": probability_matrix(self.probe, self.datasets[k])}
 
 
 def _held_p(batch: NodeBatch, hp: Hyperparams) -> _RunningP:

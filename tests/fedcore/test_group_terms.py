@@ -362,7 +362,7 @@ def test_fedacd_group_with_a_clean_p_renews_each_members_p_from_its_own_model(
 class _NeverRenewed:
     """A clean P that keeps the received model's P (what no renewal between steps would give)."""
 
-    def __init__(self, model: torch.nn.Module, datasets: list[TensorDataset]) -> None:
+    def __init__(self, model: torch.nn.Module, datasets: list[TensorDataset], settings: TrainSettings) -> None:
         self.datasets, self.model = datasets, copy.deepcopy(model)
 
     def __call__(self, k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
