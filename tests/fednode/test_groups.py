@@ -119,7 +119,7 @@ async def test_failed_group_training_sends_every_member_back_to_train_alone() ->
 @pytest.mark.parametrize(
     ("method", "hyperparams", "admitted"),
     [("fedavg", {}, True), ("fedprox", {}, True), ("moon", {}, True), ("scaffold", {}, True), ("fedacd", {}, True),
-     ("fedacd", {"p_estimate": "clean"}, False), ("scaffold", {"control_update": "gradient_mean"}, True)],
+     ("fedacd", {"p_estimate": "clean"}, True), ("scaffold", {"control_update": "gradient_mean"}, True)],
 )  # fmt: skip
 def test_rendezvous_admits_only_methods_with_a_group_form(
     method: str, hyperparams: dict[str, str], admitted: bool
@@ -128,6 +128,19 @@ def test_rendezvous_admits_only_methods_with_a_group_form(
     rendezvous = trainer(wait_s=1)
     rendezvous.model = build_model("mlp", (1, 8, 8), 10, seed=0)
     assert rendezvous.admits(spec.node(build_hyperparams(spec, hyperparams), node_id="node-0")) is admitted
+
+
+def test_rendezvous_refuses_a_method_without_a_group_form() -> None:
+    """Every built-in method has one; a user's loss-term method that writes only `objective` has none."""
+    from fedmq.fedcore.algorithms import shared
+
+    class OwnTerm(shared.LossTermNode):
+        def objective(self, task, model, data):  # type: ignore[no-untyped-def]
+            return None
+
+    rendezvous = trainer(wait_s=1)
+    rendezvous.model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    assert not rendezvous.admits(OwnTerm(build_hyperparams(get_algorithm("fedavg"), {}), node_id="node-0"))
 
 
 def test_rendezvous_refuses_a_batchnorm_model_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
