@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Annotated, Any, Literal
 
@@ -145,12 +145,13 @@ def local_sgd(
             close()
 
 
-def autocast(settings: TrainSettings, device: torch.device) -> torch.autocast:
-    """The step's autocast: bfloat16 when `settings.precision` asks for it, otherwise off. Its cache of
-    cast weights is off, as a CUDA graph's capture requires (the weights change every step anyway)."""
-    return torch.autocast(
-        device_type=device.type, dtype=torch.bfloat16, enabled=settings.precision == "bf16", cache_enabled=False
-    )
+def autocast(settings: TrainSettings, device: torch.device) -> AbstractContextManager[object]:
+    """The step's autocast: bfloat16 when `settings.precision` asks for it, otherwise nothing (a float32
+    step enters no autocast at all). Its cache of cast weights is off, as a CUDA graph's capture requires
+    (the weights change every step anyway)."""
+    if settings.precision != "bf16":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def _epochs(

@@ -491,7 +491,17 @@ class _Stack:
         starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> _Stack:
         """`model`'s trainable parameters repeated K times, or each node's own in `starts` (in stack order)."""
-        params = {
+        params = cls.params_of(model, k, device, starts)
+        slots = 2 if settings.optimizer == "adam" else int(settings.momentum != 0)
+        state = {name: [torch.zeros_like(t) for _ in range(slots)] for name, t in params.items()}
+        dtype = next(iter(params.values())).dtype if params else torch.float32
+        return cls(params, state, torch.zeros(k, dtype=dtype, device=device))
+
+    @staticmethod
+    def params_of(
+        model: nn.Module, k: int, device: torch.device, starts: Sequence[Mapping[str, torch.Tensor]] | None
+    ) -> dict[str, torch.Tensor]:
+        return {
             name: (
                 p.detach().to(device).unsqueeze(0).repeat(k, *([1] * p.dim()))
                 if starts is None
@@ -500,10 +510,6 @@ class _Stack:
             for name, p in model.named_parameters()
             if p.requires_grad
         }
-        slots = 2 if settings.optimizer == "adam" else int(settings.momentum != 0)
-        state = {name: [torch.zeros_like(t) for _ in range(slots)] for name, t in params.items()}
-        dtype = next(iter(params.values())).dtype if params else torch.float32
-        return cls(params, state, torch.zeros(k, dtype=dtype, device=device))
 
     def head(self, a: int) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]], torch.Tensor]:
         """Views of the first `a` nodes: updating them in place updates the stack."""
@@ -744,16 +750,17 @@ class _Round:
         captured step reads keeps its address, so the graphs captured for the first call replay this one.
         The new data fills the front of the data buffers, the new plan is what `load` copies from."""
         with torch.no_grad():
-            fresh = _Stack.of(model, len(self.totals), self.settings, self.totals.device, starts)
-            torch._foreach_copy_(list(self.stack.params.values()), list(fresh.params.values()))
+            fresh = _Stack.params_of(model, len(self.totals), self.totals.device, starts)
+            torch._foreach_copy_(list(self.stack.params.values()), list(fresh.values()))
             for kept in self.stack.state.values():
                 torch._foreach_zero_(kept)
             self.stack.step.zero_()
             for name, p in model.named_parameters():
                 (self.frozen if name in self.frozen else self.start)[name].copy_(p.detach())
+            rows = sum(len(d) for d in datasets)
             if self.x is not None:
-                self.x[: sum(len(d) for d in datasets)].copy_(torch.cat([d.x for d in datasets]))
-            self.y[: sum(len(d) for d in datasets)].copy_(torch.cat([d.y for d in datasets]))
+                self.x[:rows].copy_(torch.cat([d.x for d in datasets]))
+            self.y[:rows].copy_(torch.cat([d.y for d in datasets]))
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
         self.plan, self.seen = plan, plan.count.double().sum(0)
@@ -966,6 +973,40 @@ def _signature(
     return (id(model), params, first.device, k, settings, id(transform), sum_gradients, plain)
 
 
+def _kept_round(
+    model: nn.Module,
+    ordered: Sequence[TensorDataset],
+    settings: TrainSettings,
+    plan: _Plan,
+    starts: Sequence[Mapping[str, torch.Tensor]] | None,
+    transform: object,
+    sum_gradients: bool,
+    known: Sequence[BatchTransform] | None,
+) -> _Kept | None:
+    """Inside `keep_rounds`, the kept round for this call, reset to it, or a new one kept (the oldest
+    dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors."""
+    kept_rounds = KEPT.get()
+    if kept_rounds is None or _holds_loose_tensors(model):
+        return None
+    rows = sum(len(d) for d in ordered)
+    key = _signature(model, len(ordered), settings, transform, sum_gradients, known is not None)
+    kept = kept_rounds.get(key)
+    if kept is not None and rows <= kept.capacity:
+        kept.round.reset(model, ordered, plan, starts)
+        return kept
+    capacity = rows * 5 // 4  # room for later, larger groups
+    device = next(model.parameters()).device
+    round_ = _Round(
+        model, ordered, settings, plan, known, cross_entropy_objective, {}, device, starts, {}, sum_gradients,
+        capacity=capacity,
+    )  # fmt: skip
+    kept_rounds.pop(key, None)
+    while len(kept_rounds) >= KEPT_ROUNDS:
+        kept_rounds.pop(next(iter(kept_rounds)))
+    kept = kept_rounds[key] = _Kept(round_, {}, capacity, model, transform)
+    return kept
+
+
 def _holds_loose_tensors(model: nn.Module) -> bool:
     """Whether a module keeps a tensor outside its parameters and buffers (FedNH's trainable wrapper holds
     its round's prototypes so): a kept round would go on reading the first round's."""
@@ -1057,34 +1098,26 @@ def train_vectorized(
     carried = {name: t[torch.tensor(order, device=t.device)].to(device) for name, t in (carry or {}).items()}
     was_training = model.training
     model.train()
+    kept: _Kept | None = None
     try:
         if num_steps > 0:
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
-            kept_rounds = KEPT.get()
-            keeps = kept_rounds is not None and objective is cross_entropy_objective
-            keeps = keeps and not stacked and not carried and draws is None and epoch_start is None
-            keeps = keeps and not _holds_loose_tensors(model)
-            key = _signature(model, len(order), settings, transform, sum_gradients, known is not None)
-            kept = kept_rounds.get(key) if keeps and kept_rounds is not None else None
-            if kept is not None and sum(sizes) <= kept.capacity:
+            keepable = objective is cross_entropy_objective and not (stacked or carried or draws or epoch_start)
+            kept = (
+                _kept_round(model, ordered, settings, plan, own, transform, sum_gradients, known) if keepable else None
+            )
+            if kept is not None:
                 round_ = kept.round
-                round_.reset(model, ordered, plan, own)
             else:
                 starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
-                capacity = sum(sizes) * 5 // 4 if keeps else 0  # a kept round's room for later, larger groups
                 round_ = _Round(
                     model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
-                    starts_at, capacity=capacity,
+                    starts_at,
                 )  # fmt: skip
-                if keeps and kept_rounds is not None:
-                    kept_rounds.pop(key, None)
-                    while len(kept_rounds) >= KEPT_ROUNDS:
-                        kept_rounds.pop(next(iter(kept_rounds)))
-                    kept = kept_rounds[key] = _Kept(round_, {}, capacity, model, transform)
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
-            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if keeps and kept else None)
+            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if kept else None)
             stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
             terms = {name: t.cpu() for name, t in round_.terms.items()}
             carried = {name: t.cpu() for name, t in round_.carry.items()}

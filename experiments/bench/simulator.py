@@ -25,7 +25,7 @@ import contextlib
 import copy
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,7 +272,8 @@ class KeptRounds:
     in it, as a simulation's later rounds do with `simulation.reuse_rounds`."""
 
     def __init__(self, call: Callable[[], object]) -> None:
-        self.call, self.kept = call, {}  # type: ignore[var-annotated]
+        self.call = call
+        self.kept: dict[Hashable, Any] = {}
 
     def __call__(self) -> object:
         from fedmq.fedcore import vectorized
