@@ -94,11 +94,13 @@ def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset
         tensors["generator"] = generator.state_dict()
         meta["generate"] = True
     scratch: dict[str, torch.nn.Module] = {}
+    device = datasets[0].x.device
 
     def spare(key: str, build: Any = None) -> torch.nn.Module:
+        # on the data's device, as a node's workspace makes its spare models (fednode.workspace)
         if key not in scratch:
             module = build() if build is not None else build_model("cnn", datasets[0].input_shape, 10, seed=0)
-            scratch[key] = module.double()
+            scratch[key] = module.double().to(device)
         return scratch[key]
 
     group = [
