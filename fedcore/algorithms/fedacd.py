@@ -257,8 +257,8 @@ def accumulate_rows(
     sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, weight: float = 1.0
 ) -> None:
     """Add `weight` x each probability vector to the row of its label (in place): P_ij = sums_ij / counts_i."""
-    sums.index_add_(0, labels, probs * weight)
-    counts.index_add_(0, labels, torch.full_like(labels, 1, dtype=counts.dtype) * weight)
+    shared.add_rows(sums, labels, probs * weight)
+    shared.add_rows(counts, labels, torch.full_like(labels, 1, dtype=counts.dtype) * weight)
 
 
 def accumulated(

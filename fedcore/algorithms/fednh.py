@@ -192,7 +192,7 @@ def class_means(
             z = F.normalize(model.extract(x).flatten(1), dim=1)  # type: ignore[operator]
             if sums is None:
                 sums = torch.zeros(classes, z.shape[1], dtype=z.dtype, device=device)
-            sums.index_add_(0, y, z)
+            shared.add_rows(sums, y, z)
             counts += torch.bincount(y, minlength=classes)
     if sums is None:
         raise ValueError("an empty dataset has no class means")

@@ -268,7 +268,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 # CE(F(x), y) + lambda MSE(f(x), C_bar^(y))
                 loss = loss + lam * prototype_loss(features, y, prototypes, present)
             if record and step >= first_recorded:  # the last local epoch's representations (the code's C_i)
-                sums.index_add_(0, y, features.detach().float())
+                shared.add_rows(sums, y, features.detach().float())
                 counts.add_(torch.bincount(y, minlength=classes))
             step += 1
             return loss
@@ -389,7 +389,7 @@ def _eval_pass(
         for start in range(0, len(data), EVAL_BATCH):
             x, y = data.eval_batch(start, start + EVAL_BATCH)
             x, y = x.to(device), y.to(device)
-            sums.index_add_(0, y, model.extract(x).flatten(1).float())  # type: ignore[operator]
+            shared.add_rows(sums, y, model.extract(x).flatten(1).float())  # type: ignore[operator]
             counts += torch.bincount(y, minlength=classes)
     return sums, counts
 

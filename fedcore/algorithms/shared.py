@@ -15,8 +15,9 @@
   FedDyn, FedAvgM), a node's state per parameter (`node_state`: SCAFFOLD, FedDyn), a checkpointed
   dict of tensors (`load_tensors`) and its norm (`state_norm`), the federation size N (SCAFFOLD,
   FedDyn), a node's label counts (FedLC, FedRS, FedVLS), the shape of a FedModel and the update's
-  class means, their schema and their checks (FedNH, FedProto), and the filter that leaves invalid
-  updates out with a warning.
+  class means, their schema and their checks (FedNH, FedProto), per-class sums that repeat bit for bit
+  on a GPU (`add_rows`: FedACD, FedNH, FedProto), and the filter that leaves invalid updates out with
+  a warning.
 """
 
 from __future__ import annotations
@@ -416,6 +417,25 @@ def local_label_counts(data: TensorDataset, model: nn.Module, *, node_id: str, r
     if sum(histogram) <= 0:
         raise AlgorithmError("an empty training set has no label distribution", node_id=node_id, round=round)
     return torch.tensor(histogram, dtype=torch.float32, device=data.y.device)
+
+
+def add_rows(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``target[index[i]] += values[i]`` for every i, in place (per-class sums: FedACD's P, FedNH's and
+    FedProto's class means), the same on every run of one seed. On a CPU `index_add_`, which adds in
+    order; on a CUDA device `index_add_` adds with atomics, in whatever order the threads land, so two
+    runs of one seed differed in their last bits (and FedACD's training with them): there a one-hot
+    matrix product instead, whose sums run in a fixed order."""
+    values = values.to(target.dtype)
+    if target.device.type == "cpu":
+        target.index_add_(0, index, values)
+    else:
+        add_rows_by_product(target, index, values)
+
+
+def add_rows_by_product(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """`add_rows` as a product of the rows' one-hot matrix with the values: no atomics on any device."""
+    one_hot = torch.nn.functional.one_hot(index, target.shape[0]).to(target.dtype)
+    target.add_((one_hot.T @ values.to(target.dtype).reshape(len(index), -1)).view(target.shape))
 
 
 # -- prototype methods (FedNH, FedProto) -----------------------------------------------------------

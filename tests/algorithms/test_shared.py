@@ -125,3 +125,21 @@ def test_sync_average_is_the_halfs_rule_over_the_models_and_refuses_no_update() 
     with pytest.raises(AlgorithmError, match="no update to aggregate"):
         shared.sync_average(half, common.context(0, ()), [], [])
     assert shared.state_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]) == 5.0
+
+
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_add_rows_by_product_is_index_add(shape: tuple[int, ...]) -> None:
+    """The atomics-free form `add_rows` takes on a GPU adds what `index_add_` adds (float64, to
+    rounding), rows with repeated and absent indices alike, for sums of vectors and of counts."""
+    gen = torch.Generator().manual_seed(0)
+    index = torch.tensor([2, 0, 2, 2, 4, 0])
+    values = torch.rand(len(index), *shape, generator=gen, dtype=torch.float64)
+    start = torch.rand(5, *shape, generator=gen, dtype=torch.float64)
+    by_index, by_product = start.clone(), start.clone()
+    by_index.index_add_(0, index, values)
+    shared.add_rows_by_product(by_product, index, values)
+    torch.testing.assert_close(by_product, by_index, rtol=0, atol=1e-15)
+    assert torch.equal(by_product[[1, 3]], start[[1, 3]])
+    on_cpu = start.clone()
+    shared.add_rows(on_cpu, index, values.float())  # another dtype, cast to the target's
+    assert on_cpu.dtype == torch.float64 and torch.allclose(on_cpu, by_index, atol=1e-7)
