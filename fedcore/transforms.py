@@ -41,12 +41,19 @@ class Compose:
 
 @dataclass(frozen=True, slots=True)
 class ToFloat:
-    """uint8 pixels to float32 in [0, 1] (what torchvision's ToTensor does)."""
+    """uint8 pixels to float32 in [0, 1] (what torchvision's ToTensor does).
+
+    The divisor is a tensor on the batch's device, not a Python number: CUDA divides by a number as a
+    product with its reciprocal, one bit off the quotient for some pixels, so the same crop came out
+    of a GPU and a CPU a bit apart; a tensor divisor is a true division on both (and the CPU's
+    quotients are what they were). `torch.full` is a kernel, so a captured step can hold it."""
 
     scale: float = 255.0
 
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        return x.float().div_(self.scale) if not x.is_floating_point() else x
+        if x.is_floating_point():
+            return x
+        return x.float().div_(torch.full((), self.scale, dtype=torch.float32, device=x.device))
 
 
 @dataclass(frozen=True, slots=True)
