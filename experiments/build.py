@@ -36,7 +36,7 @@ from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.partition import label_histograms, partition
 from fedmq.fedcore.privacy import DPFedAvg
-from fedmq.fedcore.seeding import torch_seed
+from fedmq.fedcore.seeding import deterministic_kernels, torch_seed
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings, best_device
 from fedmq.fednode.config import NodeConfig
@@ -186,7 +186,9 @@ def coordinator_half(cfg: ExperimentConfig, split: Split) -> CoordinatorHalf:
     """The method's coordinator half on the global model, with the experiment's averaging rule."""
     spec = get_algorithm(cfg.method.name)
     hp = build_hyperparams(spec, cfg.method.hyperparams)
-    half = spec.coordinator(hp, model=make_model(cfg, split.test), device=best_device())
+    device = best_device()
+    deterministic_kernels(device)  # KDIA's generator trains there: the same seed, the same bits
+    half = spec.coordinator(hp, model=make_model(cfg, split.test), device=device)
     if cfg.method.aggregator.name != "mean":
         half.average = build_aggregator(
             cfg.method.aggregator.name, cfg.method.aggregator.options, model=half.model, device=half.device

@@ -41,3 +41,14 @@ def torch_generator(seed: int, *keys: str | int, device: str | torch.device = "c
 
 def torch_seed(seed: int, *keys: str | int) -> int:
     return int(seed_sequence(seed, *keys).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def deterministic_kernels(device: str | torch.device) -> None:
+    """On a CUDA device, have cuDNN choose deterministic algorithms and never benchmark (for the whole
+    process: torch's flags are global). By default cuDNN may pick a convolution backward that sums
+    with atomics, so two runs of one seed differ in their last bits, more with every round, and a GPU
+    run could not be replayed bit for bit. The CPU's kernels need nothing. fedmq's training processes
+    call this once they know their device (`fednode.workspace.Workspace`, the coordinator's half)."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

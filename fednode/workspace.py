@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fedmq.fedcore.seeding import deterministic_kernels
 from fedmq.fedcore.tensors import TensorSpec, schema_of
 from fedmq.fednode.groups import GroupTrainer
 
@@ -30,6 +31,7 @@ class Workspace:
     """Train nodes of the same task together, waiting at most this long for their models; None: one by one."""
 
     def __post_init__(self) -> None:
+        deterministic_kernels(self.device)  # the same seed, the same bits, on a GPU too
         self.model.to(self.device)
         self.schema: dict[str, TensorSpec] = schema_of(self.model.state_dict())
         self._scratch: dict[str, nn.Module] = {}

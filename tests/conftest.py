@@ -14,6 +14,7 @@ import pytest
 from fedmq.broker import BusConfig
 from fedmq.broker.servers.mosquitto import find_mosquitto, free_port, start_mosquitto, wait_for_port
 from fedmq.broker.tuning import tune_process
+from fedmq.fedcore.seeding import deterministic_kernels
 
 BROKERS = ["embedded", "mosquitto"]
 
@@ -29,8 +30,11 @@ LANES = ("compute", "timed")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The test process is an entry point: its in-process clients take the daemons' fast paths."""
+    """The test process is an entry point: its in-process clients take the daemons' fast paths, and on
+    a GPU its training runs with the deterministic kernels that fedmq's processes choose (the GPU
+    tests check bitwise repeats of functions they call directly, outside any workspace)."""
     tune_process(BusConfig())
+    deterministic_kernels("cuda")
     lane = os.environ.get("FEDMQ_TEST_LANE", "")
     if lane and lane not in LANES:
         raise pytest.UsageError(f"FEDMQ_TEST_LANE={lane!r}: choose {' or '.join(LANES)}, or leave it unset")

@@ -41,6 +41,7 @@ from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.models import build_model, count_parameters
+from fedmq.fedcore.seeding import deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
 from fedmq.fedcore.transforms import crop_at, pad
 from fedmq.fedcore.vectorized import train_vectorized
@@ -375,6 +376,8 @@ def run(options: BenchOptions) -> Report:
     repeats = options.reps(full=3, quick=1)
     gpu = torch.cuda.is_available()
     devices = [torch.device("cuda")] if gpu else [torch.device("cpu")]
+    for device in devices:  # the simulator's kernels, as its workspace chooses them; the references share them
+        deterministic_kernels(device)
     model = build_model("moon-cnn", (3, 32, 32), 10, seed=0)
     report = Report(
         "sim",
@@ -388,6 +391,7 @@ def run(options: BenchOptions) -> Report:
             "statistic": "median",
             "devices": [str(d) for d in devices],
             "CPU torch threads": 1 if not gpu else torch.get_num_threads(),
+            "cuDNN": "deterministic, every path (what fedmq's training processes choose)" if gpu else "not used",
         },
     )
     with torch_threads(1) if not gpu else contextlib.nullcontext():

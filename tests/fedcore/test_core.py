@@ -133,3 +133,21 @@ def test_local_sgd_skips_a_trailing_single_sample_batch_that_batchnorm_cannot_tr
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
     stats = local_sgd(model, data, TrainSettings(batch_size=10, local_epochs=2), torch.Generator().manual_seed(1))
     assert (stats.steps, stats.samples_seen) == (2, 20)
+
+
+def test_deterministic_kernels_sets_cudnn_for_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA device gets cuDNN's deterministic algorithms, no benchmarking (torch's flags, set without a
+    GPU too); a CPU leaves them; and a node's workspace asks for them on its device."""
+    from fedmq.fedcore.seeding import deterministic_kernels
+    from fedmq.fednode import workspace as ws
+
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    deterministic_kernels("cpu")
+    assert not torch.backends.cudnn.deterministic and torch.backends.cudnn.benchmark
+    deterministic_kernels(torch.device("cuda"))
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    asked: list[torch.device] = []
+    monkeypatch.setattr(ws, "deterministic_kernels", asked.append)
+    ws.Workspace(torch.nn.Linear(2, 2), torch.device("cpu"))
+    assert asked == [torch.device("cpu")]
