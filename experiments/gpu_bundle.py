@@ -5,11 +5,13 @@ carried (git-ignored) paths, 64 MiB in all per call, and keeps what a command wr
 paths of the repository there while the machine stays warm (about 30 s after each call). A CIFAR
 pack is 101 MiB, so it cannot travel in one call. `prepare` (run here) cuts a dataset folder's
 files into parts, groups them into as few calls as the limit allows (each call's tree, parts,
-manifest and, on the last call, wheels measured), downloads the wheels the GPU machine lacks, and
-prints each call's carry list and command. `join` (run there, standard library only, so it works
-before any wheel is installed) checks each carried part's sha256, keeps it in a store that outlives
-the call, and once every part is there writes the dataset's files under a data root, each checked
-against its sha256.
+manifest and, on the first call, wheels measured), downloads the wheels the GPU machine lacks, and
+prints each call's carry list and command. The first call installs the wheels where the machine
+keeps them while warm, so it can already run what needs no dataset (the GPU tests, a benchmark on
+synthetic data: `--first`), and the last call, once the dataset is whole, runs `--run`. `join`
+(run there, standard library only, so it works before any wheel is installed) checks each carried
+part's sha256, keeps it in a store that outlives the call, and once every part is there writes the
+dataset's files under a data root, each checked against its sha256.
 
 This module imports nothing outside the standard library on purpose: the GPU machine runs
 ``python3 -m fedmq.experiments.gpu_bundle join ...`` with none of fedmq's dependencies installed.
@@ -43,7 +45,7 @@ WHEELS_DIR = f"{OUT_DIR}/wheels"
 STORE_DIR = f"{OUT_DIR}/store"  # on the GPU machine: parts kept between calls
 DATA_DIR = f"{OUT_DIR}/data"  # on the GPU machine: the joined datasets, FEDMQ_DATA_ROOT
 CACHE_DIR = f"{OUT_DIR}/cache"  # on the GPU machine: FEDMQ_CACHE_DIR, decoded arrays kept between runs
-SITE_DIR = "/tmp/site"  # on the GPU machine: where the carried wheels are installed
+SITE_DIR = f"{OUT_DIR}/site"  # on the GPU machine: the carried wheels, installed; ignored, so kept while warm
 RUN_PLACEHOLDER = "YOUR_COMMAND"
 HERE = Path(__file__).resolve().parent  # experiments/ of the checkout a GPU call would send
 
@@ -208,33 +210,32 @@ def check_ignored(repo: Path, rel: str) -> None:
 
 
 def plan_parts(
-    files: Sequence[tuple[str, int]], room: int, last_extra: int, part_cap: int | None = None
+    files: Sequence[tuple[str, int]], room: int, first_extra: int, part_cap: int | None = None
 ) -> tuple[list[Part], int]:
     """Cut files (name, size), in order, into parts packed into the fewest calls that hold them.
 
-    Each call holds at most `room` bytes of parts, the last one `room - last_extra` (it also carries
+    Each call holds at most `room` bytes of parts, the first one `room - first_extra` (it also carries
     the wheels); a part is at most `part_cap` bytes when given. Fewer calls matter because the parts
     of one bundle must reach one warm machine, which is given back about 30 s after each call.
-    Returns the parts and the number of calls, which can exceed the last part's call: the last call
-    may carry the wheels alone.
+    Returns the parts and the number of calls.
     """
     if part_cap is not None and part_cap <= 0:
         raise BundleError(f"part size must be positive, not {part_cap} bytes")
-    if room - last_extra <= 0:
+    if room - first_extra <= 0:
         raise BundleError(
-            f"no room for data: the last call's wheels and the tree leave {room - last_extra} bytes "
+            f"no room for data: the first call's wheels and the tree leave {room - first_extra} bytes "
             f"of the call limit; carry fewer wheels or shrink the tree"
         )
     total = sum(size for _, size in files)
-    calls = max(1, -(-(total + last_extra) // room))
+    calls = max(1, -(-(total + first_extra) // room))
     while calls <= 1000:
-        parts = _pack(files, [room] * (calls - 1) + [room - last_extra], part_cap)
+        parts = _pack(files, [room - first_extra] + [room] * (calls - 1), part_cap)
         if parts is not None:
             # As many calls as greedy filling needs, but each sending about the same: every call then
             # keeps some headroom under the limit instead of the first ones none.
-            even = -(-(total + last_extra) // calls)
-            if even - last_extra > 0:
-                balanced = _pack(files, [even] * (calls - 1) + [even - last_extra], part_cap)
+            even = -(-(total + first_extra) // calls)
+            if even - first_extra > 0:
+                balanced = _pack(files, [even - first_extra] + [even] * (calls - 1), part_cap)
                 if balanced is not None:
                     return balanced, calls
             return parts, calls
@@ -269,7 +270,7 @@ def split(
     dest: Path,
     bundle: str,
     room: int,
-    last_extra: int,
+    first_extra: int,
     part_cap: int | None = None,
 ) -> Manifest:
     """Write `source`'s files as parts into dest/call-N/ folders, each with the whole manifest.
@@ -281,7 +282,7 @@ def split(
     files = sorted(p for p in source.iterdir() if p.is_file())
     if not files:
         raise BundleError(f"{source} holds no files to bundle")
-    parts, calls = plan_parts([(p.name, p.stat().st_size) for p in files], room, last_extra, part_cap)
+    parts, calls = plan_parts([(p.name, p.stat().st_size) for p in files], room, first_extra, part_cap)
     if dest.exists():
         shutil.rmtree(dest)  # stale parts of an earlier plan must not travel
     for n in range(1, calls + 1):
@@ -514,10 +515,20 @@ def sync_wheels(dest: Path, pins: Sequence[str]) -> list[Path]:
 
 
 def install_command(wheels_dir: str = WHEELS_DIR) -> str:
-    """The shell step that installs the carried wheels on the GPU machine, beside (not over) its torch."""
+    """The shell step that installs the carried wheels on the GPU machine, beside (not over) its torch,
+    under the checkout's ignored .gpu/site: kept for the later calls while the machine is warm."""
     return (
         "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
-        f"--target {SITE_DIR} {wheels_dir}/*.whl && export PYTHONPATH={SITE_DIR}:$PWD"
+        f"--target {SITE_DIR} {wheels_dir}/*.whl"
+    )
+
+
+def site_command() -> str:
+    """The shell step that puts the installed wheels and the checkout on Python's path, or stops the call
+    (exit 3) when they are gone with a machine that was given back."""
+    return (
+        f"{{ test -d {SITE_DIR} || {{ echo 'gpu_bundle: {SITE_DIR} is gone (the machine was given back): "
+        f"start again from call 1' >&2; exit 3; }}; }} && export PYTHONPATH=$PWD/{SITE_DIR}:$PWD"
     )
 
 
@@ -528,13 +539,30 @@ def join_command(bundle: str, carried: str | None, complete: bool) -> str:
     return cmd + (" --complete" if complete else "")
 
 
-def run_command(bundle: str, carried: str | None, run: str, wheels: bool) -> str:
-    """The whole command of a call that runs `run`: join, install, data root and cache, then `run`."""
-    steps = [join_command(bundle, carried, complete=True)]
-    if wheels:
+def call_command(
+    bundle: str,
+    carried: str | None,
+    *,
+    install: bool,
+    site: bool,
+    complete: bool,
+    first: str | None = None,
+    run: str | None = None,
+) -> str:
+    """A call's whole command: store its parts (with `complete`, insist the bundle is whole), install the
+    wheels it carries (`install`), put the installed wheels on the path (`site`), with the whole bundle
+    export the data root and cache; then `first` (whose failure does not stop `run`) and `run`."""
+    steps = [join_command(bundle, carried, complete)]
+    if install:
         steps.append(install_command())
-    steps.append(f"export FEDMQ_DATA_ROOT=$PWD/{DATA_DIR} FEDMQ_CACHE_DIR=$PWD/{CACHE_DIR}")
-    steps.append(run)
+    if site:
+        steps.append(site_command())
+    if complete:
+        steps.append(f"export FEDMQ_DATA_ROOT=$PWD/{DATA_DIR} FEDMQ_CACHE_DIR=$PWD/{CACHE_DIR}")
+    if first is not None:
+        steps.append(f"{{ {first}; true; }}" if run is not None else first)
+    if run is not None:
+        steps.append(run)
     return " && ".join(steps)
 
 
@@ -548,24 +576,33 @@ class Call:
 
 
 def plan_calls(
-    bundle: str, run: str, tree: int, call_bytes: Sequence[int], wheels: int | None
+    bundle: str, run: str, tree: int, call_bytes: Sequence[int], wheels: int | None, first: str | None = None
 ) -> tuple[list[Call], Call]:
-    """The calls that carry a bundle (the last one also the wheels and runs `run`), and a later run's call.
+    """The calls that carry a bundle, and a later run's call.
 
-    `call_bytes` are the sizes of the call folders, `wheels` the wheels' bytes (None: none carried).
-    The later run is for more runs on the same warm machine once the bundle is joined: it carries
-    the wheels only, since /tmp may not outlive a call.
+    The first call also carries the wheels (`wheels`: their bytes; None: none carried) and installs
+    them, then runs `first` when given (work that needs the wheels but not the dataset); the last runs
+    `run` once the bundle is whole (a bundle of one call: `first`, then `run`). `call_bytes` are the
+    sizes of the call folders. The later run is for more runs on the same warm machine once the bundle
+    is joined: it carries nothing, the wheels and the data being kept there.
     """
     extra = [WHEELS_DIR] if wheels is not None else []
     out = []
+    last = len(call_bytes)
     for n, size in enumerate(call_bytes, 1):
         folder = f"{OUT_DIR}/{bundle}/call-{n}"
-        if n < len(call_bytes):
-            out.append(Call([folder], join_command(bundle, folder, complete=False), tree + size))
-        else:
-            command = run_command(bundle, folder, run, wheels=wheels is not None)
-            out.append(Call([folder, *extra], command, tree + size + (wheels or 0)))
-    again = Call(extra, run_command(bundle, None, run, wheels=wheels is not None), tree + (wheels or 0))
+        command = call_command(
+            bundle,
+            folder,
+            install=n == 1 and wheels is not None,
+            site=wheels is not None,
+            complete=n == last,
+            first=first if n == 1 else None,
+            run=run if n == last else None,
+        )
+        wheel_bytes = wheels if n == 1 and wheels is not None else 0
+        out.append(Call([folder, *(extra if n == 1 else [])], command, tree + size + wheel_bytes))
+    again = Call([], call_command(bundle, None, install=False, site=wheels is not None, complete=True, run=run), tree)
     for call in [*out, again]:
         if len(call.command) > COMMAND_LIMIT:
             raise BundleError(f"a call's command is {len(call.command)} characters, over the {COMMAND_LIMIT} allowed")
@@ -577,6 +614,7 @@ def prepare(
     repo: Path,
     bundle: str,
     run: str = RUN_PLACEHOLDER,
+    first: str | None = None,
     limit: int = CALL_LIMIT_MIB * MIB,
     margin: int = MIB,
     part_cap: int | None = None,
@@ -585,7 +623,8 @@ def prepare(
 ) -> tuple[Manifest, list[Call], Call, list[Path]]:
     """Wheels, parts and the calls that carry them, each call checked against `limit`.
 
-    `margin` is kept free in every call for what the measurement here cannot see (a file written in
+    `first` runs in the first call after the wheels' install, `run` in the last once the dataset is
+    whole. `margin` is kept free in every call for what the measurement here cannot see (a file written in
     the checkout between now and the call). Raises BundleError when the tree and wheels alone leave
     no room, or any call would exceed the limit.
     """
@@ -605,7 +644,7 @@ def prepare(
     manifest = split(source, repo / OUT_DIR / bundle, bundle, room, wheel_bytes, part_cap)
     calls = int(str(manifest["calls"]))
     call_bytes = [path_bytes(repo / OUT_DIR / bundle / f"call-{n}") for n in range(1, calls + 1)]
-    planned, again = plan_calls(bundle, run, tree, call_bytes, wheel_bytes if wheels else None)
+    planned, again = plan_calls(bundle, run, tree, call_bytes, wheel_bytes if wheels else None, first)
     for n, call in enumerate(planned, 1):
         if call.sends > limit:
             raise BundleError(f"call {n} would send {call.sends} bytes, over the {limit}-byte limit")
@@ -629,7 +668,9 @@ def _print_plan(manifest: Manifest, calls: list[Call], again: Call, wheels: list
         print(f"\ncall {n} of {len(calls)}: sends {call.sends / MIB:.2f} MiB of {limit / MIB:.0f} MiB")
         print(f"  carry:   {json.dumps(call.carry)}")
         print(f"  command: {call.command}")
-    print(f"\nmore runs on the same warm machine: sends {again.sends / MIB:.2f} MiB")
+    print(
+        f"\nmore runs on the same warm machine (the wheels and the data kept there): sends {again.sends / MIB:.2f} MiB"
+    )
     print(f"  carry:   {json.dumps(again.carry)}")
     print(f"  command: {again.command}")
 
@@ -656,8 +697,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     prep.add_argument(
         "--run",
         default=RUN_PLACEHOLDER,
-        help="the command the last call runs there, e.g. "
+        help="the command the last call runs there, with the dataset whole, e.g. "
         "'python3 -m fedmq run experiments/papers/kdia-beta01-reduced.yaml'",
+    )
+    prep.add_argument(
+        "--first",
+        help="a command the first call runs once the wheels are installed, before the dataset is whole (work"
+        ' on no data: the GPU tests, a benchmark on synthetic data), e.g. \'FEDMQ_GPU_STEPS="tests bench"'
+        " scripts/gpu-tables'",
     )
     prep.add_argument(
         "--repo", type=Path, default=HERE, help="the checkout the calls send (default: the one holding this module)"
@@ -690,6 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 repo,
                 args.name or args.source.resolve().name,
                 run=args.run,
+                first=args.first,
                 limit=limit,
                 margin=int(args.margin_mib * MIB),
                 part_cap=int(args.part_mib * MIB) if args.part_mib else None,

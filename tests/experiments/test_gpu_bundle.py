@@ -45,7 +45,7 @@ def _calls(dest: Path) -> list[Path]:
 
 
 def test_plan_parts_fewest_calls_each_within_its_room() -> None:
-    """Parts cover every byte of every file once, in order; no call holds more than its room, the last less the wheels."""
+    """Parts cover every byte of every file once, in order; no call holds more than its room, the first less the wheels."""
     files = [("a", 5 * MIB + 3), ("b", 10), ("c", 0), ("d", 2 * MIB)]
     room, extra = 2 * MIB, MIB // 2
     parts, calls = gb.plan_parts(files, room, extra, part_cap=MIB)
@@ -58,29 +58,29 @@ def test_plan_parts_fewest_calls_each_within_its_room() -> None:
         assert [p.name for p in mine] == [f"{name}.part{i:03d}" for i in range(1, len(mine) + 1)]
     assert all(p.size <= MIB for p in parts)
     load = {n: sum(p.size for p in parts if p.call == n) for n in range(1, calls + 1)}
-    assert all(load[n] <= room for n in range(1, calls))
-    assert load[calls] <= room - extra
+    assert load[1] <= room - extra
+    assert all(load[n] <= room for n in range(2, calls + 1))
 
 
 def test_plan_parts_balances_the_calls() -> None:
     """Two calls for 4.2 rooms' worth split evenly (wheels counted), not 4 + 0.2: each keeps headroom under the limit."""
-    parts, calls = gb.plan_parts([("a", 4 * MIB + MIB // 5)], room=4 * MIB, last_extra=MIB)
+    parts, calls = gb.plan_parts([("a", 4 * MIB + MIB // 5)], room=4 * MIB, first_extra=MIB)
     assert calls == 2
-    sends = [sum(p.size for p in parts if p.call == n) + (MIB if n == calls else 0) for n in (1, 2)]
+    sends = [sum(p.size for p in parts if p.call == n) + (MIB if n == 1 else 0) for n in (1, 2)]
     assert max(sends) - min(sends) <= 1
     assert max(sends) < 3 * MIB
 
 
 def test_plan_parts_refuses_when_the_wheels_leave_no_room() -> None:
-    """A last call that the wheels fill alone cannot carry anything: said, not planned."""
+    """A first call that the wheels fill alone cannot carry anything: said, not planned."""
     with pytest.raises(gb.BundleError, match="no room for data"):
-        gb.plan_parts([("a", 10)], room=MIB, last_extra=MIB)
+        gb.plan_parts([("a", 10)], room=MIB, first_extra=MIB)
 
 
 def test_split_then_join_across_calls_in_any_order(dataset: Path, tmp_path: Path) -> None:
     """Call folders arriving one at a time, last first: missing parts reported until the last, then the files match."""
     dest = tmp_path / "here" / ".gpu" / "synth"
-    manifest = gb.split(dataset, dest, "synth", room=MIB, last_extra=MIB // 4)
+    manifest = gb.split(dataset, dest, "synth", room=MIB, first_extra=MIB // 4)
     calls = _calls(dest)
     assert len(calls) == manifest["calls"] >= 4
     for call in calls:  # every call folder carries the whole manifest and only its own parts
@@ -110,7 +110,7 @@ def test_split_then_join_across_calls_in_any_order(dataset: Path, tmp_path: Path
 def test_a_corrupt_part_is_refused_and_not_stored(dataset: Path, tmp_path: Path) -> None:
     """One flipped byte: join names the part and its sha256, stores nothing of it, and the good part still goes in."""
     dest = tmp_path / ".gpu" / "synth"
-    gb.split(dataset, dest, "synth", room=MIB, last_extra=0)
+    gb.split(dataset, dest, "synth", room=MIB, first_extra=0)
     call = _calls(dest)[1]
     part = next(p for p in call.iterdir() if p.name != gb.MANIFEST)
     good = part.read_bytes()
@@ -127,7 +127,7 @@ def test_a_corrupt_part_is_refused_and_not_stored(dataset: Path, tmp_path: Path)
 def test_a_joined_file_that_does_not_match_its_sha256_is_refused(dataset: Path, tmp_path: Path) -> None:
     """Parts that each match but join to the wrong file (a manifest edited by hand): no file written."""
     dest = tmp_path / ".gpu" / "synth"
-    gb.split(dataset, dest, "synth", room=64 * MIB, last_extra=0)
+    gb.split(dataset, dest, "synth", room=64 * MIB, first_extra=0)
     manifest_path = dest / "call-1" / gb.MANIFEST
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][1]["sha256"] = "0" * 64
@@ -142,7 +142,7 @@ def test_join_command_line_reports_missing_parts(
 ) -> None:
     """Exit 0 with the missing parts listed; with --complete exit 3 and which calls to send; 1 on a fresh machine."""
     dest = tmp_path / ".gpu" / "synth"
-    manifest = gb.split(dataset, dest, "synth", room=2 * MIB, last_extra=0)
+    manifest = gb.split(dataset, dest, "synth", room=2 * MIB, first_extra=0)
     calls = _calls(dest)
     assert len(calls) == 2
     paths = ["--store", str(tmp_path / "store"), "--into", str(tmp_path / "data")]
@@ -160,7 +160,7 @@ def test_join_command_line_reports_missing_parts(
 def test_join_runs_on_the_standard_library_alone(dataset: Path, tmp_path: Path) -> None:
     """`python -S -m fedmq.experiments.gpu_bundle join`, no site-packages at all, as on a GPU machine before the wheels."""
     dest = tmp_path / ".gpu" / "synth"
-    gb.split(dataset, dest, "synth", room=64 * MIB, last_extra=0)
+    gb.split(dataset, dest, "synth", room=64 * MIB, first_extra=0)
     cmd = [sys.executable, "-S", "-m", "fedmq.experiments.gpu_bundle", "join", str(dest / "call-1"), "--complete"]
     cmd += ["--store", str(tmp_path / "store"), "--into", str(tmp_path / "data")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -179,7 +179,8 @@ def _git_repo(path: Path, ignore: str = ".gpu/\n") -> Path:
 
 
 def test_prepare_keeps_every_call_within_the_limit(dataset: Path, tmp_path: Path) -> None:
-    """Tree + call folder (+ wheels on the last call) is measured per call and stays under the limit."""
+    """Tree + call folder (+ wheels on the first call) is measured per call and stays under the limit; the
+    first call installs the wheels under .gpu/site and runs `first`, the last joins the bundle and runs `run`."""
     repo = _git_repo(tmp_path / "repo")
     (repo / "untracked.txt").write_bytes(b"y" * 1000)  # untracked, not ignored: it travels too
     wheels = repo / gb.WHEELS_DIR
@@ -189,7 +190,14 @@ def test_prepare_keeps_every_call_within_the_limit(dataset: Path, tmp_path: Path
     tree = gb.tree_bytes(repo)
     assert tree == 2 * MIB + 1000 + len(".gpu/\n")
     manifest, calls, again, fetched = gb.prepare(
-        dataset, repo, "synth", run="python3 train.py", limit=limit, margin=64 * 1024, pins=["demo-pkg==1.0"]
+        dataset,
+        repo,
+        "synth",
+        run="python3 train.py",
+        first="python3 -m pytest tests/gpu",
+        limit=limit,
+        margin=64 * 1024,
+        pins=["demo-pkg==1.0"],
     )
     assert [w.name for w in fetched] == ["demo_pkg-1.0-py3-none-any.whl"]
     assert len(calls) == manifest["calls"] > 1
@@ -197,14 +205,43 @@ def test_prepare_keeps_every_call_within_the_limit(dataset: Path, tmp_path: Path
         carried = sum(gb.path_bytes(repo / c) for c in call.carry)
         assert call.sends == tree + carried <= limit
         assert call.carry[0] == f".gpu/synth/call-{n}"
-    assert calls[-1].carry == [".gpu/synth/call-" + str(len(calls)), gb.WHEELS_DIR]
-    assert all(gb.WHEELS_DIR not in c.carry for c in calls[:-1])
-    assert calls[0].command == "python3 -m fedmq.experiments.gpu_bundle join .gpu/synth/call-1"
+    assert calls[0].carry == [".gpu/synth/call-1", gb.WHEELS_DIR]
+    assert all(gb.WHEELS_DIR not in c.carry for c in calls[1:])
+    first = calls[0].command
+    assert first.startswith("python3 -m fedmq.experiments.gpu_bundle join .gpu/synth/call-1 && ")
+    assert "--no-index --no-deps" in first and "--target .gpu/site .gpu/wheels/*.whl" in first
+    assert "export PYTHONPATH=$PWD/.gpu/site:$PWD" in first and first.endswith(" && python3 -m pytest tests/gpu")
+    assert "--complete" not in first and "FEDMQ_DATA_ROOT" not in first and "train.py" not in first
     last = calls[-1].command
     assert last.startswith(f"python3 -m fedmq.experiments.gpu_bundle join .gpu/synth/call-{len(calls)} --complete && ")
-    assert "--no-index --no-deps" in last and "--target /tmp/site .gpu/wheels/*.whl" in last
+    assert "pip install" not in last and "export PYTHONPATH=$PWD/.gpu/site:$PWD" in last
     assert "export FEDMQ_DATA_ROOT=$PWD/.gpu/data" in last and last.endswith(" && python3 train.py")
-    assert again.carry == [gb.WHEELS_DIR] and "join --bundle synth --complete" in again.command
+    assert "pytest" not in last
+    assert again.carry == [] and again.sends == tree and "join --bundle synth --complete" in again.command
+    assert again.command.endswith(" && python3 train.py")
+
+
+def test_a_one_call_bundle_runs_first_then_run_whatever_first_returns() -> None:
+    """One call carries it all: install, the path, the data root, then `first` (its failure, tests that
+    fail say, does not stop the run) and `run`; without wheels no install and no path step."""
+    (call,), _ = gb.plan_calls("synth", "python3 train.py", 10, [20], wheels=5, first="python3 -m pytest")
+    assert call.carry == [".gpu/synth/call-1", gb.WHEELS_DIR] and call.sends == 35
+    assert "join .gpu/synth/call-1 --complete && python3 -m pip install" in call.command
+    assert call.command.endswith(" && { python3 -m pytest; true; } && python3 train.py")
+    (bare,), again = gb.plan_calls("synth", "python3 train.py", 10, [20], wheels=None)
+    assert "pip install" not in bare.command and ".gpu/site" not in bare.command + again.command
+    assert bare.carry == [".gpu/synth/call-1"] and bare.sends == 30
+
+
+def test_site_step_stops_the_call_when_the_machine_lost_the_wheels(tmp_path: Path) -> None:
+    """The path step, run by bash: exit 3 with what to do when .gpu/site is gone (a machine given back
+    between calls starts bare), else the installed wheels and the checkout on PYTHONPATH."""
+    script = f'{gb.site_command()} && echo "$PYTHONPATH"'
+    gone = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert gone.returncode == 3 and "start again from call 1" in gone.stderr
+    (tmp_path / gb.SITE_DIR).mkdir(parents=True)
+    kept = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert kept.stdout.strip() == f"{tmp_path}/.gpu/site:{tmp_path}"
 
 
 def test_prepare_refuses_what_cannot_fit(dataset: Path, tmp_path: Path) -> None:
