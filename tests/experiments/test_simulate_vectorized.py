@@ -126,3 +126,19 @@ def test_nodes_that_cannot_train_in_groups_train_one_by_one_and_say_why(caplog: 
     assert groups == 0 and len(records) == 2
     reasons = [r.message for r in caplog.records if "simulation.vectorize" in r.message]
     assert len(reasons) == 1 and "BatchNorm" in reasons[0]
+
+
+def test_a_simulations_processes_ask_for_deterministic_kernels_on_their_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The coordinator's half and the nodes' workspace each ask for cuDNN's deterministic kernels on the
+    device they train on (KDIA's generator on the coordinator's, the nodes on theirs): a GPU run then
+    repeats bit for bit."""
+    from fedmq.experiments import build
+    from fedmq.fednode import workspace
+
+    asked: list[torch.device] = []
+    monkeypatch.setattr(build, "deterministic_kernels", asked.append)
+    monkeypatch.setattr(workspace, "deterministic_kernels", asked.append)
+    fed = build_local(_config(["rounds=1"]), device=CPU)
+    assert asked == [fed.half.device, CPU]
