@@ -46,14 +46,19 @@ class ToFloat:
     The divisor is a tensor on the batch's device, not a Python number: CUDA divides by a number as a
     product with its reciprocal, one bit off the quotient for some pixels, so the same crop came out
     of a GPU and a CPU a bit apart; a tensor divisor is a true division on both (and the CPU's
-    quotients are what they were). `torch.full` is a kernel, so a captured step can hold it."""
+    quotients are what they were). A vectorised step makes it once (`divisor`) and passes it to
+    `apply`, as it does Normalize's mean and std."""
 
     scale: float = 255.0
 
+    def divisor(self, device: torch.device) -> torch.Tensor:
+        return torch.full((), self.scale, dtype=torch.float32, device=device)
+
+    def apply(self, x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        return x if x.is_floating_point() else x.float().div_(divisor)
+
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        if x.is_floating_point():
-            return x
-        return x.float().div_(torch.full((), self.scale, dtype=torch.float32, device=x.device))
+        return self.apply(x, self.divisor(x.device))
 
 
 @dataclass(frozen=True, slots=True)

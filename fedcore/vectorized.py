@@ -148,20 +148,21 @@ def augment_nodes(
     ops = _random_ops(steps, (x.shape[-2], x.shape[-1]) if x.dim() >= 3 else (0, 0))
     per_node = [_draws_of(ops, g, n) for g, n in zip(generators, sizes, strict=True)]
     draws = [torch.cat([values[j] for values in per_node]).to(x.device) for j in range(len(ops))]
-    return _apply_steps(x, steps, draws, _normalizers(steps, x.device))
+    return _apply_steps(x, steps, draws, _constants(steps, x.device))
 
 
-def _normalizers(steps: Sequence[BatchTransform], device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each Normalize step's mean and std as tensors on `device`, made once: a captured graph cannot
-    copy them from the host at every step, as `Normalize.__call__` does."""
-    return {
-        i: (
-            torch.tensor(step.mean, device=device).view(1, -1, 1, 1),
-            torch.tensor(step.std, device=device).view(1, -1, 1, 1),
-        )
-        for i, step in enumerate(steps)
-        if isinstance(step, Normalize)
-    }
+def _constants(steps: Sequence[BatchTransform], device: torch.device) -> dict[int, tuple[torch.Tensor, ...]]:
+    """The fixed steps' tensors on `device`, made once: each Normalize step's mean and std, each ToFloat's
+    divisor. A captured graph cannot copy them from the host at every step, as `Normalize.__call__` does,
+    and a step need not refill them."""
+    made: dict[int, tuple[torch.Tensor, ...]] = {}
+    for i, step in enumerate(steps):
+        if isinstance(step, Normalize):
+            mean = torch.tensor(step.mean, device=device).view(1, -1, 1, 1)
+            made[i] = (mean, torch.tensor(step.std, device=device).view(1, -1, 1, 1))
+        elif isinstance(step, ToFloat):
+            made[i] = (step.divisor(device),)
+    return made
 
 
 # -- what a node's loss sees inside the vectorised step --------------------------------------------
@@ -447,7 +448,7 @@ def _apply_steps(
     x: torch.Tensor,
     steps: Sequence[BatchTransform],
     draws: Sequence[torch.Tensor],
-    normalize: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    constants: dict[int, tuple[torch.Tensor, ...]],
 ) -> torch.Tensor:
     """The transform's steps on a flat batch with the values drawn beforehand (`_draws_of`'s order):
     what each node's own call gives, bitwise, with no draw and no host tensor inside (capturable)."""
@@ -461,10 +462,10 @@ def _apply_steps(
             if step.degrees != 0:
                 x = rotate(x, next(values))
         elif isinstance(step, Normalize):
-            mean, std = normalize[i]
+            mean, std = constants[i]
             x = (x - mean.to(x.dtype)) / std.to(x.dtype)
-        else:
-            x = step(x, None)  # ToFloat
+        elif isinstance(step, ToFloat):  # the last of the steps `known_steps` admits
+            x = step.apply(x, *constants[i])
     return x
 
 
@@ -695,7 +696,7 @@ class _Round:
         self.x = _rows_of([d.x for d in datasets], device, capacity) if plan.inputs is None else None
         self.y = _rows_of([d.y for d in datasets], device, capacity)
         self.inputs = inputs
-        self.normalize = _normalizers(steps or [], device)
+        self.constants = _constants(steps or [], device)
         frozen = self.frozen
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -787,7 +788,7 @@ class _Round:
         assert self.x is not None  # the plan holds the inputs exactly when the data is not kept
         x = self.x[rows.reshape(-1)]
         if self.steps:
-            x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.normalize)
+            x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.constants)
         return x.view(*rows.shape, *x.shape[1:]), y
 
     def step(self, a: int, masked: bool = False) -> None:

@@ -425,9 +425,8 @@ def add_rows(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) ->
     order; on a CUDA device `index_add_` adds with atomics, in whatever order the threads land, so two
     runs of one seed differed in their last bits (and FedACD's training with them): there a one-hot
     matrix product instead, whose sums run in a fixed order."""
-    values = values.to(target.dtype)
     if target.device.type == "cpu":
-        target.index_add_(0, index, values)
+        target.index_add_(0, index, values.to(target.dtype))
     else:
         add_rows_by_product(target, index, values)
 

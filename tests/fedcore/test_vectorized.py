@@ -533,7 +533,7 @@ def _kept_tensors(round_: object) -> list[torch.Tensor]:
     cur = round_.cur
     found = [*round_.stack.params.values(), *(t for v in round_.stack.state.values() for t in v), round_.stack.step]
     found += [*round_.start.values(), *round_.frozen.values(), round_.y, round_.totals]
-    found += [t for pair in round_.normalize.values() for t in pair]
+    found += [t for made in round_.constants.values() for t in made]
     found += [cur.rows, cur.weight, cur.count, *cur.draws] + ([round_.x] if round_.x is not None else [])
     return found
 
