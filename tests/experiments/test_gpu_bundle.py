@@ -319,3 +319,15 @@ def test_the_carried_wheels_and_the_image_cover_what_fedmq_needs() -> None:
     for name in gb.GPU_WHEELS:
         assert _needs(name) - covered == set(), name
     assert "torch" not in {gb.normalize(n) for n in gb.GPU_WHEELS}  # the machine's own CUDA build stays
+
+
+def test_a_command_over_the_tools_limit_is_refused_before_any_call() -> None:
+    """A `--first` or `--run` that makes a call's command longer than the device tool takes (2,000
+    characters) is refused when planned, with the length said, not sent to fail there."""
+    long = "echo " + "x" * gb.COMMAND_LIMIT
+    with pytest.raises(gb.BundleError, match=r"characters, over the 2000 allowed"):
+        gb.plan_calls("synth", "python3 train.py", 10, [20, 20], wheels=5, first=long)
+    with pytest.raises(gb.BundleError, match=r"characters, over the 2000 allowed"):
+        gb.plan_calls("synth", long, 10, [20, 20], wheels=5)
+    calls, _ = gb.plan_calls("synth", "python3 train.py", 10, [20, 20], wheels=5, first="echo ok")
+    assert all(len(c.command) <= gb.COMMAND_LIMIT for c in calls)
