@@ -53,6 +53,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.packed import Packed
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import TrainSettings, TrainStats, autocast
 from fedmq.fedcore.transforms import (
@@ -188,13 +189,18 @@ class NodeBatch:
     """This node's values drawn for this step (`StepDraws`), one row per sample of the batch."""
     carry: dict[str, torch.Tensor] = field(default_factory=dict)
     """This node's carried state as its previous step left it (`train_vectorized`'s `carry`)."""
+    share: torch.Tensor | None = None
+    """`weight` / `count`, each real sample's share of the mean (`mean`), made once in the round's plan."""
 
     def logits(self) -> torch.Tensor:
         """The node's model on its batch."""
         return self.forward(self.params, self.x)
 
     def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-sample quantity over the node's real samples (what F.cross_entropy's mean is)."""
+        """The mean of a per-sample quantity over the node's real samples (what F.cross_entropy's mean is):
+        weighted by `share` when given (two kernels forward and one backward fewer than a division)."""
+        if self.share is not None:
+            return (per_sample * self.share).sum()
         return (per_sample * self.weight).sum() / self.count
 
 
@@ -266,8 +272,10 @@ def cross_entropy_objective(batch: NodeBatch) -> torch.Tensor:
 class _Plan:
     """K nodes' batches for all S steps, drawn node by node in `local_sgd`'s order (the epoch's
     permutation, then each batch's augmentation) and padded to the static shape (S, K, B), so that the
-    steps themselves read nothing from the host."""
+    steps themselves read nothing from the host. Every per-step tensor but `inputs` is a view of
+    `packed`, one row of bytes per step: a step loads its slice of them all with one copy."""
 
+    packed: Packed
     rows: torch.Tensor
     """(S, K, B) rows of the nodes' concatenated data; padding repeats the node's first row of the batch."""
     weight: torch.Tensor
@@ -280,6 +288,45 @@ class _Plan:
     """(S, K, B, ...) the transformed inputs, for a transform the step does not know how to apply."""
     step_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """(S, K, B, ...) the objective's own draws (`StepDraws`), prepared on the device."""
+    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    """(K,) float64 on the host: each node's real samples over the round."""
+
+    @classmethod
+    def of(
+        cls,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        count: torch.Tensor,
+        draws: Sequence[torch.Tensor],
+        inputs: torch.Tensor | None,
+        step_inputs: Mapping[str, torch.Tensor],
+        device: torch.device,
+    ) -> _Plan:
+        """The plan of these tensors on `device`, packed with what a step derives from them (`_STEP`)."""
+        divisor = count.clamp(min=1)  # a node with no batch left: its all-padding loss stays 0, not NaN
+        tensors = {
+            "rows": rows,
+            "weight": weight,
+            "count": count,
+            **{f"draw{j}": d for j, d in enumerate(draws)},
+            **{f"step.{n}": t for n, t in step_inputs.items()},
+            "divisor": divisor,
+            "share": weight / divisor.unsqueeze(-1),
+            "count64": count.double(),
+            "active": (count > 0).to(count.dtype),
+        }
+        packed = Packed.of(tensors, device)
+        made = packed.views(packed.rows)
+        return cls(
+            packed=packed,
+            rows=made["rows"],
+            weight=made["weight"],
+            count=made["count"],
+            draws=[made[f"draw{j}"] for j in range(len(draws))],
+            inputs=inputs,
+            step_inputs={n: made[f"step.{n}"] for n in step_inputs},
+            seen=count.double().sum(0).cpu(),
+        )
 
 
 def _draws_of(ops: Sequence[_RandomOp], generator: torch.Generator, n: int) -> list[torch.Tensor]:
@@ -349,14 +396,7 @@ def _plan(
                     drawn[name][s, node, :m] = values.cpu()
                     drawn[name][s, node, m:] = values[:1].cpu()
     prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
-    return _Plan(
-        rows=rows.to(device),
-        weight=weight.to(device),
-        count=count.to(device),
-        draws=[d.to(device) for d in draws],
-        inputs=inputs,
-        step_inputs=prepared,
-    )
+    return _Plan.of(rows, weight, count, draws, inputs, prepared, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,39 +635,28 @@ def _adam(
 # -- the round ----------------------------------------------------------------------------------------
 
 
-@dataclass
 class _Buffers:
-    """One step's slice of the plan, at fixed addresses (what a captured graph reads)."""
+    """One step's slice of the plan, at fixed addresses (what a captured graph reads): typed views of
+    one row of the plan's bytes, so that `load` is one copy (two with `inputs`)."""
 
-    rows: torch.Tensor
-    weight: torch.Tensor
-    count: torch.Tensor
-    draws: list[torch.Tensor]
-    inputs: torch.Tensor | None
-    step_inputs: dict[str, torch.Tensor]
-
-    @classmethod
-    def first_of(cls, plan: _Plan) -> _Buffers:
-        return cls(
-            rows=plan.rows[0].clone(),
-            weight=plan.weight[0].clone(),
-            count=plan.count[0].clone(),
-            draws=[d[0].clone() for d in plan.draws],
-            inputs=plan.inputs[0].clone() if plan.inputs is not None else None,
-            step_inputs={n: t[0].clone() for n, t in plan.step_inputs.items()},
-        )
+    def __init__(self, plan: _Plan) -> None:
+        self.bytes = plan.packed.rows[0].clone()
+        views = plan.packed.views(self.bytes)
+        self.rows, self.weight, self.count = views["rows"], views["weight"], views["count"]
+        self.divisor, self.share, self.count64, self.active = (
+            views["divisor"], views["share"], views["count64"], views["active"]
+        )  # fmt: skip
+        """The count clamped to 1 (the mean's divisor), the weight over it, the count in float64 (the
+        losses' sum), 1 where the node has a batch."""
+        self.draws = [views[f"draw{j}"] for j in range(len(plan.draws))]
+        self.step_inputs = {n: views[f"step.{n}"] for n in plan.step_inputs}
+        self.inputs = plan.inputs[0].clone() if plan.inputs is not None else None
 
     def load(self, plan: _Plan, s: int) -> None:
         """Step `s`'s slice of the plan into the buffers (device to device, no host sync)."""
-        self.rows.copy_(plan.rows[s])
-        self.weight.copy_(plan.weight[s])
-        self.count.copy_(plan.count[s])
-        for buf, d in zip(self.draws, plan.draws, strict=True):
-            buf.copy_(d[s])
+        self.bytes.copy_(plan.packed.rows[s])
         if self.inputs is not None and plan.inputs is not None:
             self.inputs.copy_(plan.inputs[s])
-        for name, buf in self.step_inputs.items():
-            buf.copy_(plan.step_inputs[name][s])
 
 
 def _rows_of(parts: Sequence[torch.Tensor], device: torch.device, capacity: int) -> torch.Tensor:
@@ -710,11 +739,13 @@ class _Round:
             y: torch.Tensor,
             weight: torch.Tensor,
             count: torch.Tensor,
+            share: torch.Tensor,
             node_inputs: dict[str, torch.Tensor],
             step: dict[str, torch.Tensor],
             carried: dict[str, torch.Tensor],
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            out = objective(NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step, carried))
+            batch = NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step, carried, share)
+            out = objective(batch)
             if not isinstance(out, tuple):
                 return out, {}, {}
             return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], out[1], {})
@@ -726,10 +757,10 @@ class _Round:
                 return vmapped(*args)
 
         self.losses_of = losses_of
-        self.cur = _Buffers.first_of(plan)
+        self.cur = _Buffers(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
-        self.seen = plan.count.double().sum(0)
+        self.seen = plan.seen
         """Each node's real samples over the round, known from the plan."""
         self.terms: dict[str, torch.Tensor] = {}
         """Each named term of the objective, summed over each node's steps."""
@@ -764,7 +795,7 @@ class _Round:
             self.y[:rows].copy_(torch.cat([d.y for d in datasets]))
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
-        self.plan, self.seen = plan, plan.count.double().sum(0)
+        self.plan, self.seen = plan, plan.seen
 
     def load(self, s: int) -> None:
         """Step `s`'s slice of the plan into the buffers, and the carried state of each node whose epoch
@@ -797,14 +828,14 @@ class _Round:
         `masked` where some of them have no batch left: those keep their weights, optimizer state and
         carried state, restored after the update so that the others' arithmetic is the unmasked step's."""
         x, y = self.batch(a)
-        count = self.cur.count[:a]
-        active = (count > 0).to(count.dtype)
+        cur = self.cur
+        active = cur.active[:a]
         params, state, steps = self.stack.head(a)
         inputs = {n: t[:a] for n, t in self.inputs.items()}
-        step_inputs = {n: t[:a] for n, t in self.cur.step_inputs.items()}
+        step_inputs = {n: t[:a] for n, t in cur.step_inputs.items()}
         carried = {n: t[:a] for n, t in self.carry.items()}
         grads, losses, terms, after = _gradients(
-            self.losses_of, params, x, y, self.cur.weight[:a], count.clamp(min=1), inputs, step_inputs, carried
+            self.losses_of, params, x, y, cur.weight[:a], cur.divisor[:a], cur.share[:a], inputs, step_inputs, carried
         )
         settings = self.settings
         with torch.no_grad():
@@ -831,12 +862,12 @@ class _Round:
                 )
                 for t, old in zip(tensors, kept, strict=masked):  # nodes with no batch left keep what they had
                     t.copy_(torch.where(_per_node(active, t) > 0, t, old))
-            self.totals[:a] += losses.double() * count.double()
+            self.totals[:a].addcmul_(losses, cur.count64[:a])  # in float64, one kernel
             for name, value in terms.items():
                 if name not in self.terms:  # created by the first (eager) step, before any graph is captured
                     self.terms[name] = torch.zeros((len(self.totals), *value.shape[1:]), dtype=torch.float64,
                                                    device=self.totals.device)  # fmt: skip
-                self.terms[name][:a] += _masked([value.double()], active.double(), masked)[0]
+                self.terms[name][:a].add_(_masked([value], active, masked)[0])  # in place: no copy back
             if set(after) != set(carried):
                 raise VectorizeError(
                     f"the objective carried {sorted(after)}, not the state it was given {sorted(carried)}"
@@ -1119,7 +1150,7 @@ def train_vectorized(
                 )  # fmt: skip
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if kept else None)
-            stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen.cpu()
+            stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen
             terms = {name: t.cpu() for name, t in round_.terms.items()}
             carried = {name: t.cpu() for name, t in round_.carry.items()}
             gradients = {name: t.cpu() for name, t in (round_.gradient_sums or {}).items()}
@@ -1155,10 +1186,12 @@ def _results(
     scalars = {name: t for name, t in terms.items() if t.dim() == 1}  # (K,): a mean over the steps
     tensors = {name: t for name, t in terms.items() if t.dim() > 1}  # (K, ...): a sum over the steps
     by_node: dict[int, tuple[StateDict, TrainStats]] = {}
+    # a kept round's stack is copied whole, a tensor per parameter (not one per node and parameter: on a GPU
+    # each copy is a kernel), and each node's weights are its rows of the copy; the frozen ones too
+    params = {name: t.clone() for name, t in stack.params.items()} if kept else stack.params
+    frozen = {name: t.clone() for name, t in frozen.items()} if kept else frozen
     for pos, k in enumerate(order):
-        state = {name: stack.params[name][pos] if name in stack.params else frozen[name] for name in keys}
-        if kept:
-            state = {name: t.clone() for name, t in state.items()}
+        state = {name: params[name][pos] if name in params else frozen[name] for name in keys}
         n = float(seen[pos])
         own = {name: float(t[pos]) / steps[k] for name, t in scalars.items()} if steps[k] else {}
         sums = {name: t[pos].clone() for name, t in tensors.items()}

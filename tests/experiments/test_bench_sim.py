@@ -44,9 +44,10 @@ def test_bench_sim_module_runs_without_the_command_line(tmp_path: Path, capsys: 
 
 def test_the_simulators_step_dispatches_about_as_many_operators_as_the_bare_vmap_step() -> None:
     """The operators a vectorised step dispatches (on a GPU about one kernel each, what a launch-bound
-    step costs) against the bare vmap reference's, on the same case: within a quarter of it. A count,
-    not a time, so the same on any machine; the per-parameter masked update this replaced took 2.3x."""
+    step costs) against the bare vmap reference's, on the same case: no more. A count, not a time, so
+    the same on any machine; the per-parameter masked update of 2026-11-26 took 2.3x, the step of
+    2026-11-27 1.11x (a copy per plan tensor, the mean's division, the losses' casts)."""
     counts = step_ops(Case(2, 128, 1), torch.device("cpu"))
     ours, reference = counts["simulator, vectorised"], counts["reference: vmap over nodes"]
     assert reference > 50, counts  # the forward, backward and update of a CNN: the count counts
-    assert ours <= 1.25 * reference, counts
+    assert ours <= reference, counts
