@@ -200,15 +200,18 @@ def evaluate(
         model = copy.deepcopy(model).to(device)
         here = device
     model.eval()
-    correct, loss_sum = 0, 0.0
+    # summed on the device and read once (a read per batch waits for the device each time); each batch's
+    # float32 loss added in float64, as Python's float sum of them adds
+    correct = torch.zeros((), dtype=torch.long, device=here)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=here)
     for start in range(0, len(data), batch_size):
         x, y = data.eval_batch(start, start + batch_size)
         x, y = x.to(here, non_blocking=True), y.to(here, non_blocking=True)
         logits = model(x)
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(1) == y).sum())
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        correct += (logits.argmax(1) == y).sum()
     n = max(len(data), 1)
-    return correct / n, loss_sum / n
+    return int(correct) / n, float(loss_sum) / n
 
 
 def best_device() -> torch.device:
