@@ -123,12 +123,14 @@ def _final_checks(run: Run, fed: Replay) -> list[str]:
         notes.append(f"final model: sha256 {recorded} in summary.json, {fed.report.final_model_sha256} replayed")
     metrics = run.root / "metrics.jsonl"
     if metrics.exists():
+        measured = {*MEASURED_FIELDS, *fed.half.measured_metrics}  # times the run measured: not reproducible
         theirs = [
-            {k: v for k, v in json.loads(line).items() if k not in MEASURED_FIELDS}
+            {k: v for k, v in json.loads(line).items() if k not in measured}
             for line in metrics.read_text().splitlines()
             if line.strip()
         ]
-        ours = [json.loads(json.dumps(r, sort_keys=True)) for r in fed.records]
+        ours = [{k: v for k, v in json.loads(json.dumps(r, sort_keys=True)).items() if k not in measured}
+                for r in fed.records]  # fmt: skip
         for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
             if a != b:
                 keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))

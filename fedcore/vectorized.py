@@ -976,10 +976,11 @@ KEPT: ContextVar[dict[Hashable, _Kept] | None] = ContextVar("fedmq_vectorized_ke
 
 @contextmanager
 def keep_rounds() -> Iterator[None]:
-    """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training: no
-    inputs, draws, carried state or epoch start; a model with no tensor outside its parameters and
-    buffers) keeps its round, and a later call with the same signature (the same model object, device,
-    number of nodes, settings, transform) and no more rows of data trains in it: its buffers refilled
+    """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training) or on
+    an objective with a key (`keep_as`: KDIA's), with no inputs, carried state or epoch start and a
+    model with no tensor outside its parameters and buffers, keeps its round, and a later call with the
+    same signature (the same model object, device, number of nodes, settings, transform, objective
+    key) and no more rows of data trains in it: its buffers refilled
     in place, so that on a CUDA device the graphs captured by the first call replay every later one,
     with no warm-up steps and no capture. Results are bitwise those of a fresh round. At most
     `KEPT_ROUNDS` are kept; rounds and graphs are freed when the block ends."""
@@ -995,14 +996,21 @@ KEPT_ROUNDS = 4
 
 
 def _signature(
-    model: nn.Module, k: int, settings: TrainSettings, transform: object, sum_gradients: bool, plain: bool
+    model: nn.Module,
+    k: int,
+    settings: TrainSettings,
+    transform: object,
+    sum_gradients: bool,
+    plain: bool,
+    objective: Hashable = None,
 ) -> Hashable:
     """What a kept round was built for: the model object itself (the forward pass and a captured graph
     read its tensors), its parameters' shapes, the number of nodes, the settings (the optimizer's
-    constants are in the graph) and the transform (its constants too)."""
+    constants are in the graph), the transform (its constants too) and the objective's key (`keep_as`;
+    None: FedAvg's)."""
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
     first = next(model.parameters())
-    return (id(model), params, first.device, k, settings, id(transform), sum_gradients, plain)
+    return (id(model), params, first.device, k, settings, id(transform), sum_gradients, plain, objective)
 
 
 def _kept_round(
@@ -1014,14 +1022,17 @@ def _kept_round(
     transform: object,
     sum_gradients: bool,
     known: Sequence[BatchTransform] | None,
+    objective: GroupObjective = cross_entropy_objective,
+    objective_key: Hashable = None,
 ) -> _Kept | None:
     """Inside `keep_rounds`, the kept round for this call, reset to it, or a new one kept (the oldest
-    dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors."""
+    dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors. A kept round
+    trains with the objective of the call that built it (`objective_key` says it is this call's)."""
     kept_rounds = KEPT.get()
     if kept_rounds is None or _holds_loose_tensors(model):
         return None
     rows = sum(len(d) for d in ordered)
-    key = _signature(model, len(ordered), settings, transform, sum_gradients, known is not None)
+    key = _signature(model, len(ordered), settings, transform, sum_gradients, known is not None, objective_key)
     kept = kept_rounds.get(key)
     if kept is not None and rows <= kept.capacity:
         kept.round.reset(model, ordered, plan, starts)
@@ -1029,9 +1040,8 @@ def _kept_round(
     capacity = rows * 5 // 4  # room for later, larger groups
     device = next(model.parameters()).device
     round_ = _Round(
-        model, ordered, settings, plan, known, cross_entropy_objective, {}, device, starts, {}, sum_gradients,
-        capacity=capacity,
-    )  # fmt: skip
+        model, ordered, settings, plan, known, objective, {}, device, starts, {}, sum_gradients, capacity=capacity
+    )
     kept_rounds.pop(key, None)
     while len(kept_rounds) >= KEPT_ROUNDS:
         kept_rounds.pop(next(iter(kept_rounds)))
@@ -1081,6 +1091,7 @@ def train_vectorized(
     carry: Mapping[str, torch.Tensor] | None = None,
     sum_gradients: bool = False,
     epoch_start: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
+    keep_as: Hashable | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -1100,6 +1111,13 @@ def train_vectorized(
     `epoch_start(k, params)`: node k's carried state renewed from its parameters as they are before the
     first step of each of its epochs but the first (a state a method's training recomputes from the
     model every epoch: FedACD's P from a clean pass); run eagerly between steps, outside any graph.
+    `keep_as`: for an objective of the method's own (and its `draws`), a key saying that it is the same
+    computation as any other call's with the same key, so that inside `keep_rounds` the call may train
+    in a round kept from such a call (whose objective, and on a GPU whose captured graphs, then run):
+    the objective must read nothing but its `NodeBatch` and tensors that keep their addresses from call
+    to call (updated in place: a spare model's parameters), and the key must hold every Python value
+    it reads (hyperparameters, flags) and those tensors' addresses. Not with `inputs`, `carry` or
+    `epoch_start`. FedAvg's objective needs no key.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -1136,9 +1154,13 @@ def train_vectorized(
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
-            keepable = objective is cross_entropy_objective and not (stacked or carried or draws or epoch_start)
+            default = objective is cross_entropy_objective and not draws
+            keepable = (default or keep_as is not None) and not (stacked or carried or epoch_start)
+            key = None if default else keep_as
             kept = (
-                _kept_round(model, ordered, settings, plan, own, transform, sum_gradients, known) if keepable else None
+                _kept_round(model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key)
+                if keepable
+                else None
             )
             if kept is not None:
                 round_ = kept.round

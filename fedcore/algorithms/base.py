@@ -180,6 +180,11 @@ class CoordinatorHalf(ABC, Generic[H]):
     """Why this half cannot run in async mode (one sentence, shown to the user as a config error),
     or None when its `aggregate` folds buffers of stale updates correctly (through `next_model`)."""
 
+    measured_metrics: ClassVar[frozenset[str]] = frozenset()
+    """The metrics `aggregate` returns that this process measured (wall times: KDIA's seconds for its
+    teacher and generator): logged like the others, but no replay can reproduce them, so `fedmq replay`
+    leaves them out of its comparisons."""
+
     def __init__(self, hp: H, *, model: nn.Module, device: torch.device | None = None) -> None:
         self.hp = hp
         self.model = model

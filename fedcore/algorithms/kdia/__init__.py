@@ -209,6 +209,7 @@ class CoordinatorHalf(base.CoordinatorHalf[Hyperparams]):
     folded update's head."""
 
     sync_only = None
+    measured_metrics = frozenset({"teacher_seconds", "gen_seconds"})
 
     def __init__(self, hp: Hyperparams, *, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(hp, model=model, device=device)
@@ -438,7 +439,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         generate = shared.task_flag(task, "generate", node_id=self.node_id, default=False) and self.hp.lambda_gen > 0
         device = next(model.parameters()).device
         teacher = None
-        if distill:
+        if distill:  # the spare model's own tensors where it is on `device` (loaded in place each round)
             teacher = {n: p.detach().to(device) for n, p in self._teacher(task).named_parameters()}
         draws = _GeneratedDraws(self._generator(task, model), self.hp.noise_dim) if generate else None
         head = _Classify(model)  # type: ignore[arg-type]
@@ -462,9 +463,12 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 terms["gen"] = gen
             return loss, terms
 
+        # the objective reads its batch, the teacher's tensors (their addresses in the key) and these
+        # constants: a kept round of an earlier call with the same key trains as this call's would
+        keep_as = ("kdia", hp, distill, generate, tuple(t.data_ptr() for t in (teacher or {}).values()))
         results = train_vectorized(
             model, [m.data for m in members], task.settings, [m.generator for m in members],
-            objective=objective, draws=draws,
+            objective=objective, draws=draws, keep_as=keep_as,
         )  # fmt: skip
         payloads = []
         for _, stats in results:
