@@ -348,8 +348,9 @@ def _plan(
     *,
     batched: bool = True,
 ) -> _Plan:
-    """The round's plan. A node with a CPU generator, a transform `_apply_steps` knows and no draws of
-    its objective's has its plan drawn an epoch at a time (`_node_plan`); any other, a step at a time.
+    """The round's plan. A node with a CPU generator and a transform `_apply_steps` knows has its plan
+    drawn an epoch at a time (`_node_plan`; the draws of its objective's, `extra`, a step at a time
+    between the batches'); any other, a step at a time.
     `batched` False draws every node a step at a time (what tests compare the batched plan with)."""
     k, b = len(datasets), settings.batch_size
     rows = torch.zeros((num_steps, k, b), dtype=torch.long)
@@ -361,12 +362,22 @@ def _plan(
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
     ops = _random_ops(steps, shape) if steps is not None else None
     for node, (data, generator) in enumerate(zip(datasets, generators, strict=True)):
-        if ops is not None and extra is None and generator.device.type == "cpu" and batched:
-            node_values = _node_plan(data, settings, generator, ops, rows[:, node], weight[:, node], count[:, node])
+        if ops is not None and generator.device.type == "cpu" and batched:
+            node_values, node_drawn = _node_plan(
+                data, settings, generator, ops, rows[:, node], weight[:, node], count[:, node], extra
+            )
             for j, v in enumerate(node_values):
                 if j == len(draws):
                     draws.append(torch.zeros((num_steps, k, b), dtype=v.dtype))
                 draws[j][: len(v), node] = v
+            if node_drawn:  # each step's rows in place, a short batch padded with its first row, as below
+                sizes = torch.tensor([len(next(iter(d.values()))) for d in node_drawn])
+                source = _padded_rows(sizes, b)
+                for name in node_drawn[0]:
+                    values = torch.cat([d[name] for d in node_drawn])
+                    if name not in drawn:
+                        drawn[name] = torch.zeros((num_steps, k, b, *values.shape[1:]), dtype=values.dtype)
+                    drawn[name][: len(node_drawn), node] = values[source]
             active = settings.local_epochs * steps_per_epoch(len(data), b, settings.drop_last)
             rows[:active, node] += offsets[node]  # its own steps; the others stay at row 0, masked
             continue
@@ -397,6 +408,14 @@ def _plan(
                     drawn[name][s, node, m:] = values[:1].cpu()
     prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
     return _Plan.of(rows, weight, count, draws, inputs, prepared, device)
+
+
+def _padded_rows(sizes: torch.Tensor, b: int) -> torch.Tensor:
+    """(steps, b) indices into the steps' rows concatenated (`sizes[s]` rows for step s): each step's own
+    rows, then its first row again up to `b`."""
+    starts = sizes.cumsum(0) - sizes
+    j = torch.arange(b)
+    return starts.unsqueeze(1) + torch.where(j < sizes.unsqueeze(1), j, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,12 +462,15 @@ def _node_plan(
     rows: torch.Tensor,
     weight: torch.Tensor,
     count: torch.Tensor,
-) -> list[torch.Tensor]:
+    extra: StepDraws | None = None,
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """One node's plan drawn an epoch at a time, the same values `node_indices` and `_draws_of` draw a
     batch at a time: a CPU generator gives one draw of n values as the same stream as draws of its
     parts, and an epoch's batches draw [op 1's values, op 2's, ...] one batch after another. Fills the
     node's `rows` (steps, B) with its own row numbers, `weight` and `count`; returns each op's values
-    (steps, B)."""
+    (steps, B), and what `extra` (an objective's own draws, KDIA's noise) drew at each step. With
+    `extra`, whose draws come between the batches' in the node's stream, the uniform values are drawn
+    a batch at a time (one draw for all the batch's ops), and everything else an epoch at a time still."""
     n, size = len(data), settings.batch_size
     per = steps_per_epoch(n, size, settings.drop_last)
     full = min(per, n // size)
@@ -461,10 +483,19 @@ def _node_plan(
         )
         for op in ops
     ]
-    for epoch in range(settings.local_epochs):
+    state = extra.first(data, settings, generator) if extra is not None else None
+    drawn: list[dict[str, torch.Tensor]] = []
+    for epoch in range(settings.local_epochs):  # a node with no step draws its permutations all the same
         perm = torch.randperm(n, generator=generator)
-        uniform = torch.rand(r * (full * size + last), generator=generator)
         s = epoch * per
+        if extra is None:
+            uniform = torch.rand(r * (full * size + last), generator=generator)
+        else:
+            parts = []
+            for b, m in enumerate([size] * full + ([last] if last else [])):
+                parts.append(torch.rand(r * m, generator=generator))
+                drawn.append(extra.step(state, s + b, m, generator))
+            uniform = torch.cat(parts) if parts else torch.zeros(0)
         if full:
             rows[s : s + full] = perm[: full * size].view(full, size)
             weight[s : s + full] = 1
@@ -481,7 +512,7 @@ def _node_plan(
             tail = uniform[r * full * size :].view(r, last)
             for j, op in enumerate(ops):
                 values[j][t, :last] = op.values(tail[j])
-    return values
+    return values, drawn
 
 
 def _apply_steps(

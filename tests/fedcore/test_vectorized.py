@@ -494,6 +494,43 @@ def test_the_plan_drawn_an_epoch_at_a_time_is_the_plan_drawn_a_step_at_a_time(
     assert float(slow.count.sum()) > 0 and (not steps or any(bool(d.any()) for d in slow.draws))
 
 
+@pytest.mark.parametrize("settings", [SGD, dataclasses.replace(SGD, local_epochs=3, batch_size=5, drop_last=True)])
+def test_an_objectives_draws_between_the_batches_are_the_plan_drawn_a_step_at_a_time(settings: TrainSettings) -> None:
+    """KDIA's noise, drawn from the node's stream after each batch's augmentation: the plan drawn an epoch at
+    a time (the uniform values a batch at a time between them) is bitwise the per-step plan, rows, draws and
+    the objective's own values alike, and leaves each node's generator where the per-step drawing does."""
+    from fedmq.fedcore.algorithms.kdia import _GeneratedDraws
+    from fedmq.fedcore.algorithms.kdia.generator import build_generator
+    from fedmq.fedcore.vectorized import _plan
+
+    data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
+    datasets = [*shards(data, SIZES), data.subset(torch.arange(0).numpy())]
+    steps = known_steps(data.train_transform)  # type: ignore[arg-type]
+    count = [settings.local_epochs * steps_per_epoch(len(d), settings.batch_size, settings.drop_last) for d in datasets]
+    offsets = [0, *torch.tensor([len(d) for d in datasets]).cumsum(0).tolist()[:-1]]
+    model = build_model("cnn", data.input_shape, 10, seed=0)
+
+    class Drawn(_GeneratedDraws):  # the draws as drawn, not the generator's features of them
+        def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return drawn
+
+    plans, after = [], []
+    for batched in (True, False):
+        gens = generators(len(datasets))
+        plans.append(
+            _plan(datasets, settings, gens, steps, offsets, max(count), torch.float32, torch.device("cpu"),
+                  Drawn(build_generator(4, model), 4), batched=batched)
+        )  # fmt: skip
+        after.append([g.get_state() for g in gens])
+    fast, slow = plans
+    assert torch.equal(fast.rows, slow.rows) and torch.equal(fast.weight, slow.weight)
+    assert all(torch.equal(a, b) for a, b in zip(fast.draws, slow.draws, strict=True))
+    assert fast.step_inputs.keys() == slow.step_inputs.keys() == {"y_gen", "z"}
+    assert all(torch.equal(fast.step_inputs[n], slow.step_inputs[n]) for n in slow.step_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(*after, strict=True))
+    assert float(slow.step_inputs["z"].abs().sum()) > 0
+
+
 def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_first(digits: TensorDataset) -> None:
     """`epoch_start(k, params)` runs before the first step of each of node k's epochs but the first, with
     k in the caller's order and the node's parameters as they are then; a state under other names is refused."""
