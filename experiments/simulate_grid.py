@@ -6,13 +6,24 @@ torch, its own threads and, with ``--device cuda``, its own CUDA context on the 
 run directory is a grid's, as `fedmq run` writes it (`grid.json`, `cells/NNN-*/`, `report.md`), and
 finished cells are kept, so the same command resumes an interrupted grid; with ``--resume`` a cell
 cut off goes on from its last checkpoint instead of starting again.
+
+With ``--cells-per-process K`` each worker process simulates K cells at once, one thread each, and on
+a GPU each thread on a CUDA stream of its own (`cell_stream`). Processes on one GPU take turns on it
+(time slices, without NVIDIA's MPS), while the streams of one process run their kernels side by side:
+the papers' small models leave most of the GPU idle in each kernel, so cells sharing a process can
+fill it. A cell computes what it computes alone, on its own stream, so its results are bitwise those
+of one cell a process; its host work (the engine, each round's plan) takes turns with the others'
+under Python's GIL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
+import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -45,6 +56,41 @@ def simulate_cell(
     return simulate(cfg, Path(out), device=torch.device(device) if device else None, console=quiet, resume=resume)
 
 
+@contextlib.contextmanager
+def cell_stream(device: str | None) -> Iterator[None]:
+    """On a CUDA device, the calling thread's work on a CUDA stream of its own (a thread's current stream
+    is its own setting); elsewhere nothing."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.Stream(torch.device(device))):
+        yield
+
+
+def simulate_cells(
+    configs: Sequence[dict[str, Any]], outs: Sequence[str], device: str | None, threads: int, resume: bool = False
+) -> list[dict[str, Any]]:
+    """Several cells in one worker process, a thread each (`cell_stream`): each cell's summary, or
+    ``{"error": ...}`` for a cell that raised (the others go on)."""
+    results: list[dict[str, Any]] = [{"error": "did not run"} for _ in configs]
+
+    def one(i: int) -> None:
+        try:
+            with cell_stream(device):
+                results[i] = simulate_cell(configs[i], outs[i], device, threads, resume)
+        except Exception as exc:  # reported with the cell; the process and its other cells go on
+            results[i] = {"error": repr(exc)}
+
+    workers = [threading.Thread(target=one, args=(i,), name=f"cell-{i}") for i in range(len(configs))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return results
+
+
 def resumable(directory: Path, cell: Cell) -> bool:
     """A cell cut off after a checkpoint of the same experiment: `--resume` continues it."""
     return (directory / CHECKPOINT).exists() and not made_by_another(directory, cell.config)
@@ -59,9 +105,11 @@ def simulate_grid(
     threads: int,
     console: Console | None = None,
     resume: bool = False,
+    cells_per_process: int = 1,
 ) -> int:
-    """Simulate every cell not finished before, `jobs` at a time; write the grid's report. With
-    `resume`, a cell cut off goes on from its checkpoint instead of starting again."""
+    """Simulate every cell not finished before, `jobs` processes at a time, each simulating
+    `cells_per_process` cells at once (threads); write the grid's report. With `resume`, a cell cut off
+    goes on from its checkpoint instead of starting again."""
     console = console or Console(highlight=False, soft_wrap=True)
     for cell in grid.cells:  # a bad cell (missing data, say) fails now, not an hour into the grid
         preflight(cell.config)
@@ -81,34 +129,30 @@ def simulate_grid(
         elif directory.exists():
             shutil.rmtree(directory)
         todo.append(cell)
-    console.print(f"{len(todo)} of {len(grid.cells)} cells to simulate, {min(jobs, len(todo) or 1)} at a time")
+    per = max(1, cells_per_process)
+    at_once = min(jobs * per, len(todo) or 1)
+    how = f" ({per} a process)" if per > 1 else ""
+    console.print(f"{len(todo)} of {len(grid.cells)} cells to simulate, {at_once} at a time{how}")
     failed: list[str] = []
     started = time.monotonic()
+    done = 0
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=get_context("spawn")) as pool:
-        futures: dict[Future[dict[str, Any]], Cell] = {
-            pool.submit(
-                simulate_cell, c.config.model_dump(mode="json"), str(out / "cells" / c.cell_id), device, threads, resume
-            ): c
-            for c in todo
-        }
-        for done, future in enumerate(as_completed(futures), 1):
-            cell = futures[future]
-            what = ", ".join(f"{k}={v}" for k, v in cell.labels.items())
-            elapsed = (time.monotonic() - started) / 60
+        futures: dict[Future[list[dict[str, Any]]], list[Cell]] = {}
+        for first in range(0, len(todo), per):
+            batch = todo[first : first + per]
+            configs = [c.config.model_dump(mode="json") for c in batch]
+            outs = [str(out / "cells" / c.cell_id) for c in batch]
+            futures[pool.submit(simulate_cells, configs, outs, device, threads, resume)] = batch
+        for future in as_completed(futures):
+            batch = futures[future]
             try:
-                summary = future.result()
-            except Exception as exc:  # one cell's failure is reported; the others go on
-                failed.append(cell.cell_id)
-                console.print(f"[red]{done}/{len(todo)} {cell.cell_id} ({what}) failed: {exc!r}[/]")
-                continue
-            if summary.get("state") != "finished":
-                failed.append(cell.cell_id)
-            accuracy = summary.get("final_accuracy")
-            shown = f"{accuracy:.4f}" if isinstance(accuracy, float) else "n/a"
-            console.print(
-                f"{done}/{len(todo)} {cell.cell_id} ({what}): {summary.get('state')}, final accuracy {shown},"
-                f" {summary.get('wall_seconds', 0):.0f} s; {elapsed:.1f} min into the grid"
-            )
+                summaries = future.result()
+            except Exception as exc:  # the process itself failed (killed, out of memory): its cells did
+                summaries = [{"error": repr(exc)} for _ in batch]
+            for cell, summary in zip(batch, summaries, strict=True):
+                done += 1
+                elapsed = (time.monotonic() - started) / 60
+                _report(console, cell, summary, f"{done}/{len(todo)}", elapsed, failed)
     try:
         console.print(f"report: {write_report(out)}")
     except (OSError, ValueError, KeyError) as exc:
@@ -117,3 +161,22 @@ def simulate_grid(
         console.print(f"[red]{len(failed)} cell(s) failed: {', '.join(failed)}; run again to retry them[/]")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _report(
+    console: Console, cell: Cell, summary: dict[str, Any], count: str, elapsed: float, failed: list[str]
+) -> None:
+    """One cell's line as it finishes; a cell that failed or did not finish goes to `failed`."""
+    what = ", ".join(f"{k}={v}" for k, v in cell.labels.items())
+    if "error" in summary:  # one cell's failure is reported; the others go on
+        failed.append(cell.cell_id)
+        console.print(f"[red]{count} {cell.cell_id} ({what}) failed: {summary['error']}[/]")
+        return
+    if summary.get("state") != "finished":
+        failed.append(cell.cell_id)
+    accuracy = summary.get("final_accuracy")
+    shown = f"{accuracy:.4f}" if isinstance(accuracy, float) else "n/a"
+    console.print(
+        f"{count} {cell.cell_id} ({what}): {summary.get('state')}, final accuracy {shown},"
+        f" {summary.get('wall_seconds', 0):.0f} s; {elapsed:.1f} min into the grid"
+    )

@@ -982,7 +982,10 @@ def run_steps(
             warmed[k] += 1
         else:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # captured on this call's side stream, not torch's one capture stream for the process, and
+            # guarding this thread's calls only: cells simulated as threads of one process capture their
+            # own graphs at the same time (experiments.simulate_grid's cells_per_process)
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 whole(k)  # recorded, not run
             graph.replay()
             captured[k] = graph

@@ -38,6 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " several cells share it",
     )
     p.add_argument(
+        "--cells-per-process",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="for a grid: cells each of the --jobs processes simulates at once, a thread each (default 1);"
+        " with a GPU, each on a CUDA stream of its own, so that their small kernels run side by side where"
+        " processes take turns; each cell's results are bitwise those it has alone",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --out from its last checkpoint (simulation.checkpoint_every), ending as an"
@@ -91,4 +100,12 @@ def _grid(args: argparse.Namespace, data: dict[str, Any], sources: SourceMap) ->
     grid = expand(data, source=str(args.config), sources=sources)
     first = grid.cells[0].config
     out = args.out or Path("runs") / f"{first.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    return simulate_grid(grid, out, jobs=args.jobs, device=args.device, threads=args.threads, resume=args.resume)
+    return simulate_grid(
+        grid,
+        out,
+        jobs=args.jobs,
+        device=args.device,
+        threads=args.threads,
+        resume=args.resume,
+        cells_per_process=args.cells_per_process,
+    )

@@ -44,12 +44,26 @@ def test_a_grid_is_simulated_in_parallel_cells_and_resumes(tmp_path: Path) -> No
 
 
 def test_a_grid_cell_simulated_alone_equals_the_same_cell_in_the_grid(tmp_path: Path) -> None:
+    """The grid's cells simulated two at a time in one process, a thread each (`--cells-per-process`):
+    a cell's metrics, round by round, are those of the same experiment simulated alone."""
     out = tmp_path / "run"
     grid = _grid_file(tmp_path)
-    assert main(["simulate", str(grid), "--out", str(out), "--jobs", "1"]) == EXIT_OK
+    assert main(["simulate", str(grid), "--out", str(out), "--jobs", "1", "--cells-per-process", "2"]) == EXIT_OK
     cell = next(c for c in sorted((out / "cells").iterdir()) if "FedProx" in c.name and "seed=1" in c.name)
     alone = tmp_path / "alone"
     args = ["simulate", str(ROOT / "experiments" / "quickstart.yaml"), "--out", str(alone)]
     args += ["--set", "rounds=3", "--set", "seed=1", "--set", "method.name=fedprox"]
     assert main(args) == EXIT_OK
     assert (alone / "metrics.jsonl").read_text() == (cell / "metrics.jsonl").read_text()
+
+
+def test_cells_sharing_a_process_report_each_failure_alone(tmp_path: Path) -> None:
+    """A cell of a process's threads that fails is reported as its error; its neighbour finishes."""
+    from fedmq.experiments.config import read_yaml
+    from fedmq.experiments.simulate_grid import simulate_cells
+
+    good = read_yaml(ROOT / "experiments" / "quickstart.yaml") | {"rounds": 1}
+    bad = good | {"rounds": "many"}
+    results = simulate_cells([bad, good], [str(tmp_path / "bad"), str(tmp_path / "good")], None, 1)
+    assert "error" in results[0] and "rounds" in results[0]["error"]
+    assert results[1]["state"] == "finished"

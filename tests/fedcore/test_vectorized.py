@@ -677,3 +677,47 @@ def test_rounds_are_not_kept_for_another_model_object_or_a_model_holding_loose_t
         for model in models:
             train_vectorized(model, parts, SGD, generators(2))
         assert [k.model for k in kept.values()] == models[1:]  # one per object, the oldest dropped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_captured_by_threads_on_streams_of_their_own_are_each_threads_alone(digits: TensorDataset) -> None:
+    """Cells simulated as threads of one process (`fedmq simulate --cells-per-process`) capture and replay
+    their graphs at the same time, each thread on a CUDA stream of its own: each thread's weights are
+    bitwise what the same call gives alone."""
+    import threading
+
+    from fedmq.experiments.simulate_grid import cell_stream
+
+    cuda = torch.device("cuda")
+    data = digits.to(cuda)
+    perm = torch.randperm(len(digits), generator=torch.Generator().manual_seed(5))
+    groups = [shards(data.subset(perm[i * 200 : (i + 1) * 200].numpy()), SIZES) for i in range(4)]
+    models = [build_model("cnn", digits.input_shape, 10, seed=i).to(cuda) for i in range(4)]
+    settings = dataclasses.replace(SGD, local_epochs=6)  # enough steps of each kind to capture both
+
+    def train(i: int) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+        return train_vectorized(models[i], groups[i], settings, generators(len(SIZES)), graphs="on")
+
+    alone = [train(i) for i in range(4)]
+    together: list[list[tuple[dict[str, torch.Tensor], TrainStats]]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            with cell_stream("cuda"):
+                together[i] = train(i)
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # raised in the test's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for want, have in zip(alone, together, strict=True):
+        for (w_state, w_stats), (h_state, h_stats) in zip(want, have, strict=True):
+            assert all(torch.equal(w_state[k], h_state[k]) for k in w_state)
+            assert w_stats.loss == h_stats.loss
