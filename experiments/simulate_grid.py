@@ -13,7 +13,10 @@ a GPU each thread on a CUDA stream of its own (`cell_stream`). Processes on one 
 the papers' small models leave most of the GPU idle in each kernel, so cells sharing a process can
 fill it. A cell computes what it computes alone, on its own stream, so its results are bitwise those
 of one cell a process; its host work (the engine, each round's plan) takes turns with the others'
-under Python's GIL.
+under Python's GIL. What draws from torch's process-wide random stream, a model's initialisation,
+does so one thread at a time (`fedcore.seeding.global_stream`); a model of a user's whose training
+draws from it (dropout: no built-in model has any) would make the cells of a process depend on each
+other, so such a grid keeps one cell a process.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ draw from their own stream, so that adding a component or a node never shifts an
 
 from __future__ import annotations
 
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -37,6 +40,21 @@ def torch_generator(seed: int, *keys: str | int, device: str | torch.device = "c
     gen = torch.Generator(device=device)
     gen.manual_seed(value)
     return gen
+
+
+_GLOBAL_STREAM = threading.RLock()
+
+
+@contextmanager
+def global_stream(seed: int | None = None) -> Iterator[None]:
+    """torch's global random stream for the block only, seeded with `seed` (or as it is), then restored,
+    held by one thread at a time: what a module's own initialisation draws from (`nn.Linear` takes no
+    generator). Without the lock, two threads of one process (cells simulated side by side) would
+    interleave their draws, and one thread's restore would rewind the other's stream."""
+    with _GLOBAL_STREAM, torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
 
 
 def torch_seed(seed: int, *keys: str | int) -> int:

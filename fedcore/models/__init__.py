@@ -55,7 +55,6 @@ import inspect
 import types
 from collections.abc import Callable, Mapping
 
-import torch
 from torch import nn
 
 from fedmq.fedcore import plugins
@@ -65,6 +64,7 @@ from fedmq.fedcore.models.cnn import Conv2Cifar, FedAvgCNN, MoonCNN
 from fedmq.fedcore.models.mobilenet import MobileNetV2
 from fedmq.fedcore.models.resnet import ResNet, resnet18, resnet32, resnet34
 from fedmq.fedcore.models.small import MLP, SmallCNN, dnn
+from fedmq.fedcore.seeding import global_stream
 
 __all__ = [
     "MLP",
@@ -140,8 +140,7 @@ def build_model(
             f"model {name!r} has no option {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed) or 'none'}",
             field="model.options",
         )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with global_stream(seed):
         try:
             model = factory(tuple(input_shape), num_classes, **options)
         except (TypeError, ValueError) as exc:

@@ -325,3 +325,28 @@ def test_every_model_keeps_the_contract_a_user_s_model_is_checked_against(name: 
 
     _, shape, k, opts, *_ = FIRST_CASE[name]
     check_model(name, shape, k, **opts)
+
+
+def test_models_built_by_threads_at_once_have_their_seeds_weights() -> None:
+    """Cells simulated as threads of one process build their models at the same time: each model's
+    weights are its seed's, as built alone (`seeding.global_stream` holds torch's global stream for one
+    build at a time; without it the threads' draws interleave and a restore rewinds another's stream)."""
+    import threading
+
+    seeds = list(range(8))
+    alone = {s: build_model("moon-cnn", (3, 32, 32), 10, seed=s).state_dict() for s in seeds}
+    built: dict[int, dict[str, torch.Tensor]] = {}
+    start = threading.Barrier(len(seeds))
+
+    def build(seed: int) -> None:
+        start.wait()
+        for _ in range(3):
+            built[seed] = build_model("moon-cnn", (3, 32, 32), 10, seed=seed).state_dict()
+
+    threads = [threading.Thread(target=build, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in seeds:
+        assert all(torch.equal(alone[s][k], built[s][k]) for k in alone[s]), s

@@ -22,6 +22,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from fedmq.fedcore.models.base import FedModel
+from fedmq.fedcore.seeding import global_stream
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.vectorized import GRAPHS, run_steps, use_graphs
 
@@ -91,7 +92,7 @@ class FeatureGenerator(nn.Module):
 def build_generator(noise_dim: int, model: FedModel) -> FeatureGenerator:
     """A generator for `model`'s features and classes (spec A17: Nc from the model), built without
     touching torch's global random stream (its weights are loaded or re-drawn right after)."""
-    with torch.random.fork_rng(devices=[]):
+    with global_stream():
         return FeatureGenerator(noise_dim, model.num_classes, model.feature_shape)
 
 
