@@ -302,7 +302,9 @@ class _Plan:
         step_inputs: Mapping[str, torch.Tensor],
         device: torch.device,
     ) -> _Plan:
-        """The plan of these tensors on `device`, packed with what a step derives from them (`_STEP`)."""
+        """The plan of these tensors on `device`, packed with what a step derives from the counts once
+        for all its steps: the mean's divisor, each sample's share of the mean, the counts in float64
+        and which nodes train (`_Buffers`)."""
         divisor = count.clamp(min=1)  # a node with no batch left: its all-padding loss stays 0, not NaN
         tensors = {
             "rows": rows,
@@ -812,6 +814,8 @@ class _Round:
         """Make this round another call's (`keep_rounds`: the same signature), in place: every tensor a
         captured step reads keeps its address, so the graphs captured for the first call replay this one.
         The new data fills the front of the data buffers, the new plan is what `load` copies from."""
+        if plan.packed.layout != self.plan.packed.layout:  # the buffers' views would misread its bytes
+            raise VectorizeError("a kept round's plan and this call's differ in their per-step tensors")
         with torch.no_grad():
             fresh = _Stack.params_of(model, len(self.totals), self.totals.device, starts)
             torch._foreach_copy_(list(self.stack.params.values()), list(fresh.values()))
