@@ -140,7 +140,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             decorrelation = weighted_decorrelation_loss(h.flatten(1), batch.weight, batch.count, form)
             return batch.mean(nll(logits, batch.y)) + beta * decorrelation
 
-        return shared.GroupTerm(objective)
+        return shared.GroupTerm(objective, key=self.hp)
 
 
 def split_model(model: nn.Module, node_id: str, round: int) -> tuple[TensorFn, TensorFn]:

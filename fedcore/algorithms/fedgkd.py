@@ -177,7 +177,8 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             t = F.log_softmax(teacher_logits / tau, dim=-1)
             return batch.mean(nll(logits, batch.y)) + weight * batch.mean((t.exp() * (t - s)).sum(-1))
 
-        return shared.GroupTerm(objective)
+        # the teacher's tensors are the spare model's, loaded in place each round: their addresses in the key
+        return shared.GroupTerm(objective, key=(self.hp, tuple(t.data_ptr() for t in teacher.values())))
 
 
 SPEC = base.AlgorithmSpec(name="fedgkd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

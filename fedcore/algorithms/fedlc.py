@@ -103,7 +103,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             logits = batch.logits()
             return batch.mean(nll(logits + batch.inputs["offsets"].to(logits.dtype), batch.y))
 
-        return shared.GroupTerm(objective, {"offsets": fedlc_offsets(counts, self.hp.tau)})
+        return shared.GroupTerm(objective, {"offsets": fedlc_offsets(counts, self.hp.tau)}, key=self.hp)
 
 
 SPEC = base.AlgorithmSpec(name="fedlc", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

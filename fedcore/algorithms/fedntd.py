@@ -133,7 +133,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             ntd = not_true_per_sample(logits, teacher, batch.y, tau)
             return batch.mean(nll(logits, batch.y)) + weight * batch.mean(ntd)
 
-        return shared.GroupTerm(objective)
+        return shared.GroupTerm(objective, key=self.hp)
 
 
 SPEC = base.AlgorithmSpec(name="fedntd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -77,7 +77,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             anchor = [batch.start[name] for name in batch.params]
             return cross_entropy_objective(batch) + proximal_term(list(batch.params.values()), anchor, mu)
 
-        return shared.GroupTerm(objective)
+        return shared.GroupTerm(objective, key=self.hp)
 
 
 SPEC = base.AlgorithmSpec(name="fedprox", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

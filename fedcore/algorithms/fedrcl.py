@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -387,9 +387,12 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         generators: Sequence[torch.Generator],
         objective: GroupObjective,
         inputs: dict[str, torch.Tensor],
+        *,
+        keep_as: Hashable | None = None,
     ) -> list[tuple[StateDict, TrainStats]]:
         """`fit` for a group: epoch e at lr x local_lr_decay^e, one vectorised call per epoch, each node
-        going on from its own model of the epoch before."""
+        going on from its own model of the epoch before. Not kept from round to round (`keep_as` unused:
+        FedRCL's term sets no key; each epoch's lr would be a round of its own)."""
         decay = self.hp.local_lr_decay
         if decay == 1.0 or settings.local_epochs == 1:
             return super().fit_group(model, datasets, settings, generators, objective, inputs)

@@ -99,7 +99,8 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             logits = batch.logits()
             return batch.mean(nll(logits * batch.inputs["scales"].to(logits.dtype), batch.y))
 
-        return shared.GroupTerm(objective, {"scales": restriction_scales(counts, self.hp.alpha, self.hp.scaling)})
+        scales = restriction_scales(counts, self.hp.alpha, self.hp.scaling)
+        return shared.GroupTerm(objective, {"scales": scales}, key=self.hp)
 
 
 SPEC = base.AlgorithmSpec(name="fedrs", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

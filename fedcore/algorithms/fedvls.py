@@ -286,7 +286,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
                 loss = loss + hp.lam * (node["distill"].to(logits.dtype) * kl)
             return loss
 
-        return shared.GroupTerm(objective, inputs)
+        return shared.GroupTerm(objective, inputs, key=self.hp)
 
     def _offsets(self, counts: torch.Tensor) -> torch.Tensor | None:
         """The per-class offsets of the base loss; None for plain cross-entropy."""

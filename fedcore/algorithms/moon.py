@@ -141,7 +141,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             l_con = torch.logsumexp(con, dim=-1) - con[..., 0]
             return batch.mean(nll(logits, batch.y)) + mu * batch.mean(l_con)  # l_sup + mu l_con
 
-        return shared.GroupTerm(objective, inputs)
+        return shared.GroupTerm(objective, inputs, key=self.hp)
 
     def group_refusal(self, model: nn.Module) -> str | None:
         if not callable(getattr(model, "represent", None)):  # `train` then says so, as an AlgorithmError

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -191,6 +191,11 @@ class GroupTerm:
 
     objective: GroupObjective
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    key: Hashable | None = None
+    """Set when `objective` reads nothing but its `NodeBatch` (the members' `inputs` included), the
+    values in the key (the hyperparameters) and tensors whose addresses the key holds (a spare model's,
+    loaded in place): a later round's group may then train in this one's kept round, its graphs
+    included (`fedcore.vectorized.keep_rounds`, `simulation.reuse_rounds`). None: built afresh each time."""
 
 
 class LossTermNode(base.NodeHalf[base.H]):
@@ -237,9 +242,11 @@ class LossTermNode(base.NodeHalf[base.H]):
         objective = cross_entropy_objective if neutral else terms[0].objective
         names = [] if neutral else list(terms[0].inputs)
         inputs = {name: torch.stack([t.inputs[name] for t in terms]) for name in names}  # type: ignore[union-attr]
+        keyed = None if neutral or terms[0].key is None else (type(self), terms[0].key)  # type: ignore[union-attr]
         results = self.fit_group(
-            model, [m.data for m in members], first.task.settings, [m.generator for m in members], objective, inputs
-        )
+            model, [m.data for m in members], first.task.settings, [m.generator for m in members], objective, inputs,
+            keep_as=keyed,
+        )  # fmt: skip
         if not neutral:  # each member keeps what `train` keeps of its model (MOON: its previous model)
             with torch.no_grad():
                 for member, (state, _) in zip(members, results, strict=True):
@@ -284,10 +291,15 @@ class LossTermNode(base.NodeHalf[base.H]):
         generators: Sequence[torch.Generator],
         objective: GroupObjective,
         inputs: dict[str, torch.Tensor],
+        *,
+        keep_as: Hashable | None = None,
     ) -> list[tuple[StateDict, TrainStats]]:
-        """`fit` for a group: one vectorised `local_sgd` on the group's objective. A subclass that
-        trains otherwise (`fit`) trains the group alike here, or its nodes train one by one."""
-        return train_vectorized(model, datasets, settings, generators, objective=objective, inputs=inputs)
+        """`fit` for a group: one vectorised `local_sgd` on the group's objective (kept from round to round
+        under `keep_as`, its `GroupTerm.key`). A subclass that trains otherwise (`fit`) trains the group
+        alike here, or its nodes train one by one."""
+        return train_vectorized(
+            model, datasets, settings, generators, objective=objective, inputs=inputs, keep_as=keep_as
+        )
 
 
 def _owner(cls: type, name: str) -> type:

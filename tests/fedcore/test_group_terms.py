@@ -550,46 +550,55 @@ def test_fednh_group_trains_the_cosine_classifier_of_each_member(digits: TensorD
         assert difference(got.tensors["model"], baseline.tensors["model"]) > 1e-4
 
 
-def kdia_rounds(datasets: list[TensorDataset], device: torch.device) -> list[list[GroupMember]]:
-    """Three rounds of one KDIA group: each round a new global model, teacher and generator, sent to the
-    same nodes, whose spare models (the teacher's, the generator's) stay those of the first round's
-    tasks, as a node's workspace keeps them."""
-    first = members("kdia", CASES["kdia"], datasets)
+KEYED = ["fedprox", "fedlc", "fedrs", "fedntd", "fedgkd", "moon", "fedvls", "feddecorr", "kdia"]
+"""The methods whose group objective has a key (`GroupTerm.key`, KDIA's `keep_as`): kept from round to round."""
+
+
+def rounds_of(method: str, digits: TensorDataset, device: torch.device) -> list[list[GroupMember]]:
+    """Three rounds of one group: each round other shards of the same sizes (other label counts) and a
+    new global model (teacher, generator) sent to the same nodes, whose spare models (a teacher's, a
+    generator's) and own state (MOON's previous models) stay theirs from round to round, as a node's
+    workspace and half keep them."""
+    first = members(method, CASES[method], [d.to(device) for d in shards(digits)])
     rounds = []
     for r in range(3):
-        tensors = {
-            "model": build_model("cnn", datasets[0].input_shape, 10, seed=30 + r).double().to(device).state_dict(),
-            "teacher": build_model("cnn", datasets[0].input_shape, 10, seed=40 + r).double().state_dict(),
-            "generator": {
-                name: t + 0.01 * r if t.is_floating_point() else t
-                for name, t in first[0].task.payload.tensors["generator"].items()
-            },
-        }
+        perm = torch.randperm(len(digits), generator=torch.Generator().manual_seed(50 + r)).numpy()
+        datasets = [d.to(device) for d in shards(digits.subset(perm))]
+        payload = first[0].task.payload
+        tensors = dict(payload.tensors)
+        tensors["model"] = build_model("cnn", digits.input_shape, 10, seed=30 + r).double().to(device).state_dict()
+        if "teacher" in tensors:
+            tensors["teacher"] = build_model("cnn", digits.input_shape, 10, seed=40 + r).double().state_dict()
+        if "generator" in tensors:
+            tensors["generator"] = {
+                name: t + 0.01 * r if t.is_floating_point() else t for name, t in tensors["generator"].items()
+            }
         rounds.append(
             [
                 dataclasses.replace(
                     m,
-                    task=dataclasses.replace(
-                        m.task, round=r, payload=Payload(tensors=tensors, meta=m.task.payload.meta)
-                    ),
+                    task=dataclasses.replace(m.task, round=r, payload=Payload(tensors=tensors, meta=payload.meta)),
+                    data=data,
                     generator=torch_generator(4, "node-train", m.task.node_id, r),
                 )
-                for m in first
+                for m, data in zip(first, datasets, strict=True)
             ]
         )
     return rounds
 
 
-def assert_kdia_kept_rounds_are_fresh_rounds(digits: TensorDataset, device: torch.device) -> None:
+def assert_kept_rounds_are_fresh_rounds(method: str, digits: TensorDataset, device: torch.device) -> None:
     from fedmq.fedcore import vectorized
 
-    datasets = [d.to(device) for d in shards(digits)]
+    def train(rounds: list[list[GroupMember]], workspace: torch.nn.Module) -> list[list[Payload]]:
+        return [group[0].half.train_group(group, workspace) for group in rounds]
+
     workspace = build_model("cnn", digits.input_shape, 10, seed=6).double().to(device)
-    fresh = [group[0].half.train_group(group, workspace) for group in kdia_rounds(datasets, device)]
+    fresh = train(rounds_of(method, digits, device), workspace)
     with vectorized.keep_rounds():
-        kept = [group[0].half.train_group(group, workspace) for group in kdia_rounds(datasets, device)]
-        rounds = vectorized.KEPT.get()
-        assert rounds is not None and len(rounds) == 1  # built by the first round, trained in by the others
+        kept = train(rounds_of(method, digits, device), workspace)
+        held = vectorized.KEPT.get()
+        assert held is not None and len(held) == 1  # built by the first round, trained in by the others
     for want, have in zip(fresh, kept, strict=True):
         for a, b in zip(want, have, strict=True):
             assert a.meta == b.meta
@@ -597,16 +606,20 @@ def assert_kdia_kept_rounds_are_fresh_rounds(digits: TensorDataset, device: torc
     assert difference(fresh[0][0].tensors["model"], fresh[1][0].tensors["model"]) > 1e-3  # the rounds differ
 
 
-def test_kdia_trains_in_a_kept_round_as_in_a_fresh_one(digits: TensorDataset) -> None:
-    """KDIA's objective reads its batch, its teacher's spare model (loaded in place each round) and its
-    drawn features, so its round can be kept (`keep_as`): three rounds of new models, teachers and
-    generators give bitwise what fresh rounds give, in one kept round."""
-    assert_kdia_kept_rounds_are_fresh_rounds(digits, CPU)
+@pytest.mark.parametrize("method", KEYED)
+def test_a_keyed_objective_trains_in_a_kept_round_as_in_a_fresh_one(digits: TensorDataset, method: str) -> None:
+    """An objective that reads its batch, its members' inputs, its hyperparameters and spare models loaded
+    in place (KDIA's and FedGKD's teachers) can be kept (`GroupTerm.key`, `keep_as`): three rounds of other
+    shards and new models, teachers and generators give bitwise what fresh rounds give, in one kept round."""
+    assert_kept_rounds_are_fresh_rounds(method, digits, CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_kdia_kept_rounds_replay_their_cuda_graphs_as_fresh_rounds(digits: TensorDataset) -> None:
+@pytest.mark.parametrize("method", ["fedprox", "moon", "kdia"])
+def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_rounds(
+    digits: TensorDataset, method: str
+) -> None:
     """On a GPU with graphs, the later rounds replay the graphs the first captured: bitwise fresh rounds."""
     with graph_mode("on"):
-        assert_kdia_kept_rounds_are_fresh_rounds(digits, torch.device("cuda"))
+        assert_kept_rounds_are_fresh_rounds(method, digits, torch.device("cuda"))
