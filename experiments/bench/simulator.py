@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.models import build_model, count_parameters
+from fedmq.fedcore.models import FedModel, build_model, count_parameters
 from fedmq.fedcore.seeding import deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
 from fedmq.fedcore.transforms import crop_at, pad
@@ -433,11 +433,58 @@ def run(options: BenchOptions) -> Report:
                         " on a CPU",
                         speedup >= 1 or not SimulationConfig().vectorizes("cpu"),
                     )
+    plan_rows(report, options.quick, repeats)
     if str(options.extra.get("simulate", "true")).lower() in ("false", "0", "no"):
         report.notes.append("fedmq simulate's share was not measured (--opt simulate=false).")
     else:
         _simulate_rows(report, options, devices[0])
     return report
+
+
+def plan_rows(report: Report, quick: bool, repeats: int) -> None:
+    """The host's work before a KDIA round's first step, which the GPU waits for: the round's plan (every
+    node's permutations, augmentation draws and KDIA's labels and noise, drawn between the batches in
+    the node's stream), drawn an epoch at a time (the simulator) beside a step at a time (the per-step
+    drawing it is held bitwise to). The generator's features of the noise are left out: the device's work."""
+    from fedmq.fedcore import vectorized
+    from fedmq.fedcore.algorithms.kdia import _GeneratedDraws
+    from fedmq.fedcore.algorithms.kdia.generator import build_generator
+
+    class Drawn(_GeneratedDraws):
+        def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return drawn
+
+    k, size, epochs = (3, 128, 2) if quick else (10, 500, 10)
+    data = cifar_shaped()
+    model = build_model("moon-cnn", data.input_shape, data.num_classes, seed=0)
+    datasets = equal_shards(data, k, size)
+    settings = TrainSettings(**{**KDIA_SETTINGS.to_meta(), "local_epochs": epochs})
+    assert data.train_transform is not None
+    steps = vectorized.known_steps(data.train_transform)
+    total = epochs * vectorized.steps_per_epoch(size, settings.batch_size, settings.drop_last)
+    cpu = torch.device("cpu")
+    assert isinstance(model, FedModel)
+    draws = Drawn(build_generator(100, model), 100)  # KDIA's noise_dim
+
+    def plan(batched: bool) -> Callable[[], object]:
+        offsets = [i * size for i in range(k)]
+        return lambda: vectorized._plan(
+            datasets, settings, generators(k, cpu), steps, offsets, total, torch.float32, cpu, draws, batched=batched
+        )
+
+    with torch_threads(1):
+        by_epoch, by_step = measure(plan(True), repeats=repeats), measure(plan(False), repeats=repeats)
+    section = f"host: a KDIA round's plan, {k} nodes of {size}, {epochs} epochs, one CPU thread"
+    report.add(
+        "plan drawn an epoch at a time (the simulator)",
+        by_epoch.median * 1e3,
+        "ms",
+        ratio=by_step.median / by_epoch.median,
+        ratio_means="faster than a step at a time",
+        note="time the GPU waits before the round's first step",
+        section=section,
+    )
+    report.add("plan drawn a step at a time", by_step.median * 1e3, "ms", section=section)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
