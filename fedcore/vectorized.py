@@ -811,21 +811,26 @@ class _Round:
         plan: _Plan,
         starts: Sequence[Mapping[str, torch.Tensor]] | None,
         inputs: Mapping[str, torch.Tensor] | None = None,
+        carry: Mapping[str, torch.Tensor] | None = None,
+        epoch_starts: _EpochStarts | None = None,
     ) -> None:
         """Make this round another call's (`keep_rounds`: the same signature), in place: every tensor a
         captured step reads keeps its address, so the graphs captured for the first call replay this one.
         The new data fills the front of the data buffers, the new plan is what `load` copies from, the
-        nodes' own inputs (stacked, in stack order) are copied over the first call's."""
+        nodes' own inputs and carried state (stacked, in stack order) are copied over the first call's,
+        and this call's epoch starts (eager, between steps) replace the first's."""
         if plan.packed.layout != self.plan.packed.layout:  # the buffers' views would misread its bytes
             raise VectorizeError("a kept round's plan and this call's differ in their per-step tensors")
-        given = dict(inputs or {})
-        if given.keys() != self.inputs.keys() or any(
-            t.shape != self.inputs[n].shape or t.dtype != self.inputs[n].dtype for n, t in given.items()
-        ):
-            raise VectorizeError("a kept round's inputs and this call's differ in their names, shapes or types")
+        _same_tensors("inputs", inputs or {}, self.inputs)
+        _same_tensors("carried state", carry or {}, self.carry)
+        if (epoch_starts is None) != (self.epoch_starts is None):
+            raise VectorizeError("a kept round and this call differ in whether an epoch renews the carried state")
+        self.epoch_starts = epoch_starts
         with torch.no_grad():
-            for name, t in given.items():
+            for name, t in (inputs or {}).items():
                 self.inputs[name].copy_(t)
+            for name, t in (carry or {}).items():
+                self.carry[name].copy_(t)
             fresh = _Stack.params_of(model, len(self.totals), self.totals.device, starts)
             torch._foreach_copy_(list(self.stack.params.values()), list(fresh.values()))
             for kept in self.stack.state.values():
@@ -921,6 +926,14 @@ class _Round:
                 carried[name].copy_(
                     torch.where(_per_node(active, value) > 0, value, carried[name]) if masked else value
                 )
+
+
+def _same_tensors(what: str, given: Mapping[str, torch.Tensor], held: Mapping[str, torch.Tensor]) -> None:
+    """A kept round's tensors and a call's, which it copies into them: the same names, shapes and types."""
+    if given.keys() != held.keys() or any(
+        t.shape != held[n].shape or t.dtype != held[n].dtype for n, t in given.items()
+    ):
+        raise VectorizeError(f"a kept round's {what} and this call's differ in their names, shapes or types")
 
 
 def _masked(tensors: list[torch.Tensor], active: torch.Tensor, masked: bool) -> list[torch.Tensor]:
@@ -1024,7 +1037,7 @@ KEPT: ContextVar[dict[Hashable, _Kept] | None] = ContextVar("fedmq_vectorized_ke
 @contextmanager
 def keep_rounds() -> Iterator[None]:
     """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training) or on
-    an objective with a key (`keep_as`: KDIA's, the loss terms'), with no carried state or epoch start and a
+    an objective with a key (`keep_as`: KDIA's, FedACD's, the loss terms'), and a
     model with no tensor outside its parameters and buffers, keeps its round, and a later call with the
     same signature (the same model object, device, number of nodes, settings, transform, objective
     key) and no more rows of data trains in it: its buffers refilled
@@ -1072,6 +1085,8 @@ def _kept_round(
     objective: GroupObjective = cross_entropy_objective,
     objective_key: Hashable = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
+    carry: Mapping[str, torch.Tensor] | None = None,
+    epoch_starts: _EpochStarts | None = None,
 ) -> _Kept | None:
     """Inside `keep_rounds`, the kept round for this call, reset to it, or a new one kept (the oldest
     dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors. A kept round
@@ -1080,20 +1095,21 @@ def _kept_round(
     if kept_rounds is None or _holds_loose_tensors(model):
         return None
     rows = sum(len(d) for d in ordered)
-    shapes = tuple((n, tuple(t.shape), t.dtype) for n, t in (inputs or {}).items())
+    shapes = tuple((n, tuple(t.shape), t.dtype) for n, t in {**(inputs or {}), **(carry or {})}.items())
     key = _signature(
         model, len(ordered), settings, transform, sum_gradients, known is not None, (objective_key, shapes)
     )
     kept = kept_rounds.get(key)
     if kept is not None and rows <= kept.capacity:
-        kept.round.reset(model, ordered, plan, starts, inputs)
+        kept.round.reset(model, ordered, plan, starts, inputs, carry, epoch_starts)
         return kept
     capacity = rows * 5 // 4  # room for later, larger groups
     device = next(model.parameters()).device
     own_inputs = {name: t.clone() for name, t in (inputs or {}).items()}  # the round's: refilled by later calls
+    own_carry = {name: t.clone() for name, t in (carry or {}).items()}
     round_ = _Round(
-        model, ordered, settings, plan, known, objective, own_inputs, device, starts, {}, sum_gradients,
-        capacity=capacity,
+        model, ordered, settings, plan, known, objective, own_inputs, device, starts, own_carry, sum_gradients,
+        epoch_starts, capacity=capacity,
     )  # fmt: skip
     kept_rounds.pop(key, None)
     while len(kept_rounds) >= KEPT_ROUNDS:
@@ -1169,8 +1185,8 @@ def train_vectorized(
     in a round kept from such a call (whose objective, and on a GPU whose captured graphs, then run):
     the objective must read nothing but its `NodeBatch` and tensors that keep their addresses from call
     to call (updated in place: a spare model's parameters), and the key must hold every Python value
-    it reads (hyperparameters, flags) and those tensors' addresses; its `inputs` are copied into the
-    kept round's. Not with `carry` or `epoch_start`. FedAvg's objective needs no key.
+    it reads (hyperparameters, flags) and those tensors' addresses; its `inputs` and `carry` are copied
+    into the kept round's, and its `epoch_start` replaces the kept round's. FedAvg's objective needs no key.
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -1207,20 +1223,18 @@ def train_vectorized(
             gens = [generators[k] for k in order]
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
-            default = objective is cross_entropy_objective and not (draws or stacked)
-            keepable = (default or keep_as is not None) and not (carried or epoch_start)
+            default = objective is cross_entropy_objective and not (draws or stacked or carried or epoch_start)
             key = None if default else keep_as
-            kept = (
-                _kept_round(
-                    model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked
-                )
-                if keepable
-                else None
-            )
+            starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
+            kept = None
+            if default or keep_as is not None:
+                kept = _kept_round(
+                    model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked,
+                    carried, starts_at,
+                )  # fmt: skip
             if kept is not None:
                 round_ = kept.round
             else:
-                starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
                 round_ = _Round(
                     model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
                     starts_at,

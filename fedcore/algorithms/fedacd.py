@@ -493,9 +493,11 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 return loss
             return loss, {}, state.fed(logits, batch.y, y_b, lam, batch.weight)
 
+        # the objective reads its batch, its members' inputs and carried P, and the hyperparameters (the
+        # flags above are theirs): a later round's group may train in this one's kept round
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, draws=draws, inputs=inputs, carry=carry, epoch_start=clean_p,
+            objective=objective, draws=draws, inputs=inputs, carry=carry, epoch_start=clean_p, keep_as=("fedacd", hp),
         )  # fmt: skip
         payloads = []
         for member, own, (state, stats) in zip(members, present, results, strict=True):

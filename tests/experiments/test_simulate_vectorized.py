@@ -64,14 +64,15 @@ def test_a_vectorised_simulation_replays_bit_for_bit(tmp_path: Path) -> None:
     assert outcome.report.final_model_sha256 == summary["model_sha256"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "kdia", "moon"])
+@pytest.mark.parametrize("method", ["fedavg", "kdia", "moon", "fedacd"])
 def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
     """`simulation.reuse_rounds` trains each round's group in the buffers of the first (on a GPU, replaying
     its graphs): the run ends on bitwise the model of fresh rounds, and replays bit for bit. FedAvg's
-    objective, KDIA's with its teacher and generated features (its key: `keep_as`), and MOON's with each
-    node's previous models (its members' inputs, refilled in the kept round)."""
+    objective, KDIA's with its teacher and generated features (its key: `keep_as`), MOON's with each
+    node's previous models (its members' inputs, refilled in the kept round), and FedACD's with its P
+    carried from step to step (refilled too)."""
     from fedmq.fedcore.vectorized import _Round
 
     cheap = ["method.hyperparams={gen_epochs: 1, gen_batches_per_epoch: 5}"] if method == "kdia" else []

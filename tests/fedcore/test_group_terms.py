@@ -550,16 +550,23 @@ def test_fednh_group_trains_the_cosine_classifier_of_each_member(digits: TensorD
         assert difference(got.tensors["model"], baseline.tensors["model"]) > 1e-4
 
 
-KEYED = ["fedprox", "fedlc", "fedrs", "fedntd", "fedgkd", "moon", "fedvls", "feddecorr", "kdia"]
-"""The methods whose group objective has a key (`GroupTerm.key`, KDIA's `keep_as`): kept from round to round."""
+KEYED: dict[str, tuple[str, dict[str, Any]]] = {
+    **{m: (m, CASES[m]) for m in ("fedprox", "fedlc", "fedrs", "fedntd", "fedgkd", "moon", "fedvls", "feddecorr")},
+    "kdia": ("kdia", CASES["kdia"]),
+    "fedacd": ("fedacd", CASES["fedacd"]),  # the running P carried from step to step, and Mixup's draws
+    "fedacd-clean": ("fedacd", {"p_estimate": "clean", "mixup_alpha": 0.0}),  # P renewed each epoch
+}
+"""The methods whose group objective has a key (`GroupTerm.key`, `keep_as`): kept from round to round."""
 
 
-def rounds_of(method: str, digits: TensorDataset, device: torch.device) -> list[list[GroupMember]]:
+def rounds_of(
+    method: str, hp: Mapping[str, Any], digits: TensorDataset, device: torch.device
+) -> list[list[GroupMember]]:
     """Three rounds of one group: each round other shards of the same sizes (other label counts) and a
     new global model (teacher, generator) sent to the same nodes, whose spare models (a teacher's, a
     generator's) and own state (MOON's previous models) stay theirs from round to round, as a node's
     workspace and half keep them."""
-    first = members(method, CASES[method], [d.to(device) for d in shards(digits)])
+    first = members(method, hp, [d.to(device) for d in shards(digits)])
     rounds = []
     for r in range(3):
         perm = torch.randperm(len(digits), generator=torch.Generator().manual_seed(50 + r)).numpy()
@@ -587,16 +594,18 @@ def rounds_of(method: str, digits: TensorDataset, device: torch.device) -> list[
     return rounds
 
 
-def assert_kept_rounds_are_fresh_rounds(method: str, digits: TensorDataset, device: torch.device) -> None:
+def assert_kept_rounds_are_fresh_rounds(case: str, digits: TensorDataset, device: torch.device) -> None:
     from fedmq.fedcore import vectorized
+
+    method, hp = KEYED[case]
 
     def train(rounds: list[list[GroupMember]], workspace: torch.nn.Module) -> list[list[Payload]]:
         return [group[0].half.train_group(group, workspace) for group in rounds]
 
     workspace = build_model("cnn", digits.input_shape, 10, seed=6).double().to(device)
-    fresh = train(rounds_of(method, digits, device), workspace)
+    fresh = train(rounds_of(method, hp, digits, device), workspace)
     with vectorized.keep_rounds():
-        kept = train(rounds_of(method, digits, device), workspace)
+        kept = train(rounds_of(method, hp, digits, device), workspace)
         held = vectorized.KEPT.get()
         assert held is not None and len(held) == 1  # built by the first round, trained in by the others
     for want, have in zip(fresh, kept, strict=True):
@@ -606,20 +615,21 @@ def assert_kept_rounds_are_fresh_rounds(method: str, digits: TensorDataset, devi
     assert difference(fresh[0][0].tensors["model"], fresh[1][0].tensors["model"]) > 1e-3  # the rounds differ
 
 
-@pytest.mark.parametrize("method", KEYED)
-def test_a_keyed_objective_trains_in_a_kept_round_as_in_a_fresh_one(digits: TensorDataset, method: str) -> None:
-    """An objective that reads its batch, its members' inputs, its hyperparameters and spare models loaded
-    in place (KDIA's and FedGKD's teachers) can be kept (`GroupTerm.key`, `keep_as`): three rounds of other
-    shards and new models, teachers and generators give bitwise what fresh rounds give, in one kept round."""
-    assert_kept_rounds_are_fresh_rounds(method, digits, CPU)
+@pytest.mark.parametrize("case", sorted(KEYED))
+def test_a_keyed_objective_trains_in_a_kept_round_as_in_a_fresh_one(digits: TensorDataset, case: str) -> None:
+    """An objective that reads its batch, its members' inputs and carried state, its hyperparameters and
+    spare models loaded in place (KDIA's and FedGKD's teachers) can be kept (`GroupTerm.key`, `keep_as`):
+    three rounds of other shards and new models, teachers and generators give bitwise what fresh rounds
+    give, in one kept round (FedACD's P carried from step to step, or renewed each epoch, included)."""
+    assert_kept_rounds_are_fresh_rounds(case, digits, CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method", ["fedprox", "moon", "kdia"])
+@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean"])
 def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_rounds(
-    digits: TensorDataset, method: str
+    digits: TensorDataset, case: str
 ) -> None:
     """On a GPU with graphs, the later rounds replay the graphs the first captured: bitwise fresh rounds."""
     with graph_mode("on"):
-        assert_kept_rounds_are_fresh_rounds(method, digits, torch.device("cuda"))
+        assert_kept_rounds_are_fresh_rounds(case, digits, torch.device("cuda"))
