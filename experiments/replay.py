@@ -26,7 +26,7 @@ import yaml
 from fedmq.coordinator.drivers.replay import Entry, Replay, ReplayError, ReplayMismatch, ReplayReport, read_log
 from fedmq.coordinator.engine import events as e
 from fedmq.coordinator.engine.commands import TaskSpec
-from fedmq.coordinator.observers.reporting import MEASURED_FIELDS
+from fedmq.coordinator.observers.reporting import reproducible
 from fedmq.coordinator.storage.eventlog import FILENAME as EVENT_LOG
 from fedmq.coordinator.storage.eventlog import EventLog, log_header
 from fedmq.coordinator.storage.run_dir import RunDir
@@ -123,14 +123,8 @@ def _final_checks(run: Run, fed: Replay) -> list[str]:
         notes.append(f"final model: sha256 {recorded} in summary.json, {fed.report.final_model_sha256} replayed")
     metrics = run.root / "metrics.jsonl"
     if metrics.exists():
-        measured = {*MEASURED_FIELDS, *fed.half.measured_metrics}  # times the run measured: not reproducible
-        theirs = [
-            {k: v for k, v in json.loads(line).items() if k not in measured}
-            for line in metrics.read_text().splitlines()
-            if line.strip()
-        ]
-        ours = [{k: v for k, v in json.loads(json.dumps(r, sort_keys=True)).items() if k not in measured}
-                for r in fed.records]  # fmt: skip
+        theirs = [reproducible(json.loads(line), fed.half) for line in metrics.read_text().splitlines() if line.strip()]
+        ours = [reproducible(json.loads(json.dumps(r, sort_keys=True)), fed.half) for r in fed.records]
         for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
             if a != b:
                 keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))

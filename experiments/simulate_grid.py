@@ -113,6 +113,8 @@ def simulate_grid(
     """Simulate every cell not finished before, `jobs` processes at a time, each simulating
     `cells_per_process` cells at once (threads); write the grid's report. With `resume`, a cell cut off
     goes on from its checkpoint instead of starting again."""
+    if cells_per_process < 1:
+        raise ValueError(f"cells_per_process must be at least 1, not {cells_per_process}")
     console = console or Console(highlight=False, soft_wrap=True)
     for cell in grid.cells:  # a bad cell (missing data, say) fails now, not an hour into the grid
         preflight(cell.config)
@@ -132,7 +134,7 @@ def simulate_grid(
         elif directory.exists():
             shutil.rmtree(directory)
         todo.append(cell)
-    per = max(1, cells_per_process)
+    per = cells_per_process
     at_once = min(jobs * per, len(todo) or 1)
     how = f" ({per} a process)" if per > 1 else ""
     console.print(f"{len(todo)} of {len(grid.cells)} cells to simulate, {at_once} at a time{how}")

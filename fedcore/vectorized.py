@@ -675,7 +675,7 @@ class _Buffers:
     def __init__(self, plan: _Plan) -> None:
         self.bytes = plan.packed.rows[0].clone()
         views = plan.packed.views(self.bytes)
-        self.rows, self.weight, self.count = views["rows"], views["weight"], views["count"]
+        self.rows, self.weight = views["rows"], views["weight"]
         self.divisor, self.share, self.count64, self.active = (
             views["divisor"], views["share"], views["count64"], views["active"]
         )  # fmt: skip
@@ -819,13 +819,7 @@ class _Round:
         The new data fills the front of the data buffers, the new plan is what `load` copies from, the
         nodes' own inputs and carried state (stacked, in stack order) are copied over the first call's,
         and this call's epoch starts (eager, between steps) replace the first's."""
-        if plan.packed.layout != self.plan.packed.layout:  # the buffers' views would misread its bytes
-            raise VectorizeError("a kept round's plan and this call's differ in their per-step tensors")
-        _same_tensors("inputs", inputs or {}, self.inputs)
-        _same_tensors("carried state", carry or {}, self.carry)
-        if (epoch_starts is None) != (self.epoch_starts is None):
-            raise VectorizeError("a kept round and this call differ in whether an epoch renews the carried state")
-        self.epoch_starts = epoch_starts
+        self.epoch_starts = epoch_starts  # the signature says there is one exactly when the round had one
         with torch.no_grad():
             for name, t in (inputs or {}).items():
                 self.inputs[name].copy_(t)
@@ -926,14 +920,6 @@ class _Round:
                 carried[name].copy_(
                     torch.where(_per_node(active, value) > 0, value, carried[name]) if masked else value
                 )
-
-
-def _same_tensors(what: str, given: Mapping[str, torch.Tensor], held: Mapping[str, torch.Tensor]) -> None:
-    """A kept round's tensors and a call's, which it copies into them: the same names, shapes and types."""
-    if given.keys() != held.keys() or any(
-        t.shape != held[n].shape or t.dtype != held[n].dtype for n, t in given.items()
-    ):
-        raise VectorizeError(f"a kept round's {what} and this call's differ in their names, shapes or types")
 
 
 def _masked(tensors: list[torch.Tensor], active: torch.Tensor, masked: bool) -> list[torch.Tensor]:
@@ -1095,9 +1081,12 @@ def _kept_round(
     if kept_rounds is None or _holds_loose_tensors(model):
         return None
     rows = sum(len(d) for d in ordered)
+    # what the round's buffers are laid out for: a call that differs gets a round of its own, so that a
+    # kept round's copies (`reset`) and its buffers' typed views always fit what they are given
     shapes = tuple((n, tuple(t.shape), t.dtype) for n, t in {**(inputs or {}), **(carry or {})}.items())
+    layout = (tuple(plan.packed.layout.items()), shapes, epoch_starts is not None)
     key = _signature(
-        model, len(ordered), settings, transform, sum_gradients, known is not None, (objective_key, shapes)
+        model, len(ordered), settings, transform, sum_gradients, known is not None, (objective_key, layout)
     )
     kept = kept_rounds.get(key)
     if kept is not None and rows <= kept.capacity:

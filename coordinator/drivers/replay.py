@@ -29,9 +29,10 @@ from fedmq.broker import Kind, Message
 from fedmq.coordinator.drivers.local import LocalFederation, _clone
 from fedmq.coordinator.engine import commands as c
 from fedmq.coordinator.engine import events as e
+from fedmq.coordinator.observers.reporting import reproducible
 from fedmq.coordinator.storage.eventlog import FORMAT, encode_command, tagged, untagged
 from fedmq.fedcore import masked as m
-from fedmq.fedcore.algorithms.base import Payload
+from fedmq.fedcore.algorithms.base import CoordinatorHalf, Payload
 from fedmq.fedcore.protocol import SecAggDirectory, UpdateFailed
 from fedmq.fedcore.secagg import quantise
 from fedmq.fedcore.tensors import arrays_sha256, flatten_groups, model_sha256, split_groups
@@ -163,12 +164,10 @@ def _first_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str
     return "no difference"
 
 
-def _check_metrics(
-    entry: Entry, ours: Mapping[str, Any], what: str, step: int, measured: frozenset[str] = frozenset()
-) -> None:
-    """The recorded metrics are the replay's, those the run `measured` (wall times) aside."""
-    recorded = {k: v for k, v in untagged(entry.data.get("metrics", {})).items() if k not in measured}
-    mine = {k: v for k, v in ours.items() if k not in measured}
+def _check_metrics(entry: Entry, ours: Mapping[str, Any], what: str, step: int, half: CoordinatorHalf) -> None:
+    """The recorded metrics are the replay's, those the run measured of itself (wall times) aside."""
+    recorded = reproducible(untagged(entry.data.get("metrics", {})), half)
+    mine = reproducible(ours, half)
     if not _same(mine, recorded):
         raise ReplayMismatch(entry.line, f"{what} differ: " + _first_difference(mine, recorded), step)
 
@@ -315,7 +314,7 @@ class Replay(LocalFederation):
                 entry.line,
                 f"the model was rejected {entry.data.get('rejected')!r} recorded, {ours.rejected!r} replayed",
             )
-        _check_metrics(entry, ours.metrics, "the aggregation's metrics", step, self.half.measured_metrics)
+        _check_metrics(entry, ours.metrics, "the aggregation's metrics", step, self.half)
         self.report.aggregations += 1
         return ours
 
@@ -324,7 +323,7 @@ class Replay(LocalFederation):
         ours = self._results.pop(step, None)
         if not isinstance(ours, e.Evaluated):
             raise ReplayMismatch(entry.line, "an evaluation the replay did not ask for", step)
-        _check_metrics(entry, ours.metrics, "the evaluation's metrics", step)
+        _check_metrics(entry, ours.metrics, "the evaluation's metrics", step, self.half)
         self.report.evaluations += 1
         return ours
 

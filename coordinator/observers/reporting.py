@@ -26,6 +26,13 @@ MEASURED_FIELDS = ("cpu_s",)
 in-process run reproduces them, so comparisons of metrics lines leave them out."""
 
 
+def reproducible(metrics: Mapping[str, Any], half: CoordinatorHalf) -> dict[str, Any]:
+    """`metrics` without what the run measured of itself (`MEASURED_FIELDS`, the half's own
+    `measured_metrics`: wall times): what a replay can compare."""
+    measured = {*MEASURED_FIELDS, *half.measured_metrics}
+    return {k: v for k, v in metrics.items() if k not in measured}
+
+
 class Evaluator:
     """Test accuracy and loss of every model the half offers (the first unsuffixed), and their
     validation accuracy when a validation split exists; the final model is chosen on the latter."""
@@ -64,9 +71,8 @@ class Evaluator:
             out[f"loss{suffix}"] = loss
             models[name] = {"test_accuracy": accuracy}
             if val is not None:
-                models[name]["val_accuracy"] = out[f"val_accuracy{suffix}"] = evaluate(model, val, device=self.device)[
-                    0
-                ]
+                val_accuracy, _ = evaluate(model, val, device=self.device)
+                models[name]["val_accuracy"] = out[f"val_accuracy{suffix}"] = val_accuracy
         self.last_models = models
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from fedmq.experiments.cli import EXIT_OK, main
@@ -67,3 +68,14 @@ def test_cells_sharing_a_process_report_each_failure_alone(tmp_path: Path) -> No
     results = simulate_cells([bad, good], [str(tmp_path / "bad"), str(tmp_path / "good")], None, 1)
     assert "error" in results[0] and "rounds" in results[0]["error"]
     assert results[1]["state"] == "finished"
+
+
+def test_cells_per_process_below_one_is_refused(tmp_path: Path) -> None:
+    from fedmq.experiments.config import read_yaml
+    from fedmq.experiments.grid import expand
+    from fedmq.experiments.simulate_grid import simulate_grid
+
+    grid = expand(read_yaml(_grid_file(tmp_path)))
+    with pytest.raises(ValueError, match="at least 1"):
+        simulate_grid(grid, tmp_path / "run", jobs=1, device=None, threads=1, cells_per_process=0)
+    assert not (tmp_path / "run").exists()  # refused before anything was written

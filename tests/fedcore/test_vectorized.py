@@ -571,7 +571,7 @@ def _kept_tensors(round_: object) -> list[torch.Tensor]:
     found = [*round_.stack.params.values(), *(t for v in round_.stack.state.values() for t in v), round_.stack.step]
     found += [*round_.start.values(), *round_.frozen.values(), round_.y, round_.totals]
     found += [t for made in round_.constants.values() for t in made]
-    found += [cur.rows, cur.weight, cur.count, *cur.draws] + ([round_.x] if round_.x is not None else [])
+    found += [cur.bytes] + ([round_.x] if round_.x is not None else [])  # every per-step tensor views `bytes`
     return found
 
 
@@ -721,3 +721,29 @@ def test_cuda_graphs_captured_by_threads_on_streams_of_their_own_are_each_thread
         for (w_state, w_stats), (h_state, h_stats) in zip(want, have, strict=True):
             assert all(torch.equal(w_state[k], h_state[k]) for k in w_state)
             assert w_stats.loss == h_stats.loss
+
+
+def test_a_keyed_call_laid_out_otherwise_gets_a_kept_round_of_its_own(digits: TensorDataset) -> None:
+    """Under one key, calls whose buffers would lie otherwise (an epoch renewal or not, other inputs) each
+    get a kept round of their own, and a call like the first trains in the first's: a kept round only ever
+    copies in what fits its buffers."""
+    from fedmq.fedcore import vectorized
+
+    parts = shards(digits, (20, 30))
+    model = build_model("mlp", digits.input_shape, 10, seed=0)
+    carry = {"steps": torch.zeros(2)}
+
+    def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return cross_entropy_objective(batch), {}, {"steps": batch.carry["steps"] + 1}
+
+    def train(**extra: object) -> None:
+        train_vectorized(model, parts, SGD, generators(2), objective=objective, carry=carry, keep_as="one key",
+                         **extra)  # type: ignore[arg-type]  # fmt: skip
+
+    with vectorized.keep_rounds():
+        train()
+        train(epoch_start=lambda k, params: {"steps": torch.zeros(())})
+        train(inputs={"w": torch.ones(2, 3)})
+        train()
+        held = vectorized.KEPT.get()
+        assert held is not None and len(held) == 3
