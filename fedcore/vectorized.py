@@ -21,8 +21,10 @@ What is reproduced per node, exactly as `local_sgd` does it:
   no batch left restores theirs after the update;
 - batches short of the batch size are padded to it with copies of the node's first sample of the
   batch, weighted 0, and each node's loss is the mean over its own real samples;
-- SGD with momentum, weight decay and lr as `torch.optim.SGD` computes them, Adam as
-  `torch.optim.Adam` does, and `max_grad_norm` per node as `clip_grad_norm_` computes it.
+- SGD with momentum, weight decay and lr as `torch.optim.SGD` computes them (the lr read from the
+  device, as its capturable form reads it: the update is g x -lr then added, one rounding more than
+  its alpha=-lr), Adam as `torch.optim.Adam` does, and `max_grad_norm` per node as
+  `clip_grad_norm_` computes it.
 
 The results equal one-by-one training within float tolerance, not bitwise: batched matrix
 products and grouped convolutions sum in another order than the K separate calls, and the padding
@@ -44,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -627,18 +629,45 @@ def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
 
 
 def _sgd_all(
-    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], settings: TrainSettings
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    settings: TrainSettings,
+    lr: _LearningRate,
 ) -> None:
     """torch.optim.SGD's step for every node of the stack at once, as its foreach form computes it: a
     few multi-tensor operations over all the parameters (one kernel each on a GPU) instead of several
-    per parameter, for a step in which no node is masked. `bufs` is empty without momentum."""
+    per parameter, for a step in which no node is masked. `bufs` is empty without momentum. The lr is
+    read from the device (`lr`), as torch's capturable optimisers read it, so that a captured step
+    serves every lr (a decaying lr, FedRCL's epochs)."""
     if settings.weight_decay != 0:
         grads = list(torch._foreach_add(grads, params, alpha=settings.weight_decay))
     if settings.momentum != 0:
         torch._foreach_mul_(bufs, settings.momentum)
         torch._foreach_add_(bufs, grads)
         grads = bufs
-    torch._foreach_add_(params, grads, alpha=-settings.lr)
+    torch._foreach_add_(params, torch._foreach_mul(grads, lr.negative))
+
+
+@dataclass(frozen=True)
+class _LearningRate:
+    """A round's lr on its device, where a captured step reads it: a kept round's next call (another
+    round's decayed lr, FedRCL's next epoch) sets it in place (`set`) instead of capturing anew."""
+
+    negative: torch.Tensor
+    """-lr in the parameters' dtype (SGD's update, as torch.optim.SGD's alpha=-lr rounds it)."""
+    exact: torch.Tensor
+    """lr in float64 (Adam's step size, as torch computes it from its Python lr)."""
+
+    @classmethod
+    def of(cls, lr: float, dtype: torch.dtype, device: torch.device) -> _LearningRate:
+        return cls(
+            torch.full((), -lr, dtype=dtype, device=device), torch.full((), lr, dtype=torch.float64, device=device)
+        )
+
+    def set(self, lr: float) -> None:
+        self.negative.fill_(-lr)
+        self.exact.fill_(lr)
 
 
 def _adam(
@@ -648,6 +677,7 @@ def _adam(
     active: torch.Tensor,
     step: torch.Tensor,
     settings: TrainSettings,
+    lr: _LearningRate,
 ) -> None:
     """torch.optim.Adam's step with the default betas and eps, in its single-tensor form, for the active
     nodes (`step` counts each node's steps from 1; the others keep everything)."""
@@ -660,7 +690,7 @@ def _adam(
     exp_avg_sq.copy_(torch.where(on, exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2), exp_avg_sq))
     # the bias corrections in float64, as torch computes them from its Python step count
     t = _per_node(step.clamp(min=1).double(), p)
-    step_size = (settings.lr / (1 - beta1**t)).to(p.dtype)
+    step_size = ((1 - beta1**t).reciprocal() * lr.exact).to(p.dtype)  # lr / (...) as torch computes it
     denom = (exp_avg_sq.sqrt() / (1 - beta2**t).sqrt().to(p.dtype)).add_(_ADAM_EPS)
     p.copy_(torch.where(on, p.addcmul(exp_avg / denom, -step_size), p))
 
@@ -753,6 +783,7 @@ class _Round:
         self.epoch_starts = epoch_starts
         k = len(datasets)
         self.stack = _Stack.of(model, k, settings, device, starts)
+        self.lr = _LearningRate.of(settings.lr, next(model.parameters()).dtype, device)
         self.frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
         self.start = {n: p.detach().to(device).clone() for n, p in model.named_parameters() if p.requires_grad}
         self.x = _rows_of([d.x for d in datasets], device, capacity) if plan.inputs is None else None
@@ -813,13 +844,18 @@ class _Round:
         inputs: Mapping[str, torch.Tensor] | None = None,
         carry: Mapping[str, torch.Tensor] | None = None,
         epoch_starts: _EpochStarts | None = None,
+        settings: TrainSettings | None = None,
     ) -> None:
         """Make this round another call's (`keep_rounds`: the same signature), in place: every tensor a
         captured step reads keeps its address, so the graphs captured for the first call replay this one.
         The new data fills the front of the data buffers, the new plan is what `load` copies from, the
         nodes' own inputs and carried state (stacked, in stack order) are copied over the first call's,
-        and this call's epoch starts (eager, between steps) replace the first's."""
+        this call's epoch starts (eager, between steps) replace the first's and its lr (`settings`, the
+        signature's but for the lr) is set where the steps read it."""
         self.epoch_starts = epoch_starts  # the signature says there is one exactly when the round had one
+        if settings is not None:
+            self.settings = settings
+            self.lr.set(settings.lr)
         with torch.no_grad():
             for name, t in (inputs or {}).items():
                 self.inputs[name].copy_(t)
@@ -893,7 +929,7 @@ class _Round:
             if settings.optimizer == "adam":
                 steps.add_(active)
                 for name in names:
-                    _adam(params[name], grads[name], state[name], active, steps, settings)
+                    _adam(params[name], grads[name], state[name], active, steps, settings, self.lr)
             else:
                 tensors = [params[n] for n in names] + [t for n in names for t in state[n]]
                 kept = torch._foreach_mul(tensors, 1.0) if masked else []
@@ -902,6 +938,7 @@ class _Round:
                     [grads[n] for n in names],
                     [state[n][0] for n in names if state[n]],
                     settings,
+                    self.lr,
                 )
                 for t, old in zip(tensors, kept, strict=masked):  # nodes with no batch left keep what they had
                     t.copy_(torch.where(_per_node(active, t) > 0, t, old))
@@ -1051,12 +1088,13 @@ def _signature(
     objective: Hashable = None,
 ) -> Hashable:
     """What a kept round was built for: the model object itself (the forward pass and a captured graph
-    read its tensors), its parameters' shapes, the number of nodes, the settings (the optimizer's
-    constants are in the graph), the transform (its constants too) and the objective's key (`keep_as`;
-    None: FedAvg's)."""
+    read its tensors), its parameters' shapes, the number of nodes, the settings but for the lr (the
+    optimizer's other constants are in the graph; the lr is read from the device, `_LearningRate`), the
+    transform (its constants too) and the objective's key (`keep_as`; None: FedAvg's)."""
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
     first = next(model.parameters())
-    return (id(model), params, first.device, k, settings, id(transform), sum_gradients, plain, objective)
+    constants = replace(settings, lr=1.0)  # a decayed lr, another of FedRCL's epochs: the same round
+    return (id(model), params, first.device, k, constants, id(transform), sum_gradients, plain, objective)
 
 
 def _kept_round(
@@ -1090,7 +1128,7 @@ def _kept_round(
     )
     kept = kept_rounds.get(key)
     if kept is not None and rows <= kept.capacity:
-        kept.round.reset(model, ordered, plan, starts, inputs, carry, epoch_starts)
+        kept.round.reset(model, ordered, plan, starts, inputs, carry, epoch_starts, settings)
         return kept
     capacity = rows * 5 // 4  # room for later, larger groups
     device = next(model.parameters()).device

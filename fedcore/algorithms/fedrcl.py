@@ -377,7 +377,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             logits, taps = out
             return batch.mean(nll(logits, batch.y)) + group_rcl_loss([taps[n] for n in names], batch, hp)
 
-        return shared.GroupTerm(objective)
+        return shared.GroupTerm(objective, key=self.hp)  # its taps: the hyperparameters' of the kept model
 
     def fit_group(
         self,
@@ -391,18 +391,19 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         keep_as: Hashable | None = None,
     ) -> list[tuple[StateDict, TrainStats]]:
         """`fit` for a group: epoch e at lr x local_lr_decay^e, one vectorised call per epoch, each node
-        going on from its own model of the epoch before. Not kept from round to round (`keep_as` unused:
-        FedRCL's term sets no key; each epoch's lr would be a round of its own)."""
+        going on from its own model of the epoch before. Every epoch and round trains in one kept round
+        under `keep_as` (the lr is read from the device: on a GPU one capture serves them all)."""
         decay = self.hp.local_lr_decay
         if decay == 1.0 or settings.local_epochs == 1:
-            return super().fit_group(model, datasets, settings, generators, objective, inputs)
+            return super().fit_group(model, datasets, settings, generators, objective, inputs, keep_as=keep_as)
         states: list[StateDict] | None = None
         totals = [(0.0, 0, 0)] * len(datasets)
         for epoch in range(settings.local_epochs):
             epoch_settings = replace(settings, local_epochs=1, lr=settings.lr * decay**epoch)
             results = train_vectorized(
-                model, datasets, epoch_settings, generators, objective=objective, inputs=inputs, starts=states
-            )
+                model, datasets, epoch_settings, generators, objective=objective, inputs=inputs, starts=states,
+                keep_as=keep_as,
+            )  # fmt: skip
             states = [state for state, _ in results]
             totals = [
                 (total + stats.loss * stats.samples_seen, steps + stats.steps, seen + stats.samples_seen)

@@ -64,7 +64,7 @@ def test_a_vectorised_simulation_replays_bit_for_bit(tmp_path: Path) -> None:
     assert outcome.report.final_model_sha256 == summary["model_sha256"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "kdia", "moon", "fedacd"])
+@pytest.mark.parametrize("method", ["fedavg", "kdia", "moon", "fedacd", "fedrcl"])
 def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
@@ -72,10 +72,12 @@ def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
     its graphs): the run ends on bitwise the model of fresh rounds, and replays bit for bit. FedAvg's
     objective, KDIA's with its teacher and generated features (its key: `keep_as`), MOON's with each
     node's previous models (its members' inputs, refilled in the kept round), and FedACD's with its P
-    carried from step to step (refilled too)."""
+    carried from step to step (refilled too). FedRCL's with the lr decaying from round to round and from
+    epoch to epoch (a call per epoch): the lr is read from the device, so all of them share one round."""
     from fedmq.fedcore.vectorized import _Round
 
     cheap = ["method.hyperparams={gen_epochs: 1, gen_batches_per_epoch: 5}"] if method == "kdia" else []
+    cheap += ["train.lr_decay=0.9"] if method == "fedrcl" else []
     common = ["rounds=4", "simulation.vectorize=true", f"method.name={method}", *cheap, *STRAGGLERS]
     fresh, fresh_records, _ = _final(common)
     resets: list[int] = []

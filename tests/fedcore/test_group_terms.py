@@ -555,6 +555,7 @@ KEYED: dict[str, tuple[str, dict[str, Any]]] = {
     "kdia": ("kdia", CASES["kdia"]),
     "fedacd": ("fedacd", CASES["fedacd"]),  # the running P carried from step to step, and Mixup's draws
     "fedacd-clean": ("fedacd", {"p_estimate": "clean", "mixup_alpha": 0.0}),  # P renewed each epoch
+    "fedrcl": ("fedrcl", CASES["fedrcl"]),  # a call per epoch, each at its own lr, all in one kept round
 }
 """The methods whose group objective has a key (`GroupTerm.key`, `keep_as`): kept from round to round."""
 
@@ -620,13 +621,14 @@ def test_a_keyed_objective_trains_in_a_kept_round_as_in_a_fresh_one(digits: Tens
     """An objective that reads its batch, its members' inputs and carried state, its hyperparameters and
     spare models loaded in place (KDIA's and FedGKD's teachers) can be kept (`GroupTerm.key`, `keep_as`):
     three rounds of other shards and new models, teachers and generators give bitwise what fresh rounds
-    give, in one kept round (FedACD's P carried from step to step, or renewed each epoch, included)."""
+    give, in one kept round (FedACD's P carried from step to step, or renewed each epoch, and FedRCL's
+    epochs at their own lr included)."""
     assert_kept_rounds_are_fresh_rounds(case, digits, CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean"])
+@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean", "fedrcl"])
 def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_rounds(
     digits: TensorDataset, case: str
 ) -> None:

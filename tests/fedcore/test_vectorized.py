@@ -570,6 +570,7 @@ def _kept_tensors(round_: object) -> list[torch.Tensor]:
     cur = round_.cur
     found = [*round_.stack.params.values(), *(t for v in round_.stack.state.values() for t in v), round_.stack.step]
     found += [*round_.start.values(), *round_.frozen.values(), round_.y, round_.totals]
+    found += [round_.lr.negative, round_.lr.exact]
     found += [t for made in round_.constants.values() for t in made]
     found += [cur.bytes] + ([round_.x] if round_.x is not None else [])  # every per-step tensor views `bytes`
     return found
@@ -581,9 +582,9 @@ def test_a_kept_round_trains_later_calls_bitwise_as_fresh_rounds_in_the_same_buf
 ) -> None:
     """Inside `keep_rounds`, calls of one shape train in the first call's round, its buffers refilled in
     place (what lets a GPU replay the graphs captured by the first call): each call's weights and stats
-    are bitwise a fresh round's, for other nodes, another starting model, fewer rows and more rows than
-    the round holds (a new round then); no returned weight is overwritten by a later call; a call of
-    another objective is not kept."""
+    are bitwise a fresh round's, for other nodes, another starting model, another lr (a decaying one),
+    fewer rows and more rows than the round holds (a new round then); no returned weight is overwritten
+    by a later call; a call of another objective is not kept."""
     from fedmq.fedcore import vectorized
 
     perm = torch.randperm(len(digits), generator=torch.Generator().manual_seed(3))
@@ -592,14 +593,16 @@ def test_a_kept_round_trains_later_calls_bitwise_as_fresh_rounds_in_the_same_buf
     for i, group in enumerate(sizes):
         parts = [digits.subset(perm[at + sum(group[:j]) : at + sum(group[: j + 1])].numpy()) for j in range(4)]
         at += sum(group)
-        calls.append((parts, build_model("cnn", digits.input_shape, 10, seed=i % 2)))
+        calls.append((parts, build_model("cnn", digits.input_shape, 10, seed=i % 2), settings.lr * 0.5**i))
     model = build_model("cnn", digits.input_shape, 10, seed=0)
 
-    def train(parts: list[TensorDataset], start: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+    def train(
+        parts: list[TensorDataset], start: torch.nn.Module, lr: float
+    ) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
         model.load_state_dict(start.state_dict())
-        return train_vectorized(model, parts, settings, generators(4))
+        return train_vectorized(model, parts, dataclasses.replace(settings, lr=lr), generators(4))
 
-    fresh = [train(parts, start) for parts, start in calls]
+    fresh = [train(*call) for call in calls]
     with vectorized.keep_rounds():
         kept = vectorized.KEPT.get()
         assert kept is not None
@@ -624,7 +627,7 @@ def test_a_kept_round_trains_later_calls_bitwise_as_fresh_rounds_in_the_same_buf
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kept_rounds_replay_the_first_calls_cuda_graphs_bitwise_as_fresh_rounds(digits: TensorDataset) -> None:
     """On a GPU with graphs, later calls in a kept round replay the graphs the first call captured (no
-    warm-up, no capture): each call's weights are bitwise a fresh round's, and within 1e-10 of one-by-one
+    warm-up, no capture): each call (each at its own lr) gets weights bitwise a fresh round's, and within 1e-10 of one-by-one
     training in float64; unequal shards, so both kinds of step (unmasked and masked) are replayed."""
     from fedmq.fedcore import vectorized
 
@@ -636,16 +639,17 @@ def test_kept_rounds_replay_the_first_calls_cuda_graphs_bitwise_as_fresh_rounds(
 
     settings = dataclasses.replace(SGD, local_epochs=6)  # 6 steps with every node, 18 with some masked
 
-    def train(parts: list[TensorDataset]) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
-        return train_vectorized(model, parts, settings, generators(len(parts)), graphs="on")
+    def train(parts: list[TensorDataset], i: int) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+        decayed = dataclasses.replace(settings, lr=settings.lr * 0.5**i)  # each call its own lr, one graph
+        return train_vectorized(model, parts, decayed, generators(len(parts)), graphs="on")
 
-    fresh = [train(parts) for parts in groups]
+    fresh = [train(parts, i) for i, parts in enumerate(groups)]
     with vectorized.keep_rounds():
-        kept = [train(parts) for parts in groups]
+        kept = [train(parts, i) for i, parts in enumerate(groups)]
         (round_,) = vectorized.KEPT.get().values()  # type: ignore[union-attr]
         assert set(round_.graphs) == {False, True}  # the unmasked and the masked step, captured once each
-    for parts, want, have in zip(groups, fresh, kept, strict=True):
-        alone = one_by_one(model, parts, settings)
+    for i, (parts, want, have) in enumerate(zip(groups, fresh, kept, strict=True)):
+        alone = one_by_one(model, parts, dataclasses.replace(settings, lr=settings.lr * 0.5**i))
         for (w_state, _), (h_state, _), (a_state, _) in zip(want, have, alone, strict=True):
             assert all(torch.equal(w_state[k], h_state[k]) for k in w_state)
             assert max_difference(h_state, a_state) < 1e-10
