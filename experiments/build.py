@@ -153,17 +153,19 @@ def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
     }
 
 
-def preflight(cfg: ExperimentConfig) -> None:
+def preflight(cfg: ExperimentConfig) -> torch.nn.Module:
     """Build every part once in this process, so that a missing dataset, an impossible partition or a
-    bad model or method option is a clear error before any daemon starts (and the data cache is warm)."""
+    bad model or method option is a clear error before any daemon starts (and the data cache is warm).
+    The model built, for checks of the caller's own."""
     split = load_split(cfg)
     shards(cfg, split)
-    make_model(cfg, split.train)
+    model = make_model(cfg, split.train)
     build_hyperparams(get_algorithm(cfg.method.name), cfg.method.hyperparams)
     build_aggregator(cfg.method.aggregator.name, cfg.method.aggregator.options)
     train_settings(cfg)
     if cfg.hierarchy.sites:
         check_hierarchy(cfg, coordinator_half(cfg, split))
+    return model
 
 
 def train_settings(cfg: ExperimentConfig) -> TrainSettings:

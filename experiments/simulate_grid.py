@@ -41,6 +41,8 @@ from fedmq.experiments.grid import Cell, Grid, cell_is_done
 from fedmq.experiments.report import write_report
 from fedmq.experiments.sim_checkpoint import ResumeError, resume_refusal
 from fedmq.experiments.simulate import made_by_another
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.seeding import global_stream_layer
 
 
 def simulate_cell(
@@ -117,7 +119,15 @@ def simulate_grid(
         raise ValueError(f"cells_per_process must be at least 1, not {cells_per_process}")
     console = console or Console(highlight=False, soft_wrap=True)
     for cell in grid.cells:  # a bad cell (missing data, say) fails now, not an hour into the grid
-        preflight(cell.config)
+        model = preflight(cell.config)
+        drawing = global_stream_layer(model) if cells_per_process > 1 else None
+        if drawing is not None:
+            raise ConfigError(
+                f"--cells-per-process {cells_per_process}: cell {cell.cell_id}'s model {cell.config.model.name!r}:"
+                f" {drawing}, which draws from torch's global random stream while training: cells sharing a"
+                " process would draw from one stream, and a cell's results would depend on the others'."
+                " Run its grid with --cells-per-process 1 (--jobs N still runs cells side by side)"
+            )
         refusal = resume_refusal(cell.config) if resume else None
         if refusal is not None:
             raise ResumeError(f"--resume: cell {cell.cell_id}: {refusal}")

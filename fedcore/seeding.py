@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from torch import nn
 
 
 def _key(part: str | int) -> int:
@@ -55,6 +56,19 @@ def global_stream(seed: int | None = None) -> Iterator[None]:
         if seed is not None:
             torch.manual_seed(seed)
         yield
+
+
+def global_stream_layer(model: nn.Module) -> str | None:
+    """The first layer of `model` that draws from torch's global random stream while it trains (dropout,
+    RReLU: they take no generator), said in words, or None. Such a model's training depends on what
+    else draws from that stream in the process (cells simulated side by side). A forward pass that
+    calls `F.dropout` itself is not seen."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return f"{f'its layer {name!r}' if name else 'the model'} is a dropout layer"
+        if isinstance(module, nn.RReLU):
+            return f"{f'its layer {name!r}' if name else 'the model'} is an RReLU layer"
+    return None
 
 
 def torch_seed(seed: int, *keys: str | int) -> int:

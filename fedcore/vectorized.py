@@ -56,6 +56,7 @@ from torch.nn import functional as F
 
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.packed import Packed
+from fedmq.fedcore.seeding import global_stream_layer
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import TrainSettings, TrainStats, autocast
 from fedmq.fedcore.transforms import (
@@ -89,8 +90,9 @@ def unsupported(model: nn.Module) -> str | None:
                 f"{name or 'the model'} is a BatchNorm: its batch statistics would include the padding of short"
                 " batches and its running statistics are updated inside the forward pass"
             )
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return f"{name} is a dropout layer: local_sgd draws its masks from torch's global generator"
+    drawing = global_stream_layer(model)
+    if drawing is not None:
+        return f"{drawing}: local_sgd draws its random values from torch's global generator"
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
         return f"the model has buffers ({', '.join(buffers[:3])}) that its forward pass may update"

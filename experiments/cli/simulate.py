@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="for a grid: cells each of the --jobs processes simulates at once, a thread each (default 1);"
         " with a GPU, each on a CUDA stream of its own, so that their small kernels run side by side where"
-        " processes take turns; each cell's results are bitwise those it has alone (not with a model of your"
-        " own that draws from torch's global random stream while training: dropout)",
+        " processes take turns; each cell's results are bitwise those it has alone (a model of your own with"
+        " dropout, which draws from torch's global random stream while training, is refused)",
     )
     p.add_argument(
         "--resume",

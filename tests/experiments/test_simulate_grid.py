@@ -79,3 +79,30 @@ def test_cells_per_process_below_one_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         simulate_grid(grid, tmp_path / "run", jobs=1, device=None, threads=1, cells_per_process=0)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_cells_sharing_a_process_refuse_a_model_that_draws_from_the_global_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's model with dropout draws its masks from torch's global random stream, which the threads
+    of one process share: `--cells-per-process 2` is refused before any cell runs, saying why and what
+    to run instead; one cell a process takes the same grid."""
+    (tmp_path / "dropnet.py").write_text(
+        "from torch import nn\n\n"
+        "def build(input_shape, num_classes):\n"
+        "    size = 1\n"
+        "    for d in input_shape:\n"
+        "        size *= d\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(size, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, num_classes))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    grid = _grid_file(tmp_path)
+    spec = yaml.safe_load(grid.read_text()) | {"model": {"name": "dropnet:build"}, "rounds": 1}
+    spec["grid"]["seed"] = [0]
+    grid.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "run"
+    code = main(["simulate", str(grid), "--out", str(out), "--jobs", "1", "--cells-per-process", "2"])
+    err = capsys.readouterr().err
+    assert code != EXIT_OK and "dropout layer" in err and "--cells-per-process 1" in err, err
+    assert not (out / "cells").exists()  # refused before any cell ran
+    assert main(["simulate", str(grid), "--out", str(out), "--jobs", "1"]) == EXIT_OK
