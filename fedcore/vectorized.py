@@ -1061,9 +1061,9 @@ KEPT: ContextVar[dict[Hashable, _Kept] | None] = ContextVar("fedmq_vectorized_ke
 
 @contextmanager
 def keep_rounds() -> Iterator[None]:
-    """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training) or on
-    an objective with a key (`keep_as`: KDIA's, FedACD's, the loss terms'), and a
-    model with no tensor outside its parameters and buffers, keeps its round, and a later call with the
+    """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training) and a
+    model with no tensor outside its parameters and buffers, or a call with a key (`keep_as`: KDIA's,
+    FedACD's, FedNH's, the loss terms'), keeps its round, and a later call with the
     same signature (the same model object, device, number of nodes, settings, transform, objective
     key) and no more rows of data trains in it: its buffers refilled
     in place, so that on a CUDA device the graphs captured by the first call replay every later one,
@@ -1115,10 +1115,11 @@ def _kept_round(
     epoch_starts: _EpochStarts | None = None,
 ) -> _Kept | None:
     """Inside `keep_rounds`, the kept round for this call, reset to it, or a new one kept (the oldest
-    dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors. A kept round
+    dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors unless the call
+    has a key (which then holds their addresses: FedNH's prototypes, loaded in place). A kept round
     trains with the objective of the call that built it (`objective_key` says it is this call's)."""
     kept_rounds = KEPT.get()
-    if kept_rounds is None or _holds_loose_tensors(model):
+    if kept_rounds is None or (objective_key is None and _holds_loose_tensors(model)):
         return None
     rows = sum(len(d) for d in ordered)
     # what the round's buffers are laid out for: a call that differs gets a round of its own, so that a
@@ -1215,7 +1216,9 @@ def train_vectorized(
     the objective must read nothing but its `NodeBatch` and tensors that keep their addresses from call
     to call (updated in place: a spare model's parameters), and the key must hold every Python value
     it reads (hyperparameters, flags) and those tensors' addresses; its `inputs` and `carry` are copied
-    into the kept round's, and its `epoch_start` replaces the kept round's. FedAvg's objective needs no key.
+    into the kept round's, and its `epoch_start` replaces the kept round's. FedAvg's objective needs no key,
+    unless `model` holds tensors outside its parameters and buffers (FedNH's prototypes), which are kept
+    only under a key holding their addresses (loaded in place from call to call).
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -1253,7 +1256,7 @@ def train_vectorized(
             plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
             own = [starts[k] for k in order] if starts is not None else None
             default = objective is cross_entropy_objective and not (draws or stacked or carried or epoch_start)
-            key = None if default else keep_as
+            key = keep_as  # FedAvg's objective needs none; with one, the key vouches for the model's loose tensors
             starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
             kept = None
             if default or keep_as is not None:

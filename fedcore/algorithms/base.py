@@ -150,7 +150,9 @@ class Failure:
     detail: str = ""
 
 
-def _no_scratch(key: str, build: Callable[[], nn.Module] | None = None) -> nn.Module:
+def no_scratch(key: str, build: Callable[[], nn.Module] | None = None) -> nn.Module:
+    """A task's `scratch` where it has no spare models (a bare `TaskInput`): a method that can do
+    without one compares against it."""
     raise RuntimeError("this task has no scratch models")
 
 
@@ -160,7 +162,7 @@ class TaskInput:
     round: int
     payload: Payload
     settings: TrainSettings
-    scratch: Callable[..., nn.Module] = _no_scratch
+    scratch: Callable[..., nn.Module] = no_scratch
     """``scratch(key)`` gives a spare model of the training model's architecture on its device, and
     ``scratch(key, build)`` one made by `build`: kept by key and shared by the nodes of a process
     (they train one at a time), so a teacher or a previous model costs one module per process, not

@@ -231,6 +231,13 @@ class _Trainable(nn.Module):
         value = scale.detach().clone().reshape(1)
         self.scale: torch.Tensor = nn.Parameter(value) if learn_scale else value
 
+    def load(self, prototypes: torch.Tensor, scale: torch.Tensor) -> None:
+        """This round's prototypes and s, in place: the tensors keep their addresses, which a round kept
+        from an earlier group reads (`train_group`'s `keep_as`)."""
+        with torch.no_grad():
+            self.fixed.copy_(F.normalize(prototypes.detach(), dim=1))
+            self.scale.copy_(scale.detach().reshape(1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fednh_logits(self.body.extract(x).flatten(1), self.fixed, self.scale)  # type: ignore[operator]
 
@@ -364,14 +371,29 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         """`train` for every member at once: the body and s (when learnt) trained as one vectorised
         computation of FedNH's cosine classifier on the fixed prototypes (`_Trainable`: the same network
         as `PrototypeClassifier`, with the prototypes held outside its parameters and buffers), then each
-        member's class means from its own trained body."""
+        member's class means from its own trained body. The `_Trainable` is a spare model of the task's
+        (`scratch`), loaded in place each round, so that a later round may train in this one's kept round
+        (`keep_as`: its loose tensors' addresses, which it reads)."""
         task = shared.start_group(self, members, model).task
         classes, dim = shared.node_model_shape(model, "FedNH", node_id=self.node_id, round=task.round)
         device = next(model.parameters()).device
         prototypes = self._tensor(task, "prototypes", "weight", (classes, dim)).to(device)
         scale = self._tensor(task, "scale", "value", (1,)).to(device)
-        net = _Trainable(model, prototypes, scale, learn_scale=self.hp.learn_scale)
-        results = train_vectorized(net, [m.data for m in members], task.settings, [m.generator for m in members])
+        learn = self.hp.learn_scale
+
+        def build() -> _Trainable:
+            return _Trainable(model, prototypes, scale, learn_scale=learn)
+
+        # a task with no spare models (a bare TaskInput) builds one for this round alone
+        net = (
+            build() if task.scratch is base.no_scratch else task.scratch(f"fednh-trainable-{id(model)}-{learn}", build)
+        )
+        assert isinstance(net, _Trainable) and net.body is model
+        net.load(prototypes, scale)
+        key = ("fednh", self.hp, net.fixed.data_ptr(), net.scale.data_ptr())
+        results = train_vectorized(
+            net, [m.data for m in members], task.settings, [m.generator for m in members], keep_as=key
+        )
         payloads = []
         for member, (state, stats) in zip(members, results, strict=True):
             body = {name.removeprefix("body."): t for name, t in state.items() if name.startswith("body.")}

@@ -64,7 +64,7 @@ def test_a_vectorised_simulation_replays_bit_for_bit(tmp_path: Path) -> None:
     assert outcome.report.final_model_sha256 == summary["model_sha256"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "kdia", "moon", "fedacd", "fedrcl"])
+@pytest.mark.parametrize("method", ["fedavg", "kdia", "moon", "fedacd", "fedrcl", "fednh"])
 def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
@@ -73,7 +73,8 @@ def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
     objective, KDIA's with its teacher and generated features (its key: `keep_as`), MOON's with each
     node's previous models (its members' inputs, refilled in the kept round), and FedACD's with its P
     carried from step to step (refilled too). FedRCL's with the lr decaying from round to round and from
-    epoch to epoch (a call per epoch): the lr is read from the device, so all of them share one round."""
+    epoch to epoch (a call per epoch): the lr is read from the device, so all of them share one round.
+    FedNH's, whose prototypes and s are loaded in place into a spare model each round."""
     from fedmq.fedcore.vectorized import _Round
 
     cheap = ["method.hyperparams={gen_epochs: 1, gen_batches_per_epoch: 5}"] if method == "kdia" else []

@@ -74,6 +74,20 @@ def shards(data: TensorDataset) -> list[TensorDataset]:
     return out
 
 
+def spare_models(input_shape: tuple[int, ...], device: torch.device) -> Callable[..., torch.nn.Module]:
+    """A task's `scratch`: spare models kept by key, on `device`, as a node's workspace keeps them
+    (fednode.workspace)."""
+    scratch: dict[str, torch.nn.Module] = {}
+
+    def spare(key: str, build: Any = None) -> torch.nn.Module:
+        if key not in scratch:
+            module = build() if build is not None else build_model("cnn", input_shape, 10, seed=0)
+            scratch[key] = module.double().to(device)
+        return scratch[key]
+
+    return spare
+
+
 def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset]) -> list[GroupMember]:
     spec = get_algorithm(method)
     params = build_hyperparams(spec, dict(hp))
@@ -93,16 +107,11 @@ def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset
                     t.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
         tensors["generator"] = generator.state_dict()
         meta["generate"] = True
-    scratch: dict[str, torch.nn.Module] = {}
-    device = datasets[0].x.device
-
-    def spare(key: str, build: Any = None) -> torch.nn.Module:
-        # on the data's device, as a node's workspace makes its spare models (fednode.workspace)
-        if key not in scratch:
-            module = build() if build is not None else build_model("cnn", datasets[0].input_shape, 10, seed=0)
-            scratch[key] = module.double().to(device)
-        return scratch[key]
-
+    if method == "fednh":  # the coordinator's prototypes and s, as its task carries them
+        classes, dim = model.num_classes, model.feature_dim
+        prototypes = torch.randn(classes, dim, generator=torch.Generator().manual_seed(80), dtype=torch.float64)
+        tensors["prototypes"], tensors["scale"] = {"weight": prototypes}, {"value": torch.tensor([3.0])}
+    spare = spare_models(datasets[0].input_shape, datasets[0].x.device)
     group = [
         GroupMember(
             half=spec.node(params, node_id=f"node-{i}"),
@@ -556,6 +565,8 @@ KEYED: dict[str, tuple[str, dict[str, Any]]] = {
     "fedacd": ("fedacd", CASES["fedacd"]),  # the running P carried from step to step, and Mixup's draws
     "fedacd-clean": ("fedacd", {"p_estimate": "clean", "mixup_alpha": 0.0}),  # P renewed each epoch
     "fedrcl": ("fedrcl", CASES["fedrcl"]),  # a call per epoch, each at its own lr, all in one kept round
+    "fednh": ("fednh", {"learn_scale": True}),  # its prototypes loose tensors of a spare model, loaded in place
+    "fednh-fixed-s": ("fednh", {"learn_scale": False}),  # s a loose tensor too
 }
 """The methods whose group objective has a key (`GroupTerm.key`, `keep_as`): kept from round to round."""
 
@@ -577,6 +588,9 @@ def rounds_of(
         tensors["model"] = build_model("cnn", digits.input_shape, 10, seed=30 + r).double().to(device).state_dict()
         if "teacher" in tensors:
             tensors["teacher"] = build_model("cnn", digits.input_shape, 10, seed=40 + r).double().state_dict()
+        if "prototypes" in tensors:  # FedNH's: moved and rescaled by the coordinator each round
+            tensors["prototypes"] = {"weight": tensors["prototypes"]["weight"].roll(r, dims=0) + 0.1 * r}
+            tensors["scale"] = {"value": tensors["scale"]["value"] + r}
         if "generator" in tensors:
             tensors["generator"] = {
                 name: t + 0.01 * r if t.is_floating_point() else t for name, t in tensors["generator"].items()
@@ -604,7 +618,12 @@ def assert_kept_rounds_are_fresh_rounds(case: str, digits: TensorDataset, device
         return [group[0].half.train_group(group, workspace) for group in rounds]
 
     workspace = build_model("cnn", digits.input_shape, 10, seed=6).double().to(device)
-    fresh = train(rounds_of(method, hp, digits, device), workspace)
+    # fresh rounds with spare models of their own: a kept round must not lean on what a spare kept
+    alone = []
+    for group in rounds_of(method, hp, digits, device):
+        spare = spare_models(digits.input_shape, device)
+        alone.append([dataclasses.replace(m, task=dataclasses.replace(m.task, scratch=spare)) for m in group])
+    fresh = train(alone, workspace)
     with vectorized.keep_rounds():
         kept = train(rounds_of(method, hp, digits, device), workspace)
         held = vectorized.KEPT.get()
@@ -622,13 +641,13 @@ def test_a_keyed_objective_trains_in_a_kept_round_as_in_a_fresh_one(digits: Tens
     spare models loaded in place (KDIA's and FedGKD's teachers) can be kept (`GroupTerm.key`, `keep_as`):
     three rounds of other shards and new models, teachers and generators give bitwise what fresh rounds
     give, in one kept round (FedACD's P carried from step to step, or renewed each epoch, and FedRCL's
-    epochs at their own lr included)."""
+    epochs at their own lr, and FedNH's prototypes and s loaded in place into its spare model, included)."""
     assert_kept_rounds_are_fresh_rounds(case, digits, CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean", "fedrcl"])
+@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean", "fedrcl", "fednh"])
 def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_rounds(
     digits: TensorDataset, case: str
 ) -> None:
