@@ -223,9 +223,10 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 theta, start, grad_k = batch.params[n], batch.start[n], batch.inputs[n]
                 yield (alpha / 2) * (theta - start).pow(2).sum() - (grad_k * theta).sum()
 
+        # kept from round to round (`keep_as`): the regulariser reads its batch, its inputs and alpha
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=shared.gradient_terms(regulariser), inputs=inputs,
+            objective=shared.gradient_terms(regulariser), inputs=inputs, keep_as=("feddyn", self.hp),
         )  # fmt: skip
         for half, (state, _) in zip(halves, results, strict=True):
             half._step_state({name: state[name] for name in names}, anchor)

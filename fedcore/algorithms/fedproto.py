@@ -299,6 +299,11 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         starts = [h.local if self.hp.local_models and h.local is not None else model.state_dict() for h in halves]
         extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
 
+        # the global prototypes as each member's inputs (the same rows), so that a later round's group
+        # may train in this one's kept round, which copies its inputs in (`keep_as`)
+        k = len(members)
+        inputs = {"prototypes": prototypes.expand(k, classes, dim), "present": present.expand(k, classes)}
+
         def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             h = extract(batch.params, batch.x)
             assert isinstance(h, torch.Tensor)
@@ -307,7 +312,8 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             features = h.flatten(1)
             loss = batch.mean(nll(logits, batch.y))
             if regularise:  # lambda MSE(f(x), C_bar^(y)), a mean over the real rows and the features
-                target = torch.where(present[batch.y][:, None], prototypes[batch.y], features.detach())
+                known, centres = batch.inputs["present"], batch.inputs["prototypes"]
+                target = torch.where(known[batch.y][:, None], centres[batch.y], features.detach())
                 loss = loss + lam * batch.mean((features - target).pow(2).mean(dim=1))
             if not record:
                 return loss, {}
@@ -318,7 +324,8 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
 
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, draws=_LastEpoch() if record else None, starts=starts,
+            objective=objective, draws=_LastEpoch() if record else None, starts=starts, inputs=inputs,
+            keep_as=("fedproto", self.hp, regularise, classes, dim),
         )  # fmt: skip
         payloads = []
         for half, member, (state, stats) in zip(halves, members, results, strict=True):

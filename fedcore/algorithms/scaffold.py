@@ -286,9 +286,11 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             """<c - c_i, y>, parameter by parameter."""
             return ((batch.inputs[n] * batch.params[n]).sum() for n in names)
 
+        # kept from round to round (`keep_as`): the correction reads its batch and its inputs (c - c_i)
         results = train_vectorized(
             model, [m.data for m in members], settings, [m.generator for m in members],
             objective=shared.gradient_terms(correction), inputs=inputs, sum_gradients=option == "gradient_mean",
+            keep_as=("scaffold", self.hp),
         )  # fmt: skip
         payloads = []
         for i, (half, member, (state, stats)) in enumerate(zip(halves, members, results, strict=True)):

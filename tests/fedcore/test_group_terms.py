@@ -107,6 +107,15 @@ def members(method: str, hp: Mapping[str, Any], datasets: Sequence[TensorDataset
                     t.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
         tensors["generator"] = generator.state_dict()
         meta["generate"] = True
+    if method == "scaffold":  # the server's control c
+        gen = torch.Generator().manual_seed(30)
+        tensors["control"] = {
+            n: torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.05 for n, p in model.named_parameters()
+        }
+    if method == "fedproto":  # global prototypes for some classes only
+        present = torch.arange(model.num_classes) % 3 != 0
+        centres = torch.randn(model.num_classes, model.feature_dim, generator=torch.Generator().manual_seed(60))
+        tensors["prototypes"] = {"weight": centres * present[:, None], "present": present}
     if method == "fednh":  # the coordinator's prototypes and s, as its task carries them
         classes, dim = model.num_classes, model.feature_dim
         prototypes = torch.randn(classes, dim, generator=torch.Generator().manual_seed(80), dtype=torch.float64)
@@ -567,6 +576,9 @@ KEYED: dict[str, tuple[str, dict[str, Any]]] = {
     "fedrcl": ("fedrcl", CASES["fedrcl"]),  # a call per epoch, each at its own lr, all in one kept round
     "fednh": ("fednh", {"learn_scale": True}),  # its prototypes loose tensors of a spare model, loaded in place
     "fednh-fixed-s": ("fednh", {"learn_scale": False}),  # s a loose tensor too
+    "feddyn": ("feddyn", {"alpha": 0.1}),  # each member's grad_k, stepped by each round, in its inputs
+    "scaffold": ("scaffold", {"control_update": "gradient_mean"}),  # c - c_i, each member's c_i its own
+    "fedproto": ("fedproto", {}),  # each member from its own local model; the global prototypes as inputs
 }
 """The methods whose group objective has a key (`GroupTerm.key`, `keep_as`): kept from round to round."""
 
@@ -588,9 +600,15 @@ def rounds_of(
         tensors["model"] = build_model("cnn", digits.input_shape, 10, seed=30 + r).double().to(device).state_dict()
         if "teacher" in tensors:
             tensors["teacher"] = build_model("cnn", digits.input_shape, 10, seed=40 + r).double().state_dict()
-        if "prototypes" in tensors:  # FedNH's: moved and rescaled by the coordinator each round
+        if "scale" in tensors:  # FedNH's prototypes: moved and rescaled by the coordinator each round
             tensors["prototypes"] = {"weight": tensors["prototypes"]["weight"].roll(r, dims=0) + 0.1 * r}
             tensors["scale"] = {"value": tensors["scale"]["value"] + r}
+        elif "prototypes" in tensors:  # FedProto's: other centres, and other classes known, each round
+            present = tensors["prototypes"]["present"].roll(r)
+            centres = tensors["prototypes"]["weight"].roll(r, dims=0) + 0.1 * r
+            tensors["prototypes"] = {"weight": centres * present[:, None], "present": present}
+        if "control" in tensors:  # SCAFFOLD's c, moved by each round's control deltas
+            tensors["control"] = {name: t * (1 + r) for name, t in tensors["control"].items()}
         if "generator" in tensors:
             tensors["generator"] = {
                 name: t + 0.01 * r if t.is_floating_point() else t for name, t in tensors["generator"].items()
@@ -647,7 +665,7 @@ def test_a_keyed_objective_trains_in_a_kept_round_as_in_a_fresh_one(digits: Tens
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean", "fedrcl", "fednh"])
+@pytest.mark.parametrize("case", ["fedprox", "moon", "kdia", "fedacd", "fedacd-clean", "fedrcl", "fednh", "fedproto"])
 def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_rounds(
     digits: TensorDataset, case: str
 ) -> None:
