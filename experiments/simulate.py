@@ -280,6 +280,8 @@ def write_local_run(
         "updates_lost_in_flight": fed.lost_in_flight,
         "vectorized": fed.vectorize,
         "groups_trained": fed.groups_trained,
+        # with simulation.reuse_rounds: the groups that trained in a kept round, built one, or kept none
+        "rounds_kept": {k: fed.rounds_kept[k] for k in ("reused", "built", "not kept")} if fed.reuse_rounds else None,
         "train_seconds": round(fed.train_seconds, 3),
         "images_trained": fed.images_trained,
         "train_share": round(fed.train_seconds / wall_s, 3) if wall_s > 0 else None,

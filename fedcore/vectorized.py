@@ -1058,9 +1058,12 @@ class _Kept:
 KEPT: ContextVar[dict[Hashable, _Kept] | None] = ContextVar("fedmq_vectorized_kept", default=None)
 """The rounds `train_vectorized` keeps for the next call with the same signature, inside `keep_rounds`."""
 
+KEPT_COUNTS: ContextVar[Counter[str] | None] = ContextVar("fedmq_vectorized_kept_counts", default=None)
+"""What became of each vectorised call inside `keep_rounds`, counted (`keep_rounds` yields the counter)."""
+
 
 @contextmanager
-def keep_rounds() -> Iterator[None]:
+def keep_rounds() -> Iterator[Counter[str]]:
     """Inside the block, a `train_vectorized` call on the default objective (FedAvg's training) and a
     model with no tensor outside its parameters and buffers, or a call with a key (`keep_as`: KDIA's,
     FedACD's, FedNH's, the loss terms'), keeps its round, and a later call with the
@@ -1068,12 +1071,18 @@ def keep_rounds() -> Iterator[None]:
     key) and no more rows of data trains in it: its buffers refilled
     in place, so that on a CUDA device the graphs captured by the first call replay every later one,
     with no warm-up steps and no capture. Results are bitwise those of a fresh round. At most
-    `KEPT_ROUNDS` are kept; rounds and graphs are freed when the block ends."""
-    token = KEPT.set({})
+    `KEPT_ROUNDS` are kept; rounds and graphs are freed when the block ends. Yields the count of the
+    block's calls by what became of them: "reused" (trained in a kept round), "built" (a round built and
+    kept), "not kept" (a call with neither FedAvg's objective nor a key, or its model's loose tensors
+    without a key): a run whose calls keep being "built" has something in their signature that changes
+    from call to call, and gains nothing from keeping them."""
+    counts: Counter[str] = Counter()
+    token, counting = KEPT.set({}), KEPT_COUNTS.set(counts)
     try:
-        yield
+        yield counts
     finally:
         KEPT.reset(token)
+        KEPT_COUNTS.reset(counting)
 
 
 KEPT_ROUNDS = 4
@@ -1119,7 +1128,10 @@ def _kept_round(
     has a key (which then holds their addresses: FedNH's prototypes, loaded in place). A kept round
     trains with the objective of the call that built it (`objective_key` says it is this call's)."""
     kept_rounds = KEPT.get()
-    if kept_rounds is None or (objective_key is None and _holds_loose_tensors(model)):
+    if kept_rounds is None:
+        return None
+    if objective_key is None and _holds_loose_tensors(model):
+        _count_unkept()
         return None
     rows = sum(len(d) for d in ordered)
     # what the round's buffers are laid out for: a call that differs gets a round of its own, so that a
@@ -1130,9 +1142,14 @@ def _kept_round(
         model, len(ordered), settings, transform, sum_gradients, known is not None, (objective_key, layout)
     )
     kept = kept_rounds.get(key)
+    counts = KEPT_COUNTS.get()
     if kept is not None and rows <= kept.capacity:
         kept.round.reset(model, ordered, plan, starts, inputs, carry, epoch_starts, settings)
+        if counts is not None:
+            counts["reused"] += 1
         return kept
+    if counts is not None:
+        counts["built"] += 1
     capacity = rows * 5 // 4  # room for later, larger groups
     device = next(model.parameters()).device
     own_inputs = {name: t.clone() for name, t in (inputs or {}).items()}  # the round's: refilled by later calls
@@ -1146,6 +1163,12 @@ def _kept_round(
         kept_rounds.pop(next(iter(kept_rounds)))
     kept = kept_rounds[key] = _Kept(round_, {}, capacity, model, transform)
     return kept
+
+
+def _count_unkept() -> None:
+    counts = KEPT_COUNTS.get()
+    if counts is not None:
+        counts["not kept"] += 1
 
 
 def _holds_loose_tensors(model: nn.Module) -> bool:
@@ -1259,7 +1282,9 @@ def train_vectorized(
             key = keep_as  # FedAvg's objective needs none; with one, the key vouches for the model's loose tensors
             starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
             kept = None
-            if default or keep_as is not None:
+            if not (default or keep_as is not None):
+                _count_unkept()
+            else:
                 kept = _kept_round(
                     model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked,
                     carried, starts_at,

@@ -146,6 +146,9 @@ class LocalFederation:
     shape (`fedcore.vectorized.keep_rounds`)."""
     groups_trained: int = 0
     """Groups of nodes trained as one computation."""
+    rounds_kept: Counter[str] = field(default_factory=Counter)
+    """With `reuse_rounds`, the vectorised calls by what became of their rounds: reused, built, not kept
+    (`fedcore.vectorized.keep_rounds`)."""
     images_trained: int = 0
     """Node-training images: each trained task's local epochs times its shard."""
     train_seconds: float = 0.0
@@ -231,7 +234,7 @@ class LocalFederation:
         modes = ExitStack()
         modes.enter_context(graph_mode(self.graphs))
         if self.reuse_rounds:
-            modes.enter_context(keep_rounds())
+            self.rounds_kept = modes.enter_context(keep_rounds())
         return modes
 
     def _drain_now(self) -> None:

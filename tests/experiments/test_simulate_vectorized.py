@@ -91,6 +91,8 @@ def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
     assert all(torch.equal(fresh[k], v) for k, v in fed.model().items())
     assert [r["accuracy"] for r in kept_records] == [r["accuracy"] for r in fresh_records]
     summary = simulate(_config([*common, "simulation.reuse_rounds=true"]), tmp_path / "run", device=CPU)
+    calls = 4 * (_config(common).train.local_epochs if method == "fedrcl" else 1)  # FedRCL: a call per epoch
+    assert summary["rounds_kept"] == {"reused": calls - 1, "built": 1, "not kept": 0}  # one round, built once
     outcome = replay_run(tmp_path / "run", device=CPU)
     assert outcome.ok and outcome.report.final_model_sha256 == summary["model_sha256"], outcome.mismatch
     assert not outcome.notes, outcome.notes
