@@ -17,9 +17,11 @@ COMPANIONS = {
     "fedvls-beta005-seeds-authors",
     "fedvls-beta005-authors",
     "fedvls-beta005-one-split",
+    "fedacd-beta01",
 }
 """Companions of a paper's files, neither its full nor its reduced config (more seeds for a few methods,
-the authors' evaluation pipeline): they load and name valid methods (the last test), nothing more."""
+the authors' evaluation pipeline, a GPU session's first cells): they load and name valid methods (the
+last test), nothing more."""
 FULL = sorted(p for p in PAPERS.glob("*.yaml") if not p.stem.endswith("-reduced") and p.stem not in COMPANIONS)
 
 
