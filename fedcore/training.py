@@ -6,11 +6,12 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.optim.sgd import sgd
 
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import ConfigError, check_section
@@ -105,11 +106,72 @@ class TrainStats:
     clipping (`train_vectorized(sum_gradients=True)`: SCAFFOLD's gradient_mean)."""
 
 
+class Stepper(Protocol):
+    """What local training asks of its optimiser: a torch Optimizer, or `SGDSteps`."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step(self) -> Any: ...
+
+
 def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if settings.optimizer == "adam":
         return torch.optim.Adam(params, lr=settings.lr, weight_decay=settings.weight_decay)
     return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+
+
+class SGDSteps:
+    """`torch.optim.SGD`'s steps, made by the function its `step` calls (`torch.optim.sgd.sgd`) with the
+    arguments it passes, for local training without DP-SGD. Why not the class: torch's Optimizer classes
+    import torch._dynamo at their first use (`add_param_group` and `zero_grad` are `_disable_dynamo`'d),
+    1.6 s on a 2-core CPU that every node daemon's first round waited for; the function imports
+    nothing. Bitwise the class's steps (tests/fedcore/test_training_steps.py)."""
+
+    def __init__(self, model: nn.Module, settings: TrainSettings) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.settings = settings
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+        """Each parameter's momentum buffer, made at its first step with a gradient (as SGD's state)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        held = [i for i, p in enumerate(self.params) if p.grad is not None]  # SGD skips a parameter with none
+        params: list[torch.Tensor] = [self.params[i] for i in held]
+        grads = [p.grad for p in params if p.grad is not None]
+        buffers = [self.buffers[i] for i in held]
+        settings = self.settings
+        sgd(
+            params,
+            grads,
+            buffers,
+            weight_decay=settings.weight_decay,
+            momentum=settings.momentum,
+            lr=settings.lr,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            has_sparse_grad=any(g.is_sparse for g in grads),
+            foreach=None,  # torch's default for the tensors' device, as the class leaves it
+            fused=None,
+        )
+        if settings.momentum != 0:
+            for i, buffer in zip(held, buffers, strict=True):
+                self.buffers[i] = buffer
+
+
+def _stepper(model: nn.Module, settings: TrainSettings) -> Stepper:
+    """SGD without DP-SGD by `SGDSteps`; Adam, and any optimiser Opacus wraps, by torch's class."""
+    if settings.optimizer == "sgd" and settings.dp_noise_multiplier is None:
+        return SGDSteps(model, settings)
+    return make_optimizer(model, settings)
 
 
 def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -132,11 +194,12 @@ def local_sgd(
     `after_backward` lets it correct gradients (SCAFFOLD's control variates).
     """
     model.train()
-    optimizer = make_optimizer(model, settings)
+    optimizer = _stepper(model, settings)
     trained, close = model, None
     if settings.dp_noise_multiplier is not None:
         from fedmq.fedcore.privacy import private_training  # Opacus, only for DP-SGD
 
+        assert isinstance(optimizer, torch.optim.Optimizer)  # what Opacus wraps (`_stepper`)
         trained, optimizer, close = private_training(model, optimizer, settings, generator)
     try:
         return _epochs(trained, optimizer, data, settings, generator, loss_fn, after_backward)
@@ -156,7 +219,7 @@ def autocast(settings: TrainSettings, device: torch.device) -> AbstractContextMa
 
 def _epochs(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Stepper,
     data: TensorDataset,
     settings: TrainSettings,
     generator: torch.Generator,
