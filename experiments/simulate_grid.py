@@ -101,6 +101,18 @@ def resumable(directory: Path, cell: Cell) -> bool:
     return (directory / CHECKPOINT).exists() and not made_by_another(directory, cell.config)
 
 
+def _finished_runs(roots: Sequence[Path]) -> list[Path]:
+    """The run directories under `roots` that finished: each root itself (a single run) or its grid's
+    cells (ROOT/cells/*). A root that is neither is an error: a mistyped path would otherwise copy nothing."""
+    found: list[Path] = []
+    for root in roots:
+        runs = [root] if (root / "summary.json").exists() else sorted((root / "cells").glob("*/"))
+        if not runs:
+            raise ConfigError(f"--cells-from {root}: neither a run directory nor a grid's (no summary.json, no cells/)")
+        found += [run for run in runs if (run / "summary.json").exists()]
+    return found
+
+
 def simulate_grid(
     grid: Grid,
     out: Path,
@@ -111,10 +123,13 @@ def simulate_grid(
     console: Console | None = None,
     resume: bool = False,
     cells_per_process: int = 1,
+    cells_from: Sequence[Path] = (),
 ) -> int:
     """Simulate every cell not finished before, `jobs` processes at a time, each simulating
     `cells_per_process` cells at once (threads); write the grid's report. With `resume`, a cell cut off
-    goes on from its checkpoint instead of starting again."""
+    goes on from its checkpoint instead of starting again. `cells_from`: run directories of other grids
+    (or single runs), whose finished cells of the same experiment as one of this grid's are copied in
+    instead of run again (a baseline run once for several grids)."""
     if cells_per_process < 1:
         raise ValueError(f"cells_per_process must be at least 1, not {cells_per_process}")
     console = console or Console(highlight=False, soft_wrap=True)
@@ -134,10 +149,18 @@ def simulate_grid(
     (out / "cells").mkdir(parents=True, exist_ok=True)
     write_json(out / "grid.json", grid.describe())
     todo: list[Cell] = []
+    elsewhere = _finished_runs(cells_from)
     for cell in grid.cells:
         directory = out / "cells" / cell.cell_id
         if cell_is_done(directory, cell):
             console.print(f"[dim]{cell.cell_id}: finished before, kept[/]")
+            continue
+        found = next((d for d in elsewhere if cell_is_done(d, cell)), None)
+        if found is not None:
+            if directory.exists():
+                shutil.rmtree(directory)
+            shutil.copytree(found, directory)
+            console.print(f"[dim]{cell.cell_id}: finished in {found}, copied[/]")
             continue
         if resume and resumable(directory, cell):
             console.print(f"[dim]{cell.cell_id}: cut off before; resumed from its checkpoint[/]")

@@ -48,6 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " dropout, which draws from torch's global random stream while training, is refused)",
     )
     p.add_argument(
+        "--cells-from",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="for a grid: a run directory of another grid (or one run) whose finished cells of the same"
+        " experiment as one of this grid's are copied in instead of simulated again; repeatable",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --out from its last checkpoint (simulation.checkpoint_every), ending as an"
@@ -83,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--resume needs --out DIR: the run directory to continue")
     if "grid" in data:
         return _grid(args, data, sources)
+    if args.cells_from:
+        raise ConfigError(f"--cells-from is for a grid, and {args.config} has none")
     cfg = parse_config(data, source=str(args.config), sources=sources)
     set_threads(args.threads)
     out = args.out or Path("runs") / f"{cfg.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -109,4 +120,5 @@ def _grid(args: argparse.Namespace, data: dict[str, Any], sources: SourceMap) ->
         threads=args.threads,
         resume=args.resume,
         cells_per_process=args.cells_per_process,
+        cells_from=args.cells_from,
     )

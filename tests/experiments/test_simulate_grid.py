@@ -106,3 +106,29 @@ def test_cells_sharing_a_process_refuse_a_model_that_draws_from_the_global_strea
     assert code != EXIT_OK and "dropout layer" in err and "--cells-per-process 1" in err, err
     assert not (out / "cells").exists()  # refused before any cell ran
     assert main(["simulate", str(grid), "--out", str(out), "--jobs", "1"]) == EXIT_OK
+
+
+def test_cells_finished_by_another_grid_are_copied_not_simulated_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--cells-from DIR`: a grid's cell that another run directory finished with the same experiment (a
+    smaller grid of the same file, here FedAvg alone) is copied in, bit for bit, and only the others run;
+    a directory that holds no run is refused."""
+    grid = _grid_file(tmp_path)
+    spec = yaml.safe_load(grid.read_text()) | {"rounds": 1}
+    spec["grid"]["seed"] = [0]
+    grid.write_text(yaml.safe_dump(spec))
+    first, whole = tmp_path / "fedavg", tmp_path / "whole"
+    only = ["--set", "grid.method={FedAvg: {name: fedavg}}"]
+    assert main(["simulate", str(grid), "--out", str(first), *only]) == EXIT_OK
+    (done,) = (first / "cells").iterdir()
+    capsys.readouterr()
+    assert main(["simulate", str(grid), "--out", str(whole), "--cells-from", str(first)]) == EXIT_OK
+    said = capsys.readouterr().out
+    assert "finished in" in said and "1 of 2 cells to simulate" in said, said
+    copied = next(c for c in (whole / "cells").iterdir() if "FedAvg" in c.name)
+    assert (copied / "metrics.jsonl").read_bytes() == (done / "metrics.jsonl").read_bytes()
+    assert (copied / "summary.json").read_bytes() == (done / "summary.json").read_bytes()  # not run again
+    assert "FedProx" in (whole / "report.md").read_text()
+    code = main(["simulate", str(grid), "--out", str(tmp_path / "x"), "--cells-from", str(tmp_path / "nothing")])
+    assert code != EXIT_OK and "--cells-from" in capsys.readouterr().err
