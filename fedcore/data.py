@@ -31,6 +31,7 @@ import torch
 from fedmq.fedcore import plugins
 from fedmq.fedcore.datasets.cache import Arrays
 from fedmq.fedcore.datasets.cifar import load_cifar
+from fedmq.fedcore.datasets.digits import digits_arrays
 from fedmq.fedcore.datasets.download import TORCHVISION, fetch
 from fedmq.fedcore.datasets.folders import load_cinic10, load_tiny_imagenet
 from fedmq.fedcore.datasets.local import Schema, read_local
@@ -166,11 +167,9 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: 
 
 def load_digits(*, seed: int, test_fraction: float = 0.25) -> Split:
     """scikit-learn's 8x8 digits (1,797 images, ships with the package, works offline), as 1x8x8 in [0, 1]."""
-    from sklearn.datasets import load_digits as sk_digits
-
-    bunch = sk_digits()
-    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
-    y = bunch.target.astype(np.int64)
+    images, target = digits_arrays()  # scikit-learn's file, read without importing scikit-learn
+    x = (images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = target.astype(np.int64)
     train, test = _stratified_split(x, y, test_fraction, seed)
     return Split(
         TensorDataset(torch.from_numpy(x[train]), torch.from_numpy(y[train]), 10),
