@@ -4,6 +4,7 @@ as long as it serves."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import sys
@@ -77,26 +78,40 @@ async def _serve(args: argparse.Namespace, signals: Any) -> int:
     write_text(args.out / "config.yaml", cfg.to_yaml())
     report = partition_report(cfg, load_split(cfg))
     write_json(args.out / "partition.json", report)
-    partition_png(args.out / "partition.png", report)
-    coordinator = build_coordinator(
-        cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=broker_access(args)
-    )
-    tune_process(coordinator.bus_config)
-    with _tensorboard(args, coordinator):
-        # the HTTP API first: its options are checked at once, and /readyz says 503 while the broker is awaited
-        async with _http_api(args, coordinator, cfg):
-            # after what can be checked here: a mistake is said at once
-            await daemon.wait_for_broker(args, cfg, notifier)
-            async with notifier.running(
-                [coordinator.connected], lambda: coordinator_status(coordinator, cfg.step_name)
-            ):
-                summary = await coordinator.serve()
+    # drawn on a thread beside the start-up (matplotlib's import and the drawing took 1.2 s of a 2-core
+    # CPU, which the first round waited for), awaited before the coordinator exits
+    drawing = asyncio.create_task(asyncio.to_thread(partition_png, args.out / "partition.png", report))
+    try:
+        coordinator = build_coordinator(
+            cfg, args.broker, args.out, federation=args.federation, resume=args.resume, access=broker_access(args)
+        )
+        tune_process(coordinator.bus_config)
+        with _tensorboard(args, coordinator):
+            # the HTTP API first: its options are checked at once, and /readyz says 503 while the broker is awaited
+            async with _http_api(args, coordinator, cfg):
+                # after what can be checked here: a mistake is said at once
+                await daemon.wait_for_broker(args, cfg, notifier)
+                async with notifier.running(
+                    [coordinator.connected], lambda: coordinator_status(coordinator, cfg.step_name)
+                ):
+                    summary = await coordinator.serve()
+    finally:
+        await _drawn(drawing, args.out / "partition.png")
     if summary.final_accuracy is not None:
         print(
             f"final accuracy {summary.final_accuracy:.4f} (best {summary.best_accuracy:.4f}) after"
             f" {summary.rounds_completed} {cfg.step_name}s in {summary.wall_seconds:.1f} s"
         )
     return EXIT_OK if summary.state == "finished" else EXIT_FAILED
+
+
+async def _drawn(drawing: asyncio.Task[Any], path: Path) -> None:
+    """The partition's figure finished; one that could not be drawn is said, not fatal (the run's
+    partition.json holds the same histogram)."""
+    try:
+        await drawing
+    except Exception as exc:  # matplotlib's own errors: the figure is a convenience of the run directory
+        logger.warning("could not draw %s: %s", path, exc)
 
 
 @contextlib.contextmanager
