@@ -67,7 +67,7 @@ NARROW = {
     "cryptography": {"broker/servers/provision.py", "fedcore/secagg.py"},
     "Crypto": {"fedcore/secagg.py"},  # pycryptodome's Shamir sharing (secure aggregation)
     "argon2": {"broker/servers/provision.py"},  # amqtt's password hashes (amqtt depends on it)
-    "sklearn": {"fedcore/data.py"},
+    "sklearn": {"fedcore/datasets/digits.py"},  # its loader, where its packaged digits file is elsewhere
     "opacus": {"fedcore/privacy.py"},  # the privacy accountant (the privacy extra)
     "PIL": {"fedcore/datasets/images.py"},  # image decoding (WebP packs, PNG/JPEG folders)
     "torchvision": {"fedcore/datasets/download.py"},  # see EXCEPTIONS

@@ -377,7 +377,9 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             logits, taps = out
             return batch.mean(nll(logits, batch.y)) + group_rcl_loss([taps[n] for n in names], batch, hp)
 
-        return shared.GroupTerm(objective, key=self.hp)  # its taps: the hyperparameters' of the kept model
+        # kept from round to round under its hyperparameters: its taps follow from them and the model, which
+        # a kept round's signature holds
+        return shared.GroupTerm(objective, key=self.hp)
 
     def fit_group(
         self,
