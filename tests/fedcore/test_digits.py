@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from fedmq.fedcore.datasets.digits import digits_arrays, packaged_digits_file
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interpreter import fresh_python
 
 
 def test_digits_read_from_the_packaged_file_are_sklearns_load_digits_bitwise() -> None:
@@ -31,6 +26,4 @@ def test_loading_the_digits_imports_no_sklearn() -> None:
         "split = load_dataset('digits', seed=0)\n"
         "print(len(split.train) + len(split.test), 'sklearn' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1797", "False"]
+    assert fresh_python(code).split() == ["1797", "False"]

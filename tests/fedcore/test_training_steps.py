@@ -3,17 +3,13 @@ torch._dynamo import (what the class costs a process at its first use)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from fedmq.fedcore.training import SGDSteps, TrainSettings
+from tests.interpreter import fresh_python
 
-ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]  # fmt: skip
 
 
@@ -76,6 +72,4 @@ def test_local_training_imports_no_torch_dynamo() -> None:
         "local_sgd(model, data, TrainSettings(momentum=0.9, batch_size=8), torch.Generator().manual_seed(0))\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert fresh_python(code).strip() == "False"
