@@ -490,9 +490,9 @@ class SimulationConfig(_Strict):
     reuse_rounds: bool = Field(
         False,
         description="keep each vectorised group's round, its buffers and on a GPU its captured CUDA graphs, for"
-        " the next group of the same shape (FedAvg's training: FedAvg, FedAvgM, FedSA, FedDisco; KDIA's and FedACD's"
-        " nodes; the loss terms of FedProx, FedLC, FedRS, FedNTD, FedGKD, MOON, FedVLS and FedDecorr), so that"
-        " later rounds replay the graphs with no warm-up steps and no capture; bitwise the same results",
+        " the next group of the same shape (every built-in method that trains in groups; a decayed lr is the same"
+        " shape), so that later rounds replay the graphs with no warm-up steps and no capture; bitwise the same"
+        " results (the summary's rounds_kept counts them)",
     )
     checkpoint_every: int = Field(
         10,

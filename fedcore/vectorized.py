@@ -843,10 +843,10 @@ class _Round:
         datasets: Sequence[TensorDataset],
         plan: _Plan,
         starts: Sequence[Mapping[str, torch.Tensor]] | None,
+        settings: TrainSettings,
         inputs: Mapping[str, torch.Tensor] | None = None,
         carry: Mapping[str, torch.Tensor] | None = None,
         epoch_starts: _EpochStarts | None = None,
-        settings: TrainSettings | None = None,
     ) -> None:
         """Make this round another call's (`keep_rounds`: the same signature), in place: every tensor a
         captured step reads keeps its address, so the graphs captured for the first call replay this one.
@@ -855,9 +855,8 @@ class _Round:
         this call's epoch starts (eager, between steps) replace the first's and its lr (`settings`, the
         signature's but for the lr) is set where the steps read it."""
         self.epoch_starts = epoch_starts  # the signature says there is one exactly when the round had one
-        if settings is not None:
-            self.settings = settings
-            self.lr.set(settings.lr)
+        self.settings = settings
+        self.lr.set(settings.lr)
         with torch.no_grad():
             for name, t in (inputs or {}).items():
                 self.inputs[name].copy_(t)
@@ -1131,7 +1130,7 @@ def _kept_round(
     if kept_rounds is None:
         return None
     if objective_key is None and _holds_loose_tensors(model):
-        _count_unkept()
+        _count("not kept")
         return None
     rows = sum(len(d) for d in ordered)
     # what the round's buffers are laid out for: a call that differs gets a round of its own, so that a
@@ -1142,14 +1141,11 @@ def _kept_round(
         model, len(ordered), settings, transform, sum_gradients, known is not None, (objective_key, layout)
     )
     kept = kept_rounds.get(key)
-    counts = KEPT_COUNTS.get()
     if kept is not None and rows <= kept.capacity:
-        kept.round.reset(model, ordered, plan, starts, inputs, carry, epoch_starts, settings)
-        if counts is not None:
-            counts["reused"] += 1
+        kept.round.reset(model, ordered, plan, starts, settings, inputs, carry, epoch_starts)
+        _count("reused")
         return kept
-    if counts is not None:
-        counts["built"] += 1
+    _count("built")
     capacity = rows * 5 // 4  # room for later, larger groups
     device = next(model.parameters()).device
     own_inputs = {name: t.clone() for name, t in (inputs or {}).items()}  # the round's: refilled by later calls
@@ -1165,10 +1161,11 @@ def _kept_round(
     return kept
 
 
-def _count_unkept() -> None:
+def _count(outcome: str) -> None:
+    """One call's outcome in `keep_rounds`' counter (none outside it)."""
     counts = KEPT_COUNTS.get()
     if counts is not None:
-        counts["not kept"] += 1
+        counts[outcome] += 1
 
 
 def _holds_loose_tensors(model: nn.Module) -> bool:
@@ -1283,7 +1280,7 @@ def train_vectorized(
             starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
             kept = None
             if not (default or keep_as is not None):
-                _count_unkept()
+                _count("not kept")
             else:
                 kept = _kept_round(
                     model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked,

@@ -132,3 +132,5 @@ def test_cells_finished_by_another_grid_are_copied_not_simulated_again(
     assert "FedProx" in (whole / "report.md").read_text()
     code = main(["simulate", str(grid), "--out", str(tmp_path / "x"), "--cells-from", str(tmp_path / "nothing")])
     assert code != EXIT_OK and "--cells-from" in capsys.readouterr().err
+    single = ["simulate", str(ROOT / "experiments" / "quickstart.yaml"), "--cells-from", str(first)]
+    assert main(single) != EXIT_OK and "is for a grid" in capsys.readouterr().err
