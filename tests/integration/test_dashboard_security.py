@@ -54,7 +54,8 @@ async def test_a_node_id_carrying_html_is_shown_as_text_and_no_script_sees_the_t
         assert await browser.evaluate("location.href") == api.url
         assert TOKEN not in await browser.evaluate("document.cookie + location.href + document.body.innerHTML")
         # the API still answers the page (the browser sends the cookie), and the stream is live
-        assert await browser.wait_for("document.getElementById('conn').textContent") == "live"
+        # the page starts "disconnected" (truthy): wait for the event stream to open, not for any text
+        assert await browser.wait_for("document.getElementById('conn').textContent === 'live'")
         # a script slipped into the page by other means does not run: the policy allows only the page's own
         await browser.evaluate(
             "const s = document.createElement('script'); s.textContent = 'window.__injected = 1';"

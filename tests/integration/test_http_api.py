@@ -182,7 +182,8 @@ async def test_the_dashboard_shows_the_nodes_and_a_growing_curve_in_a_browser(
             await browser.wait_for("document.body.dataset.state === 'waiting'")
             await browser.evaluate("window.__sameLoad = true")
             assert await browser.evaluate("document.body.dataset.records") == "0"
-            assert await browser.wait_for("document.getElementById('conn').textContent") == "live"
+            # the page starts "disconnected" (truthy): wait for the event stream to open, not for any text
+            assert await browser.wait_for("document.getElementById('conn').textContent === 'live'")
             fed.start_nodes(*(f"node-00{i}" for i in range(8)))
             # the page hears of the nodes and of each round over the stream, without reloading
             seen = []
