@@ -238,12 +238,17 @@ def _timed(call: Callable[[], object], device: torch.device, repeats: int) -> Ti
     return measure(synchronized(call, device), repeats=repeats, warmup=1)
 
 
-def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Timing]:
-    """Every path's time for one round of `case` on `device`."""
+def workload(case: Case, device: torch.device) -> tuple[nn.Module, list[TensorDataset]]:
+    """The case's model and its nodes' shards on `device`, as every path and count of the suite takes them."""
     data = cifar_shaped()
     data = TensorDataset(data.x, data.y, data.num_classes, train_transform=data.train_transform)
     model = build_model("moon-cnn", data.input_shape, data.num_classes, seed=0).to(device)
-    datasets = [d.to(device) for d in equal_shards(data, case.k, case.size)]
+    return model, [d.to(device) for d in equal_shards(data, case.k, case.size)]
+
+
+def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Timing]:
+    """Every path's time for one round of `case` on `device`."""
+    model, datasets = workload(case, device)
     settings = case.settings
     one_by_one = OneByOne.of(model)
     gpu = device.type == "cuda"
@@ -306,10 +311,7 @@ def step_ops(case: Case, device: torch.device) -> dict[str, int]:
     vmap reference's."""
     from fedmq.fedcore import vectorized
 
-    data = cifar_shaped()
-    data = TensorDataset(data.x, data.y, data.num_classes, train_transform=data.train_transform)
-    model = build_model("moon-cnn", data.input_shape, data.num_classes, seed=0).to(device)
-    datasets = [d.to(device) for d in equal_shards(data, case.k, case.size)]
+    model, datasets = workload(case, device)
     counted = OpCount()
 
     def last_step_counted(
@@ -329,6 +331,24 @@ def step_ops(case: Case, device: torch.device) -> dict[str, int]:
         reference.step_idx.copy_(reference.idx[:, 1])
         reference._step()
     return {"simulator, vectorised": counted.count, "reference: vmap over nodes": ref.count}
+
+
+def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
+    """A kept round's call with its steps skipped (`run_steps` a no-op): the host's work of the round, its
+    plan, the kept round's reset and the results, which the device waits for before the first step and
+    after the last; set beside the whole call's time, how much of a round is the host's."""
+    model, datasets = workload(case, device)
+    cpu = torch.device("cpu")
+    kept = KeptRounds(lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu)))
+    with steps_skipped():
+        return _timed(kept, device, repeats)
+
+
+def steps_skipped() -> contextlib.AbstractContextManager[object]:
+    """Inside it, a vectorised call does everything but its steps (`host_work`)."""
+    from fedmq.fedcore import vectorized
+
+    return mock.patch.object(vectorized, "run_steps", lambda *_, **__: None)
 
 
 def _add_case(report: Report, case: Case, device: torch.device, timings: dict[str, Timing]) -> float:
@@ -399,6 +419,17 @@ def run(options: BenchOptions) -> Report:
             for case in cases(options.quick, gpu):
                 timings = measure_case(case, device, repeats)
                 share = _add_case(report, case, device, timings)
+                host = host_work(case, device, repeats).median
+                whole = timings["simulator, vectorised, rounds kept"].median
+                report.add(
+                    "simulator, rounds kept: the host's work alone",
+                    host * 1e3,
+                    "ms",
+                    ratio=host / whole,
+                    ratio_means="the round's time with rounds kept",
+                    note="the call with its steps skipped: its plan, reset and results, which the device waits for",
+                    section=f"{case.label}, {device}",
+                )
                 ops = step_ops(case, device)
                 reference_ops = ops["reference: vmap over nodes"]
                 for name, count in ops.items():

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from fedmq.experiments.bench.common import BenchOptions
-from fedmq.experiments.bench.simulator import Case, main, run, step_ops
+from fedmq.experiments.bench.simulator import Case, main, run, step_ops, steps_skipped, workload
+from fedmq.experiments.bench.training import generators
+from fedmq.fedcore.vectorized import train_vectorized
 
 
 @pytest.mark.slow  # a benchmark suite end to end: real training, a simulated federation
@@ -30,6 +32,11 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
         "simulator, vectorised: operators a step",
         "reference: vmap over nodes: operators a step",
     }
+    host = next(f for f in report.figures if f.label == "simulator, rounds kept: the host's work alone")
+    kept = next(f for f in training if f.label == "simulator, vectorised, rounds kept")
+    kept_ms = float(kept.note.removesuffix(" ms a round").replace(",", ""))
+    assert host.unit == "ms" and host.value > 0 and host.ratio is not None
+    assert abs(host.ratio - host.value / kept_ms) < 0.01 * host.ratio + 1e-3  # a share of the same round
     share = next(f for f in report.figures if "share of wall time training" in f.label)
     assert 0 < share.value <= 100 and "images/s over the run" in share.note
     plans = {f.label: f for f in report.figures if f.unit == "ms" and f.section.startswith("host: a KDIA round")}
@@ -55,3 +62,21 @@ def test_the_simulators_step_dispatches_about_as_many_operators_as_the_bare_vmap
     ours, reference = counts["simulator, vectorised"], counts["reference: vmap over nodes"]
     assert reference > 50, counts  # the forward, backward and update of a CNN: the count counts
     assert ours <= reference, counts
+
+
+def test_the_host_work_figure_times_a_call_that_takes_no_step() -> None:
+    """`host_work` times the call with its steps skipped: every node's weights come back as they started,
+    and the same call outside it trains them."""
+    case = Case(2, 64, 1)
+    model, datasets = workload(case, torch.device("cpu"))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def call() -> list[dict[str, torch.Tensor]]:
+        cpu = torch.device("cpu")
+        return [s for s, _ in train_vectorized(model, datasets, case.settings, generators(case.k, cpu))]
+
+    with steps_skipped():
+        skipped = call()
+    trained = call()
+    assert all(torch.equal(state[n], start[n]) for state in skipped for n in start)
+    assert all(any(not torch.equal(state[n], start[n]) for n in start) for state in trained)
