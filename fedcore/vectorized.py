@@ -870,9 +870,9 @@ class _Round:
             for name, p in model.named_parameters():
                 (self.frozen if name in self.frozen else self.start)[name].copy_(p.detach())
             rows = sum(len(d) for d in datasets)
-            if self.x is not None:
-                self.x[:rows].copy_(torch.cat([d.x for d in datasets]))
-            self.y[:rows].copy_(torch.cat([d.y for d in datasets]))
+            if self.x is not None:  # concatenated in place: one pass over the nodes' data, not two
+                torch.cat([d.x.to(self.x.device) for d in datasets], out=self.x[:rows])
+            torch.cat([d.y.to(self.y.device) for d in datasets], out=self.y[:rows])
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
         self.plan, self.seen = plan, plan.seen
