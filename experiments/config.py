@@ -487,6 +487,12 @@ class SimulationConfig(_Strict):
         description="capture each vectorised step (and KDIA's generator step) as a CUDA graph: auto (with a CUDA"
         " device), true, false",
     )
+    pipeline: Literal["auto"] | bool = Field(
+        "auto",
+        description="draw each vectorised round's plan (batches, augmentation, an objective's draws) in chunks as"
+        " its steps need them, so that the host draws while the GPU trains the steps before: auto (with a CUDA"
+        " device), true, false (all of it before the first step); bitwise the same results",
+    )
     reuse_rounds: bool = Field(
         False,
         description="keep each vectorised group's round, its buffers and on a GPU its captured CUDA graphs, for"
@@ -508,6 +514,10 @@ class SimulationConfig(_Strict):
     def graph_mode(self) -> str:
         """`graphs` as fedcore.vectorized.train_vectorized takes it."""
         return "auto" if self.graphs == "auto" else ("on" if self.graphs else "off")
+
+    def pipeline_mode(self) -> str:
+        """`pipeline` as fedcore.vectorized.plan_pipeline takes it."""
+        return "auto" if self.pipeline == "auto" else ("on" if self.pipeline else "off")
 
 
 class StalenessConfig(

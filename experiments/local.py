@@ -100,6 +100,7 @@ def build_local(
         event_log=event_log,
         vectorize=cfg.simulation.vectorizes(device.type) and cfg.privacy.mechanism != "node",  # no per-sample clips
         graphs=cfg.simulation.graph_mode(),
+        pipeline=cfg.simulation.pipeline_mode(),
         reuse_rounds=cfg.simulation.reuse_rounds,
         **extra,
     )

@@ -45,9 +45,10 @@ class Packed:
     layout: dict[str, Field]
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor], device: torch.device) -> Packed:
+    def of(cls, tensors: Mapping[str, torch.Tensor], device: torch.device, pinned: bool = False) -> Packed:
         """`tensors` (each (S, ...), any dtype and device) packed on `device`: on the host first when all
-        are there, then moved in one transfer (one copy from the host per tensor costs a transfer each)."""
+        are there, then moved in one transfer (one copy from the host per tensor costs a transfer each);
+        `pinned`, from page-locked memory without the host waiting for the device's queued work."""
         steps = {len(t) for t in tensors.values()}
         if len(steps) != 1:
             raise ValueError(f"tensors of {sorted(steps)} steps: every tensor needs the same number")
@@ -62,7 +63,9 @@ class Packed:
         staged = cls(rows, layout)
         for name, t in tensors.items():
             staged.view(rows, name).copy_(t)
-        return staged if home == device else cls(rows.to(device), layout)
+        if home == device:
+            return staged
+        return cls(rows.pin_memory().to(device, non_blocking=True) if pinned else rows.to(device), layout)
 
     def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         """Field `name` of `buffer`, typed and shaped: of every step for `rows` ((S, ...)), of one step

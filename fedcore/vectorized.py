@@ -4,9 +4,11 @@
 method's objective (`GroupObjective`; the cross-entropy by default), starting from the same model: the
 parameters of the K nodes are stacked along a leading dimension and every step is one `torch.func.vmap`
 over `functional_call` (and one backward pass through it), so K small forward and backward passes
-become one batched pass. Every draw of the round is made before its first step (`_plan`), so the
-steps read only device buffers; on a CUDA device all but the first three of each kind (every node
-training, or some masked) are replays of that kind's captured CUDA graph (`graphs`).
+become one batched pass. Every draw of the round is made before the steps that read it (`_plan`), so
+the steps read only device buffers: on a CPU all before the first step, on a CUDA device in chunks,
+each drawn by the host while the device trains the steps before it (`PIPELINE`); on a CUDA device all
+but the first three steps of each kind (every node training, or some masked) are replays of that
+kind's captured CUDA graph (`graphs`).
 
 What is reproduced per node, exactly as `local_sgd` does it:
 - its own shard and its own generator, drawn in the same order (the epoch's `randperm`, then each
@@ -42,6 +44,7 @@ computation can reproduce node by node.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -55,7 +58,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.packed import Packed
+from fedmq.fedcore.packed import Field, Packed
 from fedmq.fedcore.seeding import global_stream_layer
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import TrainSettings, TrainStats, autocast
@@ -269,70 +272,123 @@ def cross_entropy_objective(batch: NodeBatch) -> torch.Tensor:
     return batch.mean(nll(batch.logits(), batch.y))
 
 
-# -- the plan: every draw of the round made before its first step ----------------------------------
+# -- the plan: every draw of the round made before the steps that read it -----------------------------
 
 
 @dataclass
 class _Plan:
     """K nodes' batches for all S steps, drawn node by node in `local_sgd`'s order (the epoch's
-    permutation, then each batch's augmentation) and padded to the static shape (S, K, B), so that the
-    steps themselves read nothing from the host. Every per-step tensor but `inputs` is a view of
-    `packed`, one row of bytes per step: a step loads its slice of them all with one copy."""
+    permutation, then each batch's augmentation) and padded to the static shape (K, B) a step, so that
+    the steps themselves read nothing from the host. A step's tensors (the batch's rows, their weights,
+    the counts, the augmentation's values, the objective's drawn inputs) lie in one row of bytes
+    (`fedcore.packed`), so that a step loads them all with one copy; the rows of steps are made in
+    chunks (`chunks`, steps `bounds[i]` to `bounds[i + 1]`), the first at once and, where `draw` is
+    given, each later one when a step first needs it (`row`): on a GPU the host draws a chunk while the
+    device trains the steps before it (`_chunk_bounds`)."""
 
-    packed: Packed
-    rows: torch.Tensor
-    """(S, K, B) rows of the nodes' concatenated data; padding repeats the node's first row of the batch."""
-    weight: torch.Tensor
-    """(S, K, B): 1 for a real sample, 0 for padding (and for every row of a node with no batch left)."""
-    count: torch.Tensor
-    """(S, K): each node's real samples at each step; 0 once it has no batch left."""
-    draws: list[torch.Tensor]
-    """Per random value of the transform (a crop's tops, its lefts, a flip, an angle): (S, K, B)."""
+    chunks: list[Packed]
+    bounds: list[int]
+    """Chunk i holds steps bounds[i] to bounds[i + 1] - 1; the last bound is S."""
     inputs: torch.Tensor | None
     """(S, K, B, ...) the transformed inputs, for a transform the step does not know how to apply."""
-    step_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """(S, K, B, ...) the objective's own draws (`StepDraws`), prepared on the device."""
-    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    """(K,) float64 on the host: each node's real samples over the round."""
+    seen: torch.Tensor
+    """(K,) float64 on the host: each node's real samples over the round (complete once every chunk is)."""
+    draw: Callable[[int, int], Packed] | None = None
+    """Makes the chunk of steps [lo, hi) (adding its samples to `seen`); None: every chunk is made."""
 
-    @classmethod
-    def of(
-        cls,
-        rows: torch.Tensor,
-        weight: torch.Tensor,
-        count: torch.Tensor,
-        draws: Sequence[torch.Tensor],
-        inputs: torch.Tensor | None,
-        step_inputs: Mapping[str, torch.Tensor],
-        device: torch.device,
-    ) -> _Plan:
-        """The plan of these tensors on `device`, packed with what a step derives from the counts once
-        for all its steps: the mean's divisor, each sample's share of the mean, the counts in float64
-        and which nodes train (`_Buffers`)."""
-        divisor = count.clamp(min=1)  # a node with no batch left: its all-padding loss stays 0, not NaN
-        tensors = {
-            "rows": rows,
-            "weight": weight,
-            "count": count,
-            **{f"draw{j}": d for j, d in enumerate(draws)},
-            **{f"step.{n}": t for n, t in step_inputs.items()},
-            "divisor": divisor,
-            "share": weight / divisor.unsqueeze(-1),
-            "count64": count.double(),
-            "active": (count > 0).to(count.dtype),
-        }
-        packed = Packed.of(tensors, device)
-        made = packed.views(packed.rows)
-        return cls(
-            packed=packed,
-            rows=made["rows"],
-            weight=made["weight"],
-            count=made["count"],
-            draws=[made[f"draw{j}"] for j in range(len(draws))],
-            inputs=inputs,
-            step_inputs={n: made[f"step.{n}"] for n in step_inputs},
-            seen=count.double().sum(0).cpu(),
-        )
+    @property
+    def layout(self) -> dict[str, Field]:
+        """Where each tensor lies in a step's row of bytes (the same in every chunk)."""
+        return self.chunks[0].layout
+
+    def row(self, s: int) -> torch.Tensor:
+        """Step `s`'s row of bytes, on the device; its chunk made first where it is not yet."""
+        while s >= self.bounds[len(self.chunks)]:
+            assert self.draw is not None, f"step {s} of a plan of {self.bounds[-1]}"
+            lo, hi = self.bounds[len(self.chunks)], self.bounds[len(self.chunks) + 1]
+            self.chunks.append(self.draw(lo, hi))
+        i = bisect.bisect_right(self.bounds, s) - 1
+        return self.chunks[i].rows[s - self.bounds[i]]
+
+    def field(self, name: str) -> torch.Tensor:
+        """(S, ...) one tensor of every step (each chunk made first): what tests compare plans by."""
+        self.row(self.bounds[-1] - 1)
+        return torch.cat([chunk.view(chunk.rows, name) for chunk in self.chunks])
+
+
+def _packed_steps(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    count: torch.Tensor,
+    draws: Sequence[torch.Tensor],
+    step_inputs: Mapping[str, torch.Tensor],
+    device: torch.device,
+    pinned: bool = False,
+) -> Packed:
+    """Steps' tensors packed on `device` with what a step derives from the counts once for all its
+    steps: the mean's divisor, each sample's share of the mean, the counts in float64 and which nodes
+    train (`_Buffers`). `pinned`: sent from page-locked memory without waiting (a chunk drawn while
+    the GPU trains the steps before it: a plain copy would wait for them)."""
+    divisor = count.clamp(min=1)  # a node with no batch left: its all-padding loss stays 0, not NaN
+    tensors = {
+        "rows": rows,
+        "weight": weight,
+        "count": count,
+        **{f"draw{j}": d for j, d in enumerate(draws)},
+        **{f"step.{n}": t for n, t in step_inputs.items()},
+        "divisor": divisor,
+        "share": weight / divisor.unsqueeze(-1),
+        "count64": count.double(),
+        "active": (count > 0).to(count.dtype),
+    }
+    return Packed.of(tensors, device, pinned=pinned)
+
+
+def _to_device(t: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
+    """`t` on `device`; from page-locked memory without waiting where `pinned` (see `_packed_steps`)."""
+    if pinned and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+FIRST_CHUNK = 2
+"""Steps in a pipelined plan's first chunk (`_chunk_bounds`): what the device waits for before it starts."""
+
+
+def _chunk_bounds(num_steps: int, pipelined: bool) -> list[int]:
+    """Where a plan's chunks start: one chunk, or (`pipelined`) a first of `FIRST_CHUNK` steps and each
+    later one twice the one before, so that the host draws each while the device trains the one before
+    (the host draws a step in a fraction of the time a GPU trains it; the first chunk is all it waits for)."""
+    if num_steps == 0:
+        return [0, 0]
+    bounds, size = [0], FIRST_CHUNK if pipelined else num_steps
+    while bounds[-1] < num_steps:
+        bounds.append(min(num_steps, bounds[-1] + max(size, 1)))
+        size *= 2
+    return bounds
+
+
+PIPELINE: ContextVar[str] = ContextVar("fedmq_vectorized_pipeline", default="auto")
+"""Whether `train_vectorized` draws its plan in chunks as the steps need them: auto (on a CUDA device,
+where the host's drawing then overlaps the device's steps), on, off (one chunk drawn before any step).
+On a CPU nothing overlaps, so auto leaves it off; tests set it on to hold it bitwise the one-chunk plan."""
+
+
+@contextmanager
+def plan_pipeline(mode: str) -> Iterator[None]:
+    """Run the block with `PIPELINE` set to `mode` (auto, on, off)."""
+    token = PIPELINE.set(mode)
+    try:
+        yield
+    finally:
+        PIPELINE.reset(token)
+
+
+def _pipelined(device: torch.device) -> bool:
+    mode = PIPELINE.get()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"the plan's pipeline must be auto, on or off, not {mode!r}")
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _draws_of(ops: Sequence[_RandomOp], generator: torch.Generator, n: int) -> list[torch.Tensor]:
@@ -353,11 +409,56 @@ def _plan(
     extra: StepDraws | None = None,
     *,
     batched: bool = True,
+    pipelined: bool = False,
 ) -> _Plan:
-    """The round's plan. A node with a CPU generator and a transform `_apply_steps` knows has its plan
-    drawn an epoch at a time (`_node_plan`; the draws of its objective's, `extra`, a step at a time
-    between the batches'); any other, a step at a time.
+    """The round's plan. Nodes with CPU generators and a transform `_apply_steps` knows have their plans
+    drawn an epoch at a time (`_NodeDraws`; the draws of their objective's, `extra`, a step at a time
+    between the batches'), in chunks made as the steps need them where `pipelined`
+    (`_chunk_bounds`); any others, a step at a time, before the first step.
     `batched` False draws every node a step at a time (what tests compare the batched plan with)."""
+    shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
+    ops = _random_ops(steps, shape) if steps is not None else None
+    if ops is None or not batched or any(g.device.type != "cpu" for g in generators):
+        return _plan_by_step(datasets, settings, generators, steps, ops, offsets, num_steps, dtype, device, extra)
+    k, b = len(datasets), settings.batch_size
+    nodes = [
+        _NodeDraws(data, settings, generator, ops, extra, offset)
+        for data, generator, offset in zip(datasets, generators, offsets, strict=True)
+    ]
+    seen = torch.zeros(k, dtype=torch.float64)
+    pinned = pipelined and device.type == "cuda"
+
+    def draw(lo: int, hi: int) -> Packed:
+        n = hi - lo
+        rows = torch.zeros((n, k, b), dtype=torch.long)
+        weight = torch.zeros((n, k, b), dtype=dtype)
+        count = torch.zeros((n, k), dtype=dtype)
+        values = [torch.zeros((n, k, b), dtype=op.dtype) for op in ops]
+        drawn: dict[str, torch.Tensor] = {}
+        for node, draws in enumerate(nodes):
+            draws.fill(lo, hi, node, rows, weight, count, values, drawn)
+        seen.add_(count.double().sum(0))
+        prepared = extra.prepare({name: _to_device(t, device, pinned) for name, t in drawn.items()}) if extra else {}
+        return _packed_steps(rows, weight, count, values, prepared, device, pinned)
+
+    bounds = _chunk_bounds(num_steps, pipelined)
+    return _Plan([draw(bounds[0], bounds[1])], bounds, None, seen, draw)
+
+
+def _plan_by_step(
+    datasets: Sequence[TensorDataset],
+    settings: TrainSettings,
+    generators: Sequence[torch.Generator],
+    steps: Sequence[BatchTransform] | None,
+    ops: Sequence[_RandomOp] | None,
+    offsets: Sequence[int],
+    num_steps: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    extra: StepDraws | None,
+) -> _Plan:
+    """The plan drawn a step at a time, node by node, before the first step: for a transform of its own
+    (applied here, in the order the node draws) or generators on a device."""
     k, b = len(datasets), settings.batch_size
     rows = torch.zeros((num_steps, k, b), dtype=torch.long)
     weight = torch.zeros((num_steps, k, b), dtype=dtype)
@@ -365,28 +466,7 @@ def _plan(
     draws: list[torch.Tensor] = []
     inputs: torch.Tensor | None = None
     drawn: dict[str, torch.Tensor] = {}
-    shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
-    ops = _random_ops(steps, shape) if steps is not None else None
     for node, (data, generator) in enumerate(zip(datasets, generators, strict=True)):
-        if ops is not None and generator.device.type == "cpu" and batched:
-            node_values, node_drawn = _node_plan(
-                data, settings, generator, ops, rows[:, node], weight[:, node], count[:, node], extra
-            )
-            for j, v in enumerate(node_values):
-                if j == len(draws):
-                    draws.append(torch.zeros((num_steps, k, b), dtype=v.dtype))
-                draws[j][: len(v), node] = v
-            if node_drawn:  # each step's rows in place, a short batch padded with its first row, as below
-                sizes = torch.tensor([len(next(iter(d.values()))) for d in node_drawn])
-                source = _padded_rows(sizes, b)
-                for name in node_drawn[0]:
-                    values = torch.cat([d[name] for d in node_drawn])
-                    if name not in drawn:
-                        drawn[name] = torch.zeros((num_steps, k, b, *values.shape[1:]), dtype=values.dtype)
-                    drawn[name][: len(node_drawn), node] = values[source]
-            active = settings.local_epochs * steps_per_epoch(len(data), b, settings.drop_last)
-            rows[:active, node] += offsets[node]  # its own steps; the others stay at row 0, masked
-            continue
         state = extra.first(data, settings, generator) if extra is not None else None
         for s, idx in enumerate(node_indices(data, settings, generator)):
             m = len(idx)
@@ -413,7 +493,8 @@ def _plan(
                     drawn[name][s, node, :m] = values.cpu()
                     drawn[name][s, node, m:] = values[:1].cpu()
     prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
-    return _Plan.of(rows, weight, count, draws, inputs, prepared, device)
+    packed = _packed_steps(rows, weight, count, draws, prepared, device)
+    return _Plan([packed], [0, num_steps], inputs, count.double().sum(0))
 
 
 def _padded_rows(sizes: torch.Tensor, b: int) -> torch.Tensor:
@@ -433,6 +514,11 @@ class _RandomOp:
     span: int = 0
     p: float = 0.0
     degrees: float = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What `values` gives: an offset's long, a flip's bool, an angle's float32."""
+        return torch.long if self.kind == "offset" else (torch.bool if self.kind == "flip" else torch.float32)
 
     def values(self, uniform: torch.Tensor) -> torch.Tensor:
         if self.kind == "offset":
@@ -460,65 +546,119 @@ def _random_ops(steps: Sequence[BatchTransform], shape: tuple[int, ...]) -> list
     return ops
 
 
-def _node_plan(
-    data: TensorDataset,
-    settings: TrainSettings,
-    generator: torch.Generator,
-    ops: Sequence[_RandomOp],
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-    count: torch.Tensor,
-    extra: StepDraws | None = None,
-) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """One node's plan drawn an epoch at a time, the same values `node_indices` and `_draws_of` draw a
-    batch at a time: a CPU generator gives one draw of n values as the same stream as draws of its
-    parts, and an epoch's batches draw [op 1's values, op 2's, ...] one batch after another. Fills the
-    node's `rows` (steps, B) with its own row numbers, `weight` and `count`; returns each op's values
-    (steps, B), and what `extra` (an objective's own draws, KDIA's noise) drew at each step. With
-    `extra`, whose draws come between the batches' in the node's stream, the uniform values are drawn
-    a batch at a time (one draw for all the batch's ops), and everything else an epoch at a time still."""
-    n, size = len(data), settings.batch_size
-    per = steps_per_epoch(n, size, settings.drop_last)
-    full = min(per, n // size)
-    last = n - full * size if per > full else 0  # the trailing batch trained on, if any
-    r = len(ops)
-    values = [
-        torch.zeros(
-            rows.shape,
-            dtype=torch.bool if op.kind == "flip" else (torch.long if op.kind == "offset" else torch.float32),
-        )
-        for op in ops
-    ]
-    state = extra.first(data, settings, generator) if extra is not None else None
-    drawn: list[dict[str, torch.Tensor]] = []
-    for epoch in range(settings.local_epochs):  # a node with no step draws its permutations all the same
-        perm = torch.randperm(n, generator=generator)
-        s = epoch * per
-        if extra is None:
-            uniform = torch.rand(r * (full * size + last), generator=generator)
-        else:
-            parts = []
-            for b, m in enumerate([size] * full + ([last] if last else [])):
-                parts.append(torch.rand(r * m, generator=generator))
-                drawn.append(extra.step(state, s + b, m, generator))
-            uniform = torch.cat(parts) if parts else torch.zeros(0)
-        if full:
-            rows[s : s + full] = perm[: full * size].view(full, size)
-            weight[s : s + full] = 1
-            count[s : s + full] = size
-            regular = uniform[: r * full * size].view(full, r, size)
-            for j, op in enumerate(ops):
-                values[j][s : s + full] = op.values(regular[:, j])
-        if last:
-            t = s + full
-            rows[t, :last] = perm[full * size : full * size + last]
-            rows[t, last:] = perm[full * size]
-            weight[t, :last] = 1
-            count[t] = last
+class _NodeDraws:
+    """One node's draws, an epoch at a time as a chunk of the plan first needs the epoch, the same values
+    `node_indices` and `_draws_of` draw a batch at a time: a CPU generator gives one draw of n values as
+    the same stream as draws of its parts, and an epoch's batches draw [op 1's values, op 2's, ...] one
+    batch after another. With `extra` (an objective's own draws, KDIA's noise), whose draws come between
+    the batches' in the node's stream, the uniform values are drawn a batch at a time (one draw for all
+    the batch's ops), and everything else an epoch at a time still. A node with no step draws its
+    epochs' permutations all the same, at once, as its own training would."""
+
+    def __init__(
+        self,
+        data: TensorDataset,
+        settings: TrainSettings,
+        generator: torch.Generator,
+        ops: Sequence[_RandomOp],
+        extra: StepDraws | None,
+        offset: int,
+    ) -> None:
+        self.n, self.size, self.epochs = len(data), settings.batch_size, settings.local_epochs
+        self.per = steps_per_epoch(self.n, self.size, settings.drop_last)
+        self.full = min(self.per, self.n // self.size)
+        self.last = self.n - self.full * self.size if self.per > self.full else 0  # the trailing batch, if any
+        self.generator, self.ops, self.extra, self.offset = generator, ops, extra, offset
+        self.state = extra.first(data, settings, generator) if extra is not None else None
+        self.epoch = -1
+        self.perm = self.uniform = torch.zeros(0)
+        self.drawn: list[dict[str, torch.Tensor]] = []
+        """The current epoch's draws of `extra`, a dict per step."""
+        if self.per == 0:
+            while self.epoch < self.epochs - 1:
+                self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        generator, r, size = self.generator, len(self.ops), self.size
+        self.perm = torch.randperm(self.n, generator=generator)
+        if self.extra is None:
+            self.uniform = torch.rand(r * (self.full * size + self.last), generator=generator)
+            return
+        parts, self.drawn = [], []
+        first = self.epoch * self.per
+        for b, m in enumerate([size] * self.full + ([self.last] if self.last else [])):
+            parts.append(torch.rand(r * m, generator=generator))
+            self.drawn.append(self.extra.step(self.state, first + b, m, generator))
+        self.uniform = torch.cat(parts) if parts else torch.zeros(0)
+
+    def fill(
+        self,
+        lo: int,
+        hi: int,
+        node: int,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        count: torch.Tensor,
+        values: Sequence[torch.Tensor],
+        drawn: dict[str, torch.Tensor],
+    ) -> None:
+        """The node's steps from `lo` to `hi` (those it has) into its column of a chunk's (hi - lo, K, ...)
+        tensors: its row numbers (with its `offset`), weights, counts and values; `extra`'s draws into
+        `drawn` (made, by name, at the first)."""
+        s, end = lo, min(hi, self.epochs * self.per)
+        while s < end:
+            epoch = s // self.per
+            while self.epoch < epoch:
+                self._next_epoch()
+            first = epoch * self.per
+            a, b = s - first, min(end - first, self.per)  # the epoch's own steps a to b - 1
+            self._fill_epoch(a, b, s - lo, node, rows, weight, count, values, drawn)
+            s = first + b
+
+    def _fill_epoch(
+        self,
+        a: int,
+        b: int,
+        at: int,
+        node: int,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        count: torch.Tensor,
+        values: Sequence[torch.Tensor],
+        drawn: dict[str, torch.Tensor],
+    ) -> None:
+        """Steps a to b - 1 of the current epoch into the chunk's steps from `at`."""
+        size, full, last, r = self.size, self.full, self.last, len(self.ops)
+        perm, uniform, offset = self.perm, self.uniform, self.offset
+        end = min(b, full)
+        if end > a:  # full batches
+            window = slice(at, at + end - a)
+            rows[window, node] = perm[a * size : end * size].view(end - a, size) + offset
+            weight[window, node] = 1
+            count[window, node] = size
+            regular = uniform[r * a * size : r * end * size].view(end - a, r, size)
+            for j, op in enumerate(self.ops):
+                values[j][window, node] = op.values(regular[:, j])
+        if last and a <= full < b:  # the trailing batch
+            t = at + full - a
+            rows[t, node, :last] = perm[full * size : full * size + last] + offset
+            rows[t, node, last:] = perm[full * size] + offset
+            weight[t, node, :last] = 1
+            count[t, node] = last
             tail = uniform[r * full * size :].view(r, last)
-            for j, op in enumerate(ops):
-                values[j][t, :last] = op.values(tail[j])
-    return values, drawn
+            for j, op in enumerate(self.ops):
+                values[j][t, node, :last] = op.values(tail[j])
+        if self.drawn:  # each step's rows in place, a short batch padded with its first row, as the batches are
+            steps = self.drawn[a:b]
+            sizes = torch.tensor([len(next(iter(d.values()))) for d in steps])
+            source = _padded_rows(sizes, size)
+            for name in steps[0]:
+                got = torch.cat([d[name] for d in steps])
+                if name not in drawn:
+                    n, k = rows.shape[:2]
+                    drawn[name] = torch.zeros((n, k, size, *got.shape[1:]), dtype=got.dtype)
+                drawn[name][at : at + b - a, node] = got[source]
 
 
 def _apply_steps(
@@ -705,21 +845,22 @@ class _Buffers:
     one row of the plan's bytes, so that `load` is one copy (two with `inputs`)."""
 
     def __init__(self, plan: _Plan) -> None:
-        self.bytes = plan.packed.rows[0].clone()
-        views = plan.packed.views(self.bytes)
+        self.bytes = plan.row(0).clone()
+        views = plan.chunks[0].views(self.bytes)
         self.rows, self.weight = views["rows"], views["weight"]
         self.divisor, self.share, self.count64, self.active = (
             views["divisor"], views["share"], views["count64"], views["active"]
         )  # fmt: skip
         """The count clamped to 1 (the mean's divisor), the weight over it, the count in float64 (the
         losses' sum), 1 where the node has a batch."""
-        self.draws = [views[f"draw{j}"] for j in range(len(plan.draws))]
-        self.step_inputs = {n: views[f"step.{n}"] for n in plan.step_inputs}
+        self.draws = [views[f"draw{j}"] for j in range(sum(name.startswith("draw") for name in views))]
+        self.step_inputs = {name.removeprefix("step."): t for name, t in views.items() if name.startswith("step.")}
         self.inputs = plan.inputs[0].clone() if plan.inputs is not None else None
 
     def load(self, plan: _Plan, s: int) -> None:
-        """Step `s`'s slice of the plan into the buffers (device to device, no host sync)."""
-        self.bytes.copy_(plan.packed.rows[s])
+        """Step `s`'s slice of the plan into the buffers (device to device, no host sync; its chunk drawn
+        first where it is not yet: `_Plan.row`)."""
+        self.bytes.copy_(plan.row(s))
         if self.inputs is not None and plan.inputs is not None:
             self.inputs.copy_(plan.inputs[s])
 
@@ -826,8 +967,6 @@ class _Round:
         self.cur = _Buffers(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
-        self.seen = plan.seen
-        """Each node's real samples over the round, known from the plan."""
         self.terms: dict[str, torch.Tensor] = {}
         """Each named term of the objective, summed over each node's steps."""
         self.carry = carry or {}
@@ -875,7 +1014,12 @@ class _Round:
             torch.cat([d.y.to(self.y.device) for d in datasets], out=self.y[:rows])
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
-        self.plan, self.seen = plan, plan.seen
+        self.plan = plan
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """Each node's real samples over the round, known from the plan once its steps have run."""
+        return self.plan.seen
 
     def load(self, s: int) -> None:
         """Step `s`'s slice of the plan into the buffers, and the carried state of each node whose epoch
@@ -1136,7 +1280,7 @@ def _kept_round(
     # what the round's buffers are laid out for: a call that differs gets a round of its own, so that a
     # kept round's copies (`reset`) and its buffers' typed views always fit what they are given
     shapes = tuple((n, tuple(t.shape), t.dtype) for n, t in {**(inputs or {}), **(carry or {})}.items())
-    layout = (tuple(plan.packed.layout.items()), shapes, epoch_starts is not None)
+    layout = (tuple(plan.layout.items()), shapes, epoch_starts is not None)
     key = _signature(
         model, len(ordered), settings, transform, sum_gradients, known is not None, (objective_key, layout)
     )
@@ -1215,10 +1359,11 @@ def train_vectorized(
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
 
-    Every draw of the round (each epoch's permutation, each batch's augmentation) is made first, node
-    by node from its own generator in `local_sgd`'s order; the steps then run on the device with no
-    host synchronisation, and on a CUDA device as replays of one captured graph (`graphs`: auto, on,
-    off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked
+    Every draw of the round (each epoch's permutation, each batch's augmentation) is made before the
+    steps that read it, node by node from its own generator in `local_sgd`'s order (on a CUDA device in
+    chunks drawn while the device trains the steps before: `PIPELINE`); the steps run on the device
+    with no host synchronisation, and on a CUDA device as replays of one captured graph (`graphs`: auto,
+    on, off; default: `graph_mode`'s). `inputs` holds each node's own tensors for the objective, stacked
     along dimension 0; `draws`, what the objective draws from the node's generator besides the batches;
     `starts`, each node's own trainable parameters to start from instead of `model`'s (a method that
     trains in several calls, FedRCL epoch by epoch); `NodeBatch.start` is `model`'s either way;
@@ -1273,7 +1418,9 @@ def train_vectorized(
     try:
         if num_steps > 0:
             gens = [generators[k] for k in order]
-            plan = _plan(ordered, settings, gens, known, offsets, num_steps, dtype, device, draws)
+            plan = _plan(
+                ordered, settings, gens, known, offsets, num_steps, dtype, device, draws, pipelined=_pipelined(device)
+            )
             own = [starts[k] for k in order] if starts is not None else None
             default = objective is cross_entropy_objective and not (draws or stacked or carried or epoch_start)
             key = keep_as  # FedAvg's objective needs none; with one, the key vouches for the model's loose tensors

@@ -50,7 +50,7 @@ from fedmq.fedcore.secure_task import SecureTask
 from fedmq.fedcore.seeding import stream
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fedcore.vectorized import graph_mode, keep_rounds
+from fedmq.fedcore.vectorized import graph_mode, keep_rounds, plan_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class LocalFederation:
     where their method allows; the others, and every node of a group whose training fails, one by one."""
     graphs: str = "auto"
     """CUDA graphs for vectorised steps and the methods' own captured steps (`fedcore.vectorized.graph_mode`)."""
+    pipeline: str = "auto"
+    """Draw each vectorised round's plan in chunks as its steps need them (`fedcore.vectorized.plan_pipeline`)."""
     reuse_rounds: bool = False
     """Keep each vectorised group's round (its buffers and captured graphs) for the next group of its
     shape (`fedcore.vectorized.keep_rounds`)."""
@@ -230,9 +232,10 @@ class LocalFederation:
 
     def training_modes(self) -> ExitStack:
         """The graph mode of the nodes' groups and of the coordinator's own captured steps (KDIA's
-        generator), and the kept rounds, entered once around the run's loop (and its replay's)."""
+        generator), their plans' pipeline and the kept rounds, entered once around the run's loop (and its replay's)."""
         modes = ExitStack()
         modes.enter_context(graph_mode(self.graphs))
+        modes.enter_context(plan_pipeline(self.pipeline))
         if self.reuse_rounds:
             self.rounds_kept = modes.enter_context(keep_rounds())
         return modes

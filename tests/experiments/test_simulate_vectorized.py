@@ -100,6 +100,35 @@ def test_rounds_kept_from_group_to_group_change_no_bit_and_replay(
         assert {"teacher_seconds", "gen_seconds"} <= set(kept_records[-1])
 
 
+@pytest.mark.parametrize("method", ["fedavg", "kdia"])
+def test_a_plan_drawn_as_the_steps_need_it_changes_no_bit_and_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """`simulation.pipeline` (auto: on a GPU, where the host draws a round's plan while the device trains)
+    forced on for a CPU run, rounds kept too: the run draws its plans in chunks, ends on bitwise the
+    model of plans drawn whole, and replays bit for bit."""
+    from fedmq.fedcore import vectorized
+
+    cheap = ["method.hyperparams={gen_epochs: 1, gen_batches_per_epoch: 5}"] if method == "kdia" else []
+    common = ["rounds=3", "simulation.vectorize=true", f"method.name={method}", "train.local_epochs=2", *cheap]
+    whole, whole_records, _ = _final([*common, "simulation.pipeline=false"])
+    chunks: list[int] = []
+    bounds = vectorized._chunk_bounds
+    monkeypatch.setattr(
+        vectorized, "_chunk_bounds", lambda n, on: (chunks.append(len(bounds(n, on)) - 1), bounds(n, on))[1]
+    )
+    overrides = [*common, "simulation.pipeline=true", "simulation.reuse_rounds=true"]
+    fed = build_local(_config(overrides), device=CPU)
+    assert fed.pipeline == "on" and build_local(_config(common), device=CPU).pipeline == "auto"
+    records = fed.run()
+    assert chunks and min(chunks) >= 3, chunks  # every round's plan drawn in chunks
+    assert all(torch.equal(whole[k], v) for k, v in fed.model().items())
+    assert [r["accuracy"] for r in records] == [r["accuracy"] for r in whole_records]
+    summary = simulate(_config(overrides), tmp_path / "run", device=CPU)
+    outcome = replay_run(tmp_path / "run", device=CPU)
+    assert outcome.ok and outcome.report.final_model_sha256 == summary["model_sha256"], outcome.mismatch
+
+
 def test_replay_one_by_one_of_a_vectorised_run_is_a_mismatch(tmp_path: Path) -> None:
     """The replay trains as the run did: told to train one by one instead, it finds the difference."""
     cfg = _config(["rounds=2", "simulation.vectorize=true"])

@@ -672,3 +672,41 @@ def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_roun
     """On a GPU with graphs, the later rounds replay the graphs the first captured: bitwise fresh rounds."""
     with graph_mode("on"):
         assert_kept_rounds_are_fresh_rounds(case, digits, torch.device("cuda"))
+
+
+def assert_pipelined_plan_is_the_whole_plan(digits: TensorDataset, method: str, device: torch.device) -> None:
+    """A group trained with its plan drawn in chunks as the steps need them (`vectorized.plan_pipeline`)
+    gives bitwise the updates and losses of the plan drawn before the first step."""
+    from fedmq.fedcore import vectorized
+
+    datasets = [d.to(device) for d in shards(digits)]
+    name, hp = KEYED.get(method, (method, {}))
+    updates = []
+    for mode in ("off", "on"):
+        group = members(name, hp, datasets)
+        workspace = build_model("cnn", digits.input_shape, 10, seed=6).double().to(device)
+        with vectorized.plan_pipeline(mode):
+            updates.append(group[0].half.train_group(group, workspace))
+    whole, chunked = updates
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.meta == b.meta
+        assert all(torch.equal(a.tensors["model"][k], b.tensors["model"][k]) for k in a.tensors["model"])
+
+
+@pytest.mark.parametrize("method", ["fedavg", *sorted(KEYED)])
+def test_a_plan_drawn_as_the_steps_need_it_trains_as_the_whole_plan(digits: TensorDataset, method: str) -> None:
+    """On a GPU the plan's chunks are drawn while the device trains (auto); forced on the CPU here, every
+    method's group (KDIA's noise and generated features made chunk by chunk, FedRCL's epochs, FedACD's
+    epoch starts, FedDyn's, SCAFFOLD's and FedProto's inputs) trains bitwise as with the plan drawn whole."""
+    assert_pipelined_plan_is_the_whole_plan(digits, method, CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["fedavg", "kdia", "fedrcl", "fedacd"])
+def test_a_plan_drawn_while_the_gpu_trains_trains_as_the_whole_plan(digits: TensorDataset, method: str) -> None:
+    """On a GPU, each later chunk sent from page-locked memory without waiting (the host draws it while
+    the device trains the steps before): bitwise the plan drawn whole (KDIA's features within the
+    generator's own kernels: its chunks' batches are smaller)."""
+    with graph_mode("on"):
+        assert_pipelined_plan_is_the_whole_plan(digits, method, torch.device("cuda"))

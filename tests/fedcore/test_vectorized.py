@@ -484,14 +484,18 @@ def test_the_plan_drawn_an_epoch_at_a_time_is_the_plan_drawn_a_step_at_a_time(
     offsets = [0, *torch.tensor([len(d) for d in datasets]).cumsum(0).tolist()[:-1]]
     plans = [
         _plan(datasets, settings, generators(len(datasets)), steps, offsets, max(count), torch.float32, torch.device("cpu"),
-              batched=batched)
-        for batched in (True, False)
+              batched=batched, pipelined=pipelined)
+        for batched, pipelined in ((True, False), (True, True), (False, False))
     ]  # fmt: skip
-    fast, slow = plans
-    assert torch.equal(fast.rows, slow.rows) and torch.equal(fast.weight, slow.weight)
-    assert torch.equal(fast.count, slow.count) and len(fast.draws) == len(slow.draws)
-    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(fast.draws, slow.draws, strict=True))
-    assert float(slow.count.sum()) > 0 and (not steps or any(bool(d.any()) for d in slow.draws))
+    fast, chunked, slow = plans
+    assert len(chunked.bounds) > 3 and chunked.bounds[-1] == max(count)  # several chunks, drawn as needed
+    for plan in (fast, chunked):
+        assert plan.layout == slow.layout
+        for name in slow.layout:
+            assert torch.equal(plan.field(name), slow.field(name)), name
+        assert torch.equal(plan.seen, slow.seen) and float(slow.seen.sum()) > 0
+    draws = [slow.field(name) for name in slow.layout if name.startswith("draw")]
+    assert not steps or (draws and any(bool(d.any()) for d in draws))
 
 
 @pytest.mark.parametrize("settings", [SGD, dataclasses.replace(SGD, local_epochs=3, batch_size=5, drop_last=True)])
@@ -515,20 +519,22 @@ def test_an_objectives_draws_between_the_batches_are_the_plan_drawn_a_step_at_a_
             return drawn
 
     plans, after = [], []
-    for batched in (True, False):
+    for batched, pipelined in ((True, False), (True, True), (False, False)):
         gens = generators(len(datasets))
         plans.append(
             _plan(datasets, settings, gens, steps, offsets, max(count), torch.float32, torch.device("cpu"),
-                  Drawn(build_generator(4, model), 4), batched=batched)
+                  Drawn(build_generator(4, model), 4), batched=batched, pipelined=pipelined)
         )  # fmt: skip
+        plans[-1].field("rows")  # every chunk drawn, as a round's last step has them
         after.append([g.get_state() for g in gens])
-    fast, slow = plans
-    assert torch.equal(fast.rows, slow.rows) and torch.equal(fast.weight, slow.weight)
-    assert all(torch.equal(a, b) for a, b in zip(fast.draws, slow.draws, strict=True))
-    assert fast.step_inputs.keys() == slow.step_inputs.keys() == {"y_gen", "z"}
-    assert all(torch.equal(fast.step_inputs[n], slow.step_inputs[n]) for n in slow.step_inputs)
-    assert all(torch.equal(a, b) for a, b in zip(*after, strict=True))
-    assert float(slow.step_inputs["z"].abs().sum()) > 0
+    slow = plans[-1]
+    assert len(plans[1].chunks) > 2  # several chunks, drawn as needed
+    for plan, states in zip(plans[:2], after[:2], strict=True):
+        assert plan.layout == slow.layout and {"step.y_gen", "step.z"} <= set(slow.layout)
+        for name in slow.layout:
+            assert torch.equal(plan.field(name), slow.field(name)), name
+        assert all(torch.equal(a, b) for a, b in zip(states, after[-1], strict=True))
+    assert float(slow.field("step.z").abs().sum()) > 0
 
 
 def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_first(digits: TensorDataset) -> None:
@@ -751,3 +757,31 @@ def test_a_keyed_call_laid_out_otherwise_gets_a_kept_round_of_its_own(digits: Te
         train()
         held = vectorized.KEPT.get()
         assert held is not None and len(held) == 3
+
+
+def test_a_plan_is_drawn_in_chunks_as_the_steps_need_them_where_that_overlaps_the_device() -> None:
+    """Pipelined (auto on a CUDA device, where the host draws a chunk while the device trains the steps
+    before it): a first chunk of two steps, each later one twice the one before, drawn when a step first
+    needs it; on a CPU (nothing to overlap) one chunk, drawn before the first step."""
+    from fedmq.fedcore.vectorized import _chunk_bounds, _pipelined, _plan, plan_pipeline
+
+    assert _chunk_bounds(80, True) == [0, 2, 6, 14, 30, 62, 80]
+    assert _chunk_bounds(8, False) == [0, 8] and _chunk_bounds(0, True) == [0, 0]
+    cpu = torch.device("cpu")
+    assert not _pipelined(cpu) and _pipelined(torch.device("cuda"))
+    with plan_pipeline("on"):
+        assert _pipelined(cpu)
+    with plan_pipeline("off"):
+        assert not _pipelined(torch.device("cuda"))
+    with plan_pipeline("sometimes"), pytest.raises(ValueError, match="auto, on or off"):
+        _pipelined(cpu)
+    data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
+    datasets = shards(data, (64, 40))
+    settings = dataclasses.replace(SGD, local_epochs=3)  # 4 + 3 steps an epoch: 12 steps
+    plan = _plan(datasets, settings, generators(2), known_steps(data.train_transform), [0, 64], 12,  # type: ignore[arg-type]
+                 torch.float32, cpu, pipelined=True)  # fmt: skip
+    assert plan.bounds == [0, 2, 6, 12] and len(plan.chunks) == 1  # the first chunk only, before any step
+    plan.row(5)
+    assert len(plan.chunks) == 2
+    plan.row(11)
+    assert len(plan.chunks) == 3 and float(plan.seen.sum()) == 3 * (64 + 40)
