@@ -127,23 +127,45 @@ async def test_the_api_follows_a_federation_and_agrees_with_its_run_directory(tm
 def test_status_command_prints_the_state_and_refuses_without_the_token(tmp_path: Path, embedded_broker: str) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    fed = Federation(tmp_path, embedded_broker, base_config(rounds=2))
+    fed = Federation(tmp_path, embedded_broker, base_config(rounds=5))
     fed.start_coordinator("--http", "0", "--http-token-file", str(token_file))
     try:
         url = asyncio.run(api_url(fed))
         status = fedmq("status", str(fed.out), "--token-file", str(token_file))
         assert status.returncode == 0, status.stderr
-        assert f"{fed.federation} fedavg (sync): waiting, round 0/2, live nodes 0/0" in status.stdout
+        assert f"{fed.federation} fedavg (sync): waiting, round 0/5, live nodes 0/0" in status.stdout
         refused = fedmq("status", url)
         assert refused.returncode == 2 and "wants a token: give --token-file" in refused.stderr
+        # the watcher first, its first state read before any node starts: it then sees the run begin (five
+        # rounds of several 50 ms polls each), however fast the nodes start and train
+        watch = [
+            sys.executable,
+            "-m",
+            "fedmq",
+            "status",
+            url,
+            "--token-file",
+            str(token_file),
+            "--watch",
+            "0.05",
+            "--json",
+        ]
+        watcher = subprocess.Popen(watch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert watcher.stdout is not None
+        lines = []
+        while not lines or lines[-1] not in ("}\n", ""):  # its first JSON state, or its end
+            lines.append(watcher.stdout.readline())
+        first = "".join(lines)
+        assert lines[-1] == "}\n", (first, watcher.communicate(timeout=30))
+        assert json.loads(first)["status"]["state"] == "waiting"
         fed.start_nodes("node-000", "node-001", "node-002", "node-003")
-        watched = fedmq("status", url, "--token-file", str(token_file), "--watch", "0.2", "--json")
-        assert watched.returncode == 0, watched.stderr
+        rest, errors = watcher.communicate(timeout=120)
+        assert watcher.returncode == 0, errors
         # it follows the run to its end: the last state it printed, or the coordinator's exit, which ends it too
-        last = json.loads("{" + watched.stdout.rsplit("\n{", 1)[-1])
-        ended = last["status"]["state"] == "finished" and len(last["rounds"]) == 2
-        assert ended or "stopped answering: the coordinator has exited" in watched.stderr
-        assert watched.stdout.count('"state": "running"') >= 1
+        last = json.loads("{" + (first + rest).rsplit("\n{", 1)[-1])
+        ended = last["status"]["state"] == "finished" and len(last["rounds"]) == 5
+        assert ended or "stopped answering: the coordinator has exited" in errors
+        assert rest.count('"state": "running"') >= 1
     finally:
         assert fed.wait() == 0, fed.log("coordinator.log")
     gone = fedmq("status", url)
