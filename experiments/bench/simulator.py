@@ -336,7 +336,9 @@ def step_ops(case: Case, device: torch.device) -> dict[str, int]:
 def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
     """A kept round's call with its steps skipped (`run_steps` a no-op): the host's work of the round, its
     plan, the kept round's reset and the results, which the device waits for before the first step and
-    after the last; set beside the whole call's time, how much of a round is the host's."""
+    after the last; set beside the whole call's time, how much of a round is the host's. On a GPU the
+    plan is pipelined (`vectorized.PIPELINE`): only its first chunk is drawn here, the others being
+    drawn while the steps run."""
     model, datasets = workload(case, device)
     cpu = torch.device("cpu")
     kept = KeptRounds(lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu)))
@@ -427,7 +429,8 @@ def run(options: BenchOptions) -> Report:
                     "ms",
                     ratio=host / whole,
                     ratio_means="the round's time with rounds kept",
-                    note="the call with its steps skipped: its plan, reset and results, which the device waits for",
+                    note="the call with its steps skipped: its plan (on a GPU its first chunk: the rest is drawn"
+                    " during the steps), reset and results, which the device waits for",
                     section=f"{case.label}, {device}",
                 )
                 ops = step_ops(case, device)
