@@ -45,6 +45,7 @@ computation can reproduce node by node.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -375,13 +376,18 @@ On a CPU nothing overlaps, so auto leaves it off; tests set it on to hold it bit
 
 
 @contextmanager
-def plan_pipeline(mode: str) -> Iterator[None]:
-    """Run the block with `PIPELINE` set to `mode` (auto, on, off)."""
-    token = PIPELINE.set(mode)
+def _holding(var: ContextVar[str], value: str) -> Iterator[None]:
+    """Run the block with `var` set to `value`, and back to what it was after."""
+    token = var.set(value)
     try:
         yield
     finally:
-        PIPELINE.reset(token)
+        var.reset(token)
+
+
+def plan_pipeline(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Run the block with `PIPELINE` set to `mode` (auto, on, off)."""
+    return _holding(PIPELINE, mode)
 
 
 def _pipelined(device: torch.device) -> bool:
@@ -429,17 +435,13 @@ def _plan(
     pinned = pipelined and device.type == "cuda"
 
     def draw(lo: int, hi: int) -> Packed:
-        n = hi - lo
-        rows = torch.zeros((n, k, b), dtype=torch.long)
-        weight = torch.zeros((n, k, b), dtype=dtype)
-        count = torch.zeros((n, k), dtype=dtype)
-        values = [torch.zeros((n, k, b), dtype=op.dtype) for op in ops]
-        drawn: dict[str, torch.Tensor] = {}
+        chunk = _ChunkTensors.zeros(hi - lo, k, b, dtype, ops)
         for node, draws in enumerate(nodes):
-            draws.fill(lo, hi, node, rows, weight, count, values, drawn)
-        seen.add_(count.double().sum(0))
-        prepared = extra.prepare({name: _to_device(t, device, pinned) for name, t in drawn.items()}) if extra else {}
-        return _packed_steps(rows, weight, count, values, prepared, device, pinned)
+            draws.fill(lo, hi, node, chunk)
+        seen.add_(chunk.count.double().sum(0))
+        drawn = {name: _to_device(t, device, pinned) for name, t in chunk.drawn.items()}
+        prepared = extra.prepare(drawn) if extra is not None else {}
+        return _packed_steps(chunk.rows, chunk.weight, chunk.count, chunk.values, prepared, device, pinned)
 
     bounds = _chunk_bounds(num_steps, pipelined)
     return _Plan([draw(bounds[0], bounds[1])], bounds, None, seen, draw)
@@ -546,6 +548,28 @@ def _random_ops(steps: Sequence[BatchTransform], shape: tuple[int, ...]) -> list
     return ops
 
 
+@dataclass
+class _ChunkTensors:
+    """A chunk's steps on the host as `_NodeDraws.fill` writes them, (steps, K, ...) each."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+    count: torch.Tensor
+    values: list[torch.Tensor]
+    """Each random op's values (`_RandomOp`)."""
+    drawn: dict[str, torch.Tensor] = field(default_factory=dict)
+    """An objective's own draws (`StepDraws`), made by name at the first."""
+
+    @classmethod
+    def zeros(cls, n: int, k: int, b: int, dtype: torch.dtype, ops: Sequence[_RandomOp]) -> _ChunkTensors:
+        return cls(
+            torch.zeros((n, k, b), dtype=torch.long),
+            torch.zeros((n, k, b), dtype=dtype),
+            torch.zeros((n, k), dtype=dtype),
+            [torch.zeros((n, k, b), dtype=op.dtype) for op in ops],
+        )
+
+
 class _NodeDraws:
     """One node's draws, an epoch at a time as a chunk of the plan first needs the epoch, the same values
     `node_indices` and `_draws_of` draw a batch at a time: a CPU generator gives one draw of n values as
@@ -592,20 +616,9 @@ class _NodeDraws:
             self.drawn.append(self.extra.step(self.state, first + b, m, generator))
         self.uniform = torch.cat(parts) if parts else torch.zeros(0)
 
-    def fill(
-        self,
-        lo: int,
-        hi: int,
-        node: int,
-        rows: torch.Tensor,
-        weight: torch.Tensor,
-        count: torch.Tensor,
-        values: Sequence[torch.Tensor],
-        drawn: dict[str, torch.Tensor],
-    ) -> None:
-        """The node's steps from `lo` to `hi` (those it has) into its column of a chunk's (hi - lo, K, ...)
-        tensors: its row numbers (with its `offset`), weights, counts and values; `extra`'s draws into
-        `drawn` (made, by name, at the first)."""
+    def fill(self, lo: int, hi: int, node: int, chunk: _ChunkTensors) -> None:
+        """The node's steps from `lo` to `hi` (those it has) into its column of the chunk's tensors: its row
+        numbers (with its `offset`), weights, counts and values, and `extra`'s draws."""
         s, end = lo, min(hi, self.epochs * self.per)
         while s < end:
             epoch = s // self.per
@@ -613,24 +626,14 @@ class _NodeDraws:
                 self._next_epoch()
             first = epoch * self.per
             a, b = s - first, min(end - first, self.per)  # the epoch's own steps a to b - 1
-            self._fill_epoch(a, b, s - lo, node, rows, weight, count, values, drawn)
+            self._fill_epoch(a, b, s - lo, node, chunk)
             s = first + b
 
-    def _fill_epoch(
-        self,
-        a: int,
-        b: int,
-        at: int,
-        node: int,
-        rows: torch.Tensor,
-        weight: torch.Tensor,
-        count: torch.Tensor,
-        values: Sequence[torch.Tensor],
-        drawn: dict[str, torch.Tensor],
-    ) -> None:
+    def _fill_epoch(self, a: int, b: int, at: int, node: int, chunk: _ChunkTensors) -> None:
         """Steps a to b - 1 of the current epoch into the chunk's steps from `at`."""
         size, full, last, r = self.size, self.full, self.last, len(self.ops)
         perm, uniform, offset = self.perm, self.uniform, self.offset
+        rows, weight, count, values, drawn = chunk.rows, chunk.weight, chunk.count, chunk.values, chunk.drawn
         end = min(b, full)
         if end > a:  # full batches
             window = slice(at, at + end - a)
@@ -1323,14 +1326,9 @@ GRAPHS: ContextVar[str] = ContextVar("fedmq_vectorized_graphs", default="auto")
 it for the method's `train_group`, which does not pass it through."""
 
 
-@contextmanager
-def graph_mode(mode: str) -> Iterator[None]:
+def graph_mode(mode: str) -> contextlib.AbstractContextManager[None]:
     """Run the block with `train_vectorized`'s default `graphs` set to `mode` (auto, on, off)."""
-    token = GRAPHS.set(mode)
-    try:
-        yield
-    finally:
-        GRAPHS.reset(token)
+    return _holding(GRAPHS, mode)
 
 
 def use_graphs(device: torch.device, mode: str = "auto") -> bool:
