@@ -513,11 +513,16 @@ class SimulationConfig(_Strict):
 
     def graph_mode(self) -> str:
         """`graphs` as fedcore.vectorized.train_vectorized takes it."""
-        return "auto" if self.graphs == "auto" else ("on" if self.graphs else "off")
+        return _mode(self.graphs)
 
     def pipeline_mode(self) -> str:
         """`pipeline` as fedcore.vectorized.plan_pipeline takes it."""
-        return "auto" if self.pipeline == "auto" else ("on" if self.pipeline else "off")
+        return _mode(self.pipeline)
+
+
+def _mode(setting: Literal["auto"] | bool) -> str:
+    """A setting of auto, true or false as fedcore.vectorized's modes spell it: auto, on, off."""
+    return "auto" if setting == "auto" else ("on" if setting else "off")
 
 
 class StalenessConfig(

@@ -59,13 +59,13 @@ class Packed:
             offset += -(-field.nbytes // ALIGN) * ALIGN
         cpu = torch.device("cpu")
         home = cpu if all(t.device == cpu for t in tensors.values()) else device
-        rows = torch.empty((steps.pop(), max(offset, ALIGN)), dtype=torch.uint8, device=home)
+        staged_pinned = pinned and home == cpu and device != cpu  # staged where the copy can leave from at once
+        shape = (steps.pop(), max(offset, ALIGN))
+        rows = torch.empty(shape, dtype=torch.uint8, device=home, pin_memory=staged_pinned)
         staged = cls(rows, layout)
         for name, t in tensors.items():
             staged.view(rows, name).copy_(t)
-        if home == device:
-            return staged
-        return cls(rows.pin_memory().to(device, non_blocking=True) if pinned else rows.to(device), layout)
+        return staged if home == device else cls(send(rows, device, staged_pinned), layout)
 
     def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         """Field `name` of `buffer`, typed and shaped: of every step for `rows` ((S, ...)), of one step
@@ -76,3 +76,11 @@ class Packed:
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: self.view(buffer, name) for name in self.layout}
+
+
+def send(t: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """`t` on `device`; with `pinned`, from page-locked memory without the host waiting (a plain copy from
+    pageable memory waits for the device's queued work first). `t` may be page-locked already."""
+    if pinned and t.device.type == "cpu" and device.type != "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)

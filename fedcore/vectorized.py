@@ -59,7 +59,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.packed import Field, Packed
+from fedmq.fedcore.packed import Field, Packed, send
 from fedmq.fedcore.seeding import global_stream_layer
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import TrainSettings, TrainStats, autocast
@@ -345,13 +345,6 @@ def _packed_steps(
     return Packed.of(tensors, device, pinned=pinned)
 
 
-def _to_device(t: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
-    """`t` on `device`; from page-locked memory without waiting where `pinned` (see `_packed_steps`)."""
-    if pinned and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 FIRST_CHUNK = 2
 """Steps in a pipelined plan's first chunk (`_chunk_bounds`): what the device waits for before it starts."""
 
@@ -364,7 +357,7 @@ def _chunk_bounds(num_steps: int, pipelined: bool) -> list[int]:
         return [0, 0]
     bounds, size = [0], FIRST_CHUNK if pipelined else num_steps
     while bounds[-1] < num_steps:
-        bounds.append(min(num_steps, bounds[-1] + max(size, 1)))
+        bounds.append(min(num_steps, bounds[-1] + size))
         size *= 2
     return bounds
 
@@ -439,7 +432,7 @@ def _plan(
         for node, draws in enumerate(nodes):
             draws.fill(lo, hi, node, chunk)
         seen.add_(chunk.count.double().sum(0))
-        drawn = {name: _to_device(t, device, pinned) for name, t in chunk.drawn.items()}
+        drawn = {name: send(t, device, pinned) for name, t in chunk.drawn.items()}
         prepared = extra.prepare(drawn) if extra is not None else {}
         return _packed_steps(chunk.rows, chunk.weight, chunk.count, chunk.values, prepared, device, pinned)
 

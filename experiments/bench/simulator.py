@@ -479,7 +479,8 @@ def plan_rows(report: Report, quick: bool, repeats: int) -> None:
     """The host's work before a KDIA round's first step, which the GPU waits for: the round's plan (every
     node's permutations, augmentation draws and KDIA's labels and noise, drawn between the batches in
     the node's stream), drawn an epoch at a time (the simulator) beside a step at a time (the per-step
-    drawing it is held bitwise to). The generator's features of the noise are left out: the device's work."""
+    drawing it is held bitwise to), and the first chunk of the pipelined plan (what a GPU waits for
+    since). The generator's features of the noise are left out: the device's work."""
     from fedmq.fedcore import vectorized
     from fedmq.fedcore.algorithms.kdia import _GeneratedDraws
     from fedmq.fedcore.algorithms.kdia.generator import build_generator
@@ -500,14 +501,16 @@ def plan_rows(report: Report, quick: bool, repeats: int) -> None:
     assert isinstance(model, FedModel)
     draws = Drawn(build_generator(100, model), 100)  # KDIA's noise_dim
 
-    def plan(batched: bool) -> Callable[[], object]:
+    def plan(batched: bool, pipelined: bool = False) -> Callable[[], object]:
         offsets = [i * size for i in range(k)]
         return lambda: vectorized._plan(
-            datasets, settings, generators(k, cpu), steps, offsets, total, torch.float32, cpu, draws, batched=batched
-        )
+            datasets, settings, generators(k, cpu), steps, offsets, total, torch.float32, cpu, draws,
+            batched=batched, pipelined=pipelined,
+        )  # fmt: skip
 
     with torch_threads(1):
         by_epoch, by_step = measure(plan(True), repeats=repeats), measure(plan(False), repeats=repeats)
+        first = measure(plan(True, pipelined=True), repeats=repeats)  # only its first chunk is drawn here
     section = f"host: a KDIA round's plan, {k} nodes of {size}, {epochs} epochs, one CPU thread"
     report.add(
         "plan drawn an epoch at a time (the simulator)",
@@ -515,10 +518,19 @@ def plan_rows(report: Report, quick: bool, repeats: int) -> None:
         "ms",
         ratio=by_step.median / by_epoch.median,
         ratio_means="faster than a step at a time",
-        note="time the GPU waits before the round's first step",
+        note="drawn before the first step: on a CPU, or a GPU with simulation.pipeline false",
         section=section,
     )
     report.add("plan drawn a step at a time", by_step.median * 1e3, "ms", section=section)
+    report.add(
+        "pipelined plan: its first chunk (simulation.pipeline, on a GPU)",
+        first.median * 1e3,
+        "ms",
+        ratio=first.median / by_epoch.median,
+        ratio_means="of the whole plan",
+        note="what the GPU waits for before the round's first step; the rest is drawn while it trains",
+        section=section,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,9 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
     share = next(f for f in report.figures if "share of wall time training" in f.label)
     assert 0 < share.value <= 100 and "images/s over the run" in share.note
     plans = {f.label: f for f in report.figures if f.unit == "ms" and f.section.startswith("host: a KDIA round")}
-    assert set(plans) == {"plan drawn an epoch at a time (the simulator)", "plan drawn a step at a time"}
+    first_chunk = "pipelined plan: its first chunk (simulation.pipeline, on a GPU)"
+    assert set(plans) == {"plan drawn an epoch at a time (the simulator)", "plan drawn a step at a time", first_chunk}
+    assert plans[first_chunk].value > 0 and plans[first_chunk].ratio is not None
     fast, slow = plans["plan drawn an epoch at a time (the simulator)"], plans["plan drawn a step at a time"]
     assert fast.value > 0 and fast.ratio is not None and abs(fast.ratio - slow.value / fast.value) < 1e-6 * fast.ratio
 
