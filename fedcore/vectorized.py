@@ -57,6 +57,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
+from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.packed import Field, Packed, send
@@ -1331,6 +1332,18 @@ def use_graphs(device: torch.device, mode: str = "auto") -> bool:
     return device.type == "cuda" and mode != "off"
 
 
+PHASES = (
+    "fedmq.vectorized.plan",
+    "fedmq.vectorized.build",
+    "fedmq.vectorized.steps",
+    "fedmq.vectorized.sync",
+    "fedmq.vectorized.results",
+)
+"""torch.profiler's marks around a call's phases on the host: its plan (on a GPU, its first chunk), the
+round built or a kept one reset, the steps launched (and later chunks drawn), the wait for the last
+step with the sums copied back, each node's results (`fedmq.experiments.bench.sim_profile` reads them)."""
+
+
 def train_vectorized(
     model: nn.Module,
     datasets: Sequence[TensorDataset],
@@ -1409,34 +1422,47 @@ def train_vectorized(
     try:
         if num_steps > 0:
             gens = [generators[k] for k in order]
-            plan = _plan(
-                ordered, settings, gens, known, offsets, num_steps, dtype, device, draws, pipelined=_pipelined(device)
-            )
+            with record_function(PHASES[0]):
+                plan = _plan(
+                    ordered,
+                    settings,
+                    gens,
+                    known,
+                    offsets,
+                    num_steps,
+                    dtype,
+                    device,
+                    draws,
+                    pipelined=_pipelined(device),
+                )
             own = [starts[k] for k in order] if starts is not None else None
             default = objective is cross_entropy_objective and not (draws or stacked or carried or epoch_start)
             key = keep_as  # FedAvg's objective needs none; with one, the key vouches for the model's loose tensors
             starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
             kept = None
-            if not (default or keep_as is not None):
-                _count("not kept")
-            else:
-                kept = _kept_round(
-                    model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked,
-                    carried, starts_at,
-                )  # fmt: skip
-            if kept is not None:
-                round_ = kept.round
-            else:
-                round_ = _Round(
-                    model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
-                    starts_at,
-                )  # fmt: skip
+            with record_function(PHASES[1]):
+                if not (default or keep_as is not None):
+                    _count("not kept")
+                else:
+                    kept = _kept_round(
+                        model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked,
+                        carried, starts_at,
+                    )  # fmt: skip
+                if kept is not None:
+                    round_ = kept.round
+                else:
+                    round_ = _Round(
+                        model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
+                        starts_at,
+                    )  # fmt: skip
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
-            _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if kept else None)
-            stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen
-            terms = {name: t.cpu() for name, t in round_.terms.items()}
-            carried = {name: t.cpu() for name, t in round_.carry.items()}
-            gradients = {name: t.cpu() for name, t in (round_.gradient_sums or {}).items()}
+            with record_function(PHASES[2]):
+                _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if kept else None)
+            with record_function(PHASES[3]):  # the first copy back waits for the last step
+                stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen
+                terms = {name: t.cpu() for name, t in round_.terms.items()}
+                carried = {name: t.cpu() for name, t in round_.carry.items()}
+                gradients = {name: t.cpu() for name, t in (round_.gradient_sums or {}).items()}
         else:
             terms, carried = {}, {name: t.cpu() for name, t in carried.items()}
             stack = _Stack.of(model, len(order), settings, device, [starts[k] for k in order] if starts else None)
@@ -1445,9 +1471,10 @@ def train_vectorized(
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
-    return _results(
-        model, stack, frozen, order, steps, totals, seen, terms, carried, gradients, kept=KEPT.get() is not None
-    )
+    with record_function(PHASES[4]):
+        return _results(
+            model, stack, frozen, order, steps, totals, seen, terms, carried, gradients, kept=KEPT.get() is not None
+        )
 
 
 def _results(
