@@ -103,6 +103,34 @@ def crop_at(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) -
     return x.gather(3, cols)
 
 
+def padded_crop_at(
+    x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int, padding: int, mode: PaddingMode
+) -> torch.Tensor:
+    """``crop_at(pad(x, padding, mode), top, left, size)``, bitwise, for any dtype: torch's reflection
+    and replication padding take floats only, so for those each window's rows and columns are read where
+    the padding would have copied them from, without making the padded batch (zeros are padded as
+    before: torch pads any dtype with a constant, in fewer operations). So a batch can be cropped while
+    it is still uint8 (`pipelines`), moving a quarter of float32's bytes; `top` and `left` are in padded
+    coordinates, as `crop_at`'s are."""
+    if padding == 0 or mode == "zero":
+        return crop_at(pad(x, padding, mode), top, left, size)
+    n, c, h, w = x.shape
+    if mode == "reflect" and padding >= min(h, w):
+        raise ValueError(f"a reflection padding of {padding} needs images larger than {h} x {w}")
+    offsets = torch.arange(size, device=x.device) - padding
+    rows, cols = top.view(n, 1) + offsets, left.view(n, 1) + offsets  # (n, size) in the image's coordinates
+    out = x.gather(2, _source(rows, h, mode).view(n, 1, size, 1).expand(n, c, size, w))
+    return out.gather(3, _source(cols, w, mode).view(n, 1, 1, size).expand(n, c, size, size))
+
+
+def _source(at: torch.Tensor, n: int, mode: PaddingMode) -> torch.Tensor:
+    """Where positions `at` of a padded axis (-padding to n + padding - 1, padding < n) read in the image's
+    n: mirrored without repeating the edge (reflect: n - 1 - |n - 1 - |at||), or the nearest edge."""
+    if mode == "reflect":
+        return (n - 1) - ((n - 1) - at.abs()).abs()
+    return at.clamp(0, n - 1)
+
+
 def pad(x: torch.Tensor, padding: int, mode: PaddingMode) -> torch.Tensor:
     """`padding` pixels on each side: zeros, a reflection without repeating the edge, or the edge repeated."""
     if padding == 0:
@@ -133,13 +161,12 @@ class RandomCrop:
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if generator is None:
             return center_crop(x, self.size)
-        x = pad(x, self.padding, self.padding_mode)
-        n, _, h, w = x.shape
+        n, h, w = len(x), x.shape[-2] + 2 * self.padding, x.shape[-1] + 2 * self.padding
         if h < self.size or w < self.size:
             raise ValueError(f"a {self.size}-pixel crop of {h} x {w} padded images")
         top = (_draw(generator, n, x.device) * (h - self.size + 1)).long().clamp_(max=h - self.size)
         left = (_draw(generator, n, x.device) * (w - self.size + 1)).long().clamp_(max=w - self.size)
-        return crop_at(x, top, left, self.size)
+        return padded_crop_at(x, top, left, self.size, self.padding, self.padding_mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +275,9 @@ def pipelines(
     """(train transform, eval transform): to float in [0, 1], the augmentation (train only), normalisation.
 
     Evaluation applies only the deterministic part: the centre crop when the crop is smaller than
-    the image, and the normalisation.
+    the image, and the normalisation. The crops and flips that come first select pixels only, so they
+    run on the images' own dtype (uint8: a quarter of float32's bytes) and the conversion to float after
+    them gives the same values bit for bit; a rotation interpolates, so the conversion comes before it.
     """
     train: tuple[BatchTransform, ...] = ()
     evaluation: tuple[BatchTransform, ...] = ()
@@ -264,4 +293,13 @@ def pipelines(
                 f"{len(mean)} normalisation means for inputs of shape {input_shape}", field="data.normalize"
             )
         tail = (Normalize(tuple(mean), tuple(std)),)
-    return Compose((ToFloat(), *train, *tail)), Compose((ToFloat(), *evaluation, *tail))
+    return Compose((*_selecting_first(train), *tail)), Compose((*_selecting_first(evaluation), *tail))
+
+
+def _selecting_first(steps: tuple[BatchTransform, ...]) -> tuple[BatchTransform, ...]:
+    """`steps` with ToFloat placed after the leading crops and flips (selections of pixels, which commute
+    with the conversion) and before anything else (a rotation)."""
+    lead = 0
+    while lead < len(steps) and isinstance(steps[lead], RandomCrop | RandomHorizontalFlip):
+        lead += 1
+    return (*steps[:lead], ToFloat(), *steps[lead:])

@@ -73,8 +73,7 @@ from fedmq.fedcore.transforms import (
     RandomRotation,
     ToFloat,
     _draw,
-    crop_at,
-    pad,
+    padded_crop_at,
     rotate,
 )
 
@@ -669,7 +668,7 @@ def _apply_steps(
     values = iter(draws)
     for i, step in enumerate(steps):
         if isinstance(step, RandomCrop):
-            x = crop_at(pad(x, step.padding, step.padding_mode), next(values), next(values), step.size)
+            x = padded_crop_at(x, next(values), next(values), step.size, step.padding, step.padding_mode)
         elif isinstance(step, RandomHorizontalFlip):
             x = torch.where(next(values).view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
         elif isinstance(step, RandomRotation):

@@ -11,7 +11,7 @@ import torch
 from fedmq.experiments.build import cache_dir, data_root, load_split
 from fedmq.experiments.config import AugmentConfig, NormalizeConfig, parse_config
 from fedmq.fedcore.errors import ConfigError, DataError
-from fedmq.fedcore.transforms import Compose, Normalize, RandomCrop, RandomRotation
+from fedmq.fedcore.transforms import Compose, Normalize, RandomCrop, RandomRotation, ToFloat
 
 
 def config(**data: object) -> object:
@@ -86,7 +86,8 @@ def test_load_split_passes_augment_and_normalize_to_the_transforms(data_root: Pa
     split = load_split(cfg)  # type: ignore[arg-type]
     train = split.train.train_transform
     assert isinstance(train, Compose)
-    assert [type(s) for s in train.steps][1:] == [RandomCrop, RandomRotation, Normalize]
+    # the crop selects uint8 pixels, then they become floats for the rotation and the normalisation
+    assert [type(s) for s in train.steps] == [RandomCrop, ToFloat, RandomRotation, Normalize]
     assert train.steps[-1] == Normalize((0.5,), (0.5,))
     x, _ = split.test.eval_batch(0, 4)
     assert torch.allclose(x, split.test.x[:4].float() / 127.5 - 1)

@@ -9,13 +9,16 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.transforms import (
     Augment,
+    Compose,
     Normalize,
     RandomCrop,
     RandomHorizontalFlip,
     RandomRotation,
+    ToFloat,
     center_crop,
     crop_at,
     pad,
+    padded_crop_at,
     pipelines,
     rotate,
 )
@@ -45,6 +48,57 @@ def test_crop_at_with_reflect_padding_equals_hand_computed_shift() -> None:
     out = crop_at(pad(x, 1, "reflect"), torch.tensor([2]), torch.tensor([0]), 4)
     expected = torch.tensor([[6, 5, 6, 7], [10, 9, 10, 11], [14, 13, 14, 15], [10, 9, 10, 11]], dtype=torch.float32)
     assert torch.equal(out[0, 0], expected)
+
+
+@pytest.mark.parametrize("mode", ["zero", "reflect", "replicate"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_padded_crop_at_is_bitwise_the_crop_of_the_padded_batch(mode: str, dtype: torch.dtype) -> None:
+    """Every window position, the corners included, on non-square images with negative floats (the
+    zeros written by the padding stay +0.0): what `crop_at(pad(...))` gives, without the padded batch.
+    uint8 is checked against the float padding of the same pixels (torch pads uint8 with zeros only)."""
+    h, w, p, size = 7, 9, 3, 6
+    n = (h + 2 * p - size + 1) * (w + 2 * p - size + 1)
+    top, left = torch.meshgrid(torch.arange(h + 2 * p - size + 1), torch.arange(w + 2 * p - size + 1), indexing="ij")
+    top, left = top.reshape(-1), left.reshape(-1)
+    x = torch.randint(0, 256, (n, 2, h, w), generator=gen(1)).to(dtype)
+    if dtype.is_floating_point:
+        x = x - 128  # negative values: a product with a zero mask would give -0.0 where the padding gives +0.0
+    got = padded_crop_at(x, top, left, size, p, mode)  # type: ignore[arg-type]
+    expected = crop_at(pad(x.float(), p, mode), top, left, size)  # type: ignore[arg-type]
+    assert got.dtype == dtype
+    assert torch.equal(got.float(), expected)
+    if dtype.is_floating_point:
+        assert torch.equal(torch.signbit(got), torch.signbit(expected))  # bitwise: the zeros' signs too
+
+
+def test_padded_crop_at_refuses_a_reflection_wider_than_the_image() -> None:
+    with pytest.raises(ValueError, match="reflection padding of 4"):
+        padded_crop_at(images(2, 4), torch.tensor([0, 1]), torch.tensor([0, 1]), 4, 4, "reflect")
+
+
+@pytest.mark.parametrize("mode", ["zero", "reflect", "replicate"])
+def test_pipeline_crops_and_flips_the_pixels_before_they_become_floats_with_the_same_result(mode: str) -> None:
+    """The train transform converts to float after its crop and flip (selections, which commute with the
+    conversion), bit for bit what converting first gives, drawing the same values from the generator;
+    a rotation, which interpolates, still gets floats."""
+    augment = Augment(crop=28, padding=4, padding_mode=mode, flip=True, rotation_deg=10)  # type: ignore[arg-type]
+    normalize = ((0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+    train, evaluation = pipelines(augment, normalize, (3, 32, 32))
+    assert isinstance(train, Compose) and isinstance(evaluation, Compose)
+    kinds = [type(step) for step in train.steps]
+    assert kinds == [RandomCrop, RandomHorizontalFlip, ToFloat, RandomRotation, Normalize]
+    assert [type(step) for step in evaluation.steps] == [RandomCrop, ToFloat, Normalize]  # the centre crop
+    float_first = Compose((ToFloat(), *[s for s in train.steps if not isinstance(s, ToFloat)]))
+    x = images(32)
+    g1, g2 = gen(3), gen(3)
+    assert torch.equal(train(x, g1), float_first(x, g2))
+    assert torch.equal(g1.get_state(), g2.get_state())
+    centre_first = Compose((ToFloat(), *[s for s in evaluation.steps if not isinstance(s, ToFloat)]))
+    assert torch.equal(evaluation(x, None), centre_first(x, None))
+    rotation_first, _ = pipelines(
+        Augment(crop=32, padding=4, rotation_deg=10, order=("rotation", "crop")), None, (3, 32, 32)
+    )
+    assert isinstance(rotation_first, Compose) and isinstance(rotation_first.steps[0], ToFloat)
 
 
 def test_crop_at_takes_a_different_window_per_image() -> None:
