@@ -428,9 +428,10 @@ def _plan(
     pinned = pipelined and device.type == "cuda"
 
     def draw(lo: int, hi: int) -> Packed:
-        chunk = _ChunkTensors.zeros(hi - lo, k, b, dtype, ops)
-        for node, draws in enumerate(nodes):
-            draws.fill(lo, hi, node, chunk)
+        chunk = _batched_fill(nodes, lo, hi, b, dtype, ops)
+        if extra is not None:
+            for node, draws in enumerate(nodes):
+                draws.fill_drawn(lo, hi, node, chunk)
         seen.add_(chunk.count.double().sum(0))
         drawn = {name: send(t, device, pinned) for name, t in chunk.drawn.items()}
         prepared = extra.prepare(drawn) if extra is not None else {}
@@ -543,7 +544,8 @@ def _random_ops(steps: Sequence[BatchTransform], shape: tuple[int, ...]) -> list
 
 @dataclass
 class _ChunkTensors:
-    """A chunk's steps on the host as `_NodeDraws.fill` writes them, (steps, K, ...) each."""
+    """A chunk's steps on the host, (steps, K, ...) each: made at once for every node (`_batched_fill`),
+    an objective's own draws node by node (`_NodeDraws.fill_drawn`)."""
 
     rows: torch.Tensor
     weight: torch.Tensor
@@ -553,14 +555,15 @@ class _ChunkTensors:
     drawn: dict[str, torch.Tensor] = field(default_factory=dict)
     """An objective's own draws (`StepDraws`), made by name at the first."""
 
-    @classmethod
-    def zeros(cls, n: int, k: int, b: int, dtype: torch.dtype, ops: Sequence[_RandomOp]) -> _ChunkTensors:
-        return cls(
-            torch.zeros((n, k, b), dtype=torch.long),
-            torch.zeros((n, k, b), dtype=dtype),
-            torch.zeros((n, k), dtype=dtype),
-            [torch.zeros((n, k, b), dtype=op.dtype) for op in ops],
-        )
+
+@dataclass(frozen=True, slots=True)
+class _EpochDraws:
+    """One epoch of one node: its permutation, its batches' uniform values (batch after batch, each batch
+    its ops' values one op after another) and `extra`'s draws, a dict a step."""
+
+    perm: torch.Tensor
+    uniform: torch.Tensor
+    drawn: list[dict[str, torch.Tensor]]
 
 
 class _NodeDraws:
@@ -588,73 +591,114 @@ class _NodeDraws:
         self.generator, self.ops, self.extra, self.offset = generator, ops, extra, offset
         self.state = extra.first(data, settings, generator) if extra is not None else None
         self.epoch = -1
-        self.perm = self.uniform = torch.zeros(0)
-        self.drawn: list[dict[str, torch.Tensor]] = []
-        """The current epoch's draws of `extra`, a dict per step."""
+        self.drawn: dict[int, _EpochDraws] = {}
+        """The epochs drawn that a chunk still reads."""
         if self.per == 0:
             while self.epoch < self.epochs - 1:
                 self._next_epoch()
+            self.drawn.clear()
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.per
 
     def _next_epoch(self) -> None:
         self.epoch += 1
         generator, r, size = self.generator, len(self.ops), self.size
-        self.perm = torch.randperm(self.n, generator=generator)
+        perm = torch.randperm(self.n, generator=generator)
         if self.extra is None:
-            self.uniform = torch.rand(r * (self.full * size + self.last), generator=generator)
+            uniform = torch.rand(r * (self.full * size + self.last), generator=generator)
+            self.drawn[self.epoch] = _EpochDraws(perm, uniform, [])
             return
-        parts, self.drawn = [], []
+        parts, drawn = [], []
         first = self.epoch * self.per
         for b, m in enumerate([size] * self.full + ([self.last] if self.last else [])):
             parts.append(torch.rand(r * m, generator=generator))
-            self.drawn.append(self.extra.step(self.state, first + b, m, generator))
-        self.uniform = torch.cat(parts) if parts else torch.zeros(0)
+            drawn.append(self.extra.step(self.state, first + b, m, generator))
+        self.drawn[self.epoch] = _EpochDraws(perm, torch.cat(parts) if parts else torch.zeros(0), drawn)
 
-    def fill(self, lo: int, hi: int, node: int, chunk: _ChunkTensors) -> None:
-        """The node's steps from `lo` to `hi` (those it has) into its column of the chunk's tensors: its row
-        numbers (with its `offset`), weights, counts and values, and `extra`'s draws."""
-        s, end = lo, min(hi, self.epochs * self.per)
-        while s < end:
-            epoch = s // self.per
-            while self.epoch < epoch:
-                self._next_epoch()
+    def epochs_for(self, lo: int, hi: int) -> range:
+        """The node's epochs that steps `lo` to `hi` - 1 reach, drawn (those before them let go)."""
+        end = min(hi, self.steps)
+        if lo >= end:
+            return range(0)
+        first, last = lo // self.per, (end - 1) // self.per
+        while self.epoch < last:
+            self._next_epoch()
+        for gone in [e for e in self.drawn if e < first]:
+            del self.drawn[gone]
+        return range(first, last + 1)
+
+    def fill_drawn(self, lo: int, hi: int, node: int, chunk: _ChunkTensors) -> None:
+        """`extra`'s draws of the node's steps `lo` to `hi` - 1 (those it has) into its column of the
+        chunk's, each step's rows in place and a short batch padded with its first row, as its batch is."""
+        size = self.size
+        for epoch in self.epochs_for(lo, hi):
             first = epoch * self.per
-            a, b = s - first, min(end - first, self.per)  # the epoch's own steps a to b - 1
-            self._fill_epoch(a, b, s - lo, node, chunk)
-            s = first + b
-
-    def _fill_epoch(self, a: int, b: int, at: int, node: int, chunk: _ChunkTensors) -> None:
-        """Steps a to b - 1 of the current epoch into the chunk's steps from `at`."""
-        size, full, last, r = self.size, self.full, self.last, len(self.ops)
-        perm, uniform, offset = self.perm, self.uniform, self.offset
-        rows, weight, count, values, drawn = chunk.rows, chunk.weight, chunk.count, chunk.values, chunk.drawn
-        end = min(b, full)
-        if end > a:  # full batches
-            window = slice(at, at + end - a)
-            rows[window, node] = perm[a * size : end * size].view(end - a, size) + offset
-            weight[window, node] = 1
-            count[window, node] = size
-            regular = uniform[r * a * size : r * end * size].view(end - a, r, size)
-            for j, op in enumerate(self.ops):
-                values[j][window, node] = op.values(regular[:, j])
-        if last and a <= full < b:  # the trailing batch
-            t = at + full - a
-            rows[t, node, :last] = perm[full * size : full * size + last] + offset
-            rows[t, node, last:] = perm[full * size] + offset
-            weight[t, node, :last] = 1
-            count[t, node] = last
-            tail = uniform[r * full * size :].view(r, last)
-            for j, op in enumerate(self.ops):
-                values[j][t, node, :last] = op.values(tail[j])
-        if self.drawn:  # each step's rows in place, a short batch padded with its first row, as the batches are
-            steps = self.drawn[a:b]
+            a, b = max(lo, first) - first, min(hi, first + self.per) - first  # the epoch's own steps a to b - 1
+            steps = self.drawn[epoch].drawn[a:b]
             sizes = torch.tensor([len(next(iter(d.values()))) for d in steps])
             source = _padded_rows(sizes, size)
+            at = first + a - lo
             for name in steps[0]:
                 got = torch.cat([d[name] for d in steps])
-                if name not in drawn:
-                    n, k = rows.shape[:2]
-                    drawn[name] = torch.zeros((n, k, size, *got.shape[1:]), dtype=got.dtype)
-                drawn[name][at : at + b - a, node] = got[source]
+                if name not in chunk.drawn:
+                    n, k = chunk.rows.shape[:2]
+                    chunk.drawn[name] = torch.zeros((n, k, size, *got.shape[1:]), dtype=got.dtype)
+                chunk.drawn[name][at : at + b - a, node] = got[source]
+
+
+def _batched_fill(
+    nodes: Sequence[_NodeDraws], lo: int, hi: int, b: int, dtype: torch.dtype, ops: Sequence[_RandomOp]
+) -> _ChunkTensors:
+    """Steps `lo` to `hi` - 1 of every node at once: each node's epochs that the chunk reaches are drawn
+    (node by node, from its own generator), then every (step, node, slot) finds its row number and its
+    ops' values in the concatenated draws with a few tensor operations over the whole chunk, not a few
+    per node. A node's batch b of an epoch holds rows b * B onwards of the epoch's permutation (its
+    trailing batch the rest, padded with its first row), and its op j's values lie at r B b + j m in the
+    epoch's uniform values (m the batch's size, r the ops); a step a node does not have is all zeros."""
+    n, k, r = hi - lo, len(nodes), len(ops)
+    perms: list[torch.Tensor] = []
+    uniforms: list[torch.Tensor] = []
+    epochs = max((node.epochs for node in nodes), default=1)
+    # where node k's epoch e starts in the concatenations (made as lists: one tensor, not k x e item writes)
+    perm_starts, uniform_starts = [[0] * epochs for _ in nodes], [[0] * epochs for _ in nodes]
+    perm_len = uniform_len = 0
+    for i, node in enumerate(nodes):
+        for e in node.epochs_for(lo, hi):
+            drawn = node.drawn[e]
+            perm_starts[i][e], uniform_starts[i][e] = perm_len, uniform_len
+            perms.append(drawn.perm)
+            uniforms.append(drawn.uniform)
+            perm_len, uniform_len = perm_len + len(drawn.perm), uniform_len + len(drawn.uniform)
+    perm_at, uniform_at = torch.tensor(perm_starts), torch.tensor(uniform_starts)
+    per, full, last, total, offset = (
+        torch.tensor([getattr(node, name) for node in nodes], dtype=torch.long)
+        for name in ("per", "full", "last", "steps", "offset")
+    )
+    s = torch.arange(lo, hi).unsqueeze(1)  # (n, 1)
+    active = s < total  # (n, k): the node has step s
+    epoch = torch.where(active, s // per.clamp(min=1), 0)
+    batch = torch.where(active, s % per.clamp(min=1), 0)
+    size = torch.where(batch < full, b, last)  # (n, k): the batch's real rows
+    slot = torch.arange(b)
+    real = active.unsqueeze(-1) & (slot < size.unsqueeze(-1))  # (n, k, b)
+    within = torch.where(real, slot, 0)  # a padding slot repeats the batch's first row
+    nodes_ix = torch.arange(k)
+    rows = torch.zeros((n, k, b), dtype=torch.long)
+    values = [torch.zeros((n, k, b), dtype=op.dtype) for op in ops]
+    if perms:
+        start = perm_at[nodes_ix, epoch] + batch * b  # (n, k)
+        at = torch.where(active.unsqueeze(-1), start.unsqueeze(-1) + within, 0)
+        rows = torch.where(active.unsqueeze(-1), torch.cat(perms)[at] + offset.view(1, k, 1), 0)
+    if r and uniform_len:
+        uniform = torch.cat(uniforms)
+        start = uniform_at[nodes_ix, epoch] + r * b * batch
+        for j, op in enumerate(ops):
+            at = torch.where(real, start.unsqueeze(-1) + j * size.unsqueeze(-1) + within, 0)
+            values[j] = torch.where(real, op.values(uniform[at]), values[j])
+    count = torch.where(active, size, 0).to(dtype)
+    return _ChunkTensors(rows, real.to(dtype), count, values)
 
 
 def _apply_steps(
