@@ -8,9 +8,10 @@ randomness allowed.
 
 `Augment` describes a training augmentation (random crop with zero, reflect or replicate padding,
 horizontal flip, small rotations, in a chosen order) and `pipelines` turns it and a normalisation
-into the (train, eval) transforms a `TensorDataset` carries: ToFloat, the augmentation (train
-only; eval only centre-crops when the crop is smaller than the image), Normalize. AutoAugment is
-not implemented.
+into the (train, eval) transforms a `TensorDataset` carries: the augmentation (train only; eval
+only centre-crops when the crop is smaller than the image) with ToFloat after its leading crops and
+flips (they select pixels, so they run on uint8) and before anything that interpolates, then
+Normalize. AutoAugment is not implemented.
 """
 
 from __future__ import annotations
