@@ -148,6 +148,12 @@ class Report:
         out["markdown"] = self.markdown()
         return out
 
+    def write(self, prefix: Path) -> None:
+        """PREFIX.json and PREFIX.md (a suite's module run alone, as on a GPU machine before its wheels)."""
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(json.dumps(self.to_json(), indent=2, default=str))
+        prefix.with_suffix(".md").write_text(self.markdown())
+
 
 def _context_text(value: Any) -> str:
     if isinstance(value, float):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -229,35 +228,24 @@ def add_case(report: Report, label: str, device: torch.device, profiles: dict[st
     for name in top[:TOP_KERNELS]:
         us, calls = ours.get(name, (0.0, 0.0))
         ref_us, ref_calls = reference.get(name, (0.0, 0.0))
-        report.add(
-            _short(name),
-            us,
-            "us",
-            ratio=us / ref_us if ref_us else None,
-            ratio_means="the reference's time",
-            note=f"reference {ref_us:,.0f} us; calls {calls:g} and {ref_calls:g}",
-            section=section,
-        )
+        _beside(report, _short(name), us, ref_us, f"; calls {calls:g} and {ref_calls:g}", section)
     rest = top[TOP_KERNELS:]
     rest_us = sum(ours.get(n, (0.0, 0.0))[0] for n in rest)
     rest_ref = sum(reference.get(n, (0.0, 0.0))[0] for n in rest)
-    report.add(
-        f"the other {len(rest)}",
-        rest_us,
-        "us",
-        ratio=rest_us / rest_ref if rest_ref else None,
-        ratio_means="the reference's time",
-        note=f"reference {rest_ref:,.0f} us",
-        section=section,
-    )
+    _beside(report, f"the other {len(rest)}", rest_us, rest_ref, "", section)
     total, ref_total = sum(t for t, _ in ours.values()), sum(t for t, _ in reference.values())
+    _beside(report, f"all {what}", total, ref_total, "", section)
+
+
+def _beside(report: Report, label: str, us: float, ref_us: float, more: str, section: str) -> None:
+    """A row of the simulator's microseconds a round, as a ratio to the reference's."""
     report.add(
-        f"all {what}",
-        total,
+        label,
+        us,
         "us",
-        ratio=total / ref_total if ref_total else None,
+        ratio=us / ref_us if ref_us else None,
         ratio_means="the reference's time",
-        note=f"reference {ref_total:,.0f} us",
+        note=f"reference {ref_us:,.0f} us{more}",
         section=section,
     )
 
@@ -302,9 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     report = run(args.quick, args.rounds)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-    args.out.with_suffix(".md").write_text(report.markdown())
+    report.write(args.out)
     print(report.markdown())
     return 0
 

@@ -538,7 +538,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     suite with nothing but torch and numpy installed (a GPU machine before its wheels arrive); writes
     OUT_PREFIX.json and OUT_PREFIX.md."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out", type=Path, help="prefix of the .json and .md files written")
@@ -546,8 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int)
     args = parser.parse_args(argv)
     report = run(BenchOptions(quick=args.quick, repeats=args.repeats, extra={"simulate": "false"}))
-    args.out.with_suffix(".json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-    args.out.with_suffix(".md").write_text(report.markdown())
+    report.write(args.out)
     print(report.markdown())
     return 0
 
