@@ -516,7 +516,7 @@ class SimulationConfig(_Strict):
         return _mode(self.graphs)
 
     def pipeline_mode(self) -> str:
-        """`pipeline` as fedcore.vectorized.plan_pipeline takes it."""
+        """`pipeline` as fedcore.round_plan.plan_pipeline takes it."""
         return _mode(self.pipeline)
 
 

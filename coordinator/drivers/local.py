@@ -46,11 +46,12 @@ from fedmq.fedcore.protocol import (
     Update,
     UpdateFailed,
 )
+from fedmq.fedcore.round_plan import plan_pipeline
 from fedmq.fedcore.secure_task import SecureTask
 from fedmq.fedcore.seeding import stream
 from fedmq.fedcore.tensors import flatten_groups
 from fedmq.fedcore.training import TrainSettings
-from fedmq.fedcore.vectorized import graph_mode, keep_rounds, plan_pipeline
+from fedmq.fedcore.vectorized import graph_mode, keep_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class LocalFederation:
     graphs: str = "auto"
     """CUDA graphs for vectorised steps and the methods' own captured steps (`fedcore.vectorized.graph_mode`)."""
     pipeline: str = "auto"
-    """Draw each vectorised round's plan in chunks as its steps need them (`fedcore.vectorized.plan_pipeline`)."""
+    """Draw each vectorised round's plan in chunks as its steps need them (`fedcore.round_plan.plan_pipeline`)."""
     reuse_rounds: bool = False
     """Keep each vectorised group's round (its buffers and captured graphs) for the next group of its
     shape (`fedcore.vectorized.keep_rounds`)."""

@@ -337,7 +337,7 @@ def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
     """A kept round's call with its steps skipped (`run_steps` a no-op): the host's work of the round, its
     plan, the kept round's reset and the results, which the device waits for before the first step and
     after the last; set beside the whole call's time, how much of a round is the host's. On a GPU the
-    plan is pipelined (`vectorized.PIPELINE`): only its first chunk is drawn here, the others being
+    plan is pipelined (`round_plan.PIPELINE`): only its first chunk is drawn here, the others being
     drawn while the steps run."""
     model, datasets = workload(case, device)
     cpu = torch.device("cpu")
@@ -481,7 +481,7 @@ def plan_rows(report: Report, quick: bool, repeats: int) -> None:
     the node's stream), drawn an epoch at a time (the simulator) beside a step at a time (the per-step
     drawing it is held bitwise to), and the first chunk of the pipelined plan (what a GPU waits for
     since). The generator's features of the noise are left out: the device's work."""
-    from fedmq.fedcore import vectorized
+    from fedmq.fedcore import round_plan, vectorized
     from fedmq.fedcore.algorithms.kdia import _GeneratedDraws
     from fedmq.fedcore.algorithms.kdia.generator import build_generator
 
@@ -496,14 +496,14 @@ def plan_rows(report: Report, quick: bool, repeats: int) -> None:
     settings = TrainSettings(**{**KDIA_SETTINGS.to_meta(), "local_epochs": epochs})
     assert data.train_transform is not None
     steps = vectorized.known_steps(data.train_transform)
-    total = epochs * vectorized.steps_per_epoch(size, settings.batch_size, settings.drop_last)
+    total = epochs * round_plan.steps_per_epoch(size, settings.batch_size, settings.drop_last)
     cpu = torch.device("cpu")
     assert isinstance(model, FedModel)
     draws = Drawn(build_generator(100, model), 100)  # KDIA's noise_dim
 
     def plan(batched: bool, pipelined: bool = False) -> Callable[[], object]:
         offsets = [i * size for i in range(k)]
-        return lambda: vectorized._plan(
+        return lambda: round_plan._plan(
             datasets, settings, generators(k, cpu), steps, offsets, total, torch.float32, cpu, draws,
             batched=batched, pipelined=pipelined,
         )  # fmt: skip

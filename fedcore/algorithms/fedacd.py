@@ -585,7 +585,7 @@ def _running_p(batch: NodeBatch, hp: Hyperparams) -> _RunningP:
 
 
 class _StepDraws:
-    """FedACD's draws besides the batches (`fedcore.vectorized.StepDraws`), as `NodeHalf.train` makes
+    """FedACD's draws besides the batches (`fedcore.round_plan.StepDraws`), as `NodeHalf.train` makes
     them: with Mixup, the numpy stream's seed before the first batch, then per batch lam ~ Beta(alpha,
     alpha) from it and, unless lam is 1, the batch's permutation from the node's generator; with `renew`,
     whether the step is the first of an epoch but the first (a constant of the step, nothing drawn)."""

@@ -371,7 +371,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
 
 class _LastEpoch:
     """Which of a node's steps are in its last local epoch, as `NodeHalf.train` records them
-    (`fedcore.vectorized.StepDraws`: a constant per step, nothing drawn from the generator)."""
+    (`fedcore.round_plan.StepDraws`: a constant per step, nothing drawn from the generator)."""
 
     def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
         return (settings.local_epochs - 1) * steps_per_epoch(len(data), settings.batch_size, settings.drop_last)

@@ -107,15 +107,15 @@ def test_a_plan_drawn_as_the_steps_need_it_changes_no_bit_and_replays(
     """`simulation.pipeline` (auto: on a GPU, where the host draws a round's plan while the device trains)
     forced on for a CPU run, rounds kept too: the run draws its plans in chunks, ends on bitwise the
     model of plans drawn whole, and replays bit for bit."""
-    from fedmq.fedcore import vectorized
+    from fedmq.fedcore import round_plan
 
     cheap = ["method.hyperparams={gen_epochs: 1, gen_batches_per_epoch: 5}"] if method == "kdia" else []
     common = ["rounds=3", "simulation.vectorize=true", f"method.name={method}", "train.local_epochs=2", *cheap]
     whole, whole_records, _ = _final([*common, "simulation.pipeline=false"])
     chunks: list[int] = []
-    bounds = vectorized._chunk_bounds
+    bounds = round_plan._chunk_bounds
     monkeypatch.setattr(
-        vectorized, "_chunk_bounds", lambda n, on: (chunks.append(len(bounds(n, on)) - 1), bounds(n, on))[1]
+        round_plan, "_chunk_bounds", lambda n, on: (chunks.append(len(bounds(n, on)) - 1), bounds(n, on))[1]
     )
     overrides = [*common, "simulation.pipeline=true", "simulation.reuse_rounds=true"]
     fed = build_local(_config(overrides), device=CPU)

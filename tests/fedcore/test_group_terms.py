@@ -675,9 +675,9 @@ def test_kept_rounds_of_a_keyed_objective_replay_their_cuda_graphs_as_fresh_roun
 
 
 def assert_pipelined_plan_is_the_whole_plan(digits: TensorDataset, method: str, device: torch.device) -> None:
-    """A group trained with its plan drawn in chunks as the steps need them (`vectorized.plan_pipeline`)
+    """A group trained with its plan drawn in chunks as the steps need them (`round_plan.plan_pipeline`)
     gives bitwise the updates and losses of the plan drawn before the first step."""
-    from fedmq.fedcore import vectorized
+    from fedmq.fedcore import round_plan
 
     datasets = [d.to(device) for d in shards(digits)]
     name, hp = KEYED.get(method, (method, {}))
@@ -685,7 +685,7 @@ def assert_pipelined_plan_is_the_whole_plan(digits: TensorDataset, method: str, 
     for mode in ("off", "on"):
         group = members(name, hp, datasets)
         workspace = build_model("cnn", digits.input_shape, 10, seed=6).double().to(device)
-        with vectorized.plan_pipeline(mode):
+        with round_plan.plan_pipeline(mode):
             updates.append(group[0].half.train_group(group, workspace))
     whole, chunked = updates
     for a, b in zip(whole, chunked, strict=True):

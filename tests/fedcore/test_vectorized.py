@@ -475,7 +475,7 @@ def test_the_plan_drawn_an_epoch_at_a_time_is_the_plan_drawn_a_step_at_a_time(
 ) -> None:
     """Every row, weight, count and random value of the batched plan is bitwise the per-step one, for
     shards of one sample, a trailing batch of one, an empty shard and long ones."""
-    from fedmq.fedcore.vectorized import _plan
+    from fedmq.fedcore.round_plan import _plan
 
     data = load_dataset("digits", seed=0, augment=augment).train
     datasets = [*shards(data, SIZES), data.subset(torch.arange(0).numpy())]
@@ -505,7 +505,7 @@ def test_an_objectives_draws_between_the_batches_are_the_plan_drawn_a_step_at_a_
     the objective's own values alike, and leaves each node's generator where the per-step drawing does."""
     from fedmq.fedcore.algorithms.kdia import _GeneratedDraws
     from fedmq.fedcore.algorithms.kdia.generator import build_generator
-    from fedmq.fedcore.vectorized import _plan
+    from fedmq.fedcore.round_plan import _plan
 
     data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
     datasets = [*shards(data, SIZES), data.subset(torch.arange(0).numpy())]
@@ -763,7 +763,7 @@ def test_a_plan_is_drawn_in_chunks_as_the_steps_need_them_where_that_overlaps_th
     """Pipelined (auto on a CUDA device, where the host draws a chunk while the device trains the steps
     before it): a first chunk of two steps, each later one twice the one before, drawn when a step first
     needs it; on a CPU (nothing to overlap) one chunk, drawn before the first step."""
-    from fedmq.fedcore.vectorized import _chunk_bounds, _pipelined, _plan, plan_pipeline
+    from fedmq.fedcore.round_plan import _chunk_bounds, _pipelined, _plan, plan_pipeline
 
     assert _chunk_bounds(80, True) == [0, 2, 6, 14, 30, 62, 80]
     assert _chunk_bounds(8, False) == [0, 8] and _chunk_bounds(0, True) == [0, 0]

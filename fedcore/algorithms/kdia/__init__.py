@@ -523,7 +523,7 @@ def _kd_per_sample(student: torch.Tensor, teacher: torch.Tensor, temperature: fl
 
 
 class _GeneratedDraws:
-    """KDIA's draws besides the batches (`fedcore.vectorized.StepDraws`), as `NodeHalf.train` makes them:
+    """KDIA's draws besides the batches (`fedcore.round_plan.StepDraws`), as `NodeHalf.train` makes them:
     the generated labels before training, each step's noise after its batch; then the frozen generator's
     features for every step at once."""
 
