@@ -39,6 +39,11 @@ from fedmq.fedcore.vectorized import PHASES, train_vectorized
 ROUND = "fedmq.bench.round"
 """The profiler's mark around each profiled round."""
 TOP_KERNELS = 20
+GRAPHED = {
+    "simulator, rounds kept": "simulator, rounds kept, without graphs",
+    "reference: vmap over nodes, CUDA graph": "reference: vmap over nodes",
+}
+"""Each path with CUDA graphs, and its twin without: a captured step replays the same kernels."""
 NAME_CHARS = 90
 
 
@@ -220,6 +225,14 @@ def add_case(report: Report, label: str, device: torch.device, profiles: dict[st
         )
         if device.type == "cuda" and not p.kernels:
             report.notes.append(f"{label}, {name}: no kernel was traced (the replays of a graph may not be)")
+    for graphed, eager in GRAPHED.items():  # a tracer that misses a graph's kernels would show the device idle
+        if device.type == "cuda" and graphed in profiles and eager in profiles:
+            seen, expected = (sum(t for t, _ in profiles[n].kernels.values()) for n in (graphed, eager))
+            if seen < expected / 2:
+                report.notes.append(
+                    f"{label}, {graphed}: its kernels add up to {seen:,.0f} us a round against {expected:,.0f}"
+                    " without graphs: the graph's replays were not all traced, so its busy share is too low"
+                )
     ours_name = "simulator, rounds kept, without graphs" if device.type == "cuda" else "simulator, rounds kept"
     ours, reference = profiles[ours_name].kernels, profiles["reference: vmap over nodes"].kernels
     what = "kernels" if device.type == "cuda" else "operators (self CPU time)"

@@ -8,10 +8,22 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from fedmq.experiments.bench import sim_profile
-from fedmq.experiments.bench.sim_profile import ROUND, Timeline, busy_time, device_profile, main, run, timeline
+from fedmq.experiments.bench.common import Report
+from fedmq.experiments.bench.sim_profile import (
+    ROUND,
+    PathProfile,
+    Timeline,
+    add_case,
+    busy_time,
+    device_profile,
+    main,
+    run,
+    timeline,
+)
 
 
 def test_busy_time_is_the_length_of_the_union_of_overlapping_intervals() -> None:
@@ -40,14 +52,15 @@ def test_the_quick_profile_sets_the_simulators_operators_beside_the_references(
     assert all(f.value > 0 and f.unit == "ms" for f in rounds.values())
     # the simulator's host phases are named, and its steps are most of a CPU's round; the reference has none
     ours = rounds["simulator, rounds kept"].note
-    steps_ms = float(ours.split("steps ")[1].split(",")[0])
-    assert "plan" in ours and "results" in ours and steps_ms > rounds["simulator, rounds kept"].value / 2
+    phases = dict(part.split(" ") for part in ours.split("the host's phases in ms: ")[1].split(", "))
+    assert list(phases) == ["plan", "build", "steps", "sync", "results"]
+    assert 0 < sum(map(float, phases.values())) <= rounds["simulator, rounds kept"].value * 1.001  # inside the round
     assert "phases" not in rounds["reference: vmap over nodes"].note
     side = [f for f in report.figures if "beside the reference's" in f.section]
     by_label = {f.label: f for f in side}
-    # the CNN's backward convolution is in both paths, and dominates both on a CPU
+    # the CNN's backward convolution is in both paths, set side by side (a ratio, not a time asserted)
     backward = by_label["aten::convolution_backward"]
-    assert backward.value > 0 and backward.ratio is not None and 0.5 < backward.ratio < 2
+    assert backward.value > 0 and backward.ratio is not None and "calls 4 and 4" in backward.note
     whole = next(f for f in side if f.label.startswith("all "))
     assert whole.value >= sum(f.value for f in side if f is not whole and not f.label.startswith("the other")) * 0.999
     assert main(["--quick", "--rounds", "1", str(tmp_path / "out" / "profile")]) == 0
@@ -104,3 +117,27 @@ def test_a_case_whose_profile_fails_is_noted_and_the_others_still_report(monkeyp
     monkeypatch.setattr(sim_profile, "profile_case", fails)
     report = run(quick=True, rounds=1)
     assert report.notes == ["3 nodes of 128, 1 epoch: the profile failed: RuntimeError('CUPTI is not available')"]
+
+
+def test_a_gpu_profile_whose_graph_replays_were_not_traced_says_so() -> None:
+    """A graphed path whose kernels add up to much less than its twin's without graphs: the tracer missed
+    the replays, and the report says its busy share cannot be read; a full trace gives no such note."""
+
+    def path(kernel_us: float) -> PathProfile:
+        return PathProfile(1, 1.0, [Timeline(1000, 800, 100, 50)], {"conv": (kernel_us, 4.0)}, {})
+
+    for graphed_us, noted in ((10.0, True), (95.0, False)):
+        report = Report("sim-profile", "t")
+        profiles = {
+            "simulator, rounds kept": path(graphed_us),
+            "simulator, rounds kept, without graphs": path(100.0),
+            "reference: vmap over nodes, CUDA graph": path(90.0),
+            "reference: vmap over nodes": path(100.0),
+        }
+        add_case(report, "a case", torch.device("cuda"), profiles)
+        notes = [n for n in report.notes if "not all traced" in n]
+        assert notes == (["a case, simulator, rounds kept: its kernels add up to 10 us a round against 100 without"
+                          " graphs: the graph's replays were not all traced, so its busy share is too low"]
+                         if noted else [])  # fmt: skip
+        busy = next(f for f in report.figures if f.label == "simulator, rounds kept")
+        assert busy.ratio == 0.8 and "idle 0.1 ms before its first kernel, 0.1 between, 0.1 after" in busy.note
