@@ -1098,10 +1098,10 @@ def _results(
     means = {name: t.tolist() for name, t in scalars.items()}
     for pos, k in enumerate(order):
         state = {name: rows[name][pos] if name in rows else frozen[name] for name in keys}
-        n = float(seen_n[pos])
-        own = {name: float(v[pos]) / steps[k] for name, v in means.items()} if steps[k] else {}
+        n = seen_n[pos]
+        own = {name: v[pos] / steps[k] for name, v in means.items()} if steps[k] else {}
         stats = TrainStats(
-            loss=float(total[pos]) / max(n, 1),
+            loss=total[pos] / max(n, 1),
             steps=steps[k],
             samples_seen=int(n),
             terms=own,

@@ -30,11 +30,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fedmq.experiments.bench.common import Report
-from fedmq.experiments.bench.simulator import Case, KeptRounds, VmapStep, cases, workload
-from fedmq.experiments.bench.training import generators
+from fedmq.experiments.bench.simulator import Case, KeptRounds, VmapStep, cases, vectorised, workload
 from fedmq.fedcore.seeding import deterministic_kernels
 from fedmq.fedcore.training import torch_threads
-from fedmq.fedcore.vectorized import PHASES, train_vectorized
+from fedmq.fedcore.vectorized import PHASES
 
 ROUND = "fedmq.bench.round"
 """The profiler's mark around each profiled round."""
@@ -93,7 +92,6 @@ def timeline(window: tuple[float, float], intervals: Sequence[tuple[float, float
 class PathProfile:
     """A path's rounds, averaged: its device timeline and its kernels (or, on a CPU, operators)."""
 
-    rounds: int
     wall_ms: float
     timelines: list[Timeline]
     kernels: dict[str, tuple[float, float]]
@@ -128,9 +126,9 @@ def profile_path(call: Callable[[], object], device: torch.device, rounds: int) 
     kernels = {
         a.key: (a.self_cpu_time_total / rounds, a.count / rounds)
         for a in prof.key_averages()
-        if a.key != ROUND and a.self_cpu_time_total > 0
+        if a.key != ROUND and a.key not in PHASES and a.self_cpu_time_total > 0  # operators, not the marks
     }
-    return PathProfile(rounds, _wall_ms(_windows(events)), [], kernels, host_phases(events, rounds))
+    return PathProfile(_wall_ms(_windows(events)), [], kernels, host_phases(events, rounds))
 
 
 def host_phases(events: Sequence[Any], rounds: int) -> dict[str, float]:
@@ -176,23 +174,16 @@ def device_profile(events: Sequence[Any], rounds: int) -> PathProfile:
     kernels = {name: (t / rounds, n / rounds) for name, (t, n) in sums.items()}
     windows = _windows(events)
     timelines = [timeline(w, intervals) for w in windows]
-    return PathProfile(rounds, _wall_ms(windows), timelines, kernels, host_phases(events, rounds))
+    return PathProfile(_wall_ms(windows), timelines, kernels, host_phases(events, rounds))
 
 
 def profile_case(case: Case, device: torch.device, rounds: int) -> dict[str, PathProfile]:
     """The simulator's kept rounds (with and, on a GPU, without graphs) and the vmap reference's rounds
     (likewise), profiled on `device`."""
     model, datasets = workload(case, device)
-    cpu = torch.device("cpu")  # the simulator's node generators are CPU generators, whatever the device
-
-    def simulator(graphs: str) -> Callable[[], object]:
-        return KeptRounds(
-            lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu), graphs=graphs)
-        )
-
-    paths: dict[str, Callable[[], object]] = {"simulator, rounds kept": simulator("auto")}
+    paths: dict[str, Callable[[], object]] = {"simulator, rounds kept": KeptRounds(vectorised(model, datasets, case))}
     if device.type == "cuda":
-        paths["simulator, rounds kept, without graphs"] = simulator("off")
+        paths["simulator, rounds kept, without graphs"] = KeptRounds(vectorised(model, datasets, case, graphs="off"))
         paths["reference: vmap over nodes, CUDA graph"] = VmapStep(model, datasets, case, device, graph=True)
     paths["reference: vmap over nodes"] = VmapStep(model, datasets, case, device)
     return {name: profile_path(call, device, rounds) for name, call in paths.items()}

@@ -246,6 +246,15 @@ def workload(case: Case, device: torch.device) -> tuple[nn.Module, list[TensorDa
     return model, [d.to(device) for d in equal_shards(data, case.k, case.size)]
 
 
+def vectorised(
+    model: nn.Module, datasets: Sequence[TensorDataset], case: Case, graphs: str | None = None
+) -> Callable[[], object]:
+    """A round of the simulator's vectorised training of `case` (`graphs`: auto, on, off; default the
+    context's), its nodes' generators made afresh each call on the CPU, as the simulator's are."""
+    cpu = torch.device("cpu")
+    return lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu), graphs=graphs)
+
+
 def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Timing]:
     """Every path's time for one round of `case` on `device`."""
     model, datasets = workload(case, device)
@@ -253,16 +262,14 @@ def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Ti
     one_by_one = OneByOne.of(model)
     gpu = device.type == "cuda"
     cpu = torch.device("cpu")  # the simulator's node generators are CPU generators, whatever the device
-    vectorised = lambda: train_vectorized(model, datasets, settings, generators(case.k, cpu))  # noqa: E731
+    fresh = vectorised(model, datasets, case)
     paths: dict[str, Callable[[], object]] = {
         "simulator, one by one": lambda: one_by_one(datasets, cpu, settings=settings),
-        "simulator, vectorised": vectorised,
-        "simulator, vectorised, rounds kept": KeptRounds(vectorised),
+        "simulator, vectorised": fresh,
+        "simulator, vectorised, rounds kept": KeptRounds(fresh),
     }
     if gpu:
-        paths["simulator, vectorised without graphs"] = lambda: train_vectorized(
-            model, datasets, settings, generators(case.k, cpu), graphs="off"
-        )
+        paths["simulator, vectorised without graphs"] = vectorised(model, datasets, case, graphs="off")
     paths["reference: eager loop"] = EagerLoop(model, datasets, case, device)
     if gpu:
         paths["reference: eager loop, CUDA graph"] = EagerLoop(model, datasets, case, device, graph=True)
@@ -340,8 +347,7 @@ def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
     plan is pipelined (`round_plan.PIPELINE`): only its first chunk is drawn here, the others being
     drawn while the steps run."""
     model, datasets = workload(case, device)
-    cpu = torch.device("cpu")
-    kept = KeptRounds(lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu)))
+    kept = KeptRounds(vectorised(model, datasets, case))
     with steps_skipped():
         return _timed(kept, device, repeats)
 

@@ -124,7 +124,7 @@ def test_a_gpu_profile_whose_graph_replays_were_not_traced_says_so() -> None:
     the replays, and the report says its busy share cannot be read; a full trace gives no such note."""
 
     def path(kernel_us: float) -> PathProfile:
-        return PathProfile(1, 1.0, [Timeline(1000, 800, 100, 50)], {"conv": (kernel_us, 4.0)}, {})
+        return PathProfile(1.0, [Timeline(1000, 800, 100, 50)], {"conv": (kernel_us, 4.0)}, {})
 
     for graphed_us, noted in ((10.0, True), (95.0, False)):
         report = Report("sim-profile", "t")
