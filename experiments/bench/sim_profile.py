@@ -116,7 +116,8 @@ def profile_path(call: Callable[[], object], device: torch.device, rounds: int) 
 
     one()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    # acc_events: torch 2.11 (the lent GPU machines') warns without it, on the first cycle too
+    with profile(activities=activities, acc_events=True) as prof:
         for _ in range(rounds):
             with record_function(ROUND):
                 one()
