@@ -84,3 +84,30 @@ def deterministic_kernels(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+CUDNN_CHOICES: dict[str, tuple[bool, bool]] = {
+    "deterministic": (True, False),
+    "default": (False, False),
+    "benchmark": (False, True),
+}
+"""cuDNN's ways of choosing a convolution's algorithms, by name -> (torch.backends.cudnn's `deterministic`,
+`benchmark`): deterministic ones only (`deterministic_kernels`: what fedmq's training processes ask, so
+that a GPU run replays bit for bit), cuDNN's own default choice, or the fastest found by timing each
+shape's candidates on its first run (both free to sum with atomics, in no fixed order)."""
+
+
+@contextmanager
+def cudnn_choice(name: str) -> Iterator[None]:
+    """Inside the block, cuDNN chooses its algorithms the `name` way (`CUDNN_CHOICES`); its flags are
+    restored after. For the whole process: torch's flags are global. A convolution's algorithm is
+    chosen when it first runs, and a captured CUDA graph keeps the one it captured."""
+    if name not in CUDNN_CHOICES:
+        raise ValueError(f"cuDNN's choice must be one of {', '.join(CUDNN_CHOICES)}, not {name!r}")
+    cudnn = torch.backends.cudnn
+    before = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = CUDNN_CHOICES[name]
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = before

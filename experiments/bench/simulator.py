@@ -41,7 +41,7 @@ from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.models import FedModel, build_model, count_parameters
-from fedmq.fedcore.seeding import deterministic_kernels
+from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice, deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
 from fedmq.fedcore.transforms import crop_at, pad
 from fedmq.fedcore.vectorized import train_vectorized
@@ -352,6 +352,41 @@ def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
         return _timed(kept, device, repeats)
 
 
+def cudnn_costs(case: Case, device: torch.device, repeats: int) -> dict[str, dict[str, Timing]]:
+    """The simulator's kept round and the best reference (the `vmap` step, captured as a CUDA graph on a
+    GPU) timed under each of cuDNN's ways of choosing algorithms (`CUDNN_CHOICES`): what fedmq's
+    deterministic choice, which makes a GPU run replay bit for bit, costs. Each path is built afresh
+    inside its choice: cuDNN picks an algorithm when a convolution first runs, and a graph keeps the
+    algorithms it captured."""
+    graph = device.type == "cuda"
+    costs: dict[str, dict[str, Timing]] = {}
+    for choice in CUDNN_CHOICES:
+        with cudnn_choice(choice):
+            model, datasets = workload(case, device)
+            reference = f"reference: vmap over nodes{', CUDA graph' * graph}"
+            paths: dict[str, Callable[[], object]] = {
+                "simulator, vectorised, rounds kept": KeptRounds(vectorised(model, datasets, case)),
+                reference: VmapStep(model, datasets, case, device, graph=graph),
+            }
+            costs[choice] = {name: _timed(call, device, repeats) for name, call in paths.items()}
+    return costs
+
+
+def _add_cudnn_costs(report: Report, case: Case, device: torch.device, costs: dict[str, dict[str, Timing]]) -> None:
+    images = case.k * case.size * case.epochs
+    for choice, timings in costs.items():
+        for name, timing in timings.items():
+            report.add(
+                f"{name}, cuDNN {choice}",
+                images / timing.median,
+                "images/s",
+                ratio=costs["deterministic"][name].median / timing.median,
+                ratio_means="the same path's speed with deterministic algorithms",
+                note=f"{timing.median * 1e3:,.1f} ms a round",
+                section=f"{case.label}, {device}: cuDNN's algorithms (deterministic: bitwise replays, fedmq's choice)",
+            )
+
+
 def steps_skipped() -> contextlib.AbstractContextManager[object]:
     """Inside it, a vectorised call does everything but its steps (`host_work`)."""
     from fedmq.fedcore import vectorized
@@ -454,6 +489,7 @@ def run(options: BenchOptions) -> Report:
                 if options.quick:
                     continue
                 if gpu:
+                    _add_cudnn_costs(report, case, device, cudnn_costs(case, device, repeats))
                     best = min(t.median for n, t in timings.items() if n.startswith("reference"))
                     kept = best / timings["simulator, vectorised, rounds kept"].median
                     report.target(

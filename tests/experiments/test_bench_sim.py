@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedmq.experiments.bench.common import BenchOptions
-from fedmq.experiments.bench.simulator import Case, main, run, step_ops, steps_skipped, workload
+from fedmq.experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.simulator import (
+    Case,
+    _add_cudnn_costs,
+    cudnn_costs,
+    main,
+    run,
+    step_ops,
+    steps_skipped,
+    workload,
+)
 from fedmq.experiments.bench.training import generators
 from fedmq.fedcore.vectorized import train_vectorized
 
@@ -82,3 +91,27 @@ def test_the_host_work_figure_times_a_call_that_takes_no_step() -> None:
     trained = call()
     assert all(torch.equal(state[n], start[n]) for state in skipped for n in start)
     assert all(any(not torch.equal(state[n], start[n]) for n in start) for state in trained)
+
+
+def test_the_cost_of_determinism_times_both_paths_under_each_cudnn_choice() -> None:
+    """What a GPU's bench adds (cuDNN's deterministic algorithms against its default and benchmarked ones),
+    run on this CPU, where the flags change nothing: each choice times the kept round and the vmap
+    reference, each row's ratio is the deterministic time over its own, and the flags come back."""
+    cudnn = torch.backends.cudnn
+    before = cudnn.deterministic, cudnn.benchmark
+    case = Case(2, 64, 1)
+    costs = cudnn_costs(case, torch.device("cpu"), repeats=1)
+    assert (cudnn.deterministic, cudnn.benchmark) == before
+    paths = {"simulator, vectorised, rounds kept", "reference: vmap over nodes"}
+    assert list(costs) == ["deterministic", "default", "benchmark"]
+    assert all(set(timings) == paths and all(t.median > 0 for t in timings.values()) for timings in costs.values())
+    report = Report("sim", "t")
+    _add_cudnn_costs(report, case, torch.device("cpu"), costs)
+    rows = {f.label: f for f in report.figures}
+    assert len(rows) == 6
+    for choice, timings in costs.items():
+        for name, timing in timings.items():
+            row = rows[f"{name}, cuDNN {choice}"]
+            assert row.ratio == pytest.approx(costs["deterministic"][name].median / timing.median)
+            assert row.value == pytest.approx(case.k * case.size / timing.median)
+    assert all(rows[f"{name}, cuDNN deterministic"].ratio == pytest.approx(1.0) for name in paths)

@@ -151,3 +151,24 @@ def test_deterministic_kernels_sets_cudnn_for_a_cuda_device_only(monkeypatch: py
     monkeypatch.setattr(ws, "deterministic_kernels", asked.append)
     ws.Workspace(torch.nn.Linear(2, 2), torch.device("cpu"))
     assert asked == [torch.device("cpu")]
+
+
+def test_cudnn_choice_sets_each_ways_flags_inside_the_block_and_restores_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's cost of determinism times each of cuDNN's ways inside `cudnn_choice`: its flags there,
+    the process's flags back after the block, an exception too; an unknown name is refused."""
+    from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice
+
+    cudnn = torch.backends.cudnn
+    monkeypatch.setattr(cudnn, "deterministic", True)
+    monkeypatch.setattr(cudnn, "benchmark", False)
+    seen = {}
+    for name in CUDNN_CHOICES:
+        with cudnn_choice(name):
+            seen[name] = (cudnn.deterministic, cudnn.benchmark)
+        assert (cudnn.deterministic, cudnn.benchmark) == (True, False)
+    assert seen == {"deterministic": (True, False), "default": (False, False), "benchmark": (False, True)}
+    with pytest.raises(RuntimeError), cudnn_choice("benchmark"):
+        raise RuntimeError("a path failed")
+    assert (cudnn.deterministic, cudnn.benchmark) == (True, False)
+    with pytest.raises(ValueError, match="deterministic, default, benchmark"), cudnn_choice("fastest"):
+        pass
