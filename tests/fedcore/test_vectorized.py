@@ -36,6 +36,7 @@ from fedmq.fedcore.vectorized import (
     cross_entropy_objective,
     known_steps,
     nll,
+    step_kind,
     steps_per_epoch,
     train_vectorized,
     unsupported,
@@ -146,8 +147,8 @@ def _every_step_whole(
     total: int, load: Callable[[int], None], eager: Callable[[int], None], whole: Callable[[Hashable], None],
     graphs: bool, kind: Callable[[int], Hashable] = lambda s: None, captured: object = None,
 ) -> None:  # fmt: skip
-    """`run_steps` with every step as a captured graph runs it (all K nodes, masked where some have
-    no batch left), eagerly: what a CUDA device replays, checkable on the CPU."""
+    """`run_steps` with every step as a captured graph runs it (its kind's first b nodes, masked where
+    some have no batch left: `step_kind`), eagerly: what a CUDA device replays, checkable on the CPU."""
     for s in range(total):
         load(s)
         whole(kind(s))
@@ -158,8 +159,9 @@ def _every_step_whole(
 def test_the_captured_steps_computation_equals_one_by_one_in_float64(
     digits: TensorDataset, name: str, settings: TrainSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A captured step trains all K nodes: unmasked while every node has a batch, masked once some have
-    none (they keep weights and optimizer state, restored after the update). Run that way on the CPU, in
+    """A captured step trains its kind's first b nodes (`step_kind`): unmasked while each of them has a
+    batch, masked where some have none (they keep weights and optimizer state, restored after the update);
+    SIZES gives the kinds (7 nodes), (4, masked: 3 train), (2) and (1). Run that way on the CPU, in
     float64, every node is its own local_sgd to 1e-12, its summed gradients and a carried state what the
     eager steps give."""
     from fedmq.fedcore import vectorized
@@ -191,6 +193,51 @@ def test_the_captured_steps_computation_equals_one_by_one_in_float64(
         assert float(stats.carry["steps"]) == stats.steps == want.steps
         for key, total in stats.gradient_sums.items():
             torch.testing.assert_close(total, eager_stats.gradient_sums[key], rtol=0, atol=1e-12)
+
+
+def test_a_captured_step_takes_the_power_of_two_of_nodes_at_or_above_those_training() -> None:
+    """`step_kind`: the first b nodes, b the power of two at or above the active count (K at most),
+    masked exactly where b is more than that count; a count of none or more than K is refused."""
+    assert [step_kind(a, 10) for a in range(1, 11)] == [
+        (1, False), (2, False), (4, True), (4, False), (8, True), (8, True), (8, True), (8, False),
+        (10, True), (10, False),
+    ]  # fmt: skip
+    assert step_kind(100, 100) == (100, False) and step_kind(65, 100) == (100, True)
+    assert len({step_kind(a, 100) for a in range(1, 101)}) == 14  # 2 (log2 K + 1) at most: few graphs
+    for wrong in (0, 11):
+        with pytest.raises(ValueError, match="1 to 10 nodes"):
+            step_kind(wrong, 10)
+
+
+def test_a_round_of_unequal_shards_runs_each_step_as_its_active_counts_kind(
+    digits: TensorDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `run_steps` is handed for SIZES in batches of 16 over 2 epochs (steps 6, 2, 2, 4, 2, 8, 2 a
+    node): 2 steps of 7 nodes, 2 of 3 (the 4-node step masked), 2 of 2 and 2 of 1; nodes with no batch
+    left are no longer carried in the step (before, every captured step took all 7)."""
+    from fedmq.fedcore import vectorized
+
+    kinds: list[object] = []
+    stepped: list[tuple[int, bool]] = []
+    step = vectorized._Round.step
+
+    def record(total: int, load: Callable[[int], None], eager: Callable[[int], None],
+               whole: Callable[[Hashable], None], graphs: bool, kind: Callable[[int], Hashable] = lambda s: None,
+               captured: object = None) -> None:  # fmt: skip
+        for s in range(total):  # every step as its captured kind, as _every_step_whole
+            load(s)
+            kinds.append(kind(s))
+            whole(kinds[-1])
+
+    def counted(self: vectorized._Round, a: int, masked: bool = False) -> None:
+        stepped.append((a, masked))
+        step(self, a, masked)
+
+    monkeypatch.setattr(vectorized, "run_steps", record)
+    monkeypatch.setattr(vectorized._Round, "step", counted)
+    train_vectorized(build_model("mlp", digits.input_shape, 10, seed=0), shards(digits, SIZES), SGD, generators(7))
+    assert kinds == [(7, False)] * 2 + [(4, True)] * 2 + [(2, False)] * 2 + [(1, False)] * 2
+    assert stepped == kinds  # the step a kind runs: the first b nodes, masked as the kind says
 
 
 @pytest.mark.parametrize("augment", [{"crop": 8, "padding": 1, "flip": True}, {"padding": 2, "rotation_deg": 30}])
@@ -643,7 +690,7 @@ def test_kept_rounds_replay_the_first_calls_cuda_graphs_bitwise_as_fresh_rounds(
     groups = [shards(data64.subset(perm[i * 200 : (i + 1) * 200].numpy()), SIZES) for i in range(3)]
     model = build_model("cnn", digits.input_shape, 10, seed=0).to(cuda, torch.float64)
 
-    settings = dataclasses.replace(SGD, local_epochs=6)  # 6 steps with every node, 18 with some masked
+    settings = dataclasses.replace(SGD, local_epochs=6)  # 6 steps of each kind: (7), (4, masked), (2), (1)
 
     def train(parts: list[TensorDataset], i: int) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
         decayed = dataclasses.replace(settings, lr=settings.lr * 0.5**i)  # each call its own lr, one graph
@@ -653,7 +700,8 @@ def test_kept_rounds_replay_the_first_calls_cuda_graphs_bitwise_as_fresh_rounds(
     with vectorized.keep_rounds():
         kept = [train(parts, i) for i, parts in enumerate(groups)]
         (round_,) = vectorized.KEPT.get().values()  # type: ignore[union-attr]
-        assert set(round_.graphs) == {False, True}  # the unmasked and the masked step, captured once each
+        # each kind of step (step_kind: the first b nodes, masked where fewer train), captured once
+        assert set(round_.graphs) == {(7, False), (4, True), (2, False), (1, False)}
     for i, (parts, want, have) in enumerate(zip(groups, fresh, kept, strict=True)):
         alone = one_by_one(model, parts, dataclasses.replace(settings, lr=settings.lr * 0.5**i))
         for (w_state, _), (h_state, _), (a_state, _) in zip(want, have, alone, strict=True):
