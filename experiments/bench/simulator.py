@@ -387,6 +387,55 @@ def _add_cudnn_costs(report: Report, case: Case, device: torch.device, costs: di
             )
 
 
+KDIA_SIZES = (1276, 651, 338, 1769, 240, 149, 217, 769, 280, 813)
+"""A round's 10 shard sizes in KDIA's CIFAR-10 split at beta 0.1 (100 nodes, seed 1, drawn as a round's
+selection): unequal, as a Dirichlet split makes them. 38% of 10 times the longest node's steps are
+the nodes' own."""
+
+
+def unequal_shards(device: torch.device, repeats: int, sizes: Sequence[int] = KDIA_SIZES) -> dict[str, Timing]:
+    """A kept round of `sizes` (one epoch, KDIA's settings), its captured steps as `step_kind` makes them
+    (the first b nodes of those still training) beside every captured step over all K, masked (before
+    2026-11-28), which a step's work then followed: the longest node's steps times K."""
+    from fedmq.fedcore import vectorized
+
+    data = cifar_shaped()
+    model = build_model("moon-cnn", data.input_shape, data.num_classes, seed=0).to(device)
+    gen = torch.Generator().manual_seed(0)  # images drawn again for shards larger than the synthetic set
+    parts = [data.subset(torch.randint(len(data), (n,), generator=gen).numpy()).to(device) for n in sizes]
+    settings = TrainSettings(**{**KDIA_SETTINGS.to_meta(), "local_epochs": 1})
+    cpu = torch.device("cpu")
+    kinds = KeptRounds(lambda: train_vectorized(model, parts, settings, generators(len(parts), cpu)))
+    every_k = KeptRounds(lambda: train_vectorized(model, parts, settings, generators(len(parts), cpu)))
+
+    def all_k() -> object:
+        with mock.patch.object(vectorized, "step_kind", lambda a, k: (k, a < k)):
+            return every_k()
+
+    return {
+        "each captured step over the nodes still training (step_kind)": _timed(kinds, device, repeats),
+        "every captured step over all K nodes, masked (before 2026-11-28)": _timed(all_k, device, repeats),
+    }
+
+
+def _add_unequal(
+    report: Report, device: torch.device, timings: dict[str, Timing], sizes: Sequence[int] = KDIA_SIZES
+) -> None:
+    images = sum(sizes)
+    kind = "a round of KDIA's CIFAR-10 split at beta 0.1" if tuple(sizes) == KDIA_SIZES else "unequal shards"
+    before = timings["every captured step over all K nodes, masked (before 2026-11-28)"].median
+    for name, timing in timings.items():
+        report.add(
+            f"simulator, vectorised, rounds kept: {name}",
+            images / timing.median,
+            "images/s",
+            ratio=before / timing.median,
+            ratio_means="every captured step over all K's speed",
+            note=f"{timing.median * 1e3:,.1f} ms a round",
+            section=f"{len(sizes)} nodes of {min(sizes)} to {max(sizes)} images ({kind}), 1 epoch, {device}",
+        )
+
+
 def steps_skipped() -> contextlib.AbstractContextManager[object]:
     """Inside it, a vectorised call does everything but its steps (`host_work`)."""
     from fedmq.fedcore import vectorized
@@ -509,6 +558,8 @@ def run(options: BenchOptions) -> Report:
                         " on a CPU",
                         speedup >= 1 or not SimulationConfig().vectorizes("cpu"),
                     )
+    if gpu and not options.quick:
+        _add_unequal(report, devices[0], unequal_shards(devices[0], repeats))
     plan_rows(report, options.quick, repeats)
     if str(options.extra.get("simulate", "true")).lower() in ("false", "0", "no"):
         report.notes.append("fedmq simulate's share was not measured (--opt simulate=false).")

@@ -12,11 +12,13 @@ from fedmq.experiments.bench.common import BenchOptions, Report
 from fedmq.experiments.bench.simulator import (
     Case,
     _add_cudnn_costs,
+    _add_unequal,
     cudnn_costs,
     main,
     run,
     step_ops,
     steps_skipped,
+    unequal_shards,
     workload,
 )
 from fedmq.experiments.bench.training import generators
@@ -115,3 +117,19 @@ def test_the_cost_of_determinism_times_both_paths_under_each_cudnn_choice() -> N
             assert row.ratio == pytest.approx(costs["deterministic"][name].median / timing.median)
             assert row.value == pytest.approx(case.k * case.size / timing.median)
     assert all(rows[f"{name}, cuDNN deterministic"].ratio == pytest.approx(1.0) for name in paths)
+
+
+def test_the_unequal_shards_rows_time_both_ways_of_capturing_steps() -> None:
+    """What a GPU's bench adds for shards of unequal sizes, run on this CPU (no graphs: both paths train
+    the same eager steps): two timings, each row's ratio the all-K time over its own."""
+    sizes = (40, 9, 17)
+    timings = unequal_shards(torch.device("cpu"), repeats=1, sizes=sizes)
+    assert len(timings) == 2 and all(t.median > 0 for t in timings.values())
+    report = Report("sim", "t")
+    _add_unequal(report, torch.device("cpu"), timings, sizes)
+    rows = {f.label.removeprefix("simulator, vectorised, rounds kept: "): f for f in report.figures}
+    assert set(rows) == set(timings)
+    before = timings["every captured step over all K nodes, masked (before 2026-11-28)"].median
+    for name, timing in timings.items():
+        assert rows[name].ratio == pytest.approx(before / timing.median)
+        assert rows[name].value == pytest.approx(sum(sizes) / timing.median)
