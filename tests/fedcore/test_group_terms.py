@@ -19,6 +19,7 @@ from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fedcore.vectorized import NodeBatch, graph_mode
+from tests.fedcore.captured_steps import every_step_whole
 
 SETTINGS = TrainSettings(local_epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3)
 SIZES = (30, 17, 1, 45)
@@ -63,12 +64,12 @@ def digits() -> TensorDataset:
     return dataclasses.replace(data, x=data.x.double())
 
 
-def shards(data: TensorDataset) -> list[TensorDataset]:
+def shards(data: TensorDataset, sizes: Sequence[int] = SIZES) -> list[TensorDataset]:
     gen = torch.Generator().manual_seed(3)
     # skewed labels, so that label-dependent terms (FedLC, FedRS) differ per node
     order = torch.argsort(data.y.double() + torch.rand(len(data), generator=gen, dtype=torch.float64) * 4)
     out, start = [], 0
-    for n in SIZES:
+    for n in sizes:
         out.append(data.subset(order[start : start + n].numpy()))
         start += n * 7
     return out
@@ -183,6 +184,19 @@ def assert_group_is_each_own_train(
         assert difference(payload.tensors["model"], alone.tensors["model"]) < TOLERANCE.get(method, EXACT)
         moved.append(difference(payload.tensors["model"], baseline.tensors["model"]))
     assert max(moved) > 1e-4, "the term changed nothing"
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_group_term_with_every_step_as_its_captured_kind_trains_each_node_as_its_own_objective(
+    digits: TensorDataset, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps a GPU replays (each its kind's first b nodes, masked where some of them have no batch
+    left: `step_kind`), run eagerly on the CPU: each member still gets its own `train`'s update. Five
+    shards whose steps (4, 2, 2, 6, 6) make the kinds 5 nodes, 4 masked (3 train) and 2."""
+    from fedmq.fedcore import vectorized
+
+    monkeypatch.setattr(vectorized, "run_steps", every_step_whole)
+    assert_group_is_each_own_train(digits, method, CASES[method], shards(digits, (*SIZES, 40)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

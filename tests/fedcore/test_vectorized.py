@@ -41,6 +41,7 @@ from fedmq.fedcore.vectorized import (
     train_vectorized,
     unsupported,
 )
+from tests.fedcore.captured_steps import every_step_whole
 
 ATOL, RTOL = 1e-5, 1e-4
 SIZES = (40, 17, 1, 33, 2, 64, 9)
@@ -143,17 +144,6 @@ def proximal(model: torch.nn.Module, mu: float) -> LossFn:
     return loss_fn
 
 
-def _every_step_whole(
-    total: int, load: Callable[[int], None], eager: Callable[[int], None], whole: Callable[[Hashable], None],
-    graphs: bool, kind: Callable[[int], Hashable] = lambda s: None, captured: object = None,
-) -> None:  # fmt: skip
-    """`run_steps` with every step as a captured graph runs it (its kind's first b nodes, masked where
-    some have no batch left: `step_kind`), eagerly: what a CUDA device replays, checkable on the CPU."""
-    for s in range(total):
-        load(s)
-        whole(kind(s))
-
-
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 @pytest.mark.parametrize("settings", [SGD, ADAM], ids=["sgd-momentum", "adam"])
 def test_the_captured_steps_computation_equals_one_by_one_in_float64(
@@ -184,7 +174,7 @@ def test_the_captured_steps_computation_equals_one_by_one_in_float64(
         return train_vectorized(model, datasets, settings, gens, objective=objective, carry=carry, sum_gradients=True)
 
     eager = train()
-    monkeypatch.setattr(vectorized, "run_steps", _every_step_whole)
+    monkeypatch.setattr(vectorized, "run_steps", every_step_whole)
     whole = train()
     for (want_state, want), (state, stats), (_, eager_stats) in zip(expected, whole, eager, strict=True):
         assert max_difference(state, want_state) < 1e-12
@@ -224,7 +214,7 @@ def test_a_round_of_unequal_shards_runs_each_step_as_its_active_counts_kind(
     def record(total: int, load: Callable[[int], None], eager: Callable[[int], None],
                whole: Callable[[Hashable], None], graphs: bool, kind: Callable[[int], Hashable] = lambda s: None,
                captured: object = None) -> None:  # fmt: skip
-        for s in range(total):  # every step as its captured kind, as _every_step_whole
+        for s in range(total):  # every step as its captured kind, as every_step_whole
             load(s)
             kinds.append(kind(s))
             whole(kinds[-1])
