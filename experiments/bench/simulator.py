@@ -388,9 +388,9 @@ def _add_cudnn_costs(report: Report, case: Case, device: torch.device, costs: di
 
 
 KDIA_SIZES = (1276, 651, 338, 1769, 240, 149, 217, 769, 280, 813)
-"""A round's 10 shard sizes in KDIA's CIFAR-10 split at beta 0.1 (100 nodes, seed 1, drawn as a round's
-selection): unequal, as a Dirichlet split makes them. 38% of 10 times the longest node's steps are
-the nodes' own."""
+"""The sizes of 10 shards of KDIA's CIFAR-10 split at beta 0.1 (100 nodes, seed 1), drawn at random as a
+round selects its nodes: unequal, as a Dirichlet split makes them. 38% of 10 times the longest node's
+steps are the nodes' own."""
 
 
 def unequal_shards(device: torch.device, repeats: int, sizes: Sequence[int] = KDIA_SIZES) -> dict[str, Timing]:
