@@ -82,8 +82,7 @@ def deterministic_kernels(device: str | torch.device) -> None:
     run could not be replayed bit for bit. The CPU's kernels need nothing. fedmq's training processes
     call this once they know their device (`fednode.workspace.Workspace`, the coordinator's half)."""
     if torch.device(device).type == "cuda":
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = CUDNN_CHOICES["deterministic"]
 
 
 CUDNN_CHOICES: dict[str, tuple[bool, bool]] = {

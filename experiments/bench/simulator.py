@@ -373,24 +373,22 @@ def cudnn_costs(case: Case, device: torch.device, repeats: int) -> dict[str, dic
 
 
 def _add_cudnn_costs(report: Report, case: Case, device: torch.device, costs: dict[str, dict[str, Timing]]) -> None:
-    images = case.k * case.size * case.epochs
+    section = f"{case.label}, {device}: cuDNN's algorithms (deterministic: bitwise replays, fedmq's choice)"
     for choice, timings in costs.items():
         for name, timing in timings.items():
-            report.add(
-                f"{name}, cuDNN {choice}",
-                images / timing.median,
-                "images/s",
-                ratio=costs["deterministic"][name].median / timing.median,
-                ratio_means="the same path's speed with deterministic algorithms",
-                note=f"{timing.median * 1e3:,.1f} ms a round",
-                section=f"{case.label}, {device}: cuDNN's algorithms (deterministic: bitwise replays, fedmq's choice)",
-            )
+            deterministic = costs["deterministic"][name]
+            _rate_row(report, f"{name}, cuDNN {choice}", case.k * case.size * case.epochs, timing, deterministic,
+                      "the same path's speed with deterministic algorithms", section)  # fmt: skip
 
 
 KDIA_SIZES = (1276, 651, 338, 1769, 240, 149, 217, 769, 280, 813)
 """The sizes of 10 shards of KDIA's CIFAR-10 split at beta 0.1 (100 nodes, seed 1), drawn at random as a
 round selects its nodes: unequal, as a Dirichlet split makes them. 38% of 10 times the longest node's
 steps are the nodes' own."""
+
+
+ALL_K = "every captured step over all K nodes, masked (before 2026-11-28)"
+"""`unequal_shards`' timing of the way before `step_kind`, which its other timing is set against."""
 
 
 def unequal_shards(device: torch.device, repeats: int, sizes: Sequence[int] = KDIA_SIZES) -> dict[str, Timing]:
@@ -405,35 +403,30 @@ def unequal_shards(device: torch.device, repeats: int, sizes: Sequence[int] = KD
     parts = [data.subset(torch.randint(len(data), (n,), generator=gen).numpy()).to(device) for n in sizes]
     settings = TrainSettings(**{**KDIA_SETTINGS.to_meta(), "local_epochs": 1})
     cpu = torch.device("cpu")
-    kinds = KeptRounds(lambda: train_vectorized(model, parts, settings, generators(len(parts), cpu)))
-    every_k = KeptRounds(lambda: train_vectorized(model, parts, settings, generators(len(parts), cpu)))
+
+    def round_() -> object:
+        return train_vectorized(model, parts, settings, generators(len(parts), cpu))
+
+    every_k = KeptRounds(round_)  # a kept round of its own: its graphs are the old kinds'
 
     def all_k() -> object:
         with mock.patch.object(vectorized, "step_kind", lambda a, k: (k, a < k)):
             return every_k()
 
     return {
-        "each captured step over the nodes still training (step_kind)": _timed(kinds, device, repeats),
-        "every captured step over all K nodes, masked (before 2026-11-28)": _timed(all_k, device, repeats),
+        "each captured step over the nodes still training (step_kind)": _timed(KeptRounds(round_), device, repeats),
+        ALL_K: _timed(all_k, device, repeats),
     }
 
 
 def _add_unequal(
     report: Report, device: torch.device, timings: dict[str, Timing], sizes: Sequence[int] = KDIA_SIZES
 ) -> None:
-    images = sum(sizes)
     kind = "a round of KDIA's CIFAR-10 split at beta 0.1" if tuple(sizes) == KDIA_SIZES else "unequal shards"
-    before = timings["every captured step over all K nodes, masked (before 2026-11-28)"].median
+    section = f"{len(sizes)} nodes of {min(sizes)} to {max(sizes)} images ({kind}), 1 epoch, {device}"
     for name, timing in timings.items():
-        report.add(
-            f"simulator, vectorised, rounds kept: {name}",
-            images / timing.median,
-            "images/s",
-            ratio=before / timing.median,
-            ratio_means="every captured step over all K's speed",
-            note=f"{timing.median * 1e3:,.1f} ms a round",
-            section=f"{len(sizes)} nodes of {min(sizes)} to {max(sizes)} images ({kind}), 1 epoch, {device}",
-        )
+        _rate_row(report, f"simulator, vectorised, rounds kept: {name}", sum(sizes), timing, timings[ALL_K],
+                  "every captured step over all K's speed", section)  # fmt: skip
 
 
 def steps_skipped() -> contextlib.AbstractContextManager[object]:
@@ -448,19 +441,25 @@ def _add_case(report: Report, case: Case, device: torch.device, timings: dict[st
     images = case.k * case.size * case.epochs
     refs = {n: t for n, t in timings.items() if n.startswith("reference")}
     best_name, best = min(refs.items(), key=lambda item: item[1].median)
-    section = f"{case.label}, {device}"
+    against = f"the best reference ({best_name.removeprefix('reference: ')})"
     for name, timing in timings.items():
-        rate = images / timing.median
-        report.add(
-            name,
-            rate,
-            "images/s",
-            ratio=best.median / timing.median,
-            ratio_means=f"the best reference ({best_name.removeprefix('reference: ')})",
-            note=f"{timing.median * 1e3:,.1f} ms a round",
-            section=section,
-        )
+        _rate_row(report, name, images, timing, best, against, f"{case.label}, {device}")
     return best.median / timings["simulator, vectorised"].median
+
+
+def _rate_row(
+    report: Report, label: str, images: int, timing: Timing, base: Timing, against: str, section: str
+) -> None:
+    """A round's images a second, as a ratio of `base`'s time to its own (above 1: faster than `against`)."""
+    report.add(
+        label,
+        images / timing.median,
+        "images/s",
+        ratio=base.median / timing.median,
+        ratio_means=against,
+        note=f"{timing.median * 1e3:,.1f} ms a round",
+        section=section,
+    )
 
 
 def simulate_share(cfg_path: Path, overrides: list[str], device: torch.device) -> dict[str, float]:

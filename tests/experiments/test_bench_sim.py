@@ -10,6 +10,7 @@ import torch
 
 from fedmq.experiments.bench.common import BenchOptions, Report
 from fedmq.experiments.bench.simulator import (
+    ALL_K,
     Case,
     _add_cudnn_costs,
     _add_unequal,
@@ -129,7 +130,7 @@ def test_the_unequal_shards_rows_time_both_ways_of_capturing_steps() -> None:
     _add_unequal(report, torch.device("cpu"), timings, sizes)
     rows = {f.label.removeprefix("simulator, vectorised, rounds kept: "): f for f in report.figures}
     assert set(rows) == set(timings)
-    before = timings["every captured step over all K nodes, masked (before 2026-11-28)"].median
+    before = timings[ALL_K].median
     for name, timing in timings.items():
         assert rows[name].ratio == pytest.approx(before / timing.median)
         assert rows[name].value == pytest.approx(sum(sizes) / timing.median)
