@@ -10,7 +10,7 @@ import importlib
 import time
 from collections.abc import Callable
 
-from fedmq.experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.common import BenchOptions, Report, run_keeping
 
 SUITES: dict[str, str] = {
     "codec": "fedmq.experiments.bench.codec",
@@ -42,12 +42,14 @@ def titles() -> dict[str, str]:
 
 
 def run_suite(name: str, options: BenchOptions, log: Callable[[str], None] = print) -> Report:
+    """The suite's report, its figures logged as they are measured; interrupted, what it measured
+    before (`Report.interrupted` says so)."""
     if name not in SUITES:
         raise KeyError(f"unknown benchmark {name!r}; choose from {', '.join(SUITES)} or all")
     module = importlib.import_module(SUITES[name])
     started = time.monotonic()
     log(f"bench {name}: {module.TITLE} ...")
-    report: Report = module.run(options)
+    report = run_keeping(lambda: module.run(options), log)
     report.seconds = round(time.monotonic() - started, 1)
-    log(f"bench {name}: done in {report.seconds:.0f} s")
+    log(f"bench {name}: {report.interrupted or f'done in {report.seconds:.0f} s'}")
     return report

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,12 @@ class Figure:
         digits = 2 if self.ratio < 100 else 0
         return f"{self.ratio:,.{digits}f}x {self.ratio_means}".strip()
 
+    def line(self) -> str:
+        """The figure on one line, as it is measured (the log of a suite that is running)."""
+        where = f"{self.section}: " if self.section else ""
+        ratio = f" ({self.ratio_text()})" if self.ratio is not None else ""
+        return f"{where}{self.label}: {self.value_text()}{ratio}"
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -112,10 +119,20 @@ class Report:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     """How long the suite took."""
+    interrupted: str = ""
+    """Why the suite stopped before its end (`run_keeping`); empty when it ran to its end."""
+
+    def __post_init__(self) -> None:
+        watch = _WATCH.get()
+        if watch is not None:
+            watch.reports.append(self)
 
     def add(self, label: str, value: float, unit: str, **kwargs: Any) -> Figure:
         figure = Figure(label, float(value), unit, **kwargs)
         self.figures.append(figure)
+        watch = _WATCH.get()
+        if watch is not None:
+            watch.log(f"  {figure.line()}")
         return figure
 
     def target(self, text: str, measured: str, met: bool) -> None:
@@ -153,6 +170,40 @@ class Report:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(self.to_json(), indent=2, default=str))
         prefix.with_suffix(".md").write_text(self.markdown())
+
+
+@dataclass
+class _Watch:
+    """The suite that `run_keeping` runs: where its figures are logged, and the reports it made."""
+
+    log: Callable[[str], None]
+    reports: list[Report] = field(default_factory=list)
+
+
+_WATCH: ContextVar[_Watch | None] = ContextVar("fedmq_bench_watch", default=None)
+
+
+def run_keeping(run: Callable[[], Report], log: Callable[[str], None] = print) -> Report:
+    """`run()`'s report, each figure logged as it is measured. Interrupted (Ctrl-C, or `timeout
+    --signal=INT` on a lent GPU's minutes), it returns the report as far as it got, `interrupted` and
+    with a note that says so, instead of losing every figure with the traceback. An interrupt that
+    comes before the suite made its report is raised again: there is nothing to keep."""
+    watch = _Watch(log)
+    token = _WATCH.set(watch)
+    started = time.monotonic()
+    try:
+        return run()
+    except KeyboardInterrupt:
+        if not watch.reports:
+            raise
+        report = watch.reports[0]
+        report.interrupted = f"interrupted after {time.monotonic() - started:.0f} s"
+        report.notes.append(
+            f"The suite was {report.interrupted}: its figures are those measured before, and the rest is missing."
+        )
+        return report
+    finally:
+        _WATCH.reset(token)
 
 
 def _context_text(value: Any) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from fedmq.experiments.bench.common import Report
+from fedmq.experiments.bench.common import Report, run_keeping
 from fedmq.experiments.bench.simulator import Case, KeptRounds, VmapStep, cases, vectorised, workload
 from fedmq.fedcore.seeding import deterministic_kernels
 from fedmq.fedcore.training import torch_threads
@@ -294,10 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    report = run(args.quick, args.rounds)
+    report = run_keeping(lambda: run(args.quick, args.rounds), log=lambda text: print(text, file=sys.stderr))
     report.write(args.out)
     print(report.markdown())
-    return 0
+    return 130 if report.interrupted else 0  # fedmq's status for an interrupt (its cli package needs the wheels)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -37,7 +38,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure
+from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure, run_keeping
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.models import FedModel, build_model, count_parameters
@@ -636,10 +637,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int)
     args = parser.parse_args(argv)
-    report = run(BenchOptions(quick=args.quick, repeats=args.repeats, extra={"simulate": "false"}))
+    options = BenchOptions(quick=args.quick, repeats=args.repeats, extra={"simulate": "false"})
+    report = run_keeping(lambda: run(options), log=lambda text: print(text, file=sys.stderr))
     report.write(args.out)
     print(report.markdown())
-    return 0
+    return 130 if report.interrupted else 0  # fedmq's status for an interrupt (its cli package needs the wheels)
 
 
 if __name__ == "__main__":

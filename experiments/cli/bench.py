@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedmq.experiments.cli.exits import EXIT_OK
+from fedmq.experiments.cli.exits import EXIT_INTERRUPTED, EXIT_OK
 from fedmq.fedcore.errors import ConfigError
 
 HELP = "run the benchmark suite"
@@ -76,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
         print(report.markdown(), flush=True)
         reports.append(report)
         write_results(reports, args.json, args.markdown)  # after each suite: a long run keeps what it measured
+        if report.interrupted:  # Ctrl-C: what it measured is written; the suites after it are not run
+            later = names[names.index(name) + 1 :]
+            print(
+                f"bench {name}: {report.interrupted}; the table above holds what it measured before"
+                + (f"; not run: {', '.join(later)}" if later else ""),
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
     missed = [(r.suite, t.text) for r in reports for t in r.targets if not t.met]
     if missed:
         print(f"{len(missed)} target(s) not met: " + "; ".join(f"{s}: {t}" for s, t in missed), flush=True)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from fedmq.experiments.bench import SUITES, run_suite
-from fedmq.experiments.bench.common import BenchOptions, Figure, Report, measure
+from fedmq.experiments.bench.common import BenchOptions, Figure, Report, measure, run_keeping
 from fedmq.experiments.cli import main
 
 
@@ -42,6 +44,71 @@ def test_report_markdown_shows_every_figure_ratio_and_target() -> None:
     assert "| ours (n) | 4.000 ms | 0.50x the limit's throughput |" in text
     assert "| ours >= 0.4x | 0.50x | yes |" in text and "| ours < 1 ms | 4 ms | **no** |" in text
     assert json.loads(json.dumps(report.to_json()))["figures"][1]["ratio"] == 0.5
+
+
+def cut_suite(options: BenchOptions) -> Report:
+    """A synthetic suite that measures one figure, then is interrupted (Ctrl-C) before its second."""
+    report = Report("cut", "a suite cut off after its first figure")
+    report.add("first", 1.5, "ms", section="part one", ratio=2.0, ratio_means="the reference's")
+    raise KeyboardInterrupt
+
+
+def test_an_interrupted_suite_keeps_what_it_measured_and_logs_each_figure_as_measured() -> None:
+    logged: list[str] = []
+    report = run_keeping(lambda: cut_suite(BenchOptions()), logged.append)
+    assert [f.label for f in report.figures] == ["first"] and report.interrupted.startswith("interrupted after")
+    assert logged == ["  part one: first: 1.500 ms (2.00x the reference's)"]
+    assert "interrupted after" in report.markdown() and report.to_json()["interrupted"] == report.interrupted
+    whole = run_keeping(lambda: Report("whole", "ran to its end"), logged.append)
+    assert whole.interrupted == "" and "interrupted" not in whole.markdown()
+
+
+def test_an_interrupt_before_the_suite_made_its_report_is_raised_again() -> None:
+    def before() -> Report:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_keeping(before, lambda _: None)
+    report = Report("outside", "made with no suite running")
+    report.add("free", 1.0, "s")  # no suite running: nothing logged, nothing kept
+    assert report.interrupted == ""
+
+
+def test_cli_bench_interrupted_writes_what_was_measured_and_runs_no_later_suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ran: list[str] = []
+    module = types.ModuleType("fedmq_test_cut_suite")
+    module.TITLE, module.run = "cut off", cut_suite  # type: ignore[attr-defined]
+    later = types.ModuleType("fedmq_test_later_suite")
+    later.TITLE, later.run = "never reached", lambda options: ran.append("later")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(sys.modules, later.__name__, later)
+    monkeypatch.setitem(SUITES, "cut", module.__name__)
+    monkeypatch.setitem(SUITES, "later", later.__name__)
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert main(["bench", "cut", "later", "--json", str(out), "--markdown", str(md)]) == 130
+    (suite,) = json.loads(out.read_text())["suites"]
+    assert [f["label"] for f in suite["figures"]] == ["first"] and suite["interrupted"].startswith("interrupted")
+    assert "| first | 1.500 ms |" in md.read_text() and ran == []
+    err = capsys.readouterr().err
+    assert "part one: first: 1.500 ms" in err and "not run: later" in err
+
+
+def test_the_gpu_calls_bench_modules_write_what_they_measured_when_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scripts/gpu-tables` stops them with SIGINT when its budget runs out: the figures come back."""
+    from fedmq.experiments.bench import sim_profile, simulator
+
+    monkeypatch.setattr(sim_profile, "run", lambda quick, rounds: cut_suite(BenchOptions()))
+    monkeypatch.setattr(simulator, "run", cut_suite)
+    for module in (sim_profile, simulator):
+        prefix = tmp_path / module.__name__.rsplit(".", 1)[1]
+        assert module.main([str(prefix)]) == 130
+        written = json.loads(prefix.with_suffix(".json").read_text())
+        assert [f["label"] for f in written["figures"]] == ["first"] and written["interrupted"]
+        assert "interrupted after" in prefix.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow  # a benchmark suite end to end: real processes, brokers or training
