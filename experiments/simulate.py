@@ -155,8 +155,10 @@ def simulate(
     writer = MetricsWriter(out, fed)
 
     def checkpoint(command: Checkpoint, moment: Mapping[str, Any]) -> None:
+        started = time.perf_counter()
         writer.everything()
         save(writer.run_dir, fed, command, moment)
+        fed.coordinator_seconds["checkpoints"] += time.perf_counter() - started
 
     fed.on_checkpoint = checkpoint
     resumed = resume_from_checkpoint(cfg, fed, log, writer.run_dir) if resume else None
@@ -193,6 +195,17 @@ def simulate(
     return write_local_run(
         out, cfg, fed, wall_s=time.perf_counter() - started, extra=extra, metrics_written=writer.written
     )
+
+
+def wall_by_part(fed: LocalFederation, wall_s: float) -> dict[str, float]:
+    """The run's wall seconds split by what this process spent them on: the nodes' training, the
+    coordinator's aggregation (with KDIA's teacher and generator), evaluation and checkpoints, and the
+    rest (the engine, the event log and metrics, the progress bar). Where a cell's time went, for the
+    one to make faster; work a GPU queued in one part and finished in the next is counted in the next."""
+    parts = {"training": fed.train_seconds}
+    parts |= {name: fed.coordinator_seconds[name] for name in ("aggregation", "evaluation", "checkpoints")}
+    parts["other"] = max(wall_s - sum(parts.values()), 0.0)
+    return {name: round(seconds, 3) for name, seconds in parts.items()}
 
 
 def prepare_resume(cfg: ExperimentConfig, out: Path) -> dict[str, Any] | None:
@@ -285,6 +298,7 @@ def write_local_run(
         "train_seconds": round(fed.train_seconds, 3),
         "images_trained": fed.images_trained,
         "train_share": round(fed.train_seconds / wall_s, 3) if wall_s > 0 else None,
+        "wall_seconds_by_part": wall_by_part(fed, wall_s),
     }
     write_run_files(run_dir, summary, fed.engine.participation, NodeRegistry())
     return summary

@@ -216,5 +216,14 @@ def _report(
     shown = f"{accuracy:.4f}" if isinstance(accuracy, float) else "n/a"
     console.print(
         f"{count} {cell.cell_id} ({what}): {summary.get('state')}, final accuracy {shown},"
-        f" {summary.get('wall_seconds', 0):.0f} s; {elapsed:.1f} min into the grid"
+        f" {summary.get('wall_seconds', 0):.0f} s{_parts(summary)}; {elapsed:.1f} min into the grid"
     )
+
+
+def _parts(summary: dict[str, Any]) -> str:
+    """ " (72% training, 14% aggregation, ...)": a cell's wall time by part, its largest first."""
+    parts, wall = summary.get("wall_seconds_by_part"), summary.get("wall_seconds")
+    if not isinstance(parts, dict) or not isinstance(wall, int | float) or wall <= 0:
+        return ""
+    shares = sorted(((float(s) / wall, name) for name, s in parts.items() if s), reverse=True)
+    return " (" + ", ".join(f"{share:.0%} {name}" for share, name in shares) + ")" if shares else ""

@@ -17,7 +17,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -156,6 +156,10 @@ class LocalFederation:
     """Node-training images: each trained task's local epochs times its shard."""
     train_seconds: float = 0.0
     """Wall seconds spent training the nodes (the share of a simulation's time its training takes)."""
+    coordinator_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Wall seconds of the coordinator's own work, by part: "aggregation" (the half's, KDIA's teacher
+    and generator with it) and "evaluation"; `experiments.simulate` adds "checkpoints". With
+    `train_seconds`, where a simulation's time went."""
     secure_faults: Mapping[str, str] = field(default_factory=dict)
     """With secure aggregation, per node, the step it goes silent at (one of `SECURE_STEPS`): it sends
     nothing from then on, in every round (a node that drops mid-protocol)."""
@@ -321,12 +325,17 @@ class LocalFederation:
         elif isinstance(command, c.SendTask):
             self._train(command)
         elif isinstance(command, c.Aggregate):
+            started = time.perf_counter()
             aggregated, records = self._calls.aggregate(command)
+            self.coordinator_seconds["aggregation"] += time.perf_counter() - started
             for name, lines in records.items():
                 self.round_records.setdefault(name, []).extend(lines)
             self._now(aggregated)
         elif isinstance(command, c.Evaluate):
-            self._now(e.Evaluated(command.step, dict(self.evaluate()) if self.evaluate else {}))
+            started = time.perf_counter()
+            figures = dict(self.evaluate()) if self.evaluate else {}
+            self.coordinator_seconds["evaluation"] += time.perf_counter() - started
+            self._now(e.Evaluated(command.step, figures))
         elif isinstance(command, c.Rollback):
             self._calls.rollback()
         elif isinstance(command, c.Record):

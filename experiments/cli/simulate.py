@@ -98,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     out = args.out or Path("runs") / f"{cfg.name}-sim-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     summary = simulate(cfg, out, device=torch.device(args.device) if args.device else None, resume=args.resume)
-    keys = ("state", "final_accuracy", "simulated_seconds", "wall_seconds", "simulated_per_wall_second")
+    keys = (
+        "state",
+        "final_accuracy",
+        "simulated_seconds",
+        "wall_seconds",
+        "simulated_per_wall_second",
+        "wall_seconds_by_part",
+    )
     print(json.dumps({k: summary.get(k) for k in keys} | {"out": str(out)}, indent=2))
     return EXIT_OK if summary["state"] == "finished" else EXIT_FAILED
 
