@@ -500,6 +500,15 @@ class SimulationConfig(_Strict):
         " shape), so that later rounds replay the graphs with no warm-up steps and no capture; bitwise the same"
         " results (the summary's rounds_kept counts them)",
     )
+    cudnn: Literal["deterministic", "default", "benchmark"] = Field(
+        "deterministic",
+        description="how cuDNN chooses a GPU's convolution algorithms in the simulating process: deterministic"
+        " (the default: the same seed gives the same bits, and `fedmq replay` on a GPU reproduces the run),"
+        " default (cuDNN's own choice) or benchmark (the fastest found by timing each shape once); the last two"
+        " may sum with atomics in no fixed order, so such a run differs in its last bits from one run to the next"
+        " and does not replay bit for bit on a GPU (`fedmq bench sim` on a GPU measures what deterministic"
+        " algorithms cost); no effect on a CPU",
+    )
     checkpoint_every: int = Field(
         10,
         ge=0,

@@ -32,7 +32,7 @@ from fedmq.experiments.build import (
 )
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
-from fedmq.fedcore.seeding import stream
+from fedmq.fedcore.seeding import cudnn_kernels, stream
 from fedmq.fedcore.training import best_device
 from fedmq.fednode.workspace import Workspace
 
@@ -83,6 +83,9 @@ def build_local(
         for node in cfg.node_ids()
     }
     new_id = seeded_ids(cfg.seed)
+    # last, over the deterministic algorithms the workspace and the half asked for: torch's flags are the
+    # process's, so the coordinator's half (on the best device) follows the setting with the nodes
+    cudnn_kernels(device if device.type == "cuda" else best_device(), cfg.simulation.cudnn)
     return kind(
         engine=make_engine(
             config,

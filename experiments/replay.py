@@ -109,7 +109,22 @@ def replay_run(root: Path, *, device: torch.device | None = None, threads: int =
     outcome = Outcome(fed.report, time.perf_counter() - started, run.summary.get("wall_seconds"), fed.records, mismatch)
     if mismatch is None:
         outcome.notes.extend(_final_checks(run, fed))
+    why = unreplayable(cfg, device or torch.device("cpu"))
+    if why and (mismatch is not None or outcome.notes):
+        outcome.notes.append(why)
     return outcome
+
+
+def unreplayable(cfg: ExperimentConfig, device: torch.device) -> str | None:
+    """Why a replay on `device` may differ from its run whatever fedmq does, or None: a GPU run whose
+    cuDNN was free to sum with atomics (`simulation.cudnn`)."""
+    if device.type != "cuda" or cfg.simulation.cudnn == "deterministic":
+        return None
+    return (
+        f"the run was simulated with simulation.cudnn: {cfg.simulation.cudnn}, whose GPU convolutions may sum in"
+        " another order on every run: its replay on a GPU can differ in the last bits; only runs with"
+        " simulation.cudnn: deterministic (the default) replay bit for bit there"
+    )
 
 
 def _final_checks(run: Run, fed: Replay) -> list[str]:

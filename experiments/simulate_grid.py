@@ -133,6 +133,13 @@ def simulate_grid(
     if cells_per_process < 1:
         raise ValueError(f"cells_per_process must be at least 1, not {cells_per_process}")
     console = console or Console(highlight=False, soft_wrap=True)
+    choices = {cell.config.simulation.cudnn for cell in grid.cells}
+    if cells_per_process > 1 and len(choices) > 1:
+        raise ConfigError(
+            f"--cells-per-process {cells_per_process}: the cells ask for different simulation.cudnn"
+            f" ({', '.join(sorted(choices))}), and cuDNN's choice holds for a whole process."
+            " Run the grid with --cells-per-process 1 (--jobs N still runs cells side by side)"
+        )
     for cell in grid.cells:  # a bad cell (missing data, say) fails now, not an hour into the grid
         model = preflight(cell.config)
         drawing = global_stream_layer(model) if cells_per_process > 1 else None

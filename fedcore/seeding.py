@@ -81,8 +81,16 @@ def deterministic_kernels(device: str | torch.device) -> None:
     with atomics, so two runs of one seed differ in their last bits, more with every round, and a GPU
     run could not be replayed bit for bit. The CPU's kernels need nothing. fedmq's training processes
     call this once they know their device (`fednode.workspace.Workspace`, the coordinator's half)."""
+    cudnn_kernels(device, "deterministic")
+
+
+def cudnn_kernels(device: str | torch.device, choice: str) -> None:
+    """On a CUDA device, have cuDNN choose its algorithms the `choice` way (`CUDNN_CHOICES`) for the whole
+    process; a CPU's kernels need nothing. `fedmq simulate` asks for its `simulation.cudnn` once its
+    federation is built: only "deterministic" replays bit for bit on a GPU."""
+    flags = _cudnn_flags(choice)
     if torch.device(device).type == "cuda":
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = CUDNN_CHOICES["deterministic"]
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags
 
 
 CUDNN_CHOICES: dict[str, tuple[bool, bool]] = {
@@ -101,12 +109,17 @@ def cudnn_choice(name: str) -> Iterator[None]:
     """Inside the block, cuDNN chooses its algorithms the `name` way (`CUDNN_CHOICES`); its flags are
     restored after. For the whole process: torch's flags are global. A convolution's algorithm is
     chosen when it first runs, and a captured CUDA graph keeps the one it captured."""
-    if name not in CUDNN_CHOICES:
-        raise ValueError(f"cuDNN's choice must be one of {', '.join(CUDNN_CHOICES)}, not {name!r}")
+    flags = _cudnn_flags(name)
     cudnn = torch.backends.cudnn
     before = cudnn.deterministic, cudnn.benchmark
-    cudnn.deterministic, cudnn.benchmark = CUDNN_CHOICES[name]
+    cudnn.deterministic, cudnn.benchmark = flags
     try:
         yield
     finally:
         cudnn.deterministic, cudnn.benchmark = before
+
+
+def _cudnn_flags(name: str) -> tuple[bool, bool]:
+    if name not in CUDNN_CHOICES:
+        raise ValueError(f"cuDNN's choice must be one of {', '.join(CUDNN_CHOICES)}, not {name!r}")
+    return CUDNN_CHOICES[name]

@@ -153,6 +153,22 @@ def test_deterministic_kernels_sets_cudnn_for_a_cuda_device_only(monkeypatch: py
     assert asked == [torch.device("cpu")]
 
 
+def test_cudnn_kernels_sets_the_chosen_way_for_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`simulation.cudnn`'s setter: each way's flags for a CUDA device, none for a CPU, a name refused."""
+    from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_kernels
+
+    cudnn = torch.backends.cudnn
+    monkeypatch.setattr(cudnn, "deterministic", True)
+    monkeypatch.setattr(cudnn, "benchmark", False)
+    cudnn_kernels("cpu", "benchmark")
+    assert (cudnn.deterministic, cudnn.benchmark) == (True, False)
+    for name, flags in CUDNN_CHOICES.items():
+        cudnn_kernels(torch.device("cuda"), name)
+        assert (cudnn.deterministic, cudnn.benchmark) == flags
+    with pytest.raises(ValueError, match="one of deterministic, default, benchmark, not 'fast'"):
+        cudnn_kernels("cuda", "fast")
+
+
 def test_cudnn_choice_sets_each_ways_flags_inside_the_block_and_restores_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bench's cost of determinism times each of cuDNN's ways inside `cudnn_choice`: its flags there,
     the process's flags back after the block, an exception too; an unknown name is refused."""
