@@ -228,7 +228,8 @@ def _report(
 
 
 def _parts(summary: dict[str, Any]) -> str:
-    """ " (72% training, 14% aggregation, ...)": a cell's wall time by part, its largest first."""
+    """A cell's wall time by part as shares, the largest first, as its line ends them: " (60% training,
+    30% evaluation, 10% other)"; "" for a summary without the parts."""
     parts, wall = summary.get("wall_seconds_by_part"), summary.get("wall_seconds")
     if not isinstance(parts, dict) or not isinstance(wall, int | float) or wall <= 0:
         return ""
