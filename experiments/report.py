@@ -39,6 +39,8 @@ class CellResult:
     """(round, test accuracy) at every evaluated round, in order."""
     others: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     """The curves of the run's other evaluated models (KDIA's teacher), by name."""
+    time_by_part: str = ""
+    """Where its wall time went (`time_shares` of its summary), or "" for a run from before the parts."""
 
     def metric(self, name: str, cfg: ReportConfig) -> float | None:
         accs = [a for _, a in self.curve]
@@ -161,7 +163,18 @@ def load_cell(directory: Path, cell_id: str, labels: dict[str, str], method: str
         wall_seconds=summary.get("wall_seconds"),
         curve=curves.get("", ()),
         others=tuple((name, curve) for name, curve in curves.items() if name),
+        time_by_part=time_shares(summary),
     )
+
+
+def time_shares(summary: dict[str, Any]) -> str:
+    """A run's wall time by part as shares, the largest first ("60% training, 30% evaluation, 10%
+    other", from `fedmq simulate`'s `wall_seconds_by_part`); "" for a summary without the parts."""
+    parts, wall = summary.get("wall_seconds_by_part"), summary.get("wall_seconds")
+    if not isinstance(parts, dict) or not isinstance(wall, int | float) or wall <= 0:
+        return ""
+    shares = sorted(((float(s) / wall, name) for name, s in parts.items() if s), reverse=True)
+    return ", ".join(f"{share:.0%} {name}" for share, name in shares)
 
 
 def load(run_dir: Path) -> ReportData:
@@ -346,7 +359,7 @@ def render(data: ReportData, plots: Sequence[tuple[str, str]]) -> str:
         out.append("")
     out += ["## Cells", ""]
     out += _table(
-        ["cell", "state", "rounds", "final", "best", "wall s"],
+        ["cell", "state", "rounds", "final", "best", "wall s", "where the time went"],
         (
             [
                 c.cell_id,
@@ -355,6 +368,7 @@ def render(data: ReportData, plots: Sequence[tuple[str, str]]) -> str:
                 _pct(Stat((v,))) if (v := c.metric("final", cfg)) is not None else "n/a",
                 _pct(Stat((v,))) if (v := c.metric("best", cfg)) is not None else "n/a",
                 f"{c.wall_seconds:.1f}" if isinstance(c.wall_seconds, int | float) else "n/a",
+                c.time_by_part,
             ]
             for c in data.cells
         ),

@@ -38,7 +38,7 @@ from fedmq.coordinator.storage.run_dir import CHECKPOINT, write_json
 from fedmq.experiments.build import preflight
 from fedmq.experiments.cli.exits import EXIT_FAILED, EXIT_OK
 from fedmq.experiments.grid import Cell, Grid, cell_is_done
-from fedmq.experiments.report import write_report
+from fedmq.experiments.report import time_shares, write_report
 from fedmq.experiments.sim_checkpoint import ResumeError, resume_refusal
 from fedmq.experiments.simulate import made_by_another
 from fedmq.fedcore.errors import ConfigError
@@ -221,17 +221,9 @@ def _report(
         failed.append(cell.cell_id)
     accuracy = summary.get("final_accuracy")
     shown = f"{accuracy:.4f}" if isinstance(accuracy, float) else "n/a"
+    shares = time_shares(summary)
+    took = f"{summary.get('wall_seconds', 0):.0f} s" + (f" ({shares})" if shares else "")
     console.print(
-        f"{count} {cell.cell_id} ({what}): {summary.get('state')}, final accuracy {shown},"
-        f" {summary.get('wall_seconds', 0):.0f} s{_parts(summary)}; {elapsed:.1f} min into the grid"
+        f"{count} {cell.cell_id} ({what}): {summary.get('state')}, final accuracy {shown}, {took};"
+        f" {elapsed:.1f} min into the grid"
     )
-
-
-def _parts(summary: dict[str, Any]) -> str:
-    """A cell's wall time by part as shares, the largest first, as its line ends them: " (60% training,
-    30% evaluation, 10% other)"; "" for a summary without the parts."""
-    parts, wall = summary.get("wall_seconds_by_part"), summary.get("wall_seconds")
-    if not isinstance(parts, dict) or not isinstance(wall, int | float) or wall <= 0:
-        return ""
-    shares = sorted(((float(s) / wall, name) for name, s in parts.items() if s), reverse=True)
-    return " (" + ", ".join(f"{share:.0%} {name}" for share, name in shares) + ")" if shares else ""

@@ -39,6 +39,7 @@ def test_a_grid_is_simulated_in_parallel_cells_and_resumes(tmp_path: Path) -> No
         assert rounds == [0, 1, 2]  # written as the run went, each evaluation once
     report = (out / "report.md").read_text()
     assert "FedAvg" in report and "FedProx" in report
+    assert "| where the time went |" in report and report.count("% training") == 4  # a cell's parts, each row
     stamps = {c: (c / "summary.json").stat().st_mtime_ns for c in cells}
     assert main(["simulate", str(_grid_file(tmp_path)), "--out", str(out), "--jobs", "2"]) == EXIT_OK
     assert {c: (c / "summary.json").stat().st_mtime_ns for c in cells} == stamps  # finished cells were kept

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedmq.experiments.config import apply_overrides, parse_config, read_yaml
+from fedmq.experiments.report import time_shares
 from fedmq.experiments.simulate import simulate
-from fedmq.experiments.simulate_grid import _parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: as the node hosts train
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +33,9 @@ def test_the_summary_splits_the_wall_time_into_training_the_coordinator_s_parts_
     assert sum(parts.values()) == pytest.approx(summary["wall_seconds"], abs=0.005)  # each part rounded to 1 ms
 
 
-def test_a_grid_cell_s_line_gives_its_parts_as_shares_of_its_wall_time_largest_first() -> None:
+def test_a_run_s_parts_read_as_shares_of_its_wall_time_largest_first() -> None:
+    """As a grid's line for a finished cell and the report's table of cells give them."""
     summary = {"wall_seconds": 10.0, "wall_seconds_by_part": {"training": 6.0, "evaluation": 3.0, "other": 1.0}}
-    assert _parts(summary) == " (60% training, 30% evaluation, 10% other)"
-    assert _parts({"wall_seconds": 10.0}) == ""  # a summary from before the parts, or a failed cell's
-    assert _parts({"wall_seconds": 0.0, "wall_seconds_by_part": {"training": 0.0}}) == ""
+    assert time_shares(summary) == "60% training, 30% evaluation, 10% other"
+    assert time_shares({"wall_seconds": 10.0}) == ""  # a summary from before the parts, or a failed cell's
+    assert time_shares({"wall_seconds": 0.0, "wall_seconds_by_part": {"training": 0.0}}) == ""
