@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -65,6 +66,14 @@ def measure(call: Callable[[], object], *, repeats: int = 5, warmup: int = 1) ->
     return Timing(tuple(samples))
 
 
+def _decimals(v: float, usual: int) -> int:
+    """`usual` decimals, or as many as show two significant digits of a small nonzero `v`: the host's
+    6.2 ms of a 1.2 s round is "0.0052x", not "0.00x"."""
+    if v == 0 or abs(v) >= 10.0**-usual:
+        return usual
+    return 1 - math.floor(math.log10(abs(v)))
+
+
 @dataclass(frozen=True, slots=True)
 class Figure:
     """One measured number. `ratio` compares it with the figure named `against` (how is the suite's
@@ -83,13 +92,15 @@ class Figure:
         v = self.value
         if v != v:  # NaN: not measured
             return "n/a"
-        digits = 3 if abs(v) < 10 else (1 if abs(v) < 1000 else 0)
+        digits = _decimals(v, 3) if abs(v) < 10 else (1 if abs(v) < 1000 else 0)
         return f"{v:,.{digits}f} {self.unit}"
 
     def ratio_text(self) -> str:
         if self.ratio is None:
             return ""
-        digits = 2 if self.ratio < 100 else 0
+        if self.ratio != self.ratio:
+            return f"n/a {self.ratio_means}".strip()
+        digits = _decimals(self.ratio, 2) if abs(self.ratio) < 100 else 0
         return f"{self.ratio:,.{digits}f}x {self.ratio_means}".strip()
 
     def line(self) -> str:

@@ -46,6 +46,18 @@ def test_report_markdown_shows_every_figure_ratio_and_target() -> None:
     assert json.loads(json.dumps(report.to_json()))["figures"][1]["ratio"] == 0.5
 
 
+def test_small_figures_and_ratios_keep_two_significant_digits() -> None:
+    def figure(value: float, ratio: float | None) -> Figure:
+        return Figure("f", value, "ms", ratio=ratio, ratio_means="the round's")
+
+    assert figure(6.2, 0.0052).ratio_text() == "0.0052x the round's"  # was "0.00x": a share that was there
+    assert figure(6.2, 0.46).ratio_text() == "0.46x the round's" and figure(1, 0.01).ratio_text().startswith("0.01x")
+    assert figure(1, 0.0).ratio_text().startswith("0.00x") and figure(1, 250.4).ratio_text().startswith("250x")
+    assert figure(1, math.nan).ratio_text() == "n/a the round's"
+    assert figure(0.00042, None).value_text() == "0.00042 ms" and figure(0.042, None).value_text() == "0.042 ms"
+    assert figure(math.nan, None).value_text() == "n/a" and figure(0.0, None).value_text() == "0.000 ms"
+
+
 def cut_suite(options: BenchOptions) -> Report:
     """A synthetic suite that measures one figure, then is interrupted (Ctrl-C) before its second."""
     report = Report("cut", "a suite cut off after its first figure")
