@@ -68,13 +68,16 @@ fedmq: event-driven federated learning over MQTT.
   fedmq coordinator --broker URL --config EXP.yaml    the server daemon
   fedmq node --broker URL --config EXP.yaml --node-id node-000    a node daemon
   fedmq aggregator --broker URL --config EXP.yaml --site site-0   a site aggregator (hierarchy.sites)
+  fedmq status URL|RUN_DIR           a running coordinator's state, from its HTTP API
   fedmq report RUN_DIR               rebuild the tables and plots of a run from its saved metrics
   fedmq replay RUN_DIR [--set K=V]   replay a recorded run in process and check every model hash
                                      (with --set: the same availability and timing, something changed)
   fedmq simulate EXP.yaml [--scenario FILE]    the federation in one process on a virtual clock
   fedmq methods [NAME]               the methods, and each one's hyperparameters with their defaults
   fedmq bench [SUITE ...|all]        the benchmark suite: codec, transport, rounds, flower, scale, hierarchy,
-                                     train, async, node, fedsa, teacher
+                                     train, sim, async, node, fedsa, teacher, secure
+  fedmq provision --config EXP.yaml OUT_DIR    the CA, certificates, credentials and broker configs
+                                               of a secure federation
 
 Start with:  fedmq run experiments/quickstart.yaml
 """

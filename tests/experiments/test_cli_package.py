@@ -8,7 +8,8 @@ import pytest
 
 from fedmq.broker.errors import BusError, CredentialsError
 from fedmq.coordinator.errors import CoordinatorError
-from fedmq.experiments.cli import COMMANDS, build_parser
+from fedmq.experiments.bench import SUITES
+from fedmq.experiments.cli import COMMANDS, DESCRIPTION, build_parser
 from fedmq.experiments.cli.exits import exit_for
 from fedmq.fedcore.errors import ConfigError, DataError
 
@@ -30,6 +31,17 @@ def test_commands_each_module_declares_the_subparser_of_its_name_in_the_tables_o
         alone = argparse.ArgumentParser()
         module.add_arguments(alone)
         assert {a.dest for a in alone._actions} <= {a.dest for a in parser._actions}, name
+
+
+def test_the_summary_atop_fedmq_help_names_every_command_and_every_benchmark_suite() -> None:
+    """The summary is written by hand (a line of use for each command): it had left out `status`,
+    `provision` and two suites added later."""
+    lines = DESCRIPTION.splitlines()
+    for name in COMMANDS:
+        assert any(line.strip().startswith(f"fedmq {name} ") for line in lines), name
+    (bench_at,) = [i for i, line in enumerate(lines) if line.strip().startswith("fedmq bench ")]
+    named = " ".join(lines[bench_at : bench_at + 2]).split("suite:")[1]
+    assert [s.strip() for s in named.split(",")] == list(SUITES)
 
 
 def test_every_command_takes_the_logging_options_after_its_own() -> None:
