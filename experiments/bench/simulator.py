@@ -560,12 +560,25 @@ def run(options: BenchOptions) -> Report:
                     )
     if gpu and not options.quick:
         _add_unequal(report, devices[0], unequal_shards(devices[0], repeats))
+    with torch_threads(1) if not gpu else contextlib.nullcontext():
+        _generator_rows(report, devices[0], repeats, options.quick)
     plan_rows(report, options.quick, repeats)
     if str(options.extra.get("simulate", "true")).lower() in ("false", "0", "no"):
         report.notes.append("fedmq simulate's share was not measured (--opt simulate=false).")
     else:
         _simulate_rows(report, options, devices[0])
     return report
+
+
+def _generator_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:
+    """KDIA's generator round (`sim_generator`), its failure noted rather than losing the suite's other
+    figures: its GPU path (a fused Adam captured as a graph in the plain loop) was written without a GPU."""
+    from fedmq.experiments.bench import sim_generator
+
+    try:
+        sim_generator.add_rows(report, device, repeats, quick)
+    except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
+        report.notes.append(f"KDIA's generator section failed on {device}: {type(exc).__name__}: {exc}")
 
 
 def plan_rows(report: Report, quick: bool, repeats: int) -> None:

@@ -3,12 +3,23 @@ reference, the references that apply on this device, and fedmq simulate's share 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 from fedmq.experiments.bench.common import BenchOptions, Report
+from fedmq.experiments.bench.sim_generator import (
+    KDIA,
+    LR,
+    PAPER_STEPS,
+    PLAIN,
+    WEIGHT_DECAY,
+    PlainLoop,
+    add_rows,
+    generator_work,
+)
 from fedmq.experiments.bench.simulator import (
     ALL_K,
     Case,
@@ -23,6 +34,7 @@ from fedmq.experiments.bench.simulator import (
     workload,
 )
 from fedmq.experiments.bench.training import generators
+from fedmq.fedcore.algorithms.kdia.generator import train_generator
 from fedmq.fedcore.vectorized import train_vectorized
 
 
@@ -40,10 +52,13 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
     best = max(f.value for f in training if f.label.startswith("reference"))
     for f in training:
         assert f.value > 0 and f.ratio is not None and abs(f.ratio - f.value / best) < 1e-6 * f.ratio
-    assert {f.label for f in report.figures if f.unit == "ops"} == {
+    assert {f.label for f in report.figures if f.unit == "ops" and "generator" not in f.section} == {
         "simulator, vectorised: operators a step",
         "reference: vmap over nodes: operators a step",
     }
+    generator = {f.label for f in report.figures if f.section.startswith("KDIA's generator: a round of 4 steps")}
+    assert generator == {KDIA, PLAIN, f"{KDIA}: operators a step", f"{PLAIN}: operators a step"}
+    assert not [note for note in report.notes if "generator section failed" in note]
     host = next(f for f in report.figures if f.label == "simulator, rounds kept: the host's work alone")
     kept = next(f for f in training if f.label == "simulator, vectorised, rounds kept")
     kept_ms = float(kept.note.removesuffix(" ms a round").replace(",", ""))
@@ -134,3 +149,34 @@ def test_the_unequal_shards_rows_time_both_ways_of_capturing_steps() -> None:
     for name, timing in timings.items():
         assert rows[name].ratio == pytest.approx(before / timing.median)
         assert rows[name].value == pytest.approx(sum(sizes) / timing.median)
+
+
+def test_the_generators_plain_reference_trains_the_same_steps_as_kdia() -> None:
+    """The plain loop is KDIA's generator round written plainly, not other work: from the same weights and
+    draws its generator ends where KDIA's does, but for fused Adam's rounding (1.5e-7 after 30 steps here)."""
+    work = generator_work(torch.device("cpu"), 6)
+    plain = PlainLoop(work)
+    plain()
+    generator = copy.deepcopy(work.generator)
+    stats, _ = train_generator(
+        generator, work.ensemble, epochs=1, batches_per_epoch=6, batch_size=64, lr=LR, weight_decay=WEIGHT_DECAY,
+        rng=torch.Generator().manual_seed(0), device=torch.device("cpu"),
+    )  # fmt: skip
+    ours, theirs, start = generator.state_dict(), plain.net.state_dict(), work.generator.state_dict()
+    assert stats.steps == 6 and any(not torch.equal(ours[k], start[k]) for k in ours)  # it trained
+    for k in ours:
+        torch.testing.assert_close(theirs[k], ours[k], rtol=0, atol=1e-5)
+
+
+def test_the_generator_rows_give_each_round_its_step_and_the_papers_steps_as_arithmetic() -> None:
+    report = Report("sim", "t")
+    add_rows(report, torch.device("cpu"), repeats=1, quick=True)
+    rows = {f.label: f for f in report.figures}
+    kdia, plain = rows[KDIA], rows[PLAIN]
+    assert kdia.unit == plain.unit == "ms" and kdia.value > 0 and plain.value > 0
+    assert kdia.ratio == pytest.approx(plain.value / kdia.value) and plain.ratio == pytest.approx(1.0)
+    per_step = kdia.value / 4
+    assert f"{per_step:.3f} ms a step" in kdia.note
+    assert f"{per_step * PAPER_STEPS / 1e3:.2f} s a round" in kdia.note and "not timed" in kdia.note
+    ops = rows[f"{KDIA}: operators a step"], rows[f"{PLAIN}: operators a step"]
+    assert all(o.value > 50 for o in ops)  # a generator's forward, backward and Adam: the count counts
