@@ -26,12 +26,21 @@ from fedmq.coordinator.engine.relay import ENDLESS
 from fedmq.coordinator.observers.reporting import Evaluator
 from fedmq.coordinator.storage.persistence import Persistence
 from fedmq.coordinator.storage.run_dir import RunDir
-from fedmq.experiments.config import ExperimentConfig
+from fedmq.experiments.config import ExperimentConfig, NodeHeldOutSplit, PooledSplit
 from fedmq.experiments.scenario import expand as expand_scenario
 from fedmq.fedcore.aggregation import build_aggregator
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import CoordinatorHalf
-from fedmq.fedcore.data import Split, TensorDataset, hold_out_validation, load_dataset, load_local, pooled_resplit
+from fedmq.fedcore.data import (
+    Split,
+    TensorDataset,
+    held_out_by_node,
+    hold_out_validation,
+    load_dataset,
+    load_local,
+    pooled_resplit,
+    pooled_sets,
+)
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.partition import label_histograms, partition
@@ -106,10 +115,15 @@ def load_split(cfg: ExperimentConfig) -> Split:
         download=d.download,
         **_preprocessing(cfg),  # type: ignore[arg-type]
     )
-    if not isinstance(d.split, str):  # the FedVLS authors' pooled re-split (experiments.config.PooledSplit)
+    if isinstance(d.split, PooledSplit):  # the FedVLS authors' pooled re-split
         split = pooled_resplit(
             split, test_fraction=d.split.test_fraction, seed=d.split.seed, evaluate_on=d.split.evaluate_on
         )
+    elif isinstance(d.split, NodeHeldOutSplit):  # PFLlib's: the test set cut from each node's part
+        data = pooled_sets(split) if d.split.pool else split.train
+        parts = _partition(cfg, data.y.numpy())
+        seed = cfg.partition.seed_for(cfg.seed)
+        split = held_out_by_node(data, parts, test_fraction=d.split.test_fraction, seed=seed)
     return hold_out_validation(split, d.validation_fraction, seed=cfg.seed) if d.validation_fraction else split
 
 
@@ -120,11 +134,16 @@ def load_node_data(cfg: ExperimentConfig, path: Path) -> TensorDataset:
 
 
 def shards(cfg: ExperimentConfig, split: Split) -> dict[str, np.ndarray]:
-    """Node id -> indices into the training set; the same on every process for the same seed."""
-    labels = split.train.y.numpy()
-    seed = cfg.partition.seed_for(cfg.seed)
-    parts = partition(cfg.partition.kind, labels, cfg.nodes, seed=seed, **cfg.partition.options())
+    """Node id -> indices into the training set; the same on every process for the same seed. The
+    experiment's partition of the training set, or the nodes' parts the split made (``data.split`` kind
+    per_node: partitioned before their test parts were cut)."""
+    parts = split.node_parts if split.node_parts is not None else _partition(cfg, split.train.y.numpy())
     return dict(zip(cfg.node_ids(), parts, strict=True))
+
+
+def _partition(cfg: ExperimentConfig, labels: np.ndarray) -> list[np.ndarray]:
+    seed = cfg.partition.seed_for(cfg.seed)
+    return partition(cfg.partition.kind, labels, cfg.nodes, seed=seed, **cfg.partition.options())
 
 
 def save_shard(cfg: ExperimentConfig, node_id: str, path: Path) -> int:
@@ -137,7 +156,9 @@ def save_shard(cfg: ExperimentConfig, node_id: str, path: Path) -> int:
 
 
 def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
-    """partition.json: the kind and its parameters, and each node's shard size and label histogram."""
+    """partition.json: the kind and its parameters, each node's shard size and label histogram, and what the
+    global model is tested on (``test_set``: the official test set, the pooled re-split's part, or the
+    nodes' held-out parts)."""
     parts = shards(cfg, split)
     hist = label_histograms(split.train.y.numpy(), list(parts.values()), split.train.num_classes)
     sizes = {node: len(idx) for node, idx in parts.items()}
@@ -148,6 +169,8 @@ def partition_report(cfg: ExperimentConfig, split: Split) -> dict[str, object]:
         "num_classes": split.train.num_classes,
         "train_samples": len(split.train),
         "assigned_samples": sum(sizes.values()),
+        "test_samples": len(split.test),
+        "test_set": "official" if isinstance(cfg.data.split, str) else cfg.data.split.kind,
         "sizes": sizes,
         "label_histograms": {node: row.tolist() for node, row in zip(parts, hist, strict=True)},
     }

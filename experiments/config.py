@@ -174,6 +174,25 @@ class PooledSplit(_Strict):
     )
 
 
+class NodeHeldOutSplit(_Strict):
+    """PFLlib's convention, which FedSA's Table 1 reports by (fedsa.md section 2): the official training and
+    test sets pooled (``pool``), partitioned over the nodes, and each node's part cut 75/25 as
+    ``train_test_split(train_size=0.75, shuffle=True)`` cuts it; the global model is evaluated on the
+    held-out parts together (each node's accuracy pooled by its samples: test data of each node's own
+    label distribution, not a class-balanced test set). The cut follows the partition's seed
+    (`fedcore.data.held_out_by_node`)."""
+
+    kind: Literal["per_node"] = "per_node"
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="share of each node's part held out (PFLlib: 0.25)")
+    pool: bool = Field(
+        True, description="true: the official training and test sets pooled first (PFLlib); false: the training set"
+    )
+
+
+SPLIT_KINDS: dict[str, type[BaseModel]] = {"pooled": PooledSplit, "per_node": NodeHeldOutSplit}
+"""`data.split`'s mappings, by `kind` (``pooled`` when it is left out, as before there were two)."""
+
+
 class DataConfig(_Strict):
     dataset: str = Field(
         "digits",
@@ -198,10 +217,12 @@ class DataConfig(_Strict):
     validation_fraction: float = Field(
         0.0, ge=0, lt=1, description="held out of the training set (stratified) to pick the final model"
     )
-    split: Literal["official"] | PooledSplit = Field(
+    split: Literal["official"] | PooledSplit | NodeHeldOutSplit = Field(
         "official",
-        description="official: the dataset's own training and test sets; or {kind: pooled, test_fraction,"
-        " seed, evaluate_on}: the FedVLS authors' pooled re-split (see PooledSplit)",
+        description="official: the dataset's own training and test sets; {kind: pooled, test_fraction,"
+        " seed, evaluate_on}: the FedVLS authors' pooled re-split (see PooledSplit); {kind: per_node,"
+        " test_fraction, pool}: each node's part cut 75/25 and the global model tested on the held-out"
+        " parts, PFLlib's way (FedSA; see NodeHeldOutSplit)",
     )
 
     @field_validator("split", mode="before")
@@ -212,17 +233,34 @@ class DataConfig(_Strict):
             if value != "official":
                 raise PydanticCustomError(
                     "data_choice",
-                    "expected official or a mapping with kind: pooled (fields: {fields})",
-                    {"fields": ", ".join(PooledSplit.model_fields)},
+                    "expected official or a mapping with {kinds}",
+                    {
+                        "kinds": " or ".join(
+                            f"kind: {kind} (fields: {', '.join(model.model_fields)})"
+                            for kind, model in SPLIT_KINDS.items()
+                        )
+                    },
                 )
             return value
         if isinstance(value, dict):
-            if value.get("kind", "pooled") != "pooled":
+            kind = value.get("kind", "pooled")
+            if kind not in SPLIT_KINDS:
                 raise PydanticCustomError(
-                    "data_choice", "unknown split kind {kind}; allowed: pooled", {"kind": repr(value.get("kind"))}
+                    "data_choice",
+                    "unknown split kind {kind}; allowed: {allowed}",
+                    {"kind": repr(kind), "allowed": ", ".join(SPLIT_KINDS)},
                 )
-            return _mapping_choice(PooledSplit, value)
+            return _mapping_choice(SPLIT_KINDS[kind], value)
         return value
+
+    @model_validator(mode="after")
+    def _validation_beside_the_split(self) -> DataConfig:
+        if isinstance(self.split, NodeHeldOutSplit) and self.validation_fraction:
+            raise ValueError(
+                "validation_fraction does not apply with data.split kind per_node (the nodes' held-out parts are"
+                " its test set and every other sample is a node's): leave it at 0"
+            )
+        return self
 
     @field_validator("augment", "normalize", mode="before")
     @classmethod

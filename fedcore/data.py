@@ -92,6 +92,9 @@ class Split:
     test: TensorDataset
     val: TensorDataset | None = None
     """Held out of the training set (never partitioned), for choices that must not see the test set."""
+    node_parts: tuple[np.ndarray, ...] | None = None
+    """Each node's indices into `train`, in node order, where the split made the nodes' parts itself
+    (`held_out_by_node`: the test set is cut from them); None: the experiment's partition makes them."""
 
 
 def hold_out_validation(split: Split, fraction: float, *, seed: int) -> Split:
@@ -142,15 +145,51 @@ def pooled_resplit(split: Split, *, test_fraction: float, seed: int, evaluate_on
         raise ConfigError(
             f"{evaluate_on!r} is not one of {', '.join(POOLED_EVALUATE_ON)}", field="data.split.evaluate_on"
         )
+    pooled = pooled_sets(split)
+    train_idx, held_idx = pooled_indices(len(pooled), test_fraction, seed)
+    train = pooled.subset(train_idx)
+    return Split(train, train if evaluate_on == "train_part" else pooled.subset(held_idx))
+
+
+def pooled_sets(split: Split) -> TensorDataset:
+    """The training set and then the test set as one, with the training set's transforms (the papers'
+    re-splits start from it). Made before a validation set is held out."""
     if split.val is not None:
         raise ConfigError("a pooled re-split is made before a validation set is held out", field="data.split")
     a, b = split.train, split.test
     if a.input_shape != b.input_shape or a.num_classes != b.num_classes or a.x.dtype != b.x.dtype:
         raise ConfigError("the training and test sets differ in shape, classes or type: they cannot be pooled")
-    pooled = replace(a, x=torch.cat([a.x, b.x]), y=torch.cat([a.y, b.y]))
-    train_idx, held_idx = pooled_indices(len(pooled), test_fraction, seed)
-    train = pooled.subset(train_idx)
-    return Split(train, train if evaluate_on == "train_part" else pooled.subset(held_idx))
+    return replace(a, x=torch.cat([a.x, b.x]), y=torch.cat([a.y, b.y]))
+
+
+def held_out_by_node(data: TensorDataset, parts: Sequence[np.ndarray], *, test_fraction: float, seed: int) -> Split:
+    """PFLlib's evaluation convention (FedSA's Table 1): each node's part of `data` cut in two as PFLlib
+    cuts a client's data, sklearn's ``train_test_split(train_size=1 - test_fraction, shuffle=True)``:
+    the part shuffled, its first ``n - floor((1 - test_fraction) n)`` samples held out and the rest, in
+    shuffled order, trained on. The test set is the held-out parts together, in node order, so that its
+    accuracy is PFLlib's: each node's held-out accuracy pooled by its number of samples, on test data of
+    each node's own label distribution. Each node's shuffle is drawn from a stream of its own
+    (`fedcore.seeding.stream(seed, "held-out", i)`): the proportions are PFLlib's, the draws fedmq's
+    (PFLlib's are NumPy's unseeded global ones). Returns the split, its `node_parts` the nodes' training
+    parts as indices into its `train`."""
+    if not 0 < test_fraction < 1:
+        raise ConfigError(f"{test_fraction} is not in (0, 1)", field="data.split.test_fraction")
+    kept: list[np.ndarray] = []
+    held: list[np.ndarray] = []
+    for i, part in enumerate(parts):
+        n_train = math.floor((1 - test_fraction) * len(part))
+        if n_train == 0:
+            raise ConfigError(
+                f"node {i}'s part of {len(part)} sample(s) leaves it nothing to train on once"
+                f" {test_fraction} is held out; raise partition.min_samples (2 is the least)",
+                field="data.split.test_fraction",
+            )
+        shuffled = stream(seed, "held-out", i).permutation(np.asarray(part))
+        held.append(shuffled[: len(part) - n_train])
+        kept.append(shuffled[len(part) - n_train :])
+    ends = np.cumsum([len(k) for k in kept])
+    node_parts = tuple(np.arange(end - len(k), end) for k, end in zip(kept, ends, strict=True))
+    return Split(data.subset(np.concatenate(kept)), data.subset(np.concatenate(held)), node_parts=node_parts)
 
 
 def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

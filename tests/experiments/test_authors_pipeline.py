@@ -63,7 +63,11 @@ def test_pooled_indices_are_the_authors_train_test_split(
     ("split", "message"),
     [
         ("authors", "data.split: expected official or a mapping with kind: pooled (fields: kind, test_fraction"),
-        ({"kind": "resplit", "evaluate_on": "train_part"}, "data.split: unknown split kind 'resplit'; allowed: pooled"),
+        (
+            {"kind": "resplit", "evaluate_on": "train_part"},
+            "data.split: unknown split kind 'resplit'; allowed: pooled, per_node",
+        ),
+        ("authors", "or kind: per_node (fields: kind, test_fraction, pool)"),
         ({"kind": "pooled"}, "data.split: evaluate_on: Field required (allowed fields: kind, test_fraction, seed"),
         (
             {**AUTHORS, "evaluate_on": "test"},
