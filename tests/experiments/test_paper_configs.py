@@ -18,6 +18,7 @@ COMPANIONS = {
     "fedvls-beta005-authors",
     "fedvls-beta005-one-split",
     "fedacd-beta01",
+    "fedrcl-alpha03",
 }
 """Companions of a paper's files, neither its full nor its reduced config (more seeds for a few methods,
 the authors' evaluation pipeline, a GPU session's first cells): they load and name valid methods (the
