@@ -178,9 +178,8 @@ class NodeHeldOutSplit(_Strict):
     """PFLlib's convention, which FedSA's Table 1 reports by (fedsa.md section 2): the official training and
     test sets pooled (``pool``), partitioned over the nodes, and each node's part cut 75/25 as
     ``train_test_split(train_size=0.75, shuffle=True)`` cuts it; the global model is evaluated on the
-    held-out parts together (each node's accuracy pooled by its samples: test data of each node's own
-    label distribution, not a class-balanced test set). The cut follows the partition's seed
-    (`fedcore.data.held_out_by_node`)."""
+    held-out parts together (each node's accuracy on its own part, in its own proportions of classes,
+    pooled by its samples). The cut follows the partition's seed (`fedcore.data.held_out_by_node`)."""
 
     kind: Literal["per_node"] = "per_node"
     test_fraction: float = Field(0.25, gt=0, lt=1, description="share of each node's part held out (PFLlib: 0.25)")

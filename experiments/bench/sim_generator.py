@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedmq.experiments.bench.common import Report, Timing, measure
 from fedmq.experiments.bench.training import synchronized
+from fedmq.fedcore.algorithms.kdia import Hyperparams
 from fedmq.fedcore.algorithms.kdia import generator as kdia_generator
 from fedmq.fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
@@ -41,16 +42,16 @@ from fedmq.fedcore.models import build_model
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice
 
-PAPER_STEPS = 2000
-"""The paper's generator steps a round (10 epochs of 200 batches, kdia.md 1.6)."""
-GRID_STEPS = 200
-"""kdia-beta01.yaml's: one epoch of the paper's 200 batches."""
+_KDIA = Hyperparams()
+"""KDIA's defaults, the paper's (kdia.md 1.6): the generator's steps, batch, noise and Adam."""
+PAPER_STEPS = _KDIA.gen_epochs * _KDIA.gen_batches_per_epoch
+"""The paper's generator steps a round (10 epochs of 200 batches)."""
+GRID_STEPS = _KDIA.gen_batches_per_epoch
+"""kdia-beta01.yaml's: one epoch of the paper's batches."""
 PAPER_ROUNDS = 200
 HEADS = 10
-NOISE_DIM = 100
-BATCH = 64
-LR, WEIGHT_DECAY = 1e-3, 1e-5
-"""KDIA's defaults (`gen_lr`, `gen_weight_decay`)."""
+NOISE_DIM, BATCH = _KDIA.noise_dim, _KDIA.gen_batch_size
+LR, WEIGHT_DECAY = _KDIA.gen_lr, _KDIA.gen_weight_decay
 KDIA = "generator round as KDIA trains it"
 PLAIN = "reference: a plain loop of the same steps, fused Adam"
 
