@@ -179,9 +179,10 @@ def held_out_by_node(data: TensorDataset, parts: Sequence[np.ndarray], *, test_f
     for i, part in enumerate(parts):
         n_train = math.floor((1 - test_fraction) * len(part))
         if n_train == 0:
+            least = next(n for n in range(2, 10**6) if math.floor((1 - test_fraction) * n) > 0)
             raise ConfigError(
                 f"node {i}'s part of {len(part)} sample(s) leaves it nothing to train on once"
-                f" {test_fraction} is held out; raise partition.min_samples (2 is the least)",
+                f" {test_fraction} is held out; raise partition.min_samples to {least} or more",
                 field="data.split.test_fraction",
             )
         shuffled = stream(seed, "held-out", i).permutation(np.asarray(part))

@@ -63,8 +63,10 @@ def test_the_test_set_is_the_held_out_parts_and_each_node_trains_on_the_rest_of_
 
 
 def test_a_node_left_nothing_to_train_on_is_refused_with_what_to_do() -> None:
-    with pytest.raises(ConfigError, match=r"node 1's part of 1 sample\(s\).*raise partition.min_samples"):
+    with pytest.raises(ConfigError, match=r"node 1's part of 1 sample\(s\).*raise partition.min_samples to 2 or"):
         held_out_by_node(_indexed(5), [np.arange(4), np.arange(4, 5)], test_fraction=0.25, seed=0)
+    with pytest.raises(ConfigError, match=r"node 0's part of 2 sample\(s\).*min_samples to 3 or more"):
+        held_out_by_node(_indexed(5), [np.arange(2), np.arange(2, 5)], test_fraction=0.6, seed=0)
 
 
 def test_the_experiments_split_partitions_the_pooled_sets_then_cuts_each_part() -> None:
