@@ -36,6 +36,15 @@ def folded_counts(metrics: list[dict]) -> Counter[str]:
     return Counter(node for line in metrics for node in line["folded"])
 
 
+def folded_k_each(metrics: list[dict], k: int) -> int:
+    """Every version but the last folds K updates; the last folds every update accepted by then
+    (`coordinator.engine.buffered`: more than K where folding lagged behind arrivals, as on a loaded
+    machine, so that no accepted update is lost), never fewer. Returns the updates folded."""
+    folded = [len(line["folded"]) for line in metrics]
+    assert folded[:-1] == [k] * (len(folded) - 1) and folded[-1] >= k, folded
+    return sum(folded)
+
+
 def test_run_async_quickstart_end_to_end(tmp_path: Path, broker_url: str) -> None:
     """`fedmq run` of the async quickstart: every model version made, each folding K updates, the
     record counting exactly the folded updates, accuracy well above chance, nothing rejected. 20 versions:
@@ -55,7 +64,7 @@ def test_run_async_quickstart_end_to_end(tmp_path: Path, broker_url: str) -> Non
     record = json.loads((out / "participation.json").read_text())
     assert summary["engine"] == "async" and summary["state"] == "finished"
     assert summary["aggregations_completed"] == 20 and [m["version"] for m in metrics] == list(range(1, 21))
-    assert all(len(m["folded"]) == 5 for m in metrics) and summary["updates_folded"] == 100
+    assert summary["updates_folded"] == folded_k_each(metrics, 5) >= 100
     assert {n: r["count"] for n, r in record.items() if r["count"]} == dict(folded_counts(metrics))
     assert summary["bus"]["rejected"] == {} and summary["final_accuracy"] > 0.3
     assert all(m["staleness_max"] <= 10 for m in metrics)
@@ -85,7 +94,7 @@ def test_async_daemons_refuse_a_straggler_as_stale_and_fold_everything_they_acce
     assert summary["refused_updates"]["stale"] == summary["updates_not_folded"]["stale"]
     assert summary["bus"]["rejected"] == {}, "a valid but stale update is not a bad message"
     counts = folded_counts(metrics)
-    assert sum(counts.values()) == summary["updates_folded"] == 28
+    assert sum(counts.values()) == summary["updates_folded"] == folded_k_each(metrics, 2) >= 28
     assert {n: r["count"] for n, r in record.items() if r["count"]} == dict(counts)
     assert counts["node-000"] > counts.get("node-003", 0)
     assert all(m["staleness_max"] <= 1 for m in metrics), "a too-stale update was folded"
@@ -100,8 +109,8 @@ def test_fedasync_daemons_fold_each_update_into_its_own_version(tmp_path: Path, 
     fed.start_nodes("node-000", "node-001", "node-002")
     assert fed.wait(120) == 0, fed.log("coordinator.log")
     metrics, summary = fed.metrics(), fed.summary()
-    assert [len(m["folded"]) for m in metrics] == [1] * 12 and summary["rule"] == "fedasync"
-    assert summary["updates_folded"] == 12 and metrics[-1]["accuracy"] > 0.2
+    assert len(metrics) == 12 and summary["rule"] == "fedasync"
+    assert summary["updates_folded"] == folded_k_each(metrics, 1) and metrics[-1]["accuracy"] > 0.2
 
 
 async def test_async_daemons_refuse_forged_duplicated_and_unknown_updates(tmp_path: Path, broker_url: str) -> None:
@@ -154,7 +163,7 @@ async def test_async_daemons_refuse_forged_duplicated_and_unknown_updates(tmp_pa
     rejected = summary["bus"]["rejected"]
     for reason in ("wrong-base-version", "wrong-round", "duplicate-update"):
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
-    assert summary["aggregations_completed"] == 10 and summary["updates_folded"] == 20
+    assert summary["aggregations_completed"] == 10 and summary["updates_folded"] == folded_k_each(fed.metrics(), 2)
     assert summary["refused_updates"].get("wrong-base-version", 0) >= 1
 
 
