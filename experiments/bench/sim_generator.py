@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedmq.experiments.bench.common import Report, Timing, measure
+from fedmq.experiments.bench.simulator import OpCount, Reference
 from fedmq.experiments.bench.training import synchronized
 from fedmq.fedcore.algorithms.kdia import Hyperparams
 from fedmq.fedcore.algorithms.kdia import generator as kdia_generator
@@ -106,7 +106,8 @@ class PlainLoop:
         )  # fmt: skip
         self.labels, self.noise = labels.to(work.device), noise.to(work.device)
         self.y, self.z = self.labels[0].clone(), self.noise[0].clone()
-        self.graph: torch.cuda.CUDAGraph | None = self._captured() if gpu and capture else None
+        # warmed on a side stream and captured once, as the simulator bench's references are
+        self.graph = Reference.captured(self.y, self.labels[0], self.step) if gpu and capture else None
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -114,18 +115,6 @@ class PlainLoop:
         loss = F.cross_entropy(self.work.ensemble(features), self.y) + diversity_loss(self.z, features)
         loss.backward()
         self.opt.step()
-
-    def _captured(self) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up, as torch.cuda.graphs asks
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.step()
-        return graph
 
     def __call__(self) -> None:
         with torch.no_grad():
@@ -139,21 +128,8 @@ class PlainLoop:
                 self.step()
 
 
-class _OpCount(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(
-        self, func: object, types: object, args: tuple[object, ...] = (), kwargs: object = None
-    ) -> object:
-        if not getattr(func, "is_view", False):
-            self.count += 1
-        return func(*args, **(kwargs or {}))  # type: ignore[operator,arg-type]
-
-
 @contextlib.contextmanager
-def _last_step_counted(counter: _OpCount) -> Iterator[None]:
+def _last_step_counted(counter: OpCount) -> Iterator[None]:
     """`train_generator`'s steps run eagerly, the last of them inside `counter`."""
 
     def steps(total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: object) -> None:
@@ -173,12 +149,12 @@ def _last_step_counted(counter: _OpCount) -> Iterator[None]:
 def step_ops(work: GeneratorWork) -> dict[str, int]:
     """Operators one step dispatches, views aside, its inputs' copy included: KDIA's and the plain loop's
     (eagerly: a captured step replays the same kernels)."""
-    kdia = _OpCount()
+    kdia = OpCount()
     with _last_step_counted(kdia):
         kdia_round(GeneratorWork(work.generator, work.ensemble, 4, work.device))()
     plain = PlainLoop(GeneratorWork(work.generator, work.ensemble, 4, work.device), capture=False)
     plain.step()  # the optimiser's state made, as KDIA's warm-up makes it
-    counted = _OpCount()
+    counted = OpCount()
     with counted:
         plain.y.copy_(plain.labels[1])
         plain.z.copy_(plain.noise[1])
