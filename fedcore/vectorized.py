@@ -35,11 +35,17 @@ two agree to about 1e-16; in float32 usually to 1e-7, but rounding can be amplif
 a max-pool or a ReLU sends one step's gradient to another weight (seen: 7e-5 on one node), and Adam
 turns a gradient that is pure rounding into a step of a fraction of lr (tests/fedcore/test_vectorized.py).
 
-Refused (`unsupported` says why; callers then train the nodes one by one): models with BatchNorm,
-whose batch statistics would include the padding and whose running statistics are updated in place
-inside the forward pass; models with any other buffer, which the forward pass may update as well;
-and dropout, which draws from torch's global generator in `local_sgd`, a draw that no vectorised
-computation can reproduce node by node.
+BatchNorm, on FedAvg's objective (`cross_entropy_objective`: the model run once a step on the node's own
+parameters): each BatchNorm runs as `fedcore.masked_norm.MaskedBatchNorm`, its batch statistics over
+the node's real samples only, and each node keeps its own running statistics and batch count (stacked
+like the parameters, handed back by each step and kept for the nodes that trained at it). In float64 a
+node's weights, running statistics and counts are its `local_sgd`'s to 1e-12 with SGD
+(tests/fedcore/test_vectorized_batch_norm.py).
+
+Refused (`unsupported` says why; callers then train the nodes one by one): BatchNorm with any other
+objective (it may run the model more than once a step, or the global model's statistics); models with
+any other buffer, which the forward pass may update as well; and dropout, which draws from torch's
+global generator in `local_sgd`, a draw that no vectorised computation can reproduce node by node.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.masked_norm import NormStep, masked_norms
 from fedmq.fedcore.round_plan import (
     StepDraws,
     _draws_of,
@@ -93,18 +100,23 @@ class VectorizeError(ValueError):
     """The model or the request cannot be trained as one vectorised computation; the message says why."""
 
 
-def unsupported(model: nn.Module) -> str | None:
-    """Why `model` cannot be trained vectorised (see the module docstring), or None when it can."""
+def unsupported(model: nn.Module, batch_norm: bool = False) -> str | None:
+    """Why `model` cannot be trained vectorised (see the module docstring), or None when it can;
+    `batch_norm`: on FedAvg's objective, which trains BatchNorm as `fedcore.masked_norm` does."""
+    norms = set()
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            return (
-                f"{name or 'the model'} is a BatchNorm: its batch statistics would include the padding of short"
-                " batches and its running statistics are updated inside the forward pass"
-            )
+            if not batch_norm:
+                return (
+                    f"{name or 'the model'} is a BatchNorm, which vectorised training runs for FedAvg's node"
+                    " objective only (fedcore.masked_norm): another objective may run the model more than once"
+                    " a step, or another model's statistics"
+                )
+            norms |= {f"{name}.{b}" if name else b for b, _ in module.named_buffers(recurse=False)}
     drawing = global_stream_layer(model)
     if drawing is not None:
         return f"{drawing}: local_sgd draws its random values from torch's global generator"
-    buffers = [name for name, _ in model.named_buffers()]
+    buffers = [name for name, _ in model.named_buffers() if name not in norms]
     if buffers:
         return f"the model has buffers ({', '.join(buffers[:3])}) that its forward pass may update"
     return None
@@ -326,28 +338,43 @@ class _Stack:
         )
 
 
+def _stacked_buffers(model: nn.Module, k: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """`model`'s buffers (BatchNorm's running statistics) repeated K times: each node's own from here on."""
+    return {name: b.detach().to(device).unsqueeze(0).repeat(k, *([1] * b.dim())) for name, b in model.named_buffers()}
+
+
 def _per_node(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A (K,) tensor shaped to broadcast over a stacked (K, ...) parameter."""
     return v.view(-1, *([1] * (like.dim() - 1)))
 
 
+Outputs = tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]
+"""Each node's loss, named terms, carried state and buffers after a step, stacked over the nodes."""
+
+
 def _gradients(
-    losses_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]],
-    params: dict[str, torch.Tensor],
-    *batch: object,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Each node's gradient, loss, named terms and carried state after the step. Node k's loss depends
+    losses_of: Callable[..., Outputs], params: dict[str, torch.Tensor], *batch: object
+) -> tuple[
+    dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]
+]:
+    """Each node's gradient, loss, named terms, carried state and buffers after the step. Node k's loss depends
     on its own slice of the stack only, so the gradient of the sum of the losses is, slice by slice, each
     node's own gradient; plain autograd through the vmapped forward gives it (torch.func.grad would
     too, but imports torch._dynamo, seconds of start-up)."""
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
-        losses, terms, after = losses_of(leaves, *batch)
+        losses, terms, after, buffers = losses_of(leaves, *batch)
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
     # a parameter the objective does not use has no gradient, and is left as torch's optimisers leave one
     used = {name: g for name, g in zip(leaves, grads, strict=True) if g is not None}
     detached = {n: t.detach() for n, t in terms.items()}
-    return used, losses.detach(), detached, {n: t.detach() for n, t in after.items()}
+    return (
+        used,
+        losses.detach(),
+        detached,
+        {n: t.detach() for n, t in after.items()},
+        {n: t.detach() for n, t in buffers.items()},
+    )
 
 
 def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
@@ -521,10 +548,15 @@ class _Round:
         self.y = _rows_of([d.y for d in datasets], device, capacity)
         self.inputs = inputs
         self.constants = _constants(steps or [], device)
+        self.buffers = _stacked_buffers(model, k, device)
+        """(K, ...) each node's buffers (BatchNorm's running statistics), updated after each of its steps."""
         frozen = self.frozen
+        norm_step = NormStep()
+        net = masked_norms(model, norm_step)  # the model itself when it has no BatchNorm
+        norms = net is not model
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-            return functional_call(model, {**params, **frozen}, (x,))
+            return functional_call(net, {**params, **frozen}, (x,))
 
         start = self.start
 
@@ -538,16 +570,27 @@ class _Round:
             node_inputs: dict[str, torch.Tensor],
             step: dict[str, torch.Tensor],
             carried: dict[str, torch.Tensor],
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            batch = NodeBatch(forward, params, start, x, y, weight, count, node_inputs, step, carried, share)
-            out = objective(batch)
+            buffers: dict[str, torch.Tensor],
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            run = forward
+            if norms:  # BatchNorm: over the node's real samples, with its own running statistics
+
+                def run(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+                    return functional_call(net, {**params, **frozen, **buffers}, (x,))
+
+            guard: contextlib.AbstractContextManager[dict[str, torch.Tensor]] = (
+                norm_step.batch(weight) if norms else contextlib.nullcontext({})
+            )
+            with guard as left:
+                out = objective(NodeBatch(run, params, start, x, y, weight, count, node_inputs, step, carried, share))
+            kept = {name: left.get(name, t) for name, t in buffers.items()}
             if not isinstance(out, tuple):
-                return out, {}, {}
-            return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], out[1], {})
+                return out, {}, {}, kept
+            return (out[0], out[1], out[2] if len(out) == 3 else {}, kept)
 
         vmapped = vmap(node_loss)
 
-        def losses_of(*args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        def losses_of(*args: Any) -> Outputs:
             with autocast(settings, device):  # the forward pass only, as local_sgd's; the backward follows it
                 return vmapped(*args)
 
@@ -596,6 +639,8 @@ class _Round:
             self.stack.step.zero_()
             for name, p in model.named_parameters():
                 (self.frozen if name in self.frozen else self.start)[name].copy_(p.detach())
+            for name, b in model.named_buffers():
+                self.buffers[name].copy_(b.detach().unsqueeze(0).expand_as(self.buffers[name]))
             rows = sum(len(d) for d in datasets)
             if self.x is not None:  # concatenated in place: one pass over the nodes' data, not two
                 torch.cat([d.x.to(self.x.device) for d in datasets], out=self.x[:rows])
@@ -647,9 +692,11 @@ class _Round:
         inputs = {n: t[:a] for n, t in self.inputs.items()}
         step_inputs = {n: t[:a] for n, t in cur.step_inputs.items()}
         carried = {n: t[:a] for n, t in self.carry.items()}
-        grads, losses, terms, after = _gradients(
-            self.losses_of, params, x, y, cur.weight[:a], cur.divisor[:a], cur.share[:a], inputs, step_inputs, carried
-        )
+        buffers = {n: t[:a] for n, t in self.buffers.items()}
+        grads, losses, terms, after, left = _gradients(
+            self.losses_of, params, x, y, cur.weight[:a], cur.divisor[:a], cur.share[:a], inputs, step_inputs, carried,
+            buffers,
+        )  # fmt: skip
         settings = self.settings
         with torch.no_grad():
             if self.gradient_sums is not None:
@@ -686,11 +733,13 @@ class _Round:
                 raise VectorizeError(
                     f"the objective carried {sorted(after)}, not the state it was given {sorted(carried)}"
                 )
-            for name, value in after.items():  # a node with no batch left keeps its state
-                value = value.to(carried[name].dtype)
-                carried[name].copy_(
-                    torch.where(_per_node(active, value) > 0, value, carried[name]) if masked else value
-                )
+            for own, new in ((carried, after), (buffers, left)):  # a node with no batch left keeps its own
+                if new and not masked:  # every node trained: one multi-tensor copy (a BatchNorm model's 60 buffers)
+                    torch._foreach_copy_([own[name] for name in new], [v.to(own[n].dtype) for n, v in new.items()])
+                    continue
+                for name, value in new.items():
+                    value = value.to(own[name].dtype)
+                    own[name].copy_(torch.where(_per_node(active, value) > 0, value, own[name]) if masked else value)
 
 
 def _masked(tensors: list[torch.Tensor], active: torch.Tensor, masked: bool) -> list[torch.Tensor]:
@@ -998,7 +1047,7 @@ def train_vectorized(
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
     """
-    reason = unsupported(model)
+    reason = unsupported(model, batch_norm=objective is cross_entropy_objective)
     if reason is not None:
         raise VectorizeError(reason)
     if len(datasets) != len(generators) or not datasets:
@@ -1066,6 +1115,7 @@ def train_vectorized(
                 _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if kept else None)
             with record_function(PHASES[3]):  # the first copy back waits for the last step
                 stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen
+                buffers = round_.buffers
                 terms = {name: t.cpu() for name, t in round_.terms.items()}
                 carried = {name: t.cpu() for name, t in round_.carry.items()}
                 gradients = {name: t.cpu() for name, t in (round_.gradient_sums or {}).items()}
@@ -1074,19 +1124,22 @@ def train_vectorized(
             stack = _Stack.of(model, len(order), settings, device, [starts[k] for k in order] if starts else None)
             gradients = {name: torch.zeros_like(t).cpu() for name, t in stack.params.items()} if sum_gradients else {}
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+            buffers = _stacked_buffers(model, len(order), device)
             totals = seen = torch.zeros(len(order), dtype=torch.float64)
     finally:
         model.train(was_training)
     with record_function(PHASES[4]):
         return _results(
-            model, stack, frozen, order, steps, totals, seen, terms, carried, gradients, kept=KEPT.get() is not None
-        )
+            model, stack, frozen, buffers, order, steps, totals, seen, terms, carried, gradients,
+            kept=KEPT.get() is not None,
+        )  # fmt: skip
 
 
 def _results(
     model: nn.Module,
     stack: _Stack,
     frozen: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
     order: list[int],
     steps: list[int],
     totals: torch.Tensor,
@@ -1104,7 +1157,7 @@ def _results(
     by_node: dict[int, tuple[StateDict, TrainStats]] = {}
     # a kept round's stack is copied whole, a tensor per parameter (not one per node and parameter: on a GPU
     # each copy is a kernel), and each node's weights are its rows of the copy; the frozen ones too
-    params = {name: t.clone() for name, t in stack.params.items()} if kept else stack.params
+    params = {name: t.clone() for name, t in {**stack.params, **buffers}.items()} if kept else stack.params | buffers
     frozen = {name: t.clone() for name, t in frozen.items()} if kept else frozen
     # each node's rows taken at once (one call a tensor, not one a node and tensor: 1,000 calls for 100 nodes
     # of a 10-tensor model), and the host's numbers read as Python floats at once

@@ -64,7 +64,9 @@ class NodeHalf(base.NodeHalf[base.H]):
         return [shared.model_update(state, stats) for state, stats in results]
 
     def group_refusal(self, model: nn.Module) -> str | None:
-        return super().group_refusal(model) or unsupported(model)
+        """FedAvg's objective runs the model once a step, so a BatchNorm model trains in groups too
+        (`fedcore.masked_norm`)."""
+        return super().group_refusal(model) or unsupported(model, batch_norm=True)
 
 
 SPEC = base.AlgorithmSpec(name="fedavg", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

@@ -353,17 +353,15 @@ def test_vectorized_results_do_not_alias_the_model_or_each_other(digits: TensorD
     assert all(torch.equal(before[k], got[0][0][k]) for k in before)
 
 
-@pytest.mark.parametrize(
-    ("name", "options", "reason"),
-    [("resnet18", {"norm": "bn"}, "BatchNorm"), ("mobilenetv2", {}, "BatchNorm")],
-)
-def test_vectorized_refuses_batchnorm(name: str, options: dict[str, object], reason: str) -> None:
-    """BatchNorm's batch statistics would include the padding: refused with the reason, never trained wrong."""
+@pytest.mark.parametrize(("name", "options"), [("resnet18", {"norm": "bn"}), ("mobilenetv2", {})])
+def test_vectorized_refuses_batchnorm_outside_fedavgs_objective(name: str, options: dict[str, object]) -> None:
+    """BatchNorm is trained vectorised on FedAvg's objective only (tests/fedcore/test_vectorized_batch_norm.py):
+    otherwise refused with the reason, never trained wrong."""
     model = build_model(name, (3, 32, 32), 10, seed=0, **options)
-    assert reason in (unsupported(model) or "")
+    assert "BatchNorm" in (unsupported(model) or "") and unsupported(model, batch_norm=True) is None
     data = TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long), 10)
-    with pytest.raises(VectorizeError, match=reason):
-        train_vectorized(model, [data], SGD, generators(1))
+    with pytest.raises(VectorizeError, match="BatchNorm"):
+        train_vectorized(model, [data], SGD, generators(1), objective=lambda batch: cross_entropy_objective(batch))
 
 
 def test_vectorized_refuses_dropout_and_accepts_groupnorm() -> None:
@@ -461,10 +459,12 @@ def test_a_loss_term_method_that_trains_otherwise_refuses_group_training() -> No
     assert "overrides fit" in (half.group_refusal(build_model("mlp", (1, 8, 8), 10, seed=0)) or "")
 
 
-def test_fedavg_refuses_group_training_of_a_batchnorm_model() -> None:
-    spec = get_algorithm("fedavg")
-    half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
-    assert "BatchNorm" in (half.group_refusal(build_model("resnet32", (3, 32, 32), 10, seed=0)) or "")
+def test_fedavg_trains_a_batchnorm_model_in_groups_and_moon_refuses() -> None:
+    model = build_model("resnet32", (3, 32, 32), 10, seed=0)
+    for method, refused in (("fedavg", False), ("moon", True)):
+        spec = get_algorithm(method)
+        half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
+        assert ("BatchNorm" in (half.group_refusal(model) or "")) is refused, method
 
 
 def test_group_of_different_tasks_is_an_error(digits: TensorDataset) -> None:

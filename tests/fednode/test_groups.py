@@ -143,10 +143,15 @@ def test_rendezvous_refuses_a_method_without_a_group_form() -> None:
     assert not rendezvous.admits(OwnTerm(build_hyperparams(get_algorithm("fedavg"), {}), node_id="node-0"))
 
 
-def test_rendezvous_refuses_a_batchnorm_model_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
-    spec = get_algorithm("fedavg")
+def test_rendezvous_refuses_a_batchnorm_model_outside_fedavgs_objective_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """FedAvg's node half trains a BatchNorm model in groups (fedcore.masked_norm); MOON's is refused."""
     workspace = Workspace(build_model("resnet32", (3, 32, 32), 10, seed=0), torch.device("cpu"), group_wait_s=1)
     assert workspace.groups is not None
+    fedavg = get_algorithm("fedavg")
+    assert workspace.groups.admits(fedavg.node(build_hyperparams(fedavg, {}), node_id="node-0"))
+    spec = get_algorithm("moon")
     half = spec.node(build_hyperparams(spec, {}), node_id="node-0")
     with caplog.at_level("WARNING"):
         assert not workspace.groups.admits(half) and not workspace.groups.admits(half)

@@ -1,0 +1,152 @@
+"""BatchNorm inside vectorised training: each node's batch statistics over its real samples only, and
+each node's own running statistics.
+
+`fedcore.vectorized` pads a node's short batch to the batch size with copies of its first sample
+(weighted 0) and maps one forward pass over the nodes. torch's BatchNorm would then (1) take the
+padding into its batch statistics, so a padded node's normalisation, and with it its gradient, would
+differ from its own `local_sgd`, and (2) update its running statistics in place inside the forward
+pass, which a map over nodes cannot do for one node's buffers alone, nor undo for a node with no batch
+left at a step. Here a BatchNorm is replaced, for the vectorised forward only, by `MaskedBatchNorm`:
+
+- the batch mean and the biased variance (what normalises) are sums over the node's real samples
+  (weight 1), divided by their count times the spatial size, which is what `F.batch_norm` computes on
+  the node's unpadded batch;
+- the running statistics are not written in place: the new running mean, the running variance
+  (updated with the unbiased variance, n / (n - 1) times the biased one, as torch updates it) and the
+  batch count are handed back (`NormStep.updates`), and the caller stores them for the nodes that
+  trained at that step (a node with no batch left keeps its own);
+- momentum None (torch's cumulative average) uses 1 / the batch count after the step, as torch does.
+
+The structure is a shallow copy of the model (`masked_norms`): every module but the BatchNorms is the
+model's own, sharing its tensors and attributes, so nothing of a large model is copied.
+
+What it does not reproduce: torch refuses a BatchNorm1d batch of one value per channel in training;
+here such a batch normalises to zeros and leaves the running variance as it was. `local_sgd` never
+trains one (it skips a trailing batch of one sample) unless a node's whole shard is one sample.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """What every BatchNorm over maps of one size shares in a forward pass, made once for them all."""
+
+    share: torch.Tensor
+    """(B,) each sample's share of the mean: 1 / n for a real sample, 0 for padding."""
+    bessel: torch.Tensor
+    """n / (n - 1): the unbiased variance over the biased one (the running variance's update)."""
+
+
+@dataclass
+class NormStep:
+    """What the BatchNorms of one node's forward pass read and leave: the node's sample weights (1 real,
+    0 padding), set by the caller around the pass, and each running statistic's new value by state-dict
+    name."""
+
+    weight: torch.Tensor | None = None
+    updates: dict[str, torch.Tensor] = field(default_factory=dict)
+    made: dict[tuple[int, torch.dtype], Counts] = field(default_factory=dict)
+
+    @contextmanager
+    def batch(self, weight: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+        """Within the block, the BatchNorms normalise over the samples `weight` marks real; yields the
+        running statistics they leave (filled as the forward pass runs)."""
+        self.weight, self.updates, self.made = weight, {}, {}
+        try:
+            yield self.updates
+        finally:
+            self.weight, self.made = None, {}
+
+    def counts(self, values: int, dtype: torch.dtype) -> Counts:
+        """The shares and Bessel factor for maps of `values` values a sample and channel: n = the real
+        samples x `values` (at least 1: a node with no batch left, whose results are discarded)."""
+        if self.weight is None:
+            raise RuntimeError("a masked BatchNorm ran outside NormStep.batch: it does not know the real samples")
+        key = (values, dtype)
+        if key not in self.made:
+            real = self.weight.to(dtype)
+            n = (real.sum() * values).clamp(min=1)
+            self.made[key] = Counts(share=real / n, bessel=n / (n - 1).clamp(min=1))
+        return self.made[key]
+
+
+class MaskedBatchNorm(nn.Module):
+    """A `torch.nn.BatchNorm{1,2,3}d` in training mode, over the real samples of a padded batch (see the
+    module docstring). It holds the BatchNorm's own parameters and buffers under their names, so that
+    `functional_call` with the model's state-dict names reaches them."""
+
+    def __init__(self, norm: nn.modules.batchnorm._BatchNorm, prefix: str, step: NormStep) -> None:
+        super().__init__()
+        self.eps, self.momentum, self.prefix, self.norm_step = norm.eps, norm.momentum, prefix, step
+        self.affine, self.tracked = norm.affine, norm.track_running_stats
+        for name, p in norm.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in norm.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = x.dtype in (torch.float16, torch.bfloat16)  # statistics in float32, as torch's kernels keep them
+        xs = x.float() if low else x
+        channel = (1, -1, *([1] * (xs.dim() - 2)))
+        counts = self.norm_step.counts(xs[0, 0].numel() if xs.dim() > 2 else 1, xs.dtype)
+        # few passes over the activations (on a GPU each is a kernel, forward and backward): each sum over the
+        # real samples one contraction with their shares, the scale and shift one fused multiply-add
+        sums = "b,bc...->c" if xs.dim() > 2 else "b,bc->c"
+        mean = torch.einsum(sums, counts.share, xs)
+        centred = xs - mean.view(channel)
+        var = torch.einsum(sums, counts.share, centred * centred)
+        scale = torch.rsqrt(var + self.eps)
+        if self.affine:
+            scale = scale * self._tensor("weight")
+            out = torch.addcmul(self._tensor("bias").view(channel), centred, scale.view(channel))
+        else:
+            out = centred * scale.view(channel)
+        if self.tracked:
+            self._leave_running_statistics(mean.detach(), var.detach(), counts.bessel)
+        return out.to(x.dtype) if low else out
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """A parameter or buffer by name (what `functional_call` put there for this node)."""
+        return cast(torch.Tensor, getattr(self, name))
+
+    def _leave_running_statistics(self, mean: torch.Tensor, var: torch.Tensor, bessel: torch.Tensor) -> None:
+        """old + factor (new - old), torch's momentum update (it rounds as (1 - factor) old + factor new)."""
+        count = self._tensor("num_batches_tracked") + 1
+        factor: torch.Tensor | float = (1.0 / count.to(mean.dtype)) if self.momentum is None else self.momentum
+        old_mean, old_var = self._tensor("running_mean"), self._tensor("running_var")
+        updates = self.norm_step.updates
+        updates[f"{self.prefix}running_mean"] = torch.lerp(old_mean, mean.to(old_mean.dtype), factor)
+        updates[f"{self.prefix}running_var"] = torch.lerp(old_var, (var * bessel).to(old_var.dtype), factor)
+        updates[f"{self.prefix}num_batches_tracked"] = count
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def masked_norms(model: nn.Module, step: NormStep, prefix: str = "") -> nn.Module:
+    """`model` with each BatchNorm replaced by a `MaskedBatchNorm` reading `step`: a shallow copy of the
+    modules on the way to a BatchNorm (their own parameter, buffer and module tables, the tensors and
+    other attributes shared), the model itself where there is none below, so the model is unchanged."""
+    if isinstance(model, nn.modules.batchnorm._BatchNorm):
+        return MaskedBatchNorm(model, prefix, step)
+    if not has_batch_norm(model):
+        return model
+    copied = copy.copy(model)
+    copied._parameters = dict(model._parameters)
+    copied._buffers = dict(model._buffers)
+    copied._modules = {
+        name: None if child is None else masked_norms(child, step, f"{prefix}{name}.")
+        for name, child in model._modules.items()
+    }
+    return copied
