@@ -15,8 +15,10 @@ Timed in the same run, each as node-training images per second:
   once as a CUDA graph, `torch.func.vmap` over the nodes (stacked parameters, SGD written out), and
   that vmap step captured as a CUDA graph. On a CPU only the eager references apply.
 
-The figures are ratios to the best reference of the same case. Then `fedmq simulate` of the
-quickstart: the share of its wall time spent training and its images per second over the whole run.
+The figures are ratios to the best reference of the same case. Two sections time other workloads:
+KDIA's generator (`sim_generator`) and FedSA's BatchNorm ResNet-18 (`sim_batch_norm`). Then `fedmq
+simulate` of the quickstart: the share of its wall time spent training and its images per second over the
+whole run.
 """
 
 from __future__ import annotations
@@ -317,9 +319,25 @@ def step_ops(case: Case, device: torch.device) -> dict[str, int]:
     """Operators dispatched by one step, the copy of its batch's slice into place included: the
     simulator's vectorised step (its last: with equal shards every node trains at every step) and the
     vmap reference's."""
+    model, datasets = workload(case, device)
+    cpu = torch.device("cpu")
+    count = last_step_ops(
+        lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu), graphs="off")
+    )
+    reference = VmapStep(model, datasets, case, device)
+    reference.step_idx.copy_(reference.idx[:, 0])
+    reference._step()  # the first step builds what later steps reuse
+    with OpCount() as ref:
+        reference.step_idx.copy_(reference.idx[:, 1])
+        reference._step()
+    return {"simulator, vectorised": count, "reference: vmap over nodes": ref.count}
+
+
+def last_step_ops(call: Callable[[], object]) -> int:
+    """Operators dispatched by the last step of `call`'s vectorised round (eager; a captured step replays
+    the same kernels), the copy of its slice of the plan into place included."""
     from fedmq.fedcore import vectorized
 
-    model, datasets = workload(case, device)
     counted = OpCount()
 
     def last_step_counted(
@@ -331,14 +349,8 @@ def step_ops(case: Case, device: torch.device) -> dict[str, int]:
                 eager(s)
 
     with mock.patch.object(vectorized, "run_steps", last_step_counted):
-        train_vectorized(model, datasets, case.settings, generators(case.k, torch.device("cpu")), graphs="off")
-    reference = VmapStep(model, datasets, case, device)
-    reference.step_idx.copy_(reference.idx[:, 0])
-    reference._step()  # the first step builds what later steps reuse
-    with OpCount() as ref:
-        reference.step_idx.copy_(reference.idx[:, 1])
-        reference._step()
-    return {"simulator, vectorised": counted.count, "reference: vmap over nodes": ref.count}
+        call()
+    return counted.count
 
 
 def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
@@ -562,6 +574,7 @@ def run(options: BenchOptions) -> Report:
         _add_unequal(report, devices[0], unequal_shards(devices[0], repeats))
     with torch_threads(1) if not gpu else contextlib.nullcontext():
         _generator_rows(report, devices[0], repeats, options.quick)
+        _batch_norm_rows(report, devices[0], repeats, options.quick)
     plan_rows(report, options.quick, repeats)
     if str(options.extra.get("simulate", "true")).lower() in ("false", "0", "no"):
         report.notes.append("fedmq simulate's share was not measured (--opt simulate=false).")
@@ -579,6 +592,17 @@ def _generator_rows(report: Report, device: torch.device, repeats: int, quick: b
         sim_generator.add_rows(report, device, repeats, quick)
     except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
         report.notes.append(f"KDIA's generator section failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _batch_norm_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:
+    """FedSA's BatchNorm ResNet-18 one by one, vectorised and in bare PyTorch (`sim_batch_norm`), its failure
+    noted as the generator's is: its GPU path (masked BatchNorm in captured graphs) was written without a GPU."""
+    from fedmq.experiments.bench import sim_batch_norm
+
+    try:
+        sim_batch_norm.add_rows(report, device, repeats, quick)
+    except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
+        report.notes.append(f"FedSA's BatchNorm section failed on {device}: {type(exc).__name__}: {exc}")
 
 
 def plan_rows(report: Report, quick: bool, repeats: int) -> None:
