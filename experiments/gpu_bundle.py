@@ -46,6 +46,7 @@ STORE_DIR = f"{OUT_DIR}/store"  # on the GPU machine: parts kept between calls
 DATA_DIR = f"{OUT_DIR}/data"  # on the GPU machine: the joined datasets, FEDMQ_DATA_ROOT
 CACHE_DIR = f"{OUT_DIR}/cache"  # on the GPU machine: FEDMQ_CACHE_DIR, decoded arrays kept between runs
 SITE_DIR = f"{OUT_DIR}/site"  # on the GPU machine: the carried wheels, installed; ignored, so kept while warm
+RESUME_DIR = f"{OUT_DIR}/resume"  # grids cut off in an earlier session, as parts (`gpu_resume`), carried back
 RUN_PLACEHOLDER = "YOUR_COMMAND"
 HERE = Path(__file__).resolve().parent  # experiments/ of the checkout a GPU call would send
 
@@ -575,16 +576,29 @@ class Call:
     sends: int
 
 
+def resume_command() -> str:
+    """The shell step that puts the carried grids back under runs/ (`gpu_resume`, standard library only)."""
+    return f"python3 -m fedmq.experiments.gpu_resume unpack {RESUME_DIR} --into runs"
+
+
 def plan_calls(
-    bundle: str, run: str, tree: int, call_bytes: Sequence[int], wheels: int | None, first: str | None = None
+    bundle: str,
+    run: str,
+    tree: int,
+    call_bytes: Sequence[int],
+    wheels: int | None,
+    first: str | None = None,
+    resume: int | None = None,
 ) -> tuple[list[Call], Call]:
     """The calls that carry a bundle, and a later run's call.
 
     The first call also carries the wheels (`wheels`: their bytes; None: none carried) and installs
     them, then runs `first` when given (work that needs the wheels but not the dataset); the last runs
     `run` once the bundle is whole (a bundle of one call: `first`, then `run`). `call_bytes` are the
-    sizes of the call folders. The later run is for more runs on the same warm machine once the bundle
-    is joined: it carries nothing, the wheels and the data being kept there.
+    sizes of the call folders. `resume`: the bytes of the grids' resume parts (`gpu_resume`), carried by
+    a call of their own just before the last (the data calls are full) that unpacks them under runs/, so
+    that the last call's grids go on from their checkpoints. The later run is for more runs on the same
+    warm machine once the bundle is joined: it carries nothing, the wheels and the data being kept there.
     """
     extra = [WHEELS_DIR] if wheels is not None else []
     out = []
@@ -601,6 +615,8 @@ def plan_calls(
             run=run if n == last else None,
         )
         wheel_bytes = wheels if n == 1 and wheels is not None else 0
+        if n == last and resume is not None:
+            out.append(Call([RESUME_DIR], resume_command(), tree + resume))
         out.append(Call([folder, *(extra if n == 1 else [])], command, tree + size + wheel_bytes))
     again = Call([], call_command(bundle, None, install=False, site=wheels is not None, complete=True, run=run), tree)
     for call in [*out, again]:
@@ -620,11 +636,12 @@ def prepare(
     part_cap: int | None = None,
     pins: Sequence[str] | None = None,
     wheels: bool = True,
+    resume: bool = False,
 ) -> tuple[Manifest, list[Call], Call, list[Path]]:
     """Wheels, parts and the calls that carry them, each call checked against `limit`.
 
     `first` runs in the first call after the wheels' install, `run` in the last once the dataset is
-    whole. `margin` is kept free in every call for what the measurement here cannot see (a file written in
+    whole; `resume`: carry the grids' resume parts in .gpu/resume/ by a call just before the last. `margin` is kept free in every call for what the measurement here cannot see (a file written in
     the checkout between now and the call). Raises BundleError when the tree and wheels alone leave
     no room, or any call would exceed the limit.
     """
@@ -644,10 +661,19 @@ def prepare(
     manifest = split(source, repo / OUT_DIR / bundle, bundle, room, wheel_bytes, part_cap)
     calls = int(str(manifest["calls"]))
     call_bytes = [path_bytes(repo / OUT_DIR / bundle / f"call-{n}") for n in range(1, calls + 1)]
-    planned, again = plan_calls(bundle, run, tree, call_bytes, wheel_bytes if wheels else None, first)
+    parts = None
+    if resume:
+        folder = repo / RESUME_DIR
+        if not folder.is_dir() or not any(folder.iterdir()):
+            raise BundleError(
+                f"--resume: {folder} holds no resume parts: copy there the NAME.resume.* files a call brought back"
+            )
+        parts = path_bytes(folder)
+    planned, again = plan_calls(bundle, run, tree, call_bytes, wheel_bytes if wheels else None, first, parts)
     for n, call in enumerate(planned, 1):
         if call.sends > limit:
-            raise BundleError(f"call {n} would send {call.sends} bytes, over the {limit}-byte limit")
+            hint = f": carry the parts of fewer grids in {RESUME_DIR}" if RESUME_DIR in call.carry else ""
+            raise BundleError(f"call {n} would send {call.sends} bytes, over the {limit}-byte limit{hint}")
     return manifest, planned, again, fetched
 
 
@@ -713,6 +739,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     prep.add_argument("--margin-mib", type=float, default=1.0, help="room kept free in each call (1 MiB)")
     prep.add_argument("--part-mib", type=float, help="largest part (default: as large as a call allows)")
     prep.add_argument("--no-wheels", action="store_true", help="carry no wheels (they are installed there already)")
+    prep.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"carry the grids' resume parts in {RESUME_DIR}/ (what an earlier call brought back) by a call just"
+        " before the last, which unpacks them under runs/ so that its grids go on from their checkpoints",
+    )
     jn = sub.add_parser(
         "join",
         help="(on the GPU machine) keep carried parts; join and check once all are there",
@@ -742,6 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 margin=int(args.margin_mib * MIB),
                 part_cap=int(args.part_mib * MIB) if args.part_mib else None,
                 wheels=not args.no_wheels,
+                resume=args.resume,
             )
             _print_plan(manifest, calls, again, wheels, limit)
             return 0

@@ -233,6 +233,30 @@ def test_a_one_call_bundle_runs_first_then_run_whatever_first_returns() -> None:
     assert bare.carry == [".gpu/synth/call-1"] and bare.sends == 30
 
 
+def test_resume_parts_travel_in_a_call_of_their_own_just_before_the_last() -> None:
+    """The data calls are full: the grids' resume parts get a call before the last, which unpacks them
+    under runs/ (standard library only), so that the last call's grids resume."""
+    calls, _ = gb.plan_calls("synth", "scripts/gpu-tables", 10, [20, 20], wheels=5, resume=30)
+    assert [c.carry for c in calls] == [[".gpu/synth/call-1", gb.WHEELS_DIR], [gb.RESUME_DIR], [".gpu/synth/call-2"]]
+    assert calls[1].command == "python3 -m fedmq.experiments.gpu_resume unpack .gpu/resume --into runs"
+    assert calls[1].sends == 40 and calls[2].command.endswith("scripts/gpu-tables")
+    (only, last), _ = gb.plan_calls("synth", "scripts/gpu-tables", 10, [20], wheels=None, resume=30)
+    assert only.carry == [gb.RESUME_DIR] and last.carry == [".gpu/synth/call-1"]
+
+
+def test_prepare_with_resume_needs_parts_and_keeps_their_call_within_the_limit(dataset: Path, tmp_path: Path) -> None:
+    repo = _git_repo(tmp_path / "repo")
+    with pytest.raises(gb.BundleError, match="holds no resume parts"):
+        gb.prepare(dataset, repo, "synth", limit=64 * MIB, wheels=False, resume=True)
+    (repo / gb.RESUME_DIR).mkdir(parents=True)
+    (repo / gb.RESUME_DIR / "grid.resume.0.1of1").write_bytes(b"r" * MIB)
+    _, calls, _, _ = gb.prepare(dataset, repo, "synth", limit=64 * MIB, wheels=False, resume=True)
+    assert calls[-2].carry == [gb.RESUME_DIR] and calls[-2].sends <= 64 * MIB
+    (repo / gb.RESUME_DIR / "grid.resume.0.1of1").write_bytes(b"r" * 63 * MIB)
+    with pytest.raises(gb.BundleError, match="carry the parts of fewer grids"):
+        gb.prepare(dataset, repo, "synth", limit=64 * MIB, wheels=False, resume=True)
+
+
 def test_site_step_stops_the_call_when_the_machine_lost_the_wheels(tmp_path: Path) -> None:
     """The path step, run by bash: exit 3 with what to do when .gpu/site is gone (a machine given back
     between calls starts bare), else the installed wheels and the checkout on PYTHONPATH."""
