@@ -641,7 +641,8 @@ def prepare(
     """Wheels, parts and the calls that carry them, each call checked against `limit`.
 
     `first` runs in the first call after the wheels' install, `run` in the last once the dataset is
-    whole; `resume`: carry the grids' resume parts in .gpu/resume/ by a call just before the last. `margin` is kept free in every call for what the measurement here cannot see (a file written in
+    whole; `resume`: carry the grids' resume parts in .gpu/resume/ by a call just before the last.
+    `margin` is kept free in every call for what the measurement here cannot see (a file written in
     the checkout between now and the call). Raises BundleError when the tree and wheels alone leave
     no room, or any call would exceed the limit.
     """
