@@ -13,31 +13,16 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fedmq.experiments import gpu_resume as gr
 from fedmq.experiments.cli import EXIT_OK, main
 from fedmq.experiments.config import read_yaml
 from fedmq.experiments.grid import expand
-from tests.experiments.test_simulate_resume import _cut_run
+from tests.experiments.test_simulate_resume import _cut_run, two_seed_grid
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: sums in one order, bit for bit
 ROOT = Path(__file__).resolve().parents[2]
 KIB = 1024
-
-
-def _grid(tmp_path: Path) -> Path:
-    spec = {
-        "extends": str(ROOT / "experiments" / "quickstart.yaml"),
-        "name": "quickstart-gpu-resume",
-        "rounds": 6,
-        "train": {"local_epochs": 1},
-        "simulation": {"checkpoint_every": 2},
-        "grid": {"seed": [0, 1]},
-    }
-    path = tmp_path / "grid.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 def _run_dir(tmp_path: Path, files: dict[str, bytes]) -> Path:
@@ -54,7 +39,7 @@ def test_a_cut_grid_packed_in_parts_and_unpacked_elsewhere_resumes_to_the_uncut_
     """The GPU machine's grid: one cell finished, one cut after its round-1 checkpoint. Packed into parts of
     64 KiB (as 15 MiB parts a ResNet-18's), the machine's runs/ lost, the parts unpacked on another: the
     grid resumed there ends the cut cell on the uncut one's model and metrics, and keeps the finished one."""
-    grid_file = _grid(tmp_path)
+    grid_file = two_seed_grid(tmp_path, "quickstart-gpu-resume")
     machine = tmp_path / "machine" / "runs" / "grid"
     assert main(["simulate", str(grid_file), "--out", str(machine)]) == EXIT_OK
     kept, cut = sorted((machine / "cells").iterdir())

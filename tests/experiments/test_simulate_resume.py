@@ -182,19 +182,25 @@ def test_a_node_state_a_checkpoint_cannot_hold_is_named() -> None:
         encode_node_state(half)
 
 
-def test_a_cut_grid_resumes_its_cut_cell_and_keeps_its_finished_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def two_seed_grid(tmp_path: Path, name: str) -> Path:
+    """The quickstart as a grid of two seeds, FAST's rounds and checkpoints, written to tmp_path/grid.yaml."""
     spec = {
         "extends": str(ROOT / "experiments" / "quickstart.yaml"),
-        "name": "quickstart-resume",
+        "name": name,
         "rounds": 6,
         "train": {"local_epochs": 1},
         "simulation": {"checkpoint_every": 2},
         "grid": {"seed": [0, 1]},
     }
-    grid_file = tmp_path / "grid.yaml"
-    grid_file.write_text(yaml.safe_dump(spec))
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_cut_grid_resumes_its_cut_cell_and_keeps_its_finished_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grid_file = two_seed_grid(tmp_path, "quickstart-resume")
     out = tmp_path / "run"
     assert main(["simulate", str(grid_file), "--out", str(out)]) == EXIT_OK
     kept, cut = sorted((out / "cells").iterdir())
