@@ -52,10 +52,13 @@ class Packed:
 
 
 def _members(run: Path) -> list[Path]:
-    """The files a resumed grid needs, relative to run's parent: all but finished cells' checkpoints."""
+    """The files a resumed grid needs, relative to run's parent: all but finished cells' checkpoints and
+    the temporary files of a write the budget's SIGINT cut short (``.NAME.XXXX.tmp``, a checkpoint's 45 MB)."""
     files = []
     for path in sorted(p for p in run.rglob("*") if p.is_file() and not p.is_symlink()):
         if path.name == CHECKPOINT and (path.parent / FINISHED).is_file():
+            continue
+        if path.name.startswith(".") and path.name.endswith(".tmp"):
             continue
         files.append(path.relative_to(run.parent))
     return files

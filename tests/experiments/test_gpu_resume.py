@@ -70,7 +70,9 @@ def test_a_cut_grid_packed_in_parts_and_unpacked_elsewhere_resumes_to_the_uncut_
     assert (again / "cells" / cut.name / "metrics.jsonl").read_text() == reference[1]
 
 
-def test_the_archive_leaves_out_finished_cells_checkpoints_and_is_the_same_bytes_each_time(tmp_path: Path) -> None:
+def test_the_archive_leaves_out_finished_cells_checkpoints_and_cut_writes_and_is_the_same_bytes_each_time(
+    tmp_path: Path,
+) -> None:
     run = _run_dir(
         tmp_path,
         {
@@ -79,6 +81,7 @@ def test_the_archive_leaves_out_finished_cells_checkpoints_and_is_the_same_bytes
             "cells/a/checkpoint.safetensors": b"a" * 100,
             "cells/b/checkpoint.safetensors": b"b" * 100,
             "cells/b/events.jsonl": b"{}\n",
+            "cells/b/.checkpoint.safetensors.x1y2.tmp": b"half a write",
         },
     )
     data = gr.archive(run)
