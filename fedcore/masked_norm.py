@@ -17,12 +17,13 @@ left at a step. Here a BatchNorm is replaced, for the vectorised forward only, b
   trained at that step (a node with no batch left keeps its own);
 - momentum None (torch's cumulative average) uses 1 / the batch count after the step, as torch does.
 
-The structure is a shallow copy of the model (`masked_norms`): every module but the BatchNorms is the
-model's own, sharing its tensors and attributes, so nothing of a large model is copied.
+The structure is a shallow copy of the model (`masked_norms`): the modules holding a BatchNorm are
+copies sharing their tensors and attributes, every other module is the model's own, so nothing of a
+large model is copied.
 
 What it does not reproduce: torch refuses a BatchNorm1d batch of one value per channel in training;
-here such a batch normalises to zeros and leaves the running variance as it was. `local_sgd` never
-trains one (it skips a trailing batch of one sample) unless a node's whole shard is one sample.
+here such a batch normalises to zeros and its variance of 0 enters the running variance. `local_sgd`
+never trains one (it skips a trailing batch of one sample) unless a node's whole shard is one sample.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class MaskedBatchNorm(nn.Module):
 
 
 def has_batch_norm(model: nn.Module) -> bool:
+    """Whether `model` holds a BatchNorm anywhere (the modules `masked_norms` copies lead to one)."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
