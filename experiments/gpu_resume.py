@@ -7,7 +7,8 @@ back was dropped above 15 MB, so such a cell started again from round 0 in every
 
 `pack` (there, after a grid) archives the grid's run directory as `fedmq simulate --resume` needs it
 (every cell's records, the checkpoints of the cells not finished; a finished cell's checkpoint is left
-out: it is never read again), cuts the archive into parts of at most 15 MiB named
+out: it is never read again; a grid with no unfinished checkpoint has nothing to resume and is not
+packed), cuts the archive into parts of at most 15 MiB named
 ``NAME.resume.SHA256.IofN`` (letters, digits and dots, as the tool brings back), and writes them only
 when they fit the files and bytes the call may still bring back; otherwise it writes nothing and says
 why. `unpack` (there, in a later call or session, the parts carried in ``.gpu/resume/``) joins each
@@ -64,12 +65,12 @@ def _members(run: Path) -> list[Path]:
     return files
 
 
-def archive(run: Path) -> bytes:
-    """`run` (runs/NAME) as a gzipped tar of its resumable files, members named NAME/..., reproducible:
-    sorted, with no owners or times, so that the same directory gives the same bytes."""
+def archive(run: Path, members: Sequence[Path] | None = None) -> bytes:
+    """`run` (runs/NAME) as a gzipped tar of its resumable files (`members`, when already listed), named
+    NAME/..., reproducible: sorted, with no owners or times, so that the same directory gives the same bytes."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
-        for member in _members(run):
+        for member in _members(run) if members is None else members:
             info = tar.gettarinfo(str(run.parent / member), arcname=member.as_posix())
             info.uid = info.gid = 0
             info.uname = info.gname = ""
@@ -86,7 +87,10 @@ def pack(run: Path, out: Path, *, files_left: int, bytes_left: int, part_bytes: 
         raise ResumeError(f"{run} is not a run directory")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", run.name):
         raise ResumeError(f"{run.name!r}: a grid's name must be letters, digits, '_' and '-' to travel back")
-    data = archive(run)
+    members = _members(run)
+    if not any(member.name == CHECKPOINT for member in members):
+        return Packed([], 0, f"{run.name}: no checkpoint of a cell left unfinished, nothing to resume: not written")
+    data = archive(run, members)
     count = max(1, -(-len(data) // part_bytes))
     if count > files_left or len(data) > bytes_left:
         return Packed(

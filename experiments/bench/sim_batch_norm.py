@@ -32,10 +32,10 @@ from torch.nn import functional as F
 
 from fedmq.experiments.bench.common import Report, Timing, measure
 from fedmq.experiments.bench.simulator import KeptRounds, OpCount, Reference, last_step_ops
-from fedmq.experiments.bench.training import generators, synchronized
+from fedmq.experiments.bench.training import OneByOne, generators, synchronized
 from fedmq.fedcore.data import Split, TensorDataset, with_transforms
 from fedmq.fedcore.models import build_model, count_parameters
-from fedmq.fedcore.training import TrainSettings, local_sgd
+from fedmq.fedcore.training import TrainSettings
 from fedmq.fedcore.vectorized import train_vectorized
 
 SETTINGS = TrainSettings(local_epochs=1, batch_size=10, lr=0.005, momentum=0.0, weight_decay=0.0)
@@ -71,19 +71,6 @@ def workload(device: torch.device, k: int, size: int) -> Workload:
     parts = [data.subset(np.arange(i * size, (i + 1) * size)).to(device) for i in range(k)]
     model = build_model("resnet18", (3, 32, 32), 10, seed=0, stem="imagenet", norm="bn").to(device)
     return Workload(model, parts, device)
-
-
-def one_by_one(work: Workload) -> Callable[[], object]:
-    start = copy.deepcopy(work.model.state_dict())
-    net = copy.deepcopy(work.model)
-
-    def call() -> object:
-        for data, gen in zip(work.datasets, generators(len(work.datasets), work.device), strict=True):
-            net.load_state_dict(start)
-            local_sgd(net, data, SETTINGS, gen)
-        return net
-
-    return call
 
 
 def vectorised(work: Workload) -> Callable[[], object]:
@@ -143,7 +130,11 @@ class VmapBatchStatistics:
 
 
 def timings(work: Workload, repeats: int) -> dict[str, Timing]:
-    paths: dict[str, Callable[[], object]] = {ONE_BY_ONE: one_by_one(work), VECTORISED: vectorised(work)}
+    one_by_one = OneByOne.of(work.model)  # the simulator's node generators are CPU generators, on any device
+    paths: dict[str, Callable[[], object]] = {
+        ONE_BY_ONE: lambda: one_by_one(work.datasets, CPU, settings=SETTINGS),
+        VECTORISED: vectorised(work),
+    }
     if work.device.type == "cuda":
         paths[KEPT] = KeptRounds(vectorised(work))
     paths[REFERENCE] = VmapBatchStatistics(work)

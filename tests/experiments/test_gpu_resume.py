@@ -96,6 +96,13 @@ def test_the_archive_leaves_out_finished_cells_checkpoints_and_cut_writes_and_is
     ]
 
 
+def test_a_grid_with_nothing_to_resume_is_not_packed(tmp_path: Path) -> None:
+    """Every cell finished (or none reached its first checkpoint): no parts, and the reason."""
+    run = _run_dir(tmp_path, {"cells/a/summary.json": b"{}", "cells/a/checkpoint.safetensors": b"a"})
+    packed = gr.pack(run, tmp_path / "out", files_left=8, bytes_left=1 << 20)
+    assert packed.parts == [] and "nothing to resume" in packed.reason and not (tmp_path / "out").exists()
+
+
 def test_parts_that_do_not_fit_what_the_call_brings_back_are_not_written(tmp_path: Path) -> None:
     run = _run_dir(tmp_path, {"cells/b/checkpoint.safetensors": os.urandom(3 * KIB)})
     out = tmp_path / "out"
@@ -141,7 +148,7 @@ def test_unpack_refuses_a_missing_part_a_corrupt_set_and_a_stray_file(tmp_path: 
 
 
 def test_unpack_keeps_the_machines_own_newer_grid(tmp_path: Path) -> None:
-    run = _run_dir(tmp_path, {"grid.json": b"{}"})
+    run = _run_dir(tmp_path, {"grid.json": b"{}", "cells/b/checkpoint.safetensors": b"b"})
     carried = tmp_path / "carried"
     gr.pack(run, carried, files_left=8, bytes_left=1 << 20)
     assert gr.unpack(carried, tmp_path / "runs") == [

@@ -100,24 +100,19 @@ def test_batch_norm_trained_vectorised_equals_one_by_one_in_float64(
         assert counts == [stats.steps for _, stats in want] == [6, 2, 4, 2, 8, 2]
 
 
-def test_the_padding_would_change_the_statistics(digits64: TensorDataset) -> None:
-    """The check above can fail: BatchNorm over the padded batch (torch's own module in the vectorised
-    step, the masking switched off) moves a padded node's running mean far beyond rounding."""
+def test_the_padding_would_change_the_statistics(digits64: TensorDataset, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: the statistics over the whole padded batch (every sample's weight 1 in the
+    masked BatchNorm, the masking switched off) move a padded node's running mean far beyond rounding."""
+    from fedmq.fedcore import masked_norm
+
     model = norm_net()
     datasets = shards(digits64, (9, 32))  # node 0: one batch of 9, padded to 16; node 1: two full batches
     want = one_by_one(model, datasets, SGD)
     got = train_vectorized(model, datasets, SGD, generators(2))
     assert max_difference(got[0][0], want[0][0]) < 1e-12
-    padded = NormStep()
-    padded.batch = lambda weight: NormStep.batch(padded, torch.ones_like(weight))  # type: ignore[method-assign]
-    from fedmq.fedcore import vectorized
-
-    original = vectorized.NormStep
-    try:
-        vectorized.NormStep = lambda: padded  # type: ignore[assignment,misc]
-        wrong = train_vectorized(model, datasets, SGD, generators(2))
-    finally:
-        vectorized.NormStep = original  # type: ignore[misc]
+    batch = masked_norm.NormStep.batch
+    monkeypatch.setattr(masked_norm.NormStep, "batch", lambda self, weight: batch(self, torch.ones_like(weight)))
+    wrong = train_vectorized(model, datasets, SGD, generators(2))
     assert float((wrong[0][0]["1.running_mean"] - want[0][0]["1.running_mean"]).abs().max()) > 1e-4
     assert max_difference(wrong[1][0], want[1][0]) < 1e-12, "node 1's batches were full: the same either way"
 
