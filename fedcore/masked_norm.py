@@ -17,6 +17,13 @@ left at a step. Here a BatchNorm is replaced, for the vectorised forward only, b
   trained at that step (a node with no batch left keeps its own);
 - momentum None (torch's cumulative average) uses 1 / the batch count after the step, as torch does.
 
+A step in which every node that trains has a whole batch (`NormStep.whole`, known on the host from the
+shard sizes: a node pads only the trailing batch of an epoch) has nothing to mask: there the output is
+torch's own `F.batch_norm` in batch-statistics mode (one kernel forward, one backward, as a bare `vmap`
+over the nodes runs it) and the running statistics are one `torch.var_mean` of the detached input, where
+the masked sums take about ten operators forward and more backward. The caller sets `whole` per step (a
+captured step's kind holds it), so both kinds of step are exact.
+
 The structure is a shallow copy of the model (`masked_norms`): the modules holding a BatchNorm are
 copies sharing their tensors and attributes, every other module is the model's own, so nothing of a
 large model is copied.
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -57,6 +65,9 @@ class NormStep:
     weight: torch.Tensor | None = None
     updates: dict[str, torch.Tensor] = field(default_factory=dict)
     made: dict[tuple[int, torch.dtype], Counts] = field(default_factory=dict)
+    whole: bool = False
+    """Every node that trains at this step has a whole batch (no padding): torch's own BatchNorm applies.
+    Set by the caller for the step (a Python value: a captured step is recorded with it)."""
 
     @contextmanager
     def batch(self, weight: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
@@ -99,6 +110,9 @@ class MaskedBatchNorm(nn.Module):
         low = x.dtype in (torch.float16, torch.bfloat16)  # statistics in float32, as torch's kernels keep them
         xs = x.float() if low else x
         channel = (1, -1, *([1] * (xs.dim() - 2)))
+        if self.norm_step.whole:
+            out = self._whole_batch(xs)
+            return out.to(x.dtype) if low else out
         counts = self.norm_step.counts(xs[0, 0].numel() if xs.dim() > 2 else 1, xs.dtype)
         # few passes over the activations (on a GPU each is a kernel, forward and backward): each mean over the
         # real samples a product with their shares and one sum (858 operators a FedSA step against einsum's 888,
@@ -115,21 +129,33 @@ class MaskedBatchNorm(nn.Module):
         else:
             out = centred * scale.view(channel)
         if self.tracked:
-            self._leave_running_statistics(mean.detach(), var.detach(), counts.bessel)
+            self._leave_running_statistics(mean.detach(), var.detach() * counts.bessel)
         return out.to(x.dtype) if low else out
+
+    def _whole_batch(self, xs: torch.Tensor) -> torch.Tensor:
+        """A batch with no padding: torch's BatchNorm normalises it by its own statistics; the running
+        statistics take its mean and unbiased variance, computed once more on the detached input (torch's
+        kernel keeps the inverse standard deviation, from which the variance would come back rounded)."""
+        weight, bias = (self._tensor("weight"), self._tensor("bias")) if self.affine else (None, None)
+        out = F.batch_norm(xs, None, None, weight, bias, training=True, momentum=0.0, eps=self.eps)
+        if self.tracked:
+            var, mean = torch.var_mean(xs.detach(), (0, *range(2, xs.dim())), correction=1)
+            self._leave_running_statistics(mean, var)
+        return out
 
     def _tensor(self, name: str) -> torch.Tensor:
         """A parameter or buffer by name (what `functional_call` put there for this node)."""
         return cast(torch.Tensor, getattr(self, name))
 
-    def _leave_running_statistics(self, mean: torch.Tensor, var: torch.Tensor, bessel: torch.Tensor) -> None:
-        """old + factor (new - old), torch's momentum update (it rounds as (1 - factor) old + factor new)."""
+    def _leave_running_statistics(self, mean: torch.Tensor, unbiased: torch.Tensor) -> None:
+        """old + factor (new - old), torch's momentum update (it rounds as (1 - factor) old + factor new),
+        with the batch's mean and unbiased variance."""
         count = self._tensor("num_batches_tracked") + 1
         factor: torch.Tensor | float = (1.0 / count.to(mean.dtype)) if self.momentum is None else self.momentum
         old_mean, old_var = self._tensor("running_mean"), self._tensor("running_var")
         updates = self.norm_step.updates
         updates[f"{self.prefix}running_mean"] = torch.lerp(old_mean, mean.to(old_mean.dtype), factor)
-        updates[f"{self.prefix}running_var"] = torch.lerp(old_var, (var * bessel).to(old_var.dtype), factor)
+        updates[f"{self.prefix}running_var"] = torch.lerp(old_var, unbiased.to(old_var.dtype), factor)
         updates[f"{self.prefix}num_batches_tracked"] = count
 
 

@@ -38,6 +38,20 @@ def steps_per_epoch(n: int, batch_size: int, drop_last: bool = False) -> int:
     return full + (1 if rest > 1 or (rest == 1 and n == 1) else 0)
 
 
+def whole_batch_steps(sizes: Sequence[int], settings: TrainSettings, total: int) -> list[bool]:
+    """For each of `total` steps, whether every node that trains at it has a whole batch of `batch_size`
+    samples, none padded. Known from the shard sizes alone, on the host: of a node's epoch only the
+    trailing batch can be short (`steps_per_epoch`), and with `batch_size` 1 no step is called whole (a
+    batch of one sample, which torch's BatchNorm1d refuses, is left to the masked statistics)."""
+    whole = [settings.batch_size > 1] * total
+    for n in sizes:
+        per = steps_per_epoch(n, settings.batch_size, settings.drop_last)
+        if per > n // settings.batch_size:  # the epoch's last batch is short: steps per - 1, 2 per - 1, ...
+            for s in range(per - 1, min(total, settings.local_epochs * per), per):
+                whole[s] = False
+    return whole
+
+
 def node_indices(data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """One node's batch indices in `local_sgd`'s order, each epoch's permutation drawn as it draws it."""
     n = len(data)

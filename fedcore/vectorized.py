@@ -75,6 +75,7 @@ from fedmq.fedcore.round_plan import (
     _random_ops,
     holding,
     steps_per_epoch,
+    whole_batch_steps,
 )
 from fedmq.fedcore.seeding import global_stream_layer
 from fedmq.fedcore.tensors import StateDict
@@ -551,9 +552,10 @@ class _Round:
         self.buffers = _stacked_buffers(model, k, device)
         """(K, ...) each node's buffers (BatchNorm's running statistics), updated after each of its steps."""
         frozen = self.frozen
-        norm_step = NormStep()
+        norm_step = self.norm_step = NormStep()
         net = masked_norms(model, norm_step)  # the model itself when it has no BatchNorm
-        norms = net is not model
+        norms = self.norms = net is not model
+        """Whether the model holds a BatchNorm: then a step's kind says whether its batches are whole."""
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return functional_call(net, {**params, **frozen}, (x,))
@@ -679,12 +681,14 @@ class _Round:
             x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.constants)
         return x.view(*rows.shape, *x.shape[1:]), y
 
-    def step(self, a: int, masked: bool = False) -> None:
+    def step(self, a: int, masked: bool = False, whole: bool = False) -> None:
         """One optimizer step of the first `a` nodes. Nodes are sorted by their steps, so the first
         `a` all train when `a` is the step's active count (an eager step); a captured step takes the first
         b (`step_kind`), `masked` where some of them have no batch left: those keep their weights, optimizer
         state and carried state, restored after the update so that the others' arithmetic is the unmasked
-        step's."""
+        step's. `whole`: every node that trains has a whole batch, so a BatchNorm needs no masking
+        (`fedcore.masked_norm`)."""
+        self.norm_step.whole = whole
         x, y = self.batch(a)
         cur = self.cur
         active = cur.active[:a]
@@ -772,18 +776,25 @@ def _run(
     active: Sequence[int],
     graphs: bool,
     captured: dict[Hashable, torch.cuda.CUDAGraph] | None = None,
+    whole: Sequence[bool] | None = None,
 ) -> None:
     """All steps; `active[s]` nodes (a prefix: nodes are sorted by their steps) train at step s. Captured,
     a step is its kind's graph (`step_kind`: the first b nodes, masked where some of them have no batch
-    left), kept in `captured` for the round's next call; eager, it takes the `active[s]` nodes."""
+    left), kept in `captured` for the round's next call; eager, it takes the `active[s]` nodes. `whole`
+    (a BatchNorm model's round): whether each step's batches are all whole (`whole_batch_steps`), a third
+    part of its kind; without it every step is taken as padded, which the masked statistics handle too."""
     k = len(round_.totals)
+
+    def kind(s: int) -> tuple[int, bool] | tuple[int, bool, bool]:
+        return step_kind(active[s], k) if whole is None else (*step_kind(active[s], k), whole[s])
+
     run_steps(
         len(active),
         round_.load,
-        lambda s: round_.step(active[s]),
-        lambda kind: round_.step(*cast(tuple[int, bool], kind)),
+        lambda s: round_.step(active[s], whole=whole is not None and whole[s]),
+        lambda kind: round_.step(*cast(tuple[int, bool, bool], kind)),
         graphs,
-        kind=lambda s: step_kind(active[s], k),
+        kind=kind,
         captured=captured,
     )
 
@@ -1111,8 +1122,10 @@ def train_vectorized(
                         starts_at,
                     )  # fmt: skip
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
+            whole = whole_batch_steps(sizes, settings, num_steps) if round_.norms else None
             with record_function(PHASES[2]):
-                _run(round_, active, use_graphs(device, graphs or GRAPHS.get()), kept.graphs if kept else None)
+                graphed = use_graphs(device, graphs or GRAPHS.get())
+                _run(round_, active, graphed, kept.graphs if kept else None, whole)
             with record_function(PHASES[3]):  # the first copy back waits for the last step
                 stack, frozen, totals, seen = round_.stack, round_.frozen, round_.totals.cpu(), round_.seen
                 buffers = round_.buffers

@@ -117,6 +117,63 @@ def test_the_padding_would_change_the_statistics(digits64: TensorDataset, monkey
     assert max_difference(wrong[1][0], want[1][0]) < 1e-12, "node 1's batches were full: the same either way"
 
 
+@pytest.mark.parametrize("batch_size", [1, 2, 7, 16])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_whole_batch_steps_are_those_where_no_training_node_pads(batch_size: int, drop_last: bool) -> None:
+    """`whole_batch_steps`, from the shard sizes alone, against the batches `local_sgd` draws (`node_indices`):
+    a step is whole exactly when every node that has a batch at it has `batch_size` samples."""
+    from fedmq.fedcore.round_plan import node_indices, whole_batch_steps
+
+    sizes = (40, 17, 33, 2, 64, 9, 1, 0, 14, 21)
+    settings = dataclasses.replace(SGD, batch_size=batch_size, drop_last=drop_last, local_epochs=3)
+    batches = [
+        [
+            len(idx)
+            for idx in node_indices(TensorDataset(torch.zeros(n, 1), torch.zeros(n), 2), settings, torch.Generator())
+        ]
+        for n in sizes
+    ]
+    total = max(len(b) for b in batches)
+    want = [batch_size > 1 and all(len(b) <= s or b[s] == batch_size for b in batches) for s in range(total)]
+    assert whole_batch_steps(sizes, settings, total) == want
+    if batch_size == 7 and not drop_last:
+        assert True in want and False in want  # both kinds of step occur: the comparison can tell them apart
+
+
+def test_whole_batches_take_torchs_batch_norm_and_padded_ones_the_masked_sums(
+    digits64: TensorDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose nodes all have whole batches normalises with torch's own BatchNorm (two kernels, not
+    the masked sums' dozens); a step where one pads takes the masked statistics; both agree with local_sgd."""
+    from fedmq.fedcore import masked_norm, vectorized
+
+    calls = {"torch": 0, "masked": 0}
+    batch_norm, counts = masked_norm.F.batch_norm, masked_norm.NormStep.counts
+
+    def torch_norm(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["torch"] += 1
+        return batch_norm(*args, **kwargs)  # type: ignore[arg-type]
+
+    def masked(self: NormStep, values: int, dtype: torch.dtype) -> masked_norm.Counts:
+        calls["masked"] += 1
+        return counts(self, values, dtype)
+
+    monkeypatch.setattr(masked_norm.F, "batch_norm", torch_norm)
+    monkeypatch.setattr(masked_norm.NormStep, "counts", masked)
+    model = norm_net()
+    datasets = shards(digits64, (40, 32, 48))  # steps 0, 1: all whole; step 2: node 0's 8 samples pad its batch
+    want = one_by_one(model, datasets, SGD)
+    calls.update(torch=0, masked=0)
+    assert_each_node_is_its_own(train_vectorized(model, datasets, SGD, generators(3)), want, 1e-12)
+    # 2 epochs of 3 steps, steps 2 and 5 padded; each of the 2 BatchNorms of a forward pass calls torch's or
+    # asks for its counts once a step
+    assert calls == {"torch": 2 * 4, "masked": 2 * 2}
+    monkeypatch.setattr(vectorized, "run_steps", every_step_whole)  # each step as its captured kind replays it
+    calls.update(torch=0, masked=0)
+    assert_each_node_is_its_own(train_vectorized(model, datasets, SGD, generators(3)), want, 1e-12)
+    assert calls == {"torch": 2 * 4, "masked": 2 * 2}
+
+
 def test_kept_rounds_start_each_call_from_the_models_running_statistics(digits64: TensorDataset) -> None:
     """A round kept for the next call (`keep_rounds`) starts that call's nodes from the model's buffers,
     not from where the last call's nodes left theirs: bitwise what a fresh round gives."""
