@@ -823,3 +823,30 @@ def test_a_plan_is_drawn_in_chunks_as_the_steps_need_them_where_that_overlaps_th
     assert len(plan.chunks) == 2
     plan.row(11)
     assert len(plan.chunks) == 3 and float(plan.seen.sum()) == 3 * (64 + 40)
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-3), (0.0, 1e-3)])
+def test_the_cpus_sgd_update_in_the_gradients_memory_is_the_multi_tensor_forms_bitwise(
+    momentum: float, weight_decay: float
+) -> None:
+    """`_sgd_all` on a CPU writes its products into the gradients' memory instead of fresh tensors (whose
+    pages cost more than the products for a large model): the same bits as the out-of-place form that a
+    GPU runs, large tensors (the vectorised kernels' paths) and small alike."""
+    from fedmq.fedcore.vectorized import _LearningRate, _sgd_all
+
+    torch.manual_seed(0)
+    shapes = [(4, 300_001), (4, 7), (4, 64, 3, 3)]
+    params = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) * 1e-2 for s in shapes]
+    bufs = [torch.randn(s) * 1e-2 for s in shapes] if momentum else []
+    settings = dataclasses.replace(SGD, momentum=momentum, weight_decay=weight_decay)
+    lr = _LearningRate.of(0.0137, torch.float32, torch.device("cpu"))
+    want_params, want_bufs = [p.clone() for p in params], [b.clone() for b in bufs]
+    update = list(torch._foreach_add(grads, want_params, alpha=weight_decay)) if weight_decay else grads
+    if momentum:
+        torch._foreach_mul_(want_bufs, momentum)
+        torch._foreach_add_(want_bufs, update)
+        update = want_bufs
+    torch._foreach_add_(want_params, torch._foreach_mul(update, lr.negative))
+    _sgd_all(params, [g.clone() for g in grads], bufs, settings, lr)
+    assert all(torch.equal(p, w) for p, w in zip(params + bufs, want_params + want_bufs, strict=True))
