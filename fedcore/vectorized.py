@@ -65,7 +65,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.masked_norm import NormStep, masked_norms
+from fedmq.fedcore.masked_norm import TORCH_AT_WHOLE_BATCHES, NormStep, masked_norms
 from fedmq.fedcore.round_plan import (
     StepDraws,
     _draws_of,
@@ -407,11 +407,12 @@ def _sgd_all(
         torch._foreach_add_(bufs, grads)
         update = bufs
     if params and params[0].device.type == "cpu":
-        # the products into the gradients' own memory: on a CPU each out-of-place product of a large tensor
+        # the products in the gradients' own memory: on a CPU each out-of-place product of a large tensor
         # costs a fresh allocation, whose pages the kernel zeroes first (ten times the product itself for a
-        # ResNet-18 stacked 4 times); the same products, so the same bits
-        for g, u in zip(grads, update, strict=True):
-            torch.mul(u, lr.negative, out=g)
+        # ResNet-18 stacked 4 times); the same products, so the same bits, and as few operators
+        if update is not grads:
+            torch._foreach_copy_(grads, update)
+        torch._foreach_mul_(grads, lr.negative)
         torch._foreach_add_(params, grads)
     else:
         torch._foreach_add_(params, torch._foreach_mul(update, lr.negative))
@@ -1132,7 +1133,8 @@ def train_vectorized(
                         starts_at,
                     )  # fmt: skip
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
-            whole = whole_batch_steps(sizes, settings, num_steps) if round_.norms else None
+            torch_norm = round_.norms and TORCH_AT_WHOLE_BATCHES.get()
+            whole = whole_batch_steps(sizes, settings, num_steps) if torch_norm else None
             with record_function(PHASES[2]):
                 graphed = use_graphs(device, graphs or GRAPHS.get())
                 _run(round_, active, graphed, kept.graphs if kept else None, whole)
