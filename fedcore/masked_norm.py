@@ -38,12 +38,28 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+TORCH_AT_WHOLE_BATCHES: ContextVar[bool] = ContextVar("fedmq_torch_norm_at_whole_batches", default=True)
+"""Whether a step of whole batches takes torch's own BatchNorm (the default); off, every step takes the
+masked sums, as a padded step does: what `fedmq bench sim` compares against (`masked_at_every_step`)."""
+
+
+@contextmanager
+def masked_at_every_step() -> Iterator[None]:
+    """Within the block, vectorised training masks every BatchNorm step's statistics, whole batches too
+    (the same results within rounding; the comparison that says what torch's BatchNorm saves)."""
+    token = TORCH_AT_WHOLE_BATCHES.set(False)
+    try:
+        yield
+    finally:
+        TORCH_AT_WHOLE_BATCHES.reset(token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,12 @@ trained one node after another. This section of `fedmq bench sim` times a round 
 synthetic CIFAR-shaped images (clearly not CIFAR), each as node-training images per second:
 
 - the simulator one by one (`local_sgd` per node);
-- the simulator vectorised (`fedcore.masked_norm`: each node's statistics over its real samples, its
-  own running statistics), and on a GPU with rounds kept (its steps replays of captured CUDA graphs);
+- the simulator vectorised (`fedcore.masked_norm`: each node's own running statistics; at a step of
+  whole batches, all of them here, torch's own BatchNorm), and on a GPU with rounds kept (its steps
+  replays of captured CUDA graphs);
+- the simulator vectorised with every step's statistics masked to the nodes' real samples, as a padded
+  step's are (`masked_at_every_step`; every step took them before 2026-11-28): what torch's BatchNorm
+  at whole batches saves;
 - a bare-PyTorch reference: `torch.func.vmap` over the nodes with torch's own BatchNorm in batch-statistics
   mode (no running statistics, whole batches so no padding: the least a vectorised step can do), SGD
   written out, captured as a CUDA graph on a GPU.
@@ -20,6 +24,7 @@ said so, not timed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from fedmq.experiments.bench.common import Report, Timing, measure
 from fedmq.experiments.bench.simulator import KeptRounds, OpCount, Reference, last_step_ops
 from fedmq.experiments.bench.training import OneByOne, generators, synchronized
 from fedmq.fedcore.data import Split, TensorDataset, with_transforms
+from fedmq.fedcore.masked_norm import masked_at_every_step
 from fedmq.fedcore.models import build_model, count_parameters
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fedcore.vectorized import train_vectorized
@@ -46,7 +52,8 @@ stop 45's note) and its rounds."""
 CPU = torch.device("cpu")
 """Where the simulator draws the nodes' generators (as `fedmq simulate` does)."""
 ONE_BY_ONE = "simulator, one by one"
-VECTORISED = "simulator, vectorised (masked BatchNorm)"
+VECTORISED = "simulator, vectorised (torch's BatchNorm at whole batches)"
+MASKED = "simulator, vectorised, every step's BatchNorm masked"
 KEPT = "simulator, vectorised, rounds kept"
 REFERENCE = "reference: vmap over nodes, torch's BatchNorm (batch statistics only)"
 
@@ -73,8 +80,14 @@ def workload(device: torch.device, k: int, size: int) -> Workload:
     return Workload(model, parts, device)
 
 
-def vectorised(work: Workload) -> Callable[[], object]:
-    return lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(len(work.datasets), CPU))
+def vectorised(work: Workload, masked: bool = False) -> Callable[[], object]:
+    """The simulator's vectorised round; `masked`: with every step's BatchNorm statistics masked."""
+
+    def call() -> object:
+        with masked_at_every_step() if masked else contextlib.nullcontext():
+            return train_vectorized(work.model, work.datasets, SETTINGS, generators(len(work.datasets), CPU))
+
+    return call
 
 
 class VmapBatchStatistics:
@@ -134,6 +147,7 @@ def timings(work: Workload, repeats: int) -> dict[str, Timing]:
     paths: dict[str, Callable[[], object]] = {
         ONE_BY_ONE: lambda: one_by_one(work.datasets, CPU, settings=SETTINGS),
         VECTORISED: vectorised(work),
+        MASKED: vectorised(work, masked=True),
     }
     if work.device.type == "cuda":
         paths[KEPT] = KeptRounds(vectorised(work))
@@ -145,16 +159,20 @@ def step_ops(work: Workload) -> dict[str, int]:
     """Operators a step dispatches, views aside (on a GPU about one kernel each): the vectorised step's
     (its last, eager) and the reference's (its second: the first builds what later steps reuse)."""
     k = len(work.datasets)
-    vectorised_ops = last_step_ops(
-        lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(k, CPU), graphs="off")
-    )
+
+    def ops(masked: bool) -> int:
+        with masked_at_every_step() if masked else contextlib.nullcontext():
+            return last_step_ops(
+                lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(k, CPU), graphs="off")
+            )
+
     reference = VmapBatchStatistics(work, capture=False)
     reference.step()
     with OpCount() as counted:
         reference.cur_x.copy_(reference.x[:, 1 % reference.steps])
         reference.cur_y.copy_(reference.y[:, 1 % reference.steps])
         reference.step()
-    return {VECTORISED: vectorised_ops, REFERENCE: counted.count}
+    return {VECTORISED: ops(False), MASKED: ops(True), REFERENCE: counted.count}
 
 
 def shape(device: torch.device, quick: bool) -> tuple[int, int]:
@@ -175,7 +193,7 @@ def add_rows(report: Report, device: torch.device, repeats: int, quick: bool) ->
     for name, timing in times.items():
         rate = work.images / timing.median
         note = f"{timing.median * 1e3:,.1f} ms a round"
-        if name in (VECTORISED, KEPT):
+        if name in (VECTORISED, MASKED, KEPT):
             minutes = CELL_IMAGES * CELL_ROUNDS / rate / 60
             note += (
                 f"; at this speed a FedSA cell's node training ({CELL_ROUNDS:,} rounds of {CELL_IMAGES:,} images)"

@@ -172,6 +172,11 @@ def test_whole_batches_take_torchs_batch_norm_and_padded_ones_the_masked_sums(
     calls.update(torch=0, masked=0)
     assert_each_node_is_its_own(train_vectorized(model, datasets, SGD, generators(3)), want, 1e-12)
     assert calls == {"torch": 2 * 4, "masked": 2 * 2}
+    calls.update(torch=0, masked=0)
+    with masked_norm.masked_at_every_step():  # the bench's comparison: every step the masked sums, as before
+        assert_each_node_is_its_own(train_vectorized(model, datasets, SGD, generators(3)), want, 1e-12)
+    assert calls == {"torch": 0, "masked": 2 * 6}
+    assert masked_norm.TORCH_AT_WHOLE_BATCHES.get()  # and only within the block
 
 
 def test_kept_rounds_start_each_call_from_the_models_running_statistics(digits64: TensorDataset) -> None:
