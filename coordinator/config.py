@@ -144,6 +144,9 @@ class CoordinatorConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
     eval_every: Annotated[int, Bounds(ge=1)] = 1
     """Evaluate every this many rounds (or model versions)."""
+    eval_last: Annotated[int, Bounds(ge=0)] = 0
+    """Evaluate after each of the last this many rounds (or versions) too: a metric over the last K rounds
+    (FedSA's mean of the last 10) stays exact while `eval_every` spares the rounds before them."""
     method: str = "unknown"
     """For the summary only; the daemon never dispatches on it."""
     resume: bool = False

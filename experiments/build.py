@@ -296,6 +296,7 @@ def coordinator_config(
         policy=policy,
         train=train_settings(cfg),
         eval_every=cfg.eval_every,
+        eval_last=cfg.eval_last,
         method=cfg.method.name,
         resume=resume,
         eval_device=str(best_device()),

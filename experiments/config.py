@@ -747,6 +747,7 @@ class ExperimentConfig(_Strict):
     nodes: int = Field(..., ge=1, le=100_000)
     rounds: int | None = _field(CoordinatorConfig, "rounds", unset="only with engine.kind async (required otherwise)")
     eval_every: int = _field(CoordinatorConfig, "eval_every")
+    eval_last: int = _field(CoordinatorConfig, "eval_last")
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=DirichletPartition)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -315,8 +315,9 @@ class Engine(ABC):
         return self.config.compression.enabled and self.config.compression.delta
 
     def _eval_due(self, index: int, last: int) -> bool:
-        """Evaluate after step `index` (0-based) of `last + 1`: every eval_every, and the last."""
-        return index == last or (index + 1) % self.config.eval_every == 0
+        """Evaluate after step `index` (0-based) of `last + 1`: every eval_every, each of the last
+        eval_last, and the last."""
+        return index == last or (index + 1) % self.config.eval_every == 0 or index > last - self.config.eval_last
 
     def status(self, **extra: Any) -> c.PublishStatus:
         fields = self.status_fields() | {"live_nodes": len(self.live), **extra}

@@ -565,3 +565,28 @@ def test_sync_a_federation_that_cannot_progress_fails_after_the_bound_saying_why
         "2 rounds in a row ended without a new model (the last, round 1: 1 update(s) accepted"
     )
     assert "min_updates is 3" in finish.error and not of(c.Configure, out)
+
+
+@pytest.mark.parametrize(
+    ("eval_every", "eval_last", "evaluated"),
+    [(3, 0, [2, 5, 6]), (3, 2, [2, 5, 6]), (3, 3, [2, 4, 5, 6]), (1, 2, [0, 1, 2, 3, 4, 5, 6]), (10, 4, [3, 4, 5, 6])],
+)
+def test_sync_evaluates_every_eval_every_rounds_and_each_of_the_last_eval_last(
+    eval_every: int, eval_last: int, evaluated: list[int]
+) -> None:
+    """Seven rounds: Evaluate after every eval_every-th round, each of the last eval_last, and the last
+    (a metric over the last K rounds stays exact with sparse evaluations before them)."""
+    d = Driver(dataclasses.replace(config(rounds=7), eval_every=eval_every, eval_last=eval_last))
+    d.start(*NODES)
+    got = []
+    for rnd in range(7):
+        configure = _round(d)
+        assert configure.ctx.round == rnd
+        for task in configure.tasks[:-1]:
+            d.feed(update(task))
+        aggregate = one(c.Aggregate, d.feed(update(configure.tasks[-1])))
+        out = d.feed(e.Aggregated(aggregate.step, {}))
+        if of(c.Evaluate, out):
+            got.append(rnd)
+            d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.5}))
+    assert got == evaluated

@@ -39,3 +39,22 @@ def test_a_run_s_parts_read_as_shares_of_its_wall_time_largest_first() -> None:
     assert time_shares(summary) == "60% training, 30% evaluation, 10% other"
     assert time_shares({"wall_seconds": 10.0}) == ""  # a summary from before the parts, or a failed cell's
     assert time_shares({"wall_seconds": 0.0, "wall_seconds_by_part": {"training": 0.0}}) == ""
+
+
+def test_sparse_evaluations_with_the_last_rounds_each_evaluated_keep_a_last_k_metric_exact(tmp_path: Path) -> None:
+    """`eval_every` 10 with `eval_last` 2 over 5 rounds: only the last two are evaluated, so FedSA's
+    kind of metric (the mean of the last K rounds' accuracies) reads the same rounds as when every round
+    is evaluated, at a fraction of the evaluations."""
+    from fedmq.experiments.grid import ReportConfig
+    from fedmq.experiments.report import load_cell
+
+    cfg = read_yaml(ROOT / "experiments" / "quickstart.yaml")
+    runs = {}
+    for name, overrides in {"every": ["eval_every=1"], "sparse": ["eval_every=10", "eval_last=2"]}.items():
+        parsed = parse_config(apply_overrides(cfg, ["rounds=5", *overrides]))
+        simulate(parsed, tmp_path / name, device=torch.device("cpu"))
+        runs[name] = load_cell(tmp_path / name, name, {}, "fedavg")
+    assert [r for r, _ in runs["every"].curve] == [0, 1, 2, 3, 4]  # 0-based rounds
+    assert runs["sparse"].curve == runs["every"].curve[-2:]  # the same model at the same rounds
+    last_two = ReportConfig(paper_metric="last_mean", last_k=2)
+    assert runs["sparse"].metric("last_mean", last_two) == runs["every"].metric("last_mean", last_two)
