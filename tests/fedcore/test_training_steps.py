@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedmq.fedcore.training import SGDSteps, TrainSettings
+from fedmq.fedcore.training import LossTotal, SGDSteps, TrainSettings
 from tests.interpreter import fresh_python
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]  # fmt: skip
@@ -73,3 +73,22 @@ def test_local_training_imports_no_torch_dynamo() -> None:
         "print('torch._dynamo' in sys.modules)\n"
     )
     assert fresh_python(code).strip() == "False"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_loss_total_kept_on_the_device_is_pythons_float_sum_bitwise(device: str) -> None:
+    """`LossTotal` on the device (a GPU's: read once, not at every step) adds the same bits as the
+    Python float sum local training kept before, over a thousand float32 losses and batch sizes; the
+    default decides by the losses' device."""
+    gen = torch.Generator().manual_seed(0)
+    losses = (torch.rand(1000, generator=gen) * 5).float().to(device)
+    sizes = torch.randint(1, 65, (1000,), generator=gen).tolist()
+    want = 0.0
+    for loss, n in zip(losses.cpu().tolist(), sizes, strict=True):
+        want += loss * n
+    totals = {"python": LossTotal(on_device=False), "device": LossTotal(on_device=True), "default": LossTotal()}
+    for loss, n in zip(losses, sizes, strict=True):
+        for total in totals.values():
+            total.add(loss, n)
+    assert {name: total.value() for name, total in totals.items()} == dict.fromkeys(totals, want)
+    assert (totals["default"].device_total is not None) == (device == "cuda")
