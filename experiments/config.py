@@ -546,6 +546,15 @@ class SimulationConfig(_Strict):
         " and does not replay bit for bit on a GPU (`fedmq bench sim` on a GPU measures what deterministic"
         " algorithms cost); no effect on a CPU",
     )
+    host_memory: Literal["keep", "system"] = Field(
+        "keep",
+        description="what the simulating process does with the host memory it frees: keep (the default: glibc"
+        " serves every allocation from its heap and keeps what is freed for the next, so that a round's large"
+        " tensors do not fault their pages in again at every step; the process keeps its peak heap until it"
+        " ends) or system (the C library's own policy: allocations above its mmap threshold, at most 32 MiB, are"
+        " mapped afresh and unmapped when freed); fedcore.host_memory; the same bits either way, and nothing"
+        " is done where the C library is not glibc",
+    )
     checkpoint_every: int = Field(
         10,
         ge=0,

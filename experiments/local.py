@@ -32,6 +32,7 @@ from fedmq.experiments.build import (
 )
 from fedmq.experiments.config import ExperimentConfig
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
+from fedmq.fedcore.host_memory import set_host_memory
 from fedmq.fedcore.seeding import cudnn_kernels, stream
 from fedmq.fedcore.training import best_device
 from fedmq.fednode.workspace import Workspace
@@ -70,6 +71,7 @@ def build_local(
 ) -> LocalFederation:
     """The experiment as a `LocalFederation` (or `kind`, given `extra` fields); `run()` it. Crash
     and error faults are not simulated; a scenario's are (`experiments.simulate`)."""
+    set_host_memory(cfg.simulation.host_memory)  # before the data: the process's whole heap is kept
     spec = get_algorithm(cfg.method.name)
     hp = build_hyperparams(spec, cfg.method.hyperparams)
     split = load_split(cfg)

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from fedmq.experiments.bench.common import Report, run_keeping
 from fedmq.experiments.bench.simulator import Case, KeptRounds, VmapStep, cases, vectorised, workload
+from fedmq.fedcore.host_memory import set_host_memory
 from fedmq.fedcore.seeding import deterministic_kernels
 from fedmq.fedcore.training import torch_threads
 from fedmq.fedcore.vectorized import PHASES
@@ -295,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    set_host_memory("keep")  # as fedmq simulate and fedmq bench sim run: no page faults for a round's tensors
     report = run_keeping(lambda: run(args.quick, args.rounds), log=lambda text: print(text, file=sys.stderr))
     report.write(args.out)
     print(report.markdown())

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure, run_keeping
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.host_memory import set_host_memory
 from fedmq.fedcore.models import FedModel, build_model, count_parameters
 from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice, deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
@@ -502,6 +503,8 @@ def run(options: BenchOptions) -> Report:
     devices = [torch.device("cuda")] if gpu else [torch.device("cpu")]
     for device in devices:  # the simulator's kernels, as its workspace chooses them; the references share them
         deterministic_kernels(device)
+    host_memory = str(options.extra.get("host_memory", "keep"))  # as fedmq simulate keeps it by default
+    memory_kept = set_host_memory(host_memory)  # type: ignore[arg-type]  # set_host_memory refuses any other value
     model = build_model("moon-cnn", (3, 32, 32), 10, seed=0)
     report = Report(
         "sim",
@@ -516,6 +519,9 @@ def run(options: BenchOptions) -> Report:
             "devices": [str(d) for d in devices],
             "CPU torch threads": 1 if not gpu else torch.get_num_threads(),
             "cuDNN": "deterministic, every path (what fedmq's training processes choose)" if gpu else "not used",
+            "host memory": "freed memory kept in the heap (simulation.host_memory keep, as fedmq simulate's)"
+            if memory_kept
+            else f"the C library's own policy (host_memory {host_memory})",
         },
     )
     with torch_threads(1) if not gpu else contextlib.nullcontext():
@@ -673,8 +679,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="prefix of the .json and .md files written")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument(
+        "--host-memory",
+        choices=("keep", "system"),
+        default="keep",
+        help="keep freed host memory in the heap, as fedmq simulate does by default (simulation.host_memory),"
+        " or leave the C library's own policy",
+    )
     args = parser.parse_args(argv)
-    options = BenchOptions(quick=args.quick, repeats=args.repeats, extra={"simulate": "false"})
+    extra = {"simulate": "false", "host_memory": args.host_memory}
+    options = BenchOptions(quick=args.quick, repeats=args.repeats, extra=extra)
     report = run_keeping(lambda: run(options), log=lambda text: print(text, file=sys.stderr))
     report.write(args.out)
     print(report.markdown())
