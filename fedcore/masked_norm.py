@@ -11,10 +11,13 @@ left at a step. Here a BatchNorm is replaced, for the vectorised forward only, b
 - the batch mean and the biased variance (what normalises) are sums over the node's real samples
   (weight 1), divided by their count times the spatial size, which is what `F.batch_norm` computes on
   the node's unpadded batch;
-- the running statistics are not written in place: the new running mean, the running variance
-  (updated with the unbiased variance, n / (n - 1) times the biased one, as torch updates it) and the
-  batch count are handed back (`NormStep.updates`), and the caller stores them for the nodes that
-  trained at that step (a node with no batch left keeps its own);
+- the running statistics are not written inside the map: each BatchNorm hands back its batch's mean
+  and unbiased variance (n / (n - 1) times the biased one, as torch updates with it;
+  `NormStep.statistics`), and after the map `update_running_statistics` blends them into the running
+  mean and variance and counts the batch, for the nodes that trained at that step (a node with no batch
+  left keeps its own): with every node training and one momentum for every BatchNorm, one multi-tensor
+  lerp and one multi-tensor add for the whole model, where a lerp a statistic and an add a count inside
+  the map took 61 operators a step of FedSA's ResNet-18;
 - momentum None (torch's cumulative average) uses 1 / the batch count after the step, as torch does.
 
 A step in which every node that trains has a whole batch (`NormStep.whole`, known on the host from the
@@ -79,7 +82,11 @@ class NormStep:
     name."""
 
     weight: torch.Tensor | None = None
-    updates: dict[str, torch.Tensor] = field(default_factory=dict)
+    statistics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each tracking BatchNorm's batch mean and unbiased variance, under the names of the running statistics
+    they update (`update_running_statistics`)."""
+    momenta: dict[str, float | None] = field(default_factory=dict)
+    """Each tracking BatchNorm's momentum, by its prefix (None: the cumulative average)."""
     made: dict[tuple[int, torch.dtype], Counts] = field(default_factory=dict)
     whole: bool = False
     """Every node that trains at this step has a whole batch (no padding): torch's own BatchNorm applies.
@@ -88,10 +95,10 @@ class NormStep:
     @contextmanager
     def batch(self, weight: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
         """Within the block, the BatchNorms normalise over the samples `weight` marks real; yields the
-        running statistics they leave (filled as the forward pass runs)."""
-        self.weight, self.updates, self.made = weight, {}, {}
+        batch statistics they leave (filled as the forward pass runs)."""
+        self.weight, self.statistics, self.made = weight, {}, {}
         try:
-            yield self.updates
+            yield self.statistics
         finally:
             self.weight, self.made = None, {}
 
@@ -117,6 +124,8 @@ class MaskedBatchNorm(nn.Module):
         super().__init__()
         self.eps, self.momentum, self.prefix, self.norm_step = norm.eps, norm.momentum, prefix, step
         self.affine, self.tracked = norm.affine, norm.track_running_stats
+        if self.tracked:
+            step.momenta[prefix] = norm.momentum
         for name, p in norm.named_parameters(recurse=False):
             self.register_parameter(name, p)
         for name, b in norm.named_buffers(recurse=False):
@@ -164,15 +173,52 @@ class MaskedBatchNorm(nn.Module):
         return cast(torch.Tensor, getattr(self, name))
 
     def _leave_running_statistics(self, mean: torch.Tensor, unbiased: torch.Tensor) -> None:
-        """old + factor (new - old), torch's momentum update (it rounds as (1 - factor) old + factor new),
-        with the batch's mean and unbiased variance."""
-        count = self._tensor("num_batches_tracked") + 1
-        factor: torch.Tensor | float = (1.0 / count.to(mean.dtype)) if self.momentum is None else self.momentum
-        old_mean, old_var = self._tensor("running_mean"), self._tensor("running_var")
-        updates = self.norm_step.updates
-        updates[f"{self.prefix}running_mean"] = torch.lerp(old_mean, mean.to(old_mean.dtype), factor)
-        updates[f"{self.prefix}running_var"] = torch.lerp(old_var, unbiased.to(old_var.dtype), factor)
-        updates[f"{self.prefix}num_batches_tracked"] = count
+        """The batch's mean and unbiased variance, for `update_running_statistics` after the map."""
+        statistics = self.norm_step.statistics
+        statistics[f"{self.prefix}running_mean"] = mean
+        statistics[f"{self.prefix}running_var"] = unbiased
+
+
+def update_running_statistics(
+    momenta: dict[str, float | None],
+    buffers: dict[str, torch.Tensor],
+    statistics: dict[str, torch.Tensor],
+    active: torch.Tensor,
+    masked: bool,
+) -> None:
+    """Blend each BatchNorm's batch statistics (`NormStep.statistics`, (a, C) for the first a nodes) into the
+    nodes' running mean and variance and count their batch, in `buffers` ((a, ...) views of the round's), for
+    the nodes that trained: torch's update, old + factor (new - old) (it rounds as (1 - factor) old + factor
+    new), factor the momentum or, for momentum None, 1 / the count after the step. `masked`: some of the a
+    nodes did not train (`active` 0), and keep theirs. A BatchNorm that did not run at the step left no
+    statistics and keeps its own."""
+    prefixes = [p for p in momenta if f"{p}running_mean" in statistics]
+    if not prefixes:
+        return
+    runnings = [buffers[f"{p}{s}"] for p in prefixes for s in ("running_mean", "running_var")]
+    news = [
+        statistics[f"{p}{s}"].to(buffers[f"{p}{s}"].dtype) for p in prefixes for s in ("running_mean", "running_var")
+    ]
+    counts = [buffers[f"{p}num_batches_tracked"] for p in prefixes]
+    shared = {momenta[p] for p in prefixes}
+    momentum = next(iter(shared))
+    if not masked and len(shared) == 1 and momentum is not None:  # the usual case: two operators a step
+        torch._foreach_lerp_(runnings, news, momentum)
+        torch._foreach_add_(counts, 1)
+        return
+    for i, prefix in enumerate(prefixes):
+        count = counts[i] + 1
+        for running, new in zip(runnings[2 * i : 2 * i + 2], news[2 * i : 2 * i + 2], strict=True):
+            m, dtype = momenta[prefix], statistics[f"{prefix}running_mean"].dtype
+            factor = (1.0 / count.to(dtype)).view(-1, *([1] * (new.dim() - 1))) if m is None else m
+            blended = torch.lerp(running, new, factor)
+            running.copy_(torch.where(_trained(active, running), blended, running) if masked else blended)
+        counts[i].copy_(torch.where(active > 0, count, counts[i]) if masked else count)
+
+
+def _trained(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Which of the (a, ...) rows of `like` belong to nodes that trained, broadcastable against it."""
+    return (active > 0).view(-1, *([1] * (like.dim() - 1)))
 
 
 def has_batch_norm(model: nn.Module) -> bool:

@@ -65,7 +65,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.masked_norm import TORCH_AT_WHOLE_BATCHES, NormStep, masked_norms
+from fedmq.fedcore.masked_norm import TORCH_AT_WHOLE_BATCHES, NormStep, masked_norms, update_running_statistics
 from fedmq.fedcore.round_plan import (
     StepDraws,
     _draws_of,
@@ -350,7 +350,8 @@ def _per_node(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 Outputs = tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]
-"""Each node's loss, named terms, carried state and buffers after a step, stacked over the nodes."""
+"""Each node's loss, named terms, carried state after a step and its BatchNorms' batch statistics, stacked over
+the nodes."""
 
 
 def _gradients(
@@ -358,13 +359,13 @@ def _gradients(
 ) -> tuple[
     dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]
 ]:
-    """Each node's gradient, loss, named terms, carried state and buffers after the step. Node k's loss depends
+    """Each node's gradient, loss, named terms, carried state after the step and batch statistics. Node k's loss depends
     on its own slice of the stack only, so the gradient of the sum of the losses is, slice by slice, each
     node's own gradient; plain autograd through the vmapped forward gives it (torch.func.grad would
     too, but imports torch._dynamo, seconds of start-up)."""
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
-        losses, terms, after, buffers = losses_of(leaves, *batch)
+        losses, terms, after, statistics = losses_of(leaves, *batch)
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
     # a parameter the objective does not use has no gradient, and is left as torch's optimisers leave one
     used = {name: g for name, g in zip(leaves, grads, strict=True) if g is not None}
@@ -374,7 +375,7 @@ def _gradients(
         losses.detach(),
         detached,
         {n: t.detach() for n, t in after.items()},
-        {n: t.detach() for n, t in buffers.items()},
+        {n: t.detach() for n, t in statistics.items()},
     )
 
 
@@ -594,12 +595,11 @@ class _Round:
             guard: contextlib.AbstractContextManager[dict[str, torch.Tensor]] = (
                 norm_step.batch(weight) if norms else contextlib.nullcontext({})
             )
-            with guard as left:
+            with guard as statistics:  # each BatchNorm's batch statistics, blended in after the map
                 out = objective(NodeBatch(run, params, start, x, y, weight, count, node_inputs, step, carried, share))
-            kept = {name: left.get(name, t) for name, t in buffers.items()}
             if not isinstance(out, tuple):
-                return out, {}, {}, kept
-            return (out[0], out[1], out[2] if len(out) == 3 else {}, kept)
+                return out, {}, {}, statistics
+            return (out[0], out[1], out[2] if len(out) == 3 else {}, statistics)
 
         vmapped = vmap(node_loss)
 
@@ -708,7 +708,7 @@ class _Round:
         step_inputs = {n: t[:a] for n, t in cur.step_inputs.items()}
         carried = {n: t[:a] for n, t in self.carry.items()}
         buffers = {n: t[:a] for n, t in self.buffers.items()}
-        grads, losses, terms, after, left = _gradients(
+        grads, losses, terms, after, statistics = _gradients(
             self.losses_of, params, x, y, cur.weight[:a], cur.divisor[:a], cur.share[:a], inputs, step_inputs, carried,
             buffers,
         )  # fmt: skip
@@ -748,13 +748,14 @@ class _Round:
                 raise VectorizeError(
                     f"the objective carried {sorted(after)}, not the state it was given {sorted(carried)}"
                 )
-            for own, new in ((carried, after), (buffers, left)):  # a node with no batch left keeps its own
-                if new and not masked:  # every node trained: one multi-tensor copy (a BatchNorm model's 60 buffers)
-                    torch._foreach_copy_([own[name] for name in new], [v.to(own[n].dtype) for n, v in new.items()])
-                    continue
-                for name, value in new.items():
-                    value = value.to(own[name].dtype)
-                    own[name].copy_(torch.where(_per_node(active, value) > 0, value, own[name]) if masked else value)
+            if after and not masked:  # every node trained: one multi-tensor copy
+                torch._foreach_copy_(
+                    [carried[name] for name in after], [v.to(carried[n].dtype) for n, v in after.items()]
+                )
+            for name, value in after.items() if masked else ():  # a node with no batch left keeps its own
+                value = value.to(carried[name].dtype)
+                carried[name].copy_(torch.where(_per_node(active, value) > 0, value, carried[name]))
+            update_running_statistics(self.norm_step.momenta, buffers, statistics, active, masked)
 
 
 def _masked(tensors: list[torch.Tensor], active: torch.Tensor, masked: bool) -> list[torch.Tensor]:

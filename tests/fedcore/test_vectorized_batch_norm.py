@@ -47,17 +47,21 @@ def digits64() -> TensorDataset:
     return dataclasses.replace(data, x=data.x.double())
 
 
-def norm_net(momentum: float | None = 0.1, affine: bool = True, tracked: bool = True) -> nn.Module:
+def norm_net(
+    momentum: float | None = 0.1, affine: bool = True, tracked: bool = True, second_momentum: float | None = -1.0
+) -> nn.Module:
     """A conv with BatchNorm2d and a linear layer with BatchNorm1d, each preceded by a bias (whose
-    gradient the normalisation cancels), in float64."""
+    gradient the normalisation cancels), in float64; the second BatchNorm's momentum is the first's unless
+    `second_momentum` is given."""
     torch.manual_seed(0)
+    second = momentum if second_momentum == -1.0 else second_momentum
     return nn.Sequential(
         nn.Conv2d(1, 4, 3, padding=1),
         nn.BatchNorm2d(4, momentum=momentum, affine=affine, track_running_stats=tracked),
         nn.ReLU(),
         nn.Flatten(),
         nn.Linear(256, 16),
-        nn.BatchNorm1d(16, momentum=momentum, affine=affine, track_running_stats=tracked),
+        nn.BatchNorm1d(16, momentum=second, affine=affine, track_running_stats=tracked),
         nn.ReLU(),
         nn.Linear(16, 10),
     ).double()
@@ -78,8 +82,8 @@ def assert_each_node_is_its_own(
 @pytest.mark.parametrize("settings", [SGD, ADAM], ids=["sgd-momentum", "adam"])
 @pytest.mark.parametrize(
     "net",
-    [{}, {"momentum": None}, {"affine": False}, {"tracked": False}],
-    ids=["momentum-0.1", "cumulative", "no-affine", "batch-statistics-only"],
+    [{}, {"momentum": None}, {"affine": False}, {"tracked": False}, {"second_momentum": 0.3}],
+    ids=["momentum-0.1", "cumulative", "no-affine", "batch-statistics-only", "two-momenta"],
 )
 def test_batch_norm_trained_vectorised_equals_one_by_one_in_float64(
     digits64: TensorDataset, settings: TrainSettings, net: dict[str, object], monkeypatch: pytest.MonkeyPatch
