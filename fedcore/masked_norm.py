@@ -22,10 +22,15 @@ left at a step. Here a BatchNorm is replaced, for the vectorised forward only, b
 
 A step in which every node that trains has a whole batch (`NormStep.whole`, known on the host from the
 shard sizes: a node pads only the trailing batch of an epoch) has nothing to mask: there the output is
-torch's own `F.batch_norm` in batch-statistics mode (one kernel forward, one backward, as a bare `vmap`
-over the nodes runs it) and the running statistics are one `torch.var_mean` of the detached input, where
-the masked sums take about ten operators forward and more backward. The caller sets `whole` per step (a
-captured step's kind holds it), so both kinds of step are exact.
+torch's own `F.batch_norm` (one kernel forward, one backward, as a bare `vmap` over the nodes runs it),
+where the masked sums take about ten operators forward and more backward. If every node of the step
+trains at it (`NormStep.everyone`: none masked), torch's BatchNorm also updates each node's running mean
+and variance itself, in place, as the module's own training step does (vmap's rule for BatchNorm runs the
+K nodes' channels as one BatchNorm of K x C channels, each node's running statistics a view of the
+round's); only the counts are left to add after the map. Otherwise (some node masked, or momentum None,
+whose factor is per node) it normalises in batch-statistics mode and the running statistics take one
+`torch.var_mean` of the detached input. The caller sets `whole` and `everyone` per step (a captured
+step's kind holds them), so every kind of step is exact.
 
 The structure is a shallow copy of the model (`masked_norms`): the modules holding a BatchNorm are
 copies sharing their tensors and attributes, every other module is the model's own, so nothing of a
@@ -91,12 +96,19 @@ class NormStep:
     whole: bool = False
     """Every node that trains at this step has a whole batch (no padding): torch's own BatchNorm applies.
     Set by the caller for the step (a Python value: a captured step is recorded with it)."""
+    everyone: bool = False
+    """Every node of the step trains at it (none masked): with `whole`, torch's BatchNorm updates each
+    node's running mean and variance itself, in place (momentum None aside). Set by the caller, as `whole`
+    is."""
+    in_kernel: list[str] = field(default_factory=list)
+    """The prefixes of the BatchNorms whose running mean and variance torch's BatchNorm updated in place at
+    this step: only their counts are left to `update_running_statistics`."""
 
     @contextmanager
     def batch(self, weight: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
         """Within the block, the BatchNorms normalise over the samples `weight` marks real; yields the
         batch statistics they leave (filled as the forward pass runs)."""
-        self.weight, self.statistics, self.made = weight, {}, {}
+        self.weight, self.statistics, self.made, self.in_kernel = weight, {}, {}, []
         try:
             yield self.statistics
         finally:
@@ -158,10 +170,16 @@ class MaskedBatchNorm(nn.Module):
         return out.to(x.dtype) if low else out
 
     def _whole_batch(self, xs: torch.Tensor) -> torch.Tensor:
-        """A batch with no padding: torch's BatchNorm normalises it by its own statistics; the running
-        statistics take its mean and unbiased variance, computed once more on the detached input (torch's
-        kernel keeps the inverse standard deviation, from which the variance would come back rounded)."""
+        """A batch with no padding: torch's BatchNorm normalises it by its own statistics. With every node
+        training and a momentum, it updates the running statistics too (the counts follow the map);
+        otherwise they take the batch's mean and unbiased variance, computed once more on the detached input
+        (torch's kernel keeps the inverse standard deviation, from which the variance would come back
+        rounded)."""
         weight, bias = (self._tensor("weight"), self._tensor("bias")) if self.affine else (None, None)
+        if self.tracked and self.norm_step.everyone and self.momentum is not None:  # as the module's own step
+            self.norm_step.in_kernel.append(self.prefix)
+            mean, var = self._tensor("running_mean"), self._tensor("running_var")
+            return F.batch_norm(xs, mean, var, weight, bias, training=True, momentum=self.momentum, eps=self.eps)
         out = F.batch_norm(xs, None, None, weight, bias, training=True, momentum=0.0, eps=self.eps)
         if self.tracked:
             var, mean = torch.var_mean(xs.detach(), (0, *range(2, xs.dim())), correction=1)
@@ -180,7 +198,7 @@ class MaskedBatchNorm(nn.Module):
 
 
 def update_running_statistics(
-    momenta: dict[str, float | None],
+    step: NormStep,
     buffers: dict[str, torch.Tensor],
     statistics: dict[str, torch.Tensor],
     active: torch.Tensor,
@@ -191,7 +209,11 @@ def update_running_statistics(
     the nodes that trained: torch's update, old + factor (new - old) (it rounds as (1 - factor) old + factor
     new), factor the momentum or, for momentum None, 1 / the count after the step. `masked`: some of the a
     nodes did not train (`active` 0), and keep theirs. A BatchNorm that did not run at the step left no
-    statistics and keeps its own."""
+    statistics and keeps its own. Those torch's BatchNorm updated in place (`NormStep.in_kernel`: every node
+    trained) only count their batch."""
+    if step.in_kernel:
+        torch._foreach_add_([buffers[f"{p}num_batches_tracked"] for p in step.in_kernel], 1)
+    momenta = step.momenta
     prefixes = [p for p in momenta if f"{p}running_mean" in statistics]
     if not prefixes:
         return

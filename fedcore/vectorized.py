@@ -699,7 +699,7 @@ class _Round:
         state and carried state, restored after the update so that the others' arithmetic is the unmasked
         step's. `whole`: every node that trains has a whole batch, so a BatchNorm needs no masking
         (`fedcore.masked_norm`)."""
-        self.norm_step.whole = whole
+        self.norm_step.whole, self.norm_step.everyone = whole, not masked
         x, y = self.batch(a)
         cur = self.cur
         active = cur.active[:a]
@@ -755,7 +755,7 @@ class _Round:
             for name, value in after.items() if masked else ():  # a node with no batch left keeps its own
                 value = value.to(carried[name].dtype)
                 carried[name].copy_(torch.where(_per_node(active, value) > 0, value, carried[name]))
-            update_running_statistics(self.norm_step.momenta, buffers, statistics, active, masked)
+            update_running_statistics(self.norm_step, buffers, statistics, active, masked)
 
 
 def _masked(tensors: list[torch.Tensor], active: torch.Tensor, masked: bool) -> list[torch.Tensor]:
