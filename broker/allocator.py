@@ -11,21 +11,19 @@ transport``: 0.55 GB/s to one node before, 1.08 GB/s after, the same run otherwi
 memory stay in the heap for reuse, and grows the heap by that much at a time (without the padding,
 a process that imported torch still faulted: 0.65 instead of 1.1 GB/s): a process holds up to
 `keep_bytes` more, in exchange. It is process-wide and idempotent; on a C library without
-``mallopt`` (musl, macOS) it does nothing.
+``mallopt`` (musl, macOS) it does nothing. It asks through `fedmq.malloc`, which keeps whatever keeps more
+of the training's own setting (`fedcore.host_memory`) in a process that asks for both.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 
+from fedmq.malloc import M_MMAP_THRESHOLD, M_TOP_PAD, M_TRIM_THRESHOLD, keep
+
 logger = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD = -1
-M_TOP_PAD = -2
-M_MMAP_THRESHOLD = -3
 KEEP_BYTES = 64 * 2**20
 """Freed heap kept for reuse, and the step the heap grows by: what a process may hold in addition."""
 MMAP_THRESHOLD_MAX = 32 * 2**20
@@ -33,17 +31,6 @@ MMAP_THRESHOLD_MAX = 32 * 2**20
 
 _lock = threading.Lock()
 _applied: tuple[int, int] | None = None
-
-
-def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = libc.mallopt
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
 
 
 def _threshold(chunk_bytes: int) -> int:
@@ -61,24 +48,13 @@ def tune(chunk_bytes: int, keep_bytes: int = KEEP_BYTES) -> bool:
     with _lock:
         if _applied is not None and _applied[0] >= threshold and _applied[1] >= keep_bytes:
             return True
-        mallopt = _mallopt()
-        if mallopt is None:
-            logger.debug("no mallopt in this C library: chunk buffers come from the default allocator")
-            return False
         if _applied is not None:
             threshold, keep_bytes = max(threshold, _applied[0]), max(keep_bytes, _applied[1])
-        ok = all(
-            mallopt(option, value) == 1
-            for option, value in (
-                (M_MMAP_THRESHOLD, threshold),
-                (M_TRIM_THRESHOLD, keep_bytes),
-                (M_TOP_PAD, keep_bytes),
-            )
-        )
+        ok = keep({M_MMAP_THRESHOLD: threshold, M_TRIM_THRESHOLD: keep_bytes, M_TOP_PAD: keep_bytes})
         if ok:
             _applied = (threshold, keep_bytes)
         else:
-            logger.debug("mallopt refused mmap threshold %d / trim threshold %d", threshold, keep_bytes)
+            logger.debug("no mallopt, or it refused mmap threshold %d / trim threshold %d", threshold, keep_bytes)
         return ok
 
 

@@ -42,6 +42,7 @@ from fedmq.fedcore.data import (
     pooled_sets,
 )
 from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.host_memory import set_host_memory
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.partition import label_histograms, partition
 from fedmq.fedcore.privacy import DPFedAvg
@@ -416,6 +417,7 @@ def build_nodes(
         raise ConfigError(
             f"--data gives one node its own data, but {len(node_ids)} nodes were asked for: one --node-id"
         )
+    set_host_memory(cfg.hosting.host_memory)  # the process's, for its nodes' training
     spec = get_algorithm(cfg.method.name)
     hp = build_hyperparams(spec, cfg.method.hyperparams)
     own = load_node_data(cfg, data_path) if data_path is not None else None

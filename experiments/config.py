@@ -505,6 +505,14 @@ class HostingConfig(_Strict):
     vectorize_wait_s: float = Field(
         2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"
     )
+    host_memory: Literal["keep", "system"] = Field(
+        "system",
+        description="what a node process does with the host memory it frees: system (the default: the C"
+        " library's own policy, which hands large freed tensors back to the kernel between tasks) or keep"
+        " (glibc keeps it for the next tensors, as `fedmq simulate` does by default: no page faults for a"
+        " large model's tensors at every step, and the process's peak heap kept until it ends);"
+        " simulation.host_memory says more",
+    )
 
 
 class SimulationConfig(_Strict):

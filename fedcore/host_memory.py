@@ -15,42 +15,29 @@ and to keep the heap's free top (`M_TRIM_THRESHOLD` at its largest), so that the
 the next, as torch's caching allocator keeps a GPU's memory. Both are needed: without mappings the heap's top
 is trimmed at every step instead. The cost is that the process keeps its peak heap until it ends. Threads
 other than the main one allocate from glibc's other arenas, which still map what does not fit their heaps.
-The arithmetic does not change: the same bits. Where the C library is not glibc, nothing is done.
+The arithmetic does not change: the same bits. Where the C library has no `mallopt`, nothing is done.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import Literal
+
+from fedmq.malloc import M_MMAP_MAX, M_TRIM_THRESHOLD, keep
 
 HostMemory = Literal["keep", "system"]
 """`keep`: every allocation from the heap, and freed memory kept in it; `system`: the C library's own policy."""
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-"""glibc's `mallopt` parameters (malloc.h)."""
 INT_MAX = 2**31 - 1
 """The largest value `mallopt` takes (an int): the heap's free top is kept up to 2 GiB."""
 
 
-def glibc() -> ctypes.CDLL | None:
-    """The process's C library, where it is glibc (the only one whose `mallopt` this module knows)."""
-    try:
-        os.confstr("CS_GNU_LIBC_VERSION")
-    except (AttributeError, ValueError, OSError):  # no confstr (Windows) or no such name (musl, macOS)
-        return None
-    return ctypes.CDLL(None)
-
-
 def set_host_memory(mode: HostMemory) -> bool:
-    """Apply `mode` to the whole process, for the rest of its life: `keep` as the module says; `system`
-    does nothing (a process that kept its memory goes on keeping it). Returns whether glibc took `keep`
-    (False for `system`, and where the C library is not glibc)."""
+    """Apply `mode` to the whole process, for the rest of its life: `keep` as the module says (through
+    `fedmq.malloc`, so that the bus's own setting, `broker.allocator`, asked before or after, does not undo
+    it); `system` does nothing (a process that kept its memory goes on keeping it). Returns whether glibc
+    took `keep` (False for `system`, and where the C library has no `mallopt`)."""
     if mode == "system":
         return False
     if mode != "keep":
         raise ValueError(f"host memory {mode!r}: expected keep or system")
-    libc = glibc()
-    if libc is None:
-        return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, INT_MAX))
+    return keep({M_MMAP_MAX: 0, M_TRIM_THRESHOLD: INT_MAX})

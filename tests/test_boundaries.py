@@ -3,7 +3,8 @@
 broker/ knows nothing of learning; fedcore/ nothing of transport; the daemons use the bus and the
 core's interfaces and know no algorithm by name; nothing imports pickle or torchvision. Every
 first-party import goes through the one import name, `fedmq` (`fedmq.broker`, never `broker`).
-Under them all lies `fedmq.fields` (the bounds of config fields), which every layer may import.
+Under them all lie `fedmq.fields` (the bounds of config fields) and `fedmq.malloc` (glibc's settings for the
+process, which the bus and the training both ask for), which every layer may import.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ EXCEPTIONS = {"torchvision": {"fedcore/datasets/download.py"}}
 
 # The floor every layer may import: `fedmq.fields` (`Bounds`, `check_fields`), so that the bus's settings
 # and the core's (`TrainSettings`, `Staleness`, `Compression`) declare their bounds the same way, and the
-# experiment file derives its sections from them, without broker and fedcore importing each other. It
-# imports only the standard library (test_floor_imports_only_the_standard_library).
-FLOOR = {"fields"}
+# experiment file derives its sections from them, without broker and fedcore importing each other; and
+# `fedmq.malloc`, glibc's settings for the process, which the bus's chunk buffers and the training's tensors
+# both ask for. Each imports only the standard library (test_floor_imports_only_the_standard_library).
+FLOOR = {"fields", "malloc"}
 
 FIRST_PARTY = {"broker", "coordinator", "fednode", "aggregator", "fedcore", "experiments"}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import typing
@@ -15,10 +16,10 @@ import typing
 import pytest
 import torch
 
-from fedmq.experiments import local
+from fedmq.experiments import build, local
 from fedmq.experiments.config import SimulationConfig
 from fedmq.fedcore.errors import ConfigError
-from fedmq.fedcore.host_memory import HostMemory, glibc, set_host_memory
+from fedmq.fedcore.host_memory import HostMemory, set_host_memory
 from tests.experiments.test_simulate_cudnn import _config
 
 MIB = 1 << 20
@@ -78,7 +79,9 @@ def huge_pages_always() -> bool:
         return False
 
 
-needs_glibc = pytest.mark.skipif(glibc() is None, reason="the C library is not glibc: nothing to set")
+needs_glibc = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only: mallinfo2 and mallopt"
+)
 
 
 @needs_glibc
@@ -120,3 +123,16 @@ def test_the_built_federation_applies_the_config_s_setting(monkeypatch: pytest.M
     local.build_local(_config("rounds=1", "simulation.host_memory=system"), device=torch.device("cpu"))
     local.build_local(_config("rounds=1"), device=torch.device("cpu"))
     assert asked == ["system", "keep"]
+
+
+def test_node_processes_keep_the_c_library_s_policy_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon hands large freed tensors back between tasks by default; `hosting.host_memory: keep` (and
+    only the experiment's setting) makes its process keep them, as a simulation does."""
+    asked: list[str] = []
+    monkeypatch.setattr(build, "set_host_memory", asked.append)
+    cpu = torch.device("cpu")
+    build.build_nodes(_config(), "mqtt://127.0.0.1:1", ["node-000"], device=cpu)  # never connected: only built
+    build.build_nodes(_config("hosting.host_memory=keep"), "mqtt://127.0.0.1:1", ["node-000"], device=cpu)
+    assert asked == ["system", "keep"]
+    with pytest.raises(ConfigError, match=r"hosting\.host_memory: Input should be 'keep' or 'system'"):
+        _config("hosting.host_memory=always")
