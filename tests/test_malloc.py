@@ -6,22 +6,16 @@ process's, and this test process has set some."""
 from __future__ import annotations
 
 import platform
-import subprocess
-import sys
 
 import pytest
+
+from tests.interpreter import fresh_python
 
 GLIBC = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 
 
 def _in_a_fresh_interpreter(*lines: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", "\n".join(["from fedmq import malloc as m", *lines])],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    fresh_python("\n".join(["from fedmq import malloc as m", *lines]))
 
 
 @GLIBC
