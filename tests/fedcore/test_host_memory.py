@@ -47,7 +47,14 @@ def faults():
 
 taken = set_host_memory(sys.argv[1])
 size = int(sys.argv[2])
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
 before = info()
+top = libc.malloc(size)  # first, so that nothing lies after it: once freed, the heap's top, which glibc may trim
+ctypes.memset(top, 1, size)
+top_alive = info()
+libc.free(top)
+top_freed = info()
 first = torch.ones(size, dtype=torch.uint8)  # every page written
 alive = info()
 del first
@@ -58,7 +65,8 @@ for _ in range(10):  # steps: glibc may place the next few above (the alignment'
 start = faults()
 later = torch.ones(size, dtype=torch.uint8)  # a later step's tensor of the same size
 again = faults() - start
-print(json.dumps({"taken": taken, "before": before, "alive": alive, "freed": freed, "faults_again": again}))
+print(json.dumps({"taken": taken, "before": before, "alive": alive, "freed": freed, "faults_again": again,
+                  "top_alive": top_alive, "top_freed": top_freed}))
 """
 
 
@@ -94,6 +102,8 @@ def test_keep_serves_a_large_tensor_from_the_heap_and_keeps_its_pages_once_freed
     assert freed["heap"] == alive["heap"]  # not trimmed once freed
     assert freed["free_in_heap"] >= SIZE  # its pages wait in the heap for the next tensor
     assert figures["faults_again"] < PAGES // 100  # and a later one of its size faults (almost) none in
+    top_alive, top_freed = figures["top_alive"], figures["top_freed"]
+    assert top_alive["mapped"] == before["mapped"] and top_freed["heap"] == top_alive["heap"]  # the top not trimmed
 
 
 @needs_glibc
