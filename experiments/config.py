@@ -44,6 +44,7 @@ from fedmq.experiments.scenario import ScenarioConfig, resolve_scenario_sourced
 from fedmq.experiments.yaml_source import Loc, SourceMap, dotted, read_yaml_file
 from fedmq.fedcore.compression import Compression
 from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.host_memory import HostMemory
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
 from fedmq.fednode.scenario import Faults
@@ -505,7 +506,7 @@ class HostingConfig(_Strict):
     vectorize_wait_s: float = Field(
         2.0, gt=0, description="how long a group waits for its nodes' models; a later one trains alone"
     )
-    host_memory: Literal["keep", "system"] = Field(
+    host_memory: HostMemory = Field(
         "system",
         description="what a node process does with the host memory it frees: system (the default: the C"
         " library's own policy, which hands large freed tensors back to the kernel between tasks) or keep"
@@ -554,14 +555,14 @@ class SimulationConfig(_Strict):
         " and does not replay bit for bit on a GPU (`fedmq bench sim` on a GPU measures what deterministic"
         " algorithms cost); no effect on a CPU",
     )
-    host_memory: Literal["keep", "system"] = Field(
+    host_memory: HostMemory = Field(
         "keep",
         description="what the simulating process does with the host memory it frees: keep (the default: glibc"
         " serves every allocation from its heap and keeps what is freed for the next, so that a round's large"
         " tensors do not fault their pages in again at every step; the process keeps its peak heap until it"
         " ends) or system (the C library's own policy: allocations above its mmap threshold, at most 32 MiB, are"
         " mapped afresh and unmapped when freed); fedcore.host_memory; the same bits either way, and nothing"
-        " is done where the C library is not glibc",
+        " is done where the C library has no mallopt",
     )
     checkpoint_every: int = Field(
         10,

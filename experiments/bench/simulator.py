@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 from unittest import mock
 
 import torch
@@ -43,7 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure, run_keeping
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.host_memory import set_host_memory
+from fedmq.fedcore.errors import ConfigError
+from fedmq.fedcore.host_memory import HostMemory, set_host_memory
 from fedmq.fedcore.models import FedModel, build_model, count_parameters
 from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice, deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
@@ -504,7 +505,9 @@ def run(options: BenchOptions) -> Report:
     for device in devices:  # the simulator's kernels, as its workspace chooses them; the references share them
         deterministic_kernels(device)
     host_memory = str(options.extra.get("host_memory", "keep"))  # as fedmq simulate keeps it by default
-    memory_kept = set_host_memory(host_memory)  # type: ignore[arg-type]  # set_host_memory refuses any other value
+    if host_memory not in get_args(HostMemory):
+        raise ConfigError(f"{host_memory!r}: expected keep or system", field="--opt host_memory")
+    memory_kept = set_host_memory(cast(HostMemory, host_memory))
     model = build_model("moon-cnn", (3, 32, 32), 10, seed=0)
     report = Report(
         "sim",

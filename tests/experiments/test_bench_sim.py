@@ -183,3 +183,10 @@ def test_the_generator_rows_give_each_round_its_step_and_the_papers_steps_as_ari
     assert f"{per_step * PAPER_STEPS / 1e3:.2f} s a round" in kdia.note and "not timed" in kdia.note
     ops = rows[f"{KDIA}: operators a step"], rows[f"{PLAIN}: operators a step"]
     assert all(o.value > 50 for o in ops)  # a generator's forward, backward and Adam: the count counts
+
+
+def test_an_unknown_host_memory_is_a_clear_error_before_anything_is_timed() -> None:
+    from fedmq.fedcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--opt host_memory: 'x': expected keep or system"):
+        run(BenchOptions(quick=True, extra={"host_memory": "x"}))
