@@ -141,7 +141,7 @@ def _decode_pack(path: Path, source: CifarSource) -> Arrays:
         raise DataError(f"{path}: n_train {n_train} and {offsets.shape} offsets do not fit {total} labels")
     if offsets[0] != 0 or offsets[-1] != len(blobs) or np.any(np.diff(offsets) <= 0):
         raise DataError(f"{path}: offsets do not cut images_webp into {total} images")
-    x = decode_blobs(blobs, offsets, SHAPE, source=str(path))
+    x = decode_blobs(blobs, offsets, SHAPE, source=str(path), formats=("WEBP",))
     arrays: Arrays = {"train_x": x[:n_train], "test_x": x[n_train:]}
     for key, classes, name in zip(source.pack_label_keys, source.num_classes, LABEL_ARRAYS, strict=False):
         labels = _labels(content[key], total, classes, f"{path} {key}")

@@ -26,8 +26,19 @@ def _into(out: np.ndarray, i: int, image: Image.Image, mode: str, where: str) ->
     out[i] = pixels.transpose(2, 0, 1)
 
 
-def decode_blobs(blobs: np.ndarray, offsets: np.ndarray, shape: tuple[int, int, int], *, source: str) -> np.ndarray:
-    """Images ``blobs[offsets[i]:offsets[i+1]]`` (encoded files concatenated, e.g. WebP) as N x C x H x W uint8."""
+def decode_blobs(
+    blobs: np.ndarray,
+    offsets: np.ndarray,
+    shape: tuple[int, int, int],
+    *,
+    source: str,
+    formats: tuple[str, ...] | None = None,
+) -> np.ndarray:
+    """Images ``blobs[offsets[i]:offsets[i+1]]`` (encoded files concatenated, e.g. WebP) as N x C x H x W uint8.
+
+    `formats` (Pillow's names, e.g. ``("WEBP",)``) is what the blobs may be: Pillow then tries only
+    those decoders instead of probing each of its plugins in turn, which took half of a CIFAR pack's
+    decoding time (99 against 53 us an image, 2026-11-29, the 2-core VM)."""
     channels, height, width = shape
     mode = {1: "L", 3: "RGB"}[channels]
     n = len(offsets) - 1
@@ -35,7 +46,7 @@ def decode_blobs(blobs: np.ndarray, offsets: np.ndarray, shape: tuple[int, int, 
     view = memoryview(np.ascontiguousarray(blobs, dtype=np.uint8))  # type: ignore[arg-type]
     for i in range(n):
         try:
-            with Image.open(io.BytesIO(view[offsets[i] : offsets[i + 1]])) as image:
+            with Image.open(io.BytesIO(view[offsets[i] : offsets[i + 1]]), formats=formats) as image:
                 _into(out, i, image, mode, f"{source}, image {i}")
         except (UnidentifiedImageError, OSError) as exc:
             raise DataError(f"{source}: image {i} cannot be decoded ({exc})") from exc

@@ -413,6 +413,39 @@ def test_cifar_pack_with_bad_offsets_raises_data_error(tmp_path: Path) -> None:
         load_dataset("cifar10", seed=0, root=tmp_path)
 
 
+def _one_image_pack(root: Path, image_format: str) -> None:
+    """A CIFAR-10 pack of two 32 x 32 images (one train, one test) encoded as `image_format`."""
+    (root / "cifar10").mkdir()
+    blobs = []
+    for shade in (10, 200):
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), (shade, shade, shade)).save(buf, format=image_format, lossless=True)
+        blobs.append(buf.getvalue())
+    np.savez(
+        root / "cifar10" / "cifar10_webp.npz",
+        images_webp=np.frombuffer(b"".join(blobs), dtype=np.uint8),
+        offsets=np.cumsum([0, *map(len, blobs)]),
+        n_train=np.array(1),
+        labels=np.array([0, 1], dtype=np.uint8),
+    )
+
+
+def test_cifar_pack_decodes_its_webp_images(tmp_path: Path) -> None:
+    """A small WebP pack decodes to its pixels (the decoder told the images' format, not probing)."""
+    _one_image_pack(tmp_path, "WEBP")
+    split = load_dataset("cifar10", seed=0, root=tmp_path, cache_dir=None)
+    train, test = split.train, split.test
+    assert train.x.shape == (1, 3, 32, 32) and test.x.shape == (1, 3, 32, 32)
+    assert train.x.unique().tolist() == [10] and test.x.unique().tolist() == [200]
+
+
+def test_cifar_pack_of_other_images_raises_data_error(tmp_path: Path) -> None:
+    """A pack whose images are PNG, not WebP, is refused with the image named, not read as something else."""
+    _one_image_pack(tmp_path, "PNG")
+    with pytest.raises(DataError, match=r"image 0 cannot be decoded"):
+        load_dataset("cifar10", seed=0, root=tmp_path, cache_dir=None)
+
+
 # -- registry and options ---------------------------------------------------------------------
 
 
