@@ -508,6 +508,7 @@ def run(options: BenchOptions) -> Report:
     if host_memory not in get_args(HostMemory):
         raise ConfigError(f"{host_memory!r}: expected keep or system", field="--opt host_memory")
     memory_kept = set_host_memory(cast(HostMemory, host_memory))
+    compiled = _switch(options.extra.get("compile", "false"), "--opt compile")
     model = build_model("moon-cnn", (3, 32, 32), 10, seed=0)
     report = Report(
         "sim",
@@ -584,6 +585,8 @@ def run(options: BenchOptions) -> Report:
     with torch_threads(1) if not gpu else contextlib.nullcontext():
         _generator_rows(report, devices[0], repeats, options.quick)
         _batch_norm_rows(report, devices[0], repeats, options.quick)
+        if compiled:
+            _compile_rows(report, devices[0], repeats, options.quick)
     plan_rows(report, options.quick, repeats)
     if str(options.extra.get("simulate", "true")).lower() in ("false", "0", "no"):
         report.notes.append("fedmq simulate's share was not measured (--opt simulate=false).")
@@ -612,6 +615,27 @@ def _batch_norm_rows(report: Report, device: torch.device, repeats: int, quick: 
         sim_batch_norm.add_rows(report, device, repeats, quick)
     except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
         report.notes.append(f"FedSA's BatchNorm section failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _compile_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:
+    """The bare vmap step compiled with torch.compile (`sim_compile`), its failure noted as the generator's
+    is: it has not run on a GPU, and Inductor needs a C++ compiler on a CPU."""
+    from fedmq.experiments.bench import sim_compile
+
+    try:
+        sim_compile.add_rows(report, device, repeats, quick)
+    except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
+        report.notes.append(f"The torch.compile section failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _switch(value: object, field: str) -> bool:
+    """An on/off option's value (true/false, yes/no, 1/0, on/off), or a ConfigError naming `field`."""
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1", "on"):
+        return True
+    if text in ("false", "no", "0", "off"):
+        return False
+    raise ConfigError(f"{value!r}: expected true or false", field=field)
 
 
 def plan_rows(report: Report, quick: bool, repeats: int) -> None:
@@ -689,8 +713,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep freed host memory in the heap, as fedmq simulate does by default (simulation.host_memory),"
         " or leave the C library's own policy",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the bare vmap step compiled with torch.compile (sim_compile: tens of seconds a case)",
+    )
     args = parser.parse_args(argv)
-    extra = {"simulate": "false", "host_memory": args.host_memory}
+    extra = {"simulate": "false", "host_memory": args.host_memory, "compile": str(args.compile)}
     options = BenchOptions(quick=args.quick, repeats=args.repeats, extra=extra)
     report = run_keeping(lambda: run(options), log=lambda text: print(text, file=sys.stderr))
     report.write(args.out)

@@ -111,11 +111,12 @@ def test_the_gpu_calls_bench_modules_write_what_they_measured_when_interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`scripts/gpu-tables` stops them with SIGINT when its budget runs out: the figures come back."""
-    from fedmq.experiments.bench import sim_profile, simulator
+    from fedmq.experiments.bench import sim_compile, sim_profile, simulator
 
     monkeypatch.setattr(sim_profile, "run", lambda quick, rounds: cut_suite(BenchOptions()))
+    monkeypatch.setattr(sim_compile, "run", lambda quick, repeats: cut_suite(BenchOptions()))
     monkeypatch.setattr(simulator, "run", cut_suite)
-    for module in (sim_profile, simulator):
+    for module in (sim_profile, sim_compile, simulator):
         prefix = tmp_path / module.__name__.rsplit(".", 1)[1]
         assert module.main([str(prefix)]) == 130
         written = json.loads(prefix.with_suffix(".json").read_text())
