@@ -22,15 +22,16 @@ left at a step. Here a BatchNorm is replaced, for the vectorised forward only, b
 
 A step in which every node that trains has a whole batch (`NormStep.whole`, known on the host from the
 shard sizes: a node pads only the trailing batch of an epoch) has nothing to mask: there the output is
-torch's own `F.batch_norm` (one kernel forward, one backward, as a bare `vmap` over the nodes runs it),
+torch's own BatchNorm (one kernel forward, one backward, over the nodes as one BatchNorm of K x C channels
+with its scale and shift: `fedcore.node_norms.batch_norm_over_nodes`),
 where the masked sums take about ten operators forward and more backward. If every node of the step
 trains at it (`NormStep.everyone`: none masked), torch's BatchNorm also updates each node's running mean
-and variance itself, in place, as the module's own training step does (vmap's rule for BatchNorm runs the
-K nodes' channels as one BatchNorm of K x C channels, each node's running statistics a view of the
-round's); only the counts are left to add after the map. Otherwise (some node masked, or momentum None,
-whose factor is per node) it normalises in batch-statistics mode and the running statistics take one
-`torch.var_mean` of the detached input. The caller sets `whole` and `everyone` per step (a captured
-step's kind holds them), so every kind of step is exact.
+and variance itself, in place, as the module's own training step does (the K nodes' channels run as one
+BatchNorm of K x C channels, each node's running statistics a view of the round's); only the counts are
+left to add after the map. Otherwise (some node masked, or momentum None, whose factor is per node) it
+normalises in batch-statistics mode and the running statistics take one `torch.var_mean` of the detached
+input. The caller sets `whole` and `everyone` per step (a captured step's kind holds them), so every kind
+of step is exact.
 
 The structure is a shallow copy of the model (`masked_norms`): the modules holding a BatchNorm are
 copies sharing their tensors and attributes, every other module is the model's own, so nothing of a
@@ -43,7 +44,6 @@ never trains one (it skips a trailing batch of one sample) unless a node's whole
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -51,8 +51,10 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from fedmq.fedcore.module_copies import replace_modules
+from fedmq.fedcore.node_norms import batch_norm_over_nodes
 
 TORCH_AT_WHOLE_BATCHES: ContextVar[bool] = ContextVar("fedmq_torch_norm_at_whole_batches", default=True)
 """Whether a step of whole batches takes torch's own BatchNorm (the default); off, every step takes the
@@ -179,8 +181,8 @@ class MaskedBatchNorm(nn.Module):
         if self.tracked and self.norm_step.everyone and self.momentum is not None:  # as the module's own step
             self.norm_step.in_kernel.append(self.prefix)
             mean, var = self._tensor("running_mean"), self._tensor("running_var")
-            return F.batch_norm(xs, mean, var, weight, bias, training=True, momentum=self.momentum, eps=self.eps)
-        out = F.batch_norm(xs, None, None, weight, bias, training=True, momentum=0.0, eps=self.eps)
+            return batch_norm_over_nodes(xs, mean, var, weight, bias, self.momentum, self.eps)
+        out = batch_norm_over_nodes(xs, None, None, weight, bias, 0.0, self.eps)
         if self.tracked:
             var, mean = torch.var_mean(xs.detach(), (0, *range(2, xs.dim())), correction=1)
             self._leave_running_statistics(mean, var)
@@ -248,19 +250,12 @@ def has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def masked_norms(model: nn.Module, step: NormStep, prefix: str = "") -> nn.Module:
+def masked_norms(model: nn.Module, step: NormStep) -> nn.Module:
     """`model` with each BatchNorm replaced by a `MaskedBatchNorm` reading `step`: a shallow copy of the
-    modules on the way to a BatchNorm (their own parameter, buffer and module tables, the tensors and
-    other attributes shared), the model itself where there is none below, so the model is unchanged."""
-    if isinstance(model, nn.modules.batchnorm._BatchNorm):
-        return MaskedBatchNorm(model, prefix, step)
-    if not has_batch_norm(model):
-        return model
-    copied = copy.copy(model)
-    copied._parameters = dict(model._parameters)
-    copied._buffers = dict(model._buffers)
-    copied._modules = {
-        name: None if child is None else masked_norms(child, step, f"{prefix}{name}.")
-        for name, child in model._modules.items()
-    }
-    return copied
+    modules on the way to a BatchNorm (`fedcore.module_copies`), the model itself where there is none
+    below, so the model is unchanged."""
+    return replace_modules(
+        model,
+        lambda m: isinstance(m, nn.modules.batchnorm._BatchNorm),
+        lambda m, prefix: MaskedBatchNorm(cast(nn.modules.batchnorm._BatchNorm, m), prefix, step),
+    )

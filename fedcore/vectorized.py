@@ -65,7 +65,14 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.masked_norm import TORCH_AT_WHOLE_BATCHES, NormStep, masked_norms, update_running_statistics
+from fedmq.fedcore.masked_norm import (
+    TORCH_AT_WHOLE_BATCHES,
+    NormStep,
+    has_batch_norm,
+    masked_norms,
+    update_running_statistics,
+)
+from fedmq.fedcore.node_norms import over_nodes
 from fedmq.fedcore.round_plan import (
     StepDraws,
     _draws_of,
@@ -239,7 +246,7 @@ def functional_method(model: nn.Module, name: str) -> Callable[[dict[str, torch.
     """``model.<name>(x)`` (``represent``, ``forward_taps``) run on the parameters given, as
     `NodeBatch.forward` runs ``model(x)``: for an objective that needs more than the logits. A parameter
     not given is the model's own (its frozen ones, which every node shares)."""
-    wrapper = _Method(model, name)
+    wrapper = _Method(over_nodes(model), name)  # a GroupNorm as one over the nodes (`fedcore.node_norms`)
 
     def call(params: dict[str, torch.Tensor], x: torch.Tensor) -> object:
         return functional_call(wrapper, {f"model.{n}": p for n, p in params.items()}, (x,))
@@ -565,8 +572,9 @@ class _Round:
         """(K, ...) each node's buffers (BatchNorm's running statistics), updated after each of its steps."""
         frozen = self.frozen
         norm_step = self.norm_step = NormStep()
-        net = masked_norms(model, norm_step)  # the model itself when it has no BatchNorm
-        norms = self.norms = net is not model
+        # BatchNorm over each node's real samples, GroupNorm as one over the nodes; the model itself when it has neither
+        net = over_nodes(masked_norms(model, norm_step))
+        norms = self.norms = has_batch_norm(model)
         """Whether the model holds a BatchNorm: then a step's kind says whether its batches are whole."""
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -850,3 +850,18 @@ def test_the_cpus_sgd_update_in_the_gradients_memory_is_the_multi_tensor_forms_b
     torch._foreach_add_(want_params, torch._foreach_mul(update, lr.negative))
     _sgd_all(params, [g.clone() for g in grads], bufs, settings, lr)
     assert all(torch.equal(p, w) for p, w in zip(params + bufs, want_params + want_bufs, strict=True))
+
+
+def test_a_groupnorm_resnet_trains_vectorised_as_one_by_one_in_float64(digits: TensorDataset) -> None:
+    """FedRCL's model, ResNet-18 with GroupNorm, whose GroupNorms a round runs as one over its nodes
+    (`fedcore.node_norms`): every node its own local_sgd to 1e-12, clipping and momentum included."""
+    data64 = dataclasses.replace(digits, x=digits.x.double())
+    model = build_model("resnet18", digits.input_shape, 10, seed=0, norm="gn", stem="cifar").double()
+    datasets = shards(data64, (9, 4, 12))
+    settings = dataclasses.replace(SGD, local_epochs=1, batch_size=8)
+    expected = one_by_one(model, datasets, settings)
+    got = train_vectorized(model, datasets, settings, generators(len(datasets)))
+    for (want_state, want), (state, stats) in zip(expected, got, strict=True):
+        assert stats.steps == want.steps > 0
+        assert max_difference(state, want_state) < 1e-12
+        assert stats.loss == pytest.approx(want.loss, rel=1e-12)

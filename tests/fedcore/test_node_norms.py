@@ -1,0 +1,223 @@
+"""`fedcore.node_norms`: under a map over nodes, the nodes' GroupNorms and BatchNorms each as one of K x C
+channels, each node's output, gradients (and running statistics) its own layer's; outside a map, torch's."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fedmq.fedcore.node_norms import GroupNormOverNodes, batch_norm_over_nodes, over_nodes
+from fedmq.fedcore.vectorized import functional_method
+
+K, B, C, GROUPS = 3, 4, 6, 2
+
+
+class Operators(TorchDispatchMode):
+    """The operators dispatched inside it, by name, views aside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def node_inputs(shared_x: bool = False, shared_affine: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shape = (B, C, 5, 5) if shared_x else (K, B, C, 5, 5)
+    affine = (C,) if shared_affine else (K, C)
+    return {
+        "x": torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 1,
+        "weight": torch.randn(affine, generator=gen, dtype=torch.float64),
+        "bias": torch.randn(affine, generator=gen, dtype=torch.float64),
+    }
+
+
+def mapped(norm: nn.Module, inputs: dict[str, torch.Tensor], shared_x: bool, shared_affine: bool) -> torch.Tensor:
+    """`norm` over the K nodes, each with its own x (or one for all) and its own weight and bias (or one)."""
+    affine_dim = None if shared_affine else 0
+
+    def one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return functional_call(norm, {"weight": weight, "bias": bias}, (x,))
+
+    in_dims = (None if shared_x else 0, affine_dim, affine_dim)
+    return vmap(one, in_dims=in_dims)(inputs["x"], inputs["weight"], inputs["bias"])
+
+
+@pytest.mark.parametrize(
+    ("shared_x", "shared_affine"),
+    [(False, False), (True, False), (False, True)],
+    ids=["own", "shared-x", "shared-affine"],
+)
+def test_each_node_is_its_own_groupnorm_forward_and_backward_in_float64(shared_x: bool, shared_affine: bool) -> None:
+    norm = GroupNormOverNodes(nn.GroupNorm(GROUPS, C).double())
+    inputs = {n: t.requires_grad_() for n, t in node_inputs(shared_x, shared_affine).items()}
+    out = mapped(norm, inputs, shared_x, shared_affine)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad((out * probe).sum(), list(inputs.values()))
+    want_out = torch.stack(
+        [
+            F.group_norm(
+                inputs["x"] if shared_x else inputs["x"][k],
+                GROUPS,
+                inputs["weight"] if shared_affine else inputs["weight"][k],
+                inputs["bias"] if shared_affine else inputs["bias"][k],
+                norm.eps,
+            )
+            for k in range(K)
+        ]
+    )
+    want = torch.autograd.grad((want_out * probe).sum(), list(inputs.values()))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_without_affine_parameters_each_node_is_normalised_alone() -> None:
+    norm = GroupNormOverNodes(nn.GroupNorm(GROUPS, C, affine=False).double())
+    x = node_inputs()["x"]
+    out = vmap(norm)(x)
+    torch.testing.assert_close(out, torch.stack([F.group_norm(x[k], GROUPS, eps=norm.eps) for k in range(K)]))
+
+
+def test_under_a_map_it_is_one_groupnorm_kernel_with_no_copy_and_no_separate_scale() -> None:
+    """What it is for: on activations laid out as a convolution under vmap leaves them, sample-major
+    (B, K x C, ...), vmap's own rule for per-node weights copied them into node order, normalised, then
+    multiplied and added; here one `native_group_norm` forward and one backward, and nothing else."""
+    inputs = node_inputs()
+    x = inputs["x"].transpose(0, 1).contiguous().requires_grad_()  # (B, K, C, ...) in memory
+    weight, bias = inputs["weight"].requires_grad_(), inputs["bias"].requires_grad_()
+    counted = {}
+    for name, norm in (("torch", nn.GroupNorm(GROUPS, C)), ("over nodes", GroupNormOverNodes(nn.GroupNorm(GROUPS, C)))):
+
+        def one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, norm: nn.Module = norm) -> torch.Tensor:
+            return functional_call(norm, {"weight": w, "bias": b}, (x,))
+
+        with Operators() as ops:
+            out = vmap(one, in_dims=(1, 0, 0))(x, weight, bias)
+        probe = torch.randn_like(out)  # laid out as the output, as the next layer's gradient would be
+        with ops:
+            torch.autograd.grad(out, [x, weight, bias], probe)
+        counted[name] = ops.counts
+    ours, theirs = counted["over nodes"], counted["torch"]
+    assert ours["native_group_norm"] == ours["native_group_norm_backward"] == 1
+    assert ours["clone"] == ours["mul"] == ours["add"] == 0, ours
+    assert theirs["clone"] > 0 and theirs["mul"] > 0, theirs  # the rule it replaces
+
+
+def test_outside_a_map_it_is_torchs_groupnorm_and_its_gradient() -> None:
+    torch_norm = nn.GroupNorm(GROUPS, C).double()
+    with torch.no_grad():
+        torch_norm.weight.uniform_(0.5, 2.0)
+        torch_norm.bias.uniform_(-1.0, 1.0)
+    ours = GroupNormOverNodes(torch_norm)
+    x = node_inputs()["x"][0].requires_grad_()
+    got = ours(x)
+    got_grads = torch.autograd.grad(got.sum() + (got**2).sum(), [x, ours.weight, ours.bias])
+    want = torch_norm(x)
+    want_grads = torch.autograd.grad(want.sum() + (want**2).sum(), [x, torch_norm.weight, torch_norm.bias])
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, C, 3), nn.GroupNorm(GROUPS, C), nn.ReLU())
+        self.head = nn.Linear(C, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_over_nodes_replaces_each_groupnorm_in_a_copy_sharing_the_models_tensors() -> None:
+    model = Net()
+    copied = over_nodes(model)
+    assert isinstance(copied.body[1], GroupNormOverNodes) and type(model.body[1]) is nn.GroupNorm
+    assert copied.head is model.head and copied.body[0] is model.body[0]  # only the way to a GroupNorm is copied
+    assert dict(copied.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    for (name, mine), (_, theirs) in zip(copied.named_parameters(), model.named_parameters(), strict=True):
+        assert mine is theirs, name
+    plain = nn.Sequential(nn.Linear(2, 2))
+    assert over_nodes(plain) is plain
+
+
+def test_an_objectives_model_method_runs_its_groupnorms_over_the_nodes() -> None:
+    """`functional_method` (FedRCL's taps, MOON's representation) maps the same GroupNorm as the logits do."""
+    model = Net().double()
+    params = {n: p.detach().unsqueeze(0).repeat(K, *[1] * p.dim()) for n, p in model.named_parameters()}
+    x = node_inputs()["x"][:, :, :3]
+    forward = functional_method(model, "forward")
+    with Operators() as ours:
+        got = vmap(forward)(params, x)
+    with Operators() as theirs:
+        vmap(lambda p, x: functional_call(model, p, (x,)))(params, x)
+    assert ours.counts["native_group_norm"] == theirs.counts["native_group_norm"] == 1
+    assert ours.counts["mul"] < theirs.counts["mul"] and sum(ours.counts.values()) < sum(theirs.counts.values())
+    for k in range(K):
+        want = functional_call(model, {n: p[k] for n, p in params.items()}, (x[k],))
+        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-12)
+
+
+def test_a_batchnorm_over_nodes_is_each_nodes_own_and_updates_its_running_statistics() -> None:
+    """Forward, gradients and each node's running mean and variance (updated in place, through views of
+    the nodes' (K, C) statistics) as each node's own `F.batch_norm` in training mode, in float64; one
+    `native_batch_norm` forward and one backward, with no separate scale, shift or sums."""
+    inputs = node_inputs()
+    x = inputs["x"].transpose(0, 1).contiguous().requires_grad_()  # (B, K, C, ...) in memory, as a convolution's
+    weight, bias = inputs["weight"].requires_grad_(), inputs["bias"].requires_grad_()
+    means, variances = torch.randn(K, C, dtype=torch.float64), torch.rand(K, C, dtype=torch.float64) + 0.5
+    want_means, want_variances = means.clone(), variances.clone()
+
+    def one(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return batch_norm_over_nodes(x, m, v, w, b, 0.1, 1e-5)
+
+    with Operators() as ops:
+        out = vmap(one, in_dims=(1, 0, 0, 0, 0))(x, means, variances, weight, bias)
+    probe = torch.randn_like(out)
+    with ops:
+        got = torch.autograd.grad(out, [x, weight, bias], probe)
+    assert ops.counts["native_batch_norm"] == ops.counts["native_batch_norm_backward"] == 1
+    assert ops.counts["mul"] == ops.counts["add"] == ops.counts["sum"] == ops.counts["clone"] == 0, ops.counts
+    want_out = torch.stack(
+        [F.batch_norm(x[:, k], want_means[k], want_variances[k], weight[k], bias[k], True, 0.1, 1e-5) for k in range(K)]
+    )
+    want = torch.autograd.grad(want_out, [x, weight, bias], probe)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    assert not torch.equal(means, torch.zeros_like(means))
+    torch.testing.assert_close(means, want_means, rtol=0, atol=1e-12)
+    torch.testing.assert_close(variances, want_variances, rtol=0, atol=1e-12)
+
+
+def test_a_batchnorm_over_nodes_refuses_one_running_statistic_for_every_node() -> None:
+    x = node_inputs()["x"]
+    shared = torch.zeros(C, dtype=torch.float64)
+    with pytest.raises(ValueError, match="each node's own running statistics"):
+        vmap(lambda x: batch_norm_over_nodes(x, shared, shared.clone(), None, None, 0.1, 1e-5))(x)
+
+
+def test_outside_a_map_the_batchnorm_is_torchs_in_training_mode() -> None:
+    x = node_inputs()["x"][0].requires_grad_()
+    weight = torch.rand(C, dtype=torch.float64).add_(0.5).requires_grad_()
+    bias = torch.randn(C, dtype=torch.float64).requires_grad_()
+    ours_stats = [torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)]
+    torch_stats = [t.clone() for t in ours_stats]
+    got = batch_norm_over_nodes(x, *ours_stats, weight, bias, 0.1, 1e-5)
+    got_grads = torch.autograd.grad((got**2).sum(), [x, weight, bias])
+    want = F.batch_norm(x, *torch_stats, weight, bias, True, 0.1, 1e-5)
+    want_grads = torch.autograd.grad((want**2).sum(), [x, weight, bias])
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(ours_stats, torch_stats, strict=True))
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
