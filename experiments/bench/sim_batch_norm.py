@@ -69,15 +69,17 @@ class Workload:
         return sum(len(d) for d in self.datasets)
 
 
-def workload(device: torch.device, k: int, size: int) -> Workload:
-    """FedSA's ResNet-18 and K shards of `size` synthetic uint8 images, Normalize(0.5), no augmentation."""
+def workload(device: torch.device, k: int, size: int, model: nn.Module | None = None) -> Workload:
+    """FedSA's ResNet-18 (or `model`) and K shards of `size` synthetic uint8 images, Normalize(0.5), no
+    augmentation."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (k * size, 3, 32, 32), dtype=torch.uint8, generator=gen)
     data = TensorDataset(x, torch.randint(0, 10, (k * size,), generator=gen), 10)
     data = with_transforms(Split(data, data), None, ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))).train
     parts = [data.subset(np.arange(i * size, (i + 1) * size)).to(device) for i in range(k)]
-    model = build_model("resnet18", (3, 32, 32), 10, seed=0, stem="imagenet", norm="bn").to(device)
-    return Workload(model, parts, device)
+    if model is None:
+        model = build_model("resnet18", (3, 32, 32), 10, seed=0, stem="imagenet", norm="bn")
+    return Workload(model.to(device), parts, device)
 
 
 def vectorised(work: Workload, masked: bool = False) -> Callable[[], object]:
@@ -96,13 +98,16 @@ class VmapBatchStatistics:
     normalised once beforehand (FedSA has no augmentation), in the order its generator shuffles them, and
     indexed by step: the simulator's steps (tests/experiments/test_bench_sim_batch_norm.py)."""
 
+    settings = SETTINGS
+    """The training it writes out (plain SGD, no weight decay, no clipping: FedSA's)."""
+
     def __init__(self, work: Workload, capture: bool = True) -> None:
         self.model = copy.deepcopy(work.model)
         for module in self.model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.track_running_stats = False
                 module.running_mean = module.running_var = module.num_batches_tracked = None
-        k, b = len(work.datasets), SETTINGS.batch_size
+        k, b = len(work.datasets), self.settings.batch_size
         self.steps = min(len(d) for d in work.datasets) // b
         # each node's first epoch in the order its own generator shuffles it, as the simulator's paths draw it
         gens = generators(k, CPU)
@@ -127,7 +132,11 @@ class VmapBatchStatistics:
         leaves = {n: p.detach().requires_grad_() for n, p in self.params.items()}
         grads = torch.autograd.grad(self.losses(leaves, self.cur_x, self.cur_y).sum(), list(leaves.values()))
         with torch.no_grad():
-            torch._foreach_add_(list(self.params.values()), list(grads), alpha=-SETTINGS.lr)
+            self.update(list(self.params.values()), list(grads))
+
+    def update(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Plain SGD, every node at once."""
+        torch._foreach_add_(params, grads, alpha=-self.settings.lr)
 
     def __call__(self) -> None:
         with torch.no_grad():

@@ -15,8 +15,10 @@ Timed in the same run, each as node-training images per second:
   once as a CUDA graph, `torch.func.vmap` over the nodes (stacked parameters, SGD written out), and
   that vmap step captured as a CUDA graph. On a CPU only the eager references apply.
 
-The figures are ratios to the best reference of the same case. Two sections time other workloads:
-KDIA's generator (`sim_generator`) and FedSA's BatchNorm ResNet-18 (`sim_batch_norm`). Then `fedmq
+The figures are ratios to the best reference of the same case. Sections time other workloads: KDIA's
+generator (`sim_generator`), FedSA's BatchNorm ResNet-18 (`sim_batch_norm`), FedRCL's GroupNorm ResNet-18
+(`sim_group_norm`, not in a CPU's quick suite) and, with `--opt compile=true`, the bare vmap step compiled
+(`sim_compile`). Then `fedmq
 simulate` of the quickstart: the share of its wall time spent training and its images per second over the
 whole run.
 """
@@ -585,6 +587,8 @@ def run(options: BenchOptions) -> Report:
     with torch_threads(1) if not gpu else contextlib.nullcontext():
         _generator_rows(report, devices[0], repeats, options.quick)
         _batch_norm_rows(report, devices[0], repeats, options.quick)
+        if gpu or not options.quick:  # a ResNet-18 at 32 x 32: seconds a round on a CPU
+            _group_norm_rows(report, devices[0], repeats)
         if compiled:
             _compile_rows(report, devices[0], repeats, options.quick)
     plan_rows(report, options.quick, repeats)
@@ -615,6 +619,17 @@ def _batch_norm_rows(report: Report, device: torch.device, repeats: int, quick: 
         sim_batch_norm.add_rows(report, device, repeats, quick)
     except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
         report.notes.append(f"FedSA's BatchNorm section failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _group_norm_rows(report: Report, device: torch.device, repeats: int) -> None:
+    """FedRCL's GroupNorm ResNet-18 one by one, vectorised and in bare PyTorch (`sim_group_norm`), its failure
+    noted as the BatchNorm section's is: its GPU path has not run on a GPU."""
+    from fedmq.experiments.bench import sim_group_norm
+
+    try:
+        sim_group_norm.add_rows(report, device, repeats)
+    except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
+        report.notes.append(f"FedRCL's GroupNorm section failed on {device}: {type(exc).__name__}: {exc}")
 
 
 def _compile_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:
