@@ -30,6 +30,7 @@ float64 as one node trained alone is (5e-4 here, 2026-11-29).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -79,12 +80,8 @@ class _GroupNorm(torch.autograd.Function):
         groups are the k-th block; its weight and bias the k-th block of the flattened (K x C)."""
         x_dim, _, weight_dim, bias_dim, _ = in_dims
         k = info.batch_size
-        x = x.movedim(x_dim, 1) if x_dim is not None else x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:])
-        n, _, c, *spatial = x.shape
-        out = F.group_norm(
-            x.reshape(n, k * c, *spatial), k * groups, _blocks(weight, weight_dim, k), _blocks(bias, bias_dim, k), eps
-        )
-        return out.view(n, k, c, *spatial), 1
+        weight, bias = _blocks(weight, weight_dim, k), _blocks(bias, bias_dim, k)
+        return _as_channels(x, x_dim, k, lambda x: F.group_norm(x, k * groups, weight, bias, eps))
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -137,19 +134,20 @@ class _BatchNorm(torch.autograd.Function):
         views of the nodes' own (updated in place)."""
         x_dim, mean_dim, var_dim, weight_dim, bias_dim, _, _ = in_dims
         k = info.batch_size
-        x = x.movedim(x_dim, 1) if x_dim is not None else x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:])
-        n, _, c, *rest = x.shape
-        out = F.batch_norm(
-            x.reshape(n, k * c, *rest),
-            _statistics(running_mean, mean_dim),
-            _statistics(running_var, var_dim),
-            _blocks(weight, weight_dim, k),
-            _blocks(bias, bias_dim, k),
-            True,
-            momentum,
-            eps,
-        )
-        return out.view(n, k, c, *rest), 1
+        mean, var = _statistics(running_mean, mean_dim), _statistics(running_var, var_dim)
+        weight, bias = _blocks(weight, weight_dim, k), _blocks(bias, bias_dim, k)
+        return _as_channels(x, x_dim, k, lambda x: F.batch_norm(x, mean, var, weight, bias, True, momentum, eps))
+
+
+def _as_channels(
+    x: torch.Tensor, x_dim: int | None, k: int, kernel: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """`kernel` run on K nodes' (B, C, ...) inputs seen as one (B, K x C, ...) batch, node k's channels the
+    k-th block (a view where the input is laid out sample-major, as a convolution under vmap leaves it);
+    its output seen per node again, mapped at dimension 1."""
+    x = x.movedim(x_dim, 1) if x_dim is not None else x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:])
+    n, _, c, *rest = x.shape
+    return kernel(x.reshape(n, k * c, *rest)).view(n, k, c, *rest), 1
 
 
 def _statistics(t: torch.Tensor | None, dim: int | None) -> torch.Tensor | None:

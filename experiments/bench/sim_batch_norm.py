@@ -175,13 +175,51 @@ def step_ops(work: Workload) -> dict[str, int]:
                 lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(k, CPU), graphs="off")
             )
 
-    reference = VmapBatchStatistics(work, capture=False)
+    return {
+        VECTORISED: ops(False),
+        MASKED: ops(True),
+        REFERENCE: second_step_ops(VmapBatchStatistics(work, capture=False)),
+    }
+
+
+def second_step_ops(reference: VmapBatchStatistics) -> int:
+    """The operators of `reference`'s second step (its first builds what later steps reuse), views aside."""
     reference.step()
     with OpCount() as counted:
         reference.cur_x.copy_(reference.x[:, 1 % reference.steps])
         reference.cur_y.copy_(reference.y[:, 1 % reference.steps])
         reference.step()
-    return {VECTORISED: ops(False), MASKED: ops(True), REFERENCE: counted.count}
+    return counted.count
+
+
+def add_path_rows(
+    report: Report,
+    work: Workload,
+    times: dict[str, Timing],
+    ops: dict[str, int],
+    reference: str,
+    cell: tuple[str, int, int, tuple[str, ...]],
+    section: str,
+) -> None:
+    """Each path's images a second against `reference`'s, `cell` = (whose cell, its rounds, its images a
+    round, the paths given what that cell's node training would take at their speed), then each step's
+    operators against the reference's."""
+    whose, rounds, images, cell_paths = cell
+    for name, timing in times.items():
+        rate = work.images / timing.median
+        note = f"{timing.median * 1e3:,.1f} ms a round"
+        if name in cell_paths:
+            minutes = images * rounds / rate / 60
+            note += (
+                f"; at this speed a {whose} cell's node training ({rounds:,} rounds of {images:,} images)"
+                f" would take {minutes:,.0f} min (arithmetic, not timed)"
+            )
+        report.add(name, rate, "images/s", ratio=times[reference].median / timing.median,
+                   ratio_means="the vmap reference's speed", note=note, section=section)  # fmt: skip
+    for name, count in ops.items():
+        report.add(f"{name}: operators a step", count, "ops", ratio=ops[reference] / count,
+                   ratio_means="the reference's count (fewer is faster)",
+                   note="dispatched, views aside: about one GPU kernel each", section=section)  # fmt: skip
 
 
 def shape(device: torch.device, quick: bool) -> tuple[int, int]:
@@ -197,21 +235,5 @@ def add_rows(report: Report, device: torch.device, repeats: int, quick: bool) ->
     work = workload(device, k, size)
     params = count_parameters(work.model)
     section = f"FedSA's ResNet-18 with BatchNorm ({params:,} parameters): {k} nodes of {size}, batch 10, {device}"
-    times = timings(work, repeats)
-    reference = times[REFERENCE].median
-    for name, timing in times.items():
-        rate = work.images / timing.median
-        note = f"{timing.median * 1e3:,.1f} ms a round"
-        if name in (VECTORISED, MASKED, KEPT):
-            minutes = CELL_IMAGES * CELL_ROUNDS / rate / 60
-            note += (
-                f"; at this speed a FedSA cell's node training ({CELL_ROUNDS:,} rounds of {CELL_IMAGES:,} images)"
-                f" would take {minutes:,.0f} min (arithmetic, not timed)"
-            )
-        report.add(name, rate, "images/s", ratio=reference / timing.median,
-                   ratio_means="the vmap reference's speed", note=note, section=section)  # fmt: skip
-    ops = step_ops(work)
-    for name, count in ops.items():
-        report.add(f"{name}: operators a step", count, "ops", ratio=ops[REFERENCE] / count,
-                   ratio_means="the reference's count (fewer is faster)",
-                   note="dispatched, views aside: about one GPU kernel each", section=section)  # fmt: skip
+    cell = ("FedSA", CELL_ROUNDS, CELL_IMAGES, (VECTORISED, MASKED, KEPT))
+    add_path_rows(report, work, timings(work, repeats), step_ops(work), REFERENCE, cell, section)

@@ -26,8 +26,15 @@ from collections.abc import Callable
 import torch
 
 from fedmq.experiments.bench.common import Report, measure
-from fedmq.experiments.bench.sim_batch_norm import CPU, VmapBatchStatistics, Workload, workload
-from fedmq.experiments.bench.simulator import KeptRounds, OpCount, last_step_ops
+from fedmq.experiments.bench.sim_batch_norm import (
+    CPU,
+    VmapBatchStatistics,
+    Workload,
+    add_path_rows,
+    second_step_ops,
+    workload,
+)
+from fedmq.experiments.bench.simulator import KeptRounds, last_step_ops
 from fedmq.experiments.bench.training import OneByOne, generators, synchronized
 from fedmq.fedcore.models import build_model, count_parameters
 from fedmq.fedcore.training import TrainSettings
@@ -95,23 +102,8 @@ def add_rows(report: Report, device: torch.device, repeats: int, k: int | None =
         paths[KEPT] = KeptRounds(vectorised(work))
     paths[REFERENCE] = VmapGroupNorm(work)
     times = {name: measure(synchronized(call, device), repeats=repeats, warmup=1) for name, call in paths.items()}
-    reference = times[REFERENCE].median
-    for name, timing in times.items():
-        rate = work.images / timing.median
-        note = f"{timing.median * 1e3:,.1f} ms a round"
-        if name in (VECTORISED, KEPT):
-            minutes = CELL_IMAGES * CELL_ROUNDS / rate / 60
-            note += (
-                f"; at this speed a FedRCL cell's node training ({CELL_ROUNDS:,} rounds of {CELL_IMAGES:,}"
-                f" images) would take {minutes:,.0f} min (arithmetic, not timed)"
-            )
-        report.add(name, rate, "images/s", ratio=reference / timing.median,
-                   ratio_means="the vmap reference's speed", note=note, section=section)  # fmt: skip
-    ops = step_ops(work)
-    for name, count in ops.items():
-        report.add(f"{name}: operators a step", count, "ops", ratio=ops[REFERENCE] / count,
-                   ratio_means="the reference's count (fewer is faster)",
-                   note="dispatched, views aside: about one GPU kernel each", section=section)  # fmt: skip
+    cell = ("FedRCL", CELL_ROUNDS, CELL_IMAGES, (VECTORISED, KEPT))
+    add_path_rows(report, work, times, step_ops(work), REFERENCE, cell, section)
 
 
 def step_ops(work: Workload) -> dict[str, int]:
@@ -121,10 +113,4 @@ def step_ops(work: Workload) -> dict[str, int]:
     ours = last_step_ops(
         lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(k, CPU), graphs="off")
     )
-    reference = VmapGroupNorm(work, capture=False)
-    reference.step()
-    with OpCount() as counted:
-        reference.cur_x.copy_(reference.x[:, 1 % reference.steps])
-        reference.cur_y.copy_(reference.y[:, 1 % reference.steps])
-        reference.step()
-    return {VECTORISED: ours, REFERENCE: counted.count}
+    return {VECTORISED: ours, REFERENCE: second_step_ops(VmapGroupNorm(work, capture=False))}
