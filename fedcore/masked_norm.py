@@ -23,7 +23,7 @@ left at a step. Here a BatchNorm is replaced, for the vectorised forward only, b
 A step in which every node that trains has a whole batch (`NormStep.whole`, known on the host from the
 shard sizes: a node pads only the trailing batch of an epoch) has nothing to mask: there the output is
 torch's own BatchNorm (one kernel forward, one backward, over the nodes as one BatchNorm of K x C channels
-with its scale and shift: `fedcore.node_norms.batch_norm_over_nodes`),
+with its scale and shift: `fedcore.layers_over_nodes.batch_norm_over_nodes`),
 where the masked sums take about ten operators forward and more backward. If every node of the step
 trains at it (`NormStep.everyone`: none masked), torch's BatchNorm also updates each node's running mean
 and variance itself, in place, as the module's own training step does (the K nodes' channels run as one
@@ -53,8 +53,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from fedmq.fedcore.layers_over_nodes import batch_norm_over_nodes
 from fedmq.fedcore.module_copies import replace_modules
-from fedmq.fedcore.node_norms import batch_norm_over_nodes
 
 TORCH_AT_WHOLE_BATCHES: ContextVar[bool] = ContextVar("fedmq_torch_norm_at_whole_batches", default=True)
 """Whether a step of whole batches takes torch's own BatchNorm (the default); off, every step takes the

@@ -65,6 +65,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
+from fedmq.fedcore.layers_over_nodes import over_nodes
 from fedmq.fedcore.masked_norm import (
     TORCH_AT_WHOLE_BATCHES,
     NormStep,
@@ -72,7 +73,6 @@ from fedmq.fedcore.masked_norm import (
     masked_norms,
     update_running_statistics,
 )
-from fedmq.fedcore.node_norms import over_nodes
 from fedmq.fedcore.round_plan import (
     StepDraws,
     _draws_of,
@@ -246,7 +246,7 @@ def functional_method(model: nn.Module, name: str) -> Callable[[dict[str, torch.
     """``model.<name>(x)`` (``represent``, ``forward_taps``) run on the parameters given, as
     `NodeBatch.forward` runs ``model(x)``: for an objective that needs more than the logits. A parameter
     not given is the model's own (its frozen ones, which every node shares)."""
-    wrapper = _Method(over_nodes(model), name)  # a GroupNorm as one over the nodes (`fedcore.node_norms`)
+    wrapper = _Method(over_nodes(model), name)  # a GroupNorm as one over the nodes (`fedcore.layers_over_nodes`)
 
     def call(params: dict[str, torch.Tensor], x: torch.Tensor) -> object:
         return functional_call(wrapper, {f"model.{n}": p for n, p in params.items()}, (x,))

@@ -7,7 +7,7 @@ of that node training (FedAvg's objective: FedRCL's own terms ride on the same s
 CIFAR-shaped images (clearly not CIFAR), Normalize(0.5), without the paper's rotation, crop and flip:
 
 - the simulator one by one (`local_sgd` per node);
-- the simulator vectorised, each GroupNorm one kernel over the nodes (`fedcore.node_norms`), and on a
+- the simulator vectorised, each GroupNorm one kernel over the nodes (`fedcore.layers_over_nodes`), and on a
   GPU with rounds kept (its steps replays of captured CUDA graphs);
 - a bare-PyTorch reference: `torch.func.vmap` over the nodes with torch's own GroupNorm (vmap's rule:
   the input copied into node order, the scale and shift apart), clipping and SGD written out, captured

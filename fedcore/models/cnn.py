@@ -37,6 +37,7 @@ class MoonCNN(FedModel):
         fh, fw = spatial_after(h, "moon-cnn", *steps), spatial_after(w, "moon-cnn", *steps)
         self.conv1 = nn.Conv2d(c, 6, 5)
         self.conv2 = nn.Conv2d(6, 16, 5)
+        self.pool = nn.MaxPool2d(2)  # a module: vectorised training pools the nodes as one (fedcore.layers_over_nodes)
         self.fc1 = nn.Linear(16 * fh * fw, 120)
         self.fc2 = nn.Linear(120, 84)
         self.l1 = nn.Linear(84, 84)
@@ -47,9 +48,9 @@ class MoonCNN(FedModel):
         self.head_prefixes = ("fc1", "fc2", "l1", "l2", "l3")
 
     def _extract(self, x: torch.Tensor, taps: Taps | None) -> torch.Tensor:
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(self.pool(self.conv1(x)))
         record(taps, "conv1", x)
-        return F.relu(F.max_pool2d(self.conv2(x), 2))
+        return F.relu(self.pool(self.conv2(x)))
 
     def _classify(self, h: torch.Tensor, taps: Taps | None) -> torch.Tensor:
         x = F.relu(self.fc1(h.flatten(1)))
@@ -78,6 +79,7 @@ class FedAvgCNN(FedModel):
         fh, fw = spatial_after(h, "fedavg-cnn", *steps), spatial_after(w, "fedavg-cnn", *steps)
         self.conv1 = nn.Conv2d(c, 32, 5, padding=2)
         self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
+        self.pool = nn.MaxPool2d(2)  # a module: vectorised training pools the nodes as one (fedcore.layers_over_nodes)
         self.fc1 = nn.Linear(64 * fh * fw, 512)
         self.fc = nn.Linear(512, num_classes)
         self.feature_shape = (512,)
@@ -85,9 +87,9 @@ class FedAvgCNN(FedModel):
         self.head_prefixes = ("fc",)
 
     def _extract(self, x: torch.Tensor, taps: Taps | None) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = self.pool(F.relu(self.conv1(x)))
         record(taps, "conv1", x)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = self.pool(F.relu(self.conv2(x)))
         record(taps, "conv2", x)
         return F.relu(self.fc1(x.flatten(1)))
 
@@ -114,6 +116,7 @@ class Conv2Cifar(FedModel):
         fh, fw = spatial_after(h, "conv2cifar", *steps), spatial_after(w, "conv2cifar", *steps)
         self.conv1 = nn.Conv2d(c, 64, 5)
         self.conv2 = nn.Conv2d(64, 64, 5)
+        self.pool = nn.MaxPool2d(2)  # a module: vectorised training pools the nodes as one (fedcore.layers_over_nodes)
         self.fc1 = nn.Linear(64 * fh * fw, 384)
         self.fc2 = nn.Linear(384, 192)
         self.fc = nn.Linear(192, num_classes, bias=head_bias)
@@ -122,9 +125,9 @@ class Conv2Cifar(FedModel):
         self.head_prefixes = ("fc",)
 
     def _extract(self, x: torch.Tensor, taps: Taps | None) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = self.pool(F.relu(self.conv1(x)))
         record(taps, "conv1", x)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = self.pool(F.relu(self.conv2(x)))
         record(taps, "conv2", x)
         x = F.relu(self.fc1(x.flatten(1)))
         record(taps, "fc1", x)

@@ -854,7 +854,7 @@ def test_the_cpus_sgd_update_in_the_gradients_memory_is_the_multi_tensor_forms_b
 
 def test_a_groupnorm_resnet_trains_vectorised_as_one_by_one_in_float64(digits: TensorDataset) -> None:
     """FedRCL's model, ResNet-18 with GroupNorm, whose GroupNorms a round runs as one over its nodes
-    (`fedcore.node_norms`): every node its own local_sgd to 1e-12, clipping and momentum included."""
+    (`fedcore.layers_over_nodes`): every node its own local_sgd to 1e-12, clipping and momentum included."""
     data64 = dataclasses.replace(digits, x=digits.x.double())
     model = build_model("resnet18", digits.input_shape, 10, seed=0, norm="gn", stem="cifar").double()
     datasets = shards(data64, (9, 4, 12))
@@ -865,3 +865,30 @@ def test_a_groupnorm_resnet_trains_vectorised_as_one_by_one_in_float64(digits: T
         assert stats.steps == want.steps > 0
         assert max_difference(state, want_state) < 1e-12
         assert stats.loss == pytest.approx(want.loss, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["moon-cnn", "fedavg-cnn", "conv2cifar"])
+def test_pools_over_the_nodes_train_bitwise_as_vmaps_own_rule(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CNNs' max-pooling, run on the nodes' channels as one batch's (`fedcore.layers_over_nodes`, no copy into
+    node order), changes no bit of a vectorised round: a run recorded before replays."""
+    from torch import nn
+
+    from fedmq.fedcore import layers_over_nodes
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(60, 3, 32, 32, generator=gen), torch.randint(0, 10, (60,), generator=gen), 10)
+    model = build_model(name, (3, 32, 32), 10, seed=0)
+    datasets = shards(data, (20, 13, 27))
+    settings = dataclasses.replace(SGD, batch_size=8)
+    pooled = []
+    forward = layers_over_nodes.MaxPool2dOverNodes.forward
+    monkeypatch.setattr(
+        layers_over_nodes.MaxPool2dOverNodes, "forward", lambda self, x: pooled.append(1) or forward(self, x)
+    )
+    ours = train_vectorized(model, datasets, settings, generators(3))
+    assert pooled  # the pools ran over the nodes
+    monkeypatch.setattr(layers_over_nodes, "_replaced", lambda m: type(m) is nn.GroupNorm)
+    theirs = train_vectorized(model, datasets, settings, generators(3))
+    for (state, stats), (want_state, want) in zip(ours, theirs, strict=True):
+        assert stats.steps == want.steps > 0 and stats.loss == want.loss
+        assert all(torch.equal(state[k], want_state[k]) for k in want_state)

@@ -149,10 +149,10 @@ def test_whole_batches_take_torchs_batch_norm_and_padded_ones_the_masked_sums(
 ) -> None:
     """A step whose nodes all have whole batches normalises with torch's own BatchNorm (two kernels, not
     the masked sums' dozens); a step where one pads takes the masked statistics; both agree with local_sgd."""
-    from fedmq.fedcore import masked_norm, node_norms, vectorized
+    from fedmq.fedcore import layers_over_nodes, masked_norm, vectorized
 
     calls = {"torch": 0, "masked": 0}
-    batch_norm, counts = node_norms.F.batch_norm, masked_norm.NormStep.counts
+    batch_norm, counts = layers_over_nodes.F.batch_norm, masked_norm.NormStep.counts
 
     def torch_norm(*args: object, **kwargs: object) -> torch.Tensor:
         calls["torch"] += 1
@@ -162,7 +162,7 @@ def test_whole_batches_take_torchs_batch_norm_and_padded_ones_the_masked_sums(
         calls["masked"] += 1
         return counts(self, values, dtype)
 
-    monkeypatch.setattr(node_norms.F, "batch_norm", torch_norm)  # the kernel over the nodes (node_norms)
+    monkeypatch.setattr(layers_over_nodes.F, "batch_norm", torch_norm)  # the kernel over the nodes (layers_over_nodes)
     monkeypatch.setattr(masked_norm.NormStep, "counts", masked)
     model = norm_net()
     datasets = shards(digits64, (40, 32, 48))  # steps 0, 1: all whole; step 2: node 0's 8 samples pad its batch

@@ -1,31 +1,37 @@
-"""Normalisation inside vectorised training: the K nodes' GroupNorms (and BatchNorms) as one of K x C
-channels.
+"""Layers inside vectorised training run over the K nodes as one layer of K x C channels: GroupNorm,
+BatchNorm at whole batches, max-pooling.
 
 `fedcore.vectorized` maps one forward pass over the nodes (`torch.vmap`), each node with its own
-weights. vmap's own rules for a GroupNorm or a BatchNorm whose weight and bias differ from node to node
-normalise without them, then multiply by the weight and add the bias: two more passes over the
-activations forward, and more backward (the weight's and bias's gradients summed apart). The GroupNorm
-rule also first copies its input into node-major order, while a convolution with per-node weights (a
-grouped convolution under vmap) leaves its output sample-major, (B, K x C, H, W) in memory, so every
-GroupNorm of a ResNet copied its input once more. In FedRCL's ResNet-18 (GroupNorm, two groups) these
-copies and passes were half of a vectorised step's memory traffic on a CPU (21.1 GB a step of 4 nodes of
-50, then 10.6; 524 operators, then 306); in FedSA's (BatchNorm) the passes were a third (15.5 GB).
+weights. A convolution with per-node weights (a grouped convolution under vmap) leaves its output
+sample-major, (B, K x C, H, W) in memory. vmap's own rules for the layers after it did more than the
+layer:
+
+- GroupNorm and BatchNorm with per-node weights: normalised without them, then multiplied by the weight
+  and added the bias, two more passes over the activations forward, and more backward (the weight's and
+  bias's gradients summed apart); the GroupNorm rule first copied its input into node-major order.
+  FedRCL's ResNet-18 (GroupNorm, two groups): 21.1 GB of memory traffic a step of 4 nodes of 50, then
+  10.6; 524 operators, then 306. FedSA's (BatchNorm): 15.5 GB, then 10.1; 353 operators, then 193.
+- max-pooling: the maps copied into node-major order, then the next convolution's input copied back,
+  forward and backward. The MOON CNN (KDIA's model): 575 MB a step of 10 nodes of 64, then 434; 109
+  operators, then 99.
 
 Here, under vmap only, such a layer is torch's own kernel over the nodes' activations seen as one batch
 of K x C channels (a GroupNorm in K x G groups), node k's channels (and groups) the k-th block, its
 weight and bias the k-th block of the flattened (K x C): the same groups and channels, so the same
 arithmetic per node, in one kernel with its scale and shift forward and one backward, on the
 activations as the convolution left them (a view, no copy). A BatchNorm's running statistics are the
-nodes' own (K, C), updated in place through a (K x C) view, as torch's BatchNorm updates its own. Each
-rule is an `autograd.Function`'s `vmap` staticmethod, torch.func's way of giving a function its own
-batching rule; autograd differentiates the operators it runs. Outside a map the functions are plain
-`F.group_norm` and `F.batch_norm` in training mode.
+nodes' own (K, C), updated in place through a (K x C) view, as torch's BatchNorm updates its own.
+Pooling does no arithmetic: it is bitwise vmap's rule's. Each rule is an `autograd.Function`'s `vmap`
+staticmethod, torch.func's way of giving a function its own batching rule; autograd differentiates the
+operators it runs. Outside a map the functions are plain `F.group_norm`, `F.batch_norm` in training
+mode and `F.max_pool2d`.
 
-`over_nodes` makes the model the vectorised forward runs: a shallow copy with each GroupNorm replaced
-(`fedcore.module_copies`), the model itself where it has none; `fedcore.masked_norm` calls
-`batch_norm_over_nodes` for a BatchNorm's whole batches. In float64 the gradients of FedRCL's ResNet-18
-are those of each node's own model within 1e-16 (vmap's rule: 1e-15); in float32 they are as close to
-float64 as one node trained alone is (5e-4 here, 2026-11-29).
+`over_nodes` makes the model the vectorised forward runs: a shallow copy with each GroupNorm and
+`nn.MaxPool2d` replaced (`fedcore.module_copies`), the model itself where it has none (the CNNs pool
+with a module for this); `fedcore.masked_norm` calls `batch_norm_over_nodes` for a BatchNorm's whole
+batches. In float64 the gradients of FedRCL's ResNet-18 are those of each node's own model within
+1e-16 (vmap's rule: 1e-15); in float32 they are as close to float64 as one node trained alone is (5e-4
+here, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -147,7 +153,8 @@ def _as_channels(
     its output seen per node again, mapped at dimension 1."""
     x = x.movedim(x_dim, 1) if x_dim is not None else x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:])
     n, _, c, *rest = x.shape
-    return kernel(x.reshape(n, k * c, *rest)).view(n, k, c, *rest), 1
+    out = kernel(x.reshape(n, k * c, *rest))
+    return out.view(n, k, c, *out.shape[2:]), 1
 
 
 def _statistics(t: torch.Tensor | None, dim: int | None) -> torch.Tensor | None:
@@ -215,7 +222,62 @@ class GroupNormOverNodes(nn.Module):
         return _GroupNorm.apply(x, self.num_groups, weight, bias, self.eps)  # type: ignore[no-any-return]
 
 
+class _MaxPool2d(torch.autograd.Function):
+    """`F.max_pool2d`, with a batching rule that pools the mapped nodes' channels as one batch's (`vmap`)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, pool: tuple[Any, ...]) -> torch.Tensor:
+        return F.max_pool2d(x, *pool)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, ctx.pool = inputs
+        ctx.save_for_backward(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """`F.max_pool2d`'s own gradient, for a call outside a map."""
+        (x,) = ctx.saved_tensors
+        (x_grad,) = _gradients(lambda x: F.max_pool2d(x, *ctx.pool), (x,), (ctx.needs_input_grad[0],), grad)
+        return x_grad, None
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, pool: tuple[Any, ...]
+    ) -> tuple[torch.Tensor, int]:
+        """Pooling is channel by channel: K nodes' (B, C, H, W) maps pooled as one (B, K x C, H, W) batch,
+        bitwise what each node's pooling gives, in the layout a convolution under vmap left them."""
+        x_dim = in_dims[0]
+        if x.dim() != 5 or x_dim is None:  # unbatched (C, H, W) maps, or one map for every node: torch's own rule
+            x = x if x_dim is not None else x.unsqueeze(0).expand(info.batch_size, *x.shape)
+            batched = x.movedim(x_dim or 0, 0)
+            return F.max_pool2d(batched.flatten(0, 1), *pool).unflatten(0, batched.shape[:2]), 0
+        return _as_channels(x, x_dim, info.batch_size, lambda x: F.max_pool2d(x, *pool))
+
+
+class MaxPool2dOverNodes(nn.Module):
+    """A `torch.nn.MaxPool2d` whose map over nodes pools their channels as one batch's (see `_MaxPool2d`):
+    after a convolution with per-node weights, vmap's own rule copies the maps into node order first."""
+
+    def __init__(self, pool: nn.MaxPool2d) -> None:
+        super().__init__()
+        self.pool = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MaxPool2d.apply(x, self.pool)  # type: ignore[no-any-return]
+
+
+def _over_nodes(module: nn.Module) -> nn.Module:
+    if isinstance(module, nn.MaxPool2d):
+        return MaxPool2dOverNodes(module)
+    return GroupNormOverNodes(cast(nn.GroupNorm, module))
+
+
+def _replaced(module: nn.Module) -> bool:
+    return type(module) is nn.GroupNorm or (type(module) is nn.MaxPool2d and not module.return_indices)
+
+
 def over_nodes(model: nn.Module) -> nn.Module:
     """`model` with each GroupNorm a `GroupNormOverNodes`: a shallow copy of the modules on the way to one,
     the model itself where there is none (the model is unchanged)."""
-    return replace_modules(model, lambda m: type(m) is nn.GroupNorm, lambda m, _: GroupNormOverNodes(m))  # type: ignore[arg-type]
+    return replace_modules(model, _replaced, lambda m, _: _over_nodes(m))

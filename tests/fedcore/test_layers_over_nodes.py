@@ -1,4 +1,4 @@
-"""`fedcore.node_norms`: under a map over nodes, the nodes' GroupNorms and BatchNorms each as one of K x C
+"""`fedcore.layers_over_nodes`: under a map over nodes, the nodes' GroupNorms and BatchNorms each as one of K x C
 channels, each node's output, gradients (and running statistics) its own layer's; outside a map, torch's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fedmq.fedcore.node_norms import GroupNormOverNodes, batch_norm_over_nodes, over_nodes
+from fedmq.fedcore.layers_over_nodes import GroupNormOverNodes, MaxPool2dOverNodes, batch_norm_over_nodes, over_nodes
 from fedmq.fedcore.vectorized import functional_method
 
 K, B, C, GROUPS = 3, 4, 6, 2
@@ -221,3 +221,44 @@ def test_outside_a_map_the_batchnorm_is_torchs_in_training_mode() -> None:
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(ours_stats, torch_stats, strict=True))
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "pool", [nn.MaxPool2d(2), nn.MaxPool2d(3, stride=2, padding=1), nn.MaxPool2d(2, ceil_mode=True)], ids=str
+)
+def test_a_max_pool_over_nodes_is_each_nodes_own_bitwise_with_no_copy(pool: nn.MaxPool2d) -> None:
+    """Pooling is channel by channel: the nodes' maps pooled as one batch's channels are each node's own,
+    bit for bit, forward and backward, on the layout a convolution under vmap leaves (sample-major), where
+    vmap's own rule copies the maps into node order first."""
+    x = node_inputs()["x"][..., :5].transpose(0, 1).contiguous().requires_grad_()  # (B, K, C, 5, 5) in memory
+    ours = MaxPool2dOverNodes(pool)
+    with Operators() as ops:
+        out = vmap(ours, in_dims=1)(x)
+    probe = torch.randn_like(out)
+    with ops:
+        (got,) = torch.autograd.grad(out, [x], probe)
+    assert ops.counts["clone"] == 0 and ops.counts["max_pool2d_with_indices"] == 1, ops.counts
+    want_out = torch.stack([pool(x[:, k]) for k in range(K)])
+    (want,) = torch.autograd.grad(want_out, [x], probe)
+    assert torch.equal(out, want_out) and torch.equal(got, want)
+    with Operators() as theirs:
+        vmap(pool, in_dims=1)(x)
+    assert theirs.counts["clone"] > 0  # the rule it replaces
+
+
+def test_a_max_pool_over_nodes_of_unbatched_or_shared_maps_is_torchs() -> None:
+    pool, x = nn.MaxPool2d(2), node_inputs()["x"]
+    ours = MaxPool2dOverNodes(pool)
+    assert torch.equal(vmap(ours)(x[:, 0]), vmap(pool)(x[:, 0]))  # each node one (C, H, W) map
+    shared = x[0]
+    assert torch.equal(vmap(lambda w: ours(shared) * w)(torch.ones(K)), torch.stack([pool(shared)] * K))
+    leaf = x[0].clone().requires_grad_()
+    (got,) = torch.autograd.grad((ours(leaf) ** 2).sum(), [leaf])
+    (want,) = torch.autograd.grad((pool(leaf) ** 2).sum(), [leaf])
+    assert torch.equal(ours(leaf), pool(leaf)) and torch.equal(got, want)  # outside a map
+
+
+def test_over_nodes_leaves_a_pool_that_returns_its_indices() -> None:
+    model = nn.Sequential(nn.MaxPool2d(2, return_indices=True), nn.MaxPool2d(2))
+    copied = over_nodes(model)
+    assert type(copied[0]) is nn.MaxPool2d and isinstance(copied[1], MaxPool2dOverNodes)
