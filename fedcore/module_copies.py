@@ -1,10 +1,10 @@
 """A model with some of its modules replaced for one use, the model itself left as it is.
 
 Vectorised training runs a model's forward pass with a few layers done another way (BatchNorm over each
-node's real samples, `fedcore.masked_norm`; GroupNorm as one over the nodes, `fedcore.layers_over_nodes`). The
-copy it runs shares every tensor with the model: only the modules on the way to a replaced one are
-copied, shallowly (their own parameter, buffer and module tables), so a large model costs nothing to
-copy and the model's parameters stay the ones trained.
+node's real samples, `fedcore.masked_norm`; GroupNorm and max-pooling as one over the nodes,
+`fedcore.layers_over_nodes`). The copy it runs shares every tensor with the model: only the modules on
+the way to a replaced one are copied, shallowly (their own parameter, buffer and module tables), so a
+large model costs nothing to copy and the model's parameters stay the ones trained.
 """
 
 from __future__ import annotations
