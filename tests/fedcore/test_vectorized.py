@@ -892,3 +892,38 @@ def test_pools_over_the_nodes_train_bitwise_as_vmaps_own_rule(name: str, monkeyp
     for (state, stats), (want_state, want) in zip(ours, theirs, strict=True):
         assert stats.steps == want.steps > 0 and stats.loss == want.loss
         assert all(torch.equal(state[k], want_state[k]) for k in want_state)
+
+
+def _layers_over_nodes_as_one_by_one(device: torch.device, name: str, options: dict[str, object], graphs: str) -> None:
+    """In float64 on `device`, every node of a vectorised round of `name` (its pooling, GroupNorm or
+    BatchNorm run over the nodes, `fedcore.layers_over_nodes`) within 1e-10 of its own local_sgd."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(49, 3, 32, 32, generator=gen, dtype=torch.float64)
+    data = TensorDataset(x, torch.randint(0, 10, (49,), generator=gen), 10)
+    datasets = [d.to(device) for d in shards(data, (16, 9, 24))]
+    model = build_model(name, (3, 32, 32), 10, seed=0, **options).to(device, torch.float64)
+    settings = dataclasses.replace(SGD, local_epochs=1, batch_size=8)
+    expected = []
+    for i, shard in enumerate(datasets):
+        copy_ = copy.deepcopy(model)
+        local_sgd(copy_, shard, settings, torch_generator(3, "node-train", f"node-{i}", 0, device=device))
+        expected.append(copy_.state_dict())
+    gens = [torch_generator(3, "node-train", f"node-{i}", 0, device=device) for i in range(len(datasets))]
+    got = train_vectorized(model, datasets, settings, gens, graphs=graphs)
+    for want, (state, stats) in zip(expected, got, strict=True):
+        assert stats.steps > 0 and max_difference(state, want) < 1e-10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("moon-cnn", {}), ("resnet18", {"norm": "gn", "stem": "cifar"}), ("resnet18", {"norm": "bn", "stem": "imagenet"})],
+    ids=["pool", "groupnorm", "batchnorm-and-pool"],
+)
+def test_layers_over_nodes_in_captured_cuda_graphs_equal_one_by_one_on_gpu(
+    name: str, options: dict[str, object]
+) -> None:
+    """The batching rules of `fedcore.layers_over_nodes` (2026-11-29, written without a GPU) inside the
+    round's captured CUDA graphs: each node's own local_sgd on the GPU, in float64."""
+    _layers_over_nodes_as_one_by_one(torch.device("cuda"), name, options, graphs="on")
