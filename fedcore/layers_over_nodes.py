@@ -247,12 +247,11 @@ class _MaxPool2d(torch.autograd.Function):
     ) -> tuple[torch.Tensor, int]:
         """Pooling is channel by channel: K nodes' (B, C, H, W) maps pooled as one (B, K x C, H, W) batch,
         bitwise what each node's pooling gives, in the layout a convolution under vmap left them."""
-        x_dim = in_dims[0]
-        if x.dim() != 5 or x_dim is None:  # unbatched (C, H, W) maps, or one map for every node: torch's own rule
-            x = x if x_dim is not None else x.unsqueeze(0).expand(info.batch_size, *x.shape)
-            batched = x.movedim(x_dim or 0, 0)
-            return F.max_pool2d(batched.flatten(0, 1), *pool).unflatten(0, batched.shape[:2]), 0
-        return _as_channels(x, x_dim, info.batch_size, lambda x: F.max_pool2d(x, *pool))
+        x_dim, k = in_dims[0], info.batch_size
+        if x.dim() - (x_dim is not None) == 4:  # a (B, C, H, W) batch a node
+            return _as_channels(x, x_dim, k, lambda x: F.max_pool2d(x, *pool))
+        maps = x.movedim(x_dim, 0) if x_dim is not None else x.expand(k, *x.shape)  # a (C, H, W) map a node
+        return F.max_pool2d(maps.flatten(0, 1), *pool).unflatten(0, maps.shape[:2]), 0
 
 
 class MaxPool2dOverNodes(nn.Module):

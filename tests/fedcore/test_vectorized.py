@@ -488,15 +488,27 @@ def test_vectorized_on_gpu_with_resident_data_equals_one_by_one(digits: TensorDa
     cuda = torch.device("cuda")
     model = build_model("cnn", digits.input_shape, 10, seed=0).to(cuda, torch.float64)
     datasets = [d.to(cuda) for d in shards(dataclasses.replace(digits, x=digits.x.double()), SIZES)]
+    assert_each_node_as_local_sgd_on(cuda, model, datasets, SGD)
+
+
+def assert_each_node_as_local_sgd_on(
+    device: torch.device,
+    model: torch.nn.Module,
+    datasets: Sequence[TensorDataset],
+    settings: TrainSettings,
+    graphs: str | None = None,
+) -> None:
+    """Every node of a vectorised round on `device` (generators there too) within 1e-10 of its own
+    local_sgd there, and trained (float64)."""
     expected = []
     for i, data in enumerate(datasets):
         copy_ = copy.deepcopy(model)
-        local_sgd(copy_, data, SGD, torch_generator(3, "node-train", f"node-{i}", 0, device=cuda))
+        local_sgd(copy_, data, settings, torch_generator(3, "node-train", f"node-{i}", 0, device=device))
         expected.append(copy_.state_dict())
-    gens = [torch_generator(3, "node-train", f"node-{i}", 0, device=cuda) for i in range(len(datasets))]
-    got = train_vectorized(model, datasets, SGD, gens)
-    for want, (state, _) in zip(expected, got, strict=True):
-        assert max_difference(state, want) < 1e-10
+    gens = [torch_generator(3, "node-train", f"node-{i}", 0, device=device) for i in range(len(datasets))]
+    got = train_vectorized(model, datasets, settings, gens, graphs=graphs)
+    for want, (state, stats) in zip(expected, got, strict=True):
+        assert stats.steps > 0 and max_difference(state, want) < 1e-10
 
 
 @pytest.mark.parametrize(
@@ -902,16 +914,9 @@ def _layers_over_nodes_as_one_by_one(device: torch.device, name: str, options: d
     data = TensorDataset(x, torch.randint(0, 10, (49,), generator=gen), 10)
     datasets = [d.to(device) for d in shards(data, (16, 9, 24))]
     model = build_model(name, (3, 32, 32), 10, seed=0, **options).to(device, torch.float64)
-    settings = dataclasses.replace(SGD, local_epochs=1, batch_size=8)
-    expected = []
-    for i, shard in enumerate(datasets):
-        copy_ = copy.deepcopy(model)
-        local_sgd(copy_, shard, settings, torch_generator(3, "node-train", f"node-{i}", 0, device=device))
-        expected.append(copy_.state_dict())
-    gens = [torch_generator(3, "node-train", f"node-{i}", 0, device=device) for i in range(len(datasets))]
-    got = train_vectorized(model, datasets, settings, gens, graphs=graphs)
-    for want, (state, stats) in zip(expected, got, strict=True):
-        assert stats.steps > 0 and max_difference(state, want) < 1e-10
+    assert_each_node_as_local_sgd_on(
+        device, model, datasets, dataclasses.replace(SGD, local_epochs=1, batch_size=8), graphs
+    )
 
 
 @pytest.mark.gpu
