@@ -401,12 +401,30 @@ def _sgd_all(
     settings: TrainSettings,
     lr: _LearningRate,
 ) -> None:
-    """torch.optim.SGD's step for every node of the stack at once, as its foreach form computes it: a
-    few multi-tensor operations over all the parameters (one kernel each on a GPU) instead of several
-    per parameter, for a step in which no node is masked. `bufs` is empty without momentum. The lr is
-    read from the device (`lr`), as torch's capturable optimisers read it, so that a captured step
-    serves every lr (a decaying lr, FedRCL's epochs). The gradients are this step's own: they are
-    changed in place."""
+    """torch.optim.SGD's step for every node of the stack at once, for a step in which no node is masked.
+    `bufs` is empty without momentum; they start at zero, so the first step's `0 * momentum + g` is torch's
+    copy of g. The lr is read from the device (`lr`), as torch's capturable optimisers read it, so that a
+    captured step serves every lr (a decaying lr, FedRCL's epochs). The gradients are this step's own.
+
+    In torch's fused form (`fused=True`) where it applies (`_fused`): one kernel reads each parameter,
+    gradient and momentum buffer once and writes the parameter and buffer, where the multi-tensor form's
+    weight decay, momentum and update pass over them five times (on a GPU five kernels; for a ResNet-18 a
+    fifth of a step's memory traffic). Its rounding may differ from the other forms' in the last bit (a
+    fused multiply-add)."""
+    if _fused(params, bufs):
+        torch._fused_sgd_(
+            params,
+            [g if g.is_contiguous() else g.contiguous() for g in grads],  # the kernel reads them as laid out
+            bufs,
+            weight_decay=settings.weight_decay,
+            momentum=settings.momentum,
+            lr=lr.fused,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=False,
+        )
+        return
     if settings.weight_decay != 0:
         torch._foreach_add_(grads, params, alpha=settings.weight_decay)
     update = grads
@@ -414,16 +432,17 @@ def _sgd_all(
         torch._foreach_mul_(bufs, settings.momentum)
         torch._foreach_add_(bufs, grads)
         update = bufs
-    if params and params[0].device.type == "cpu":
-        # the products in the gradients' own memory: on a CPU each out-of-place product of a large tensor
-        # costs a fresh allocation, whose pages the kernel zeroes first (ten times the product itself for a
-        # ResNet-18 stacked 4 times); the same products, so the same bits, and as few operators
-        if update is not grads:
-            torch._foreach_copy_(grads, update)
-        torch._foreach_mul_(grads, lr.negative)
-        torch._foreach_add_(params, grads)
-    else:
-        torch._foreach_add_(params, torch._foreach_mul(update, lr.negative))
+    torch._foreach_add_(params, torch._foreach_mul(update, lr.negative))
+
+
+def _fused(params: list[torch.Tensor], bufs: list[torch.Tensor]) -> bool:
+    """Whether torch's fused SGD kernel steps these tensors: it reads every tensor as contiguous memory
+    (on a CPU a transposed gradient gives silently wrong weights: hence the gradients made contiguous),
+    and on a CUDA device it reads a device lr as float32, which would round a float64 model's lr (its
+    float64 agreement with `local_sgd`, 1e-12, would not hold): such models keep the multi-tensor form."""
+    if not params or not all(t.is_contiguous() for t in (*params, *bufs)):
+        return False
+    return params[0].device.type != "cuda" or params[0].dtype != torch.float64
 
 
 @dataclass(frozen=True)
@@ -431,18 +450,23 @@ class _LearningRate:
     """A round's lr on its device, where a captured step reads it: a kept round's next call (another
     round's decayed lr, FedRCL's next epoch) sets it in place (`set`) instead of capturing anew."""
 
+    fused: torch.Tensor
+    """lr as SGD's fused kernel reads it: float32 on a CUDA device, else in the parameters' dtype."""
     negative: torch.Tensor
-    """-lr in the parameters' dtype (SGD's update, as torch.optim.SGD's alpha=-lr rounds it)."""
+    """-lr in the parameters' dtype (SGD's multi-tensor update, as torch.optim.SGD's alpha=-lr rounds it)."""
     exact: torch.Tensor
     """lr in float64 (Adam's step size, as torch computes it from its Python lr)."""
 
     @classmethod
     def of(cls, lr: float, dtype: torch.dtype, device: torch.device) -> _LearningRate:
         return cls(
-            torch.full((), -lr, dtype=dtype, device=device), torch.full((), lr, dtype=torch.float64, device=device)
+            torch.full((), lr, dtype=torch.float32 if device.type == "cuda" else dtype, device=device),
+            torch.full((), -lr, dtype=dtype, device=device),
+            torch.full((), lr, dtype=torch.float64, device=device),
         )
 
     def set(self, lr: float) -> None:
+        self.fused.fill_(lr)
         self.negative.fill_(-lr)
         self.exact.fill_(lr)
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 import torch
+from torch import nn
 
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import GroupMember, Payload, TaskInput
@@ -625,7 +626,7 @@ def _kept_tensors(round_: object) -> list[torch.Tensor]:
     cur = round_.cur
     found = [*round_.stack.params.values(), *(t for v in round_.stack.state.values() for t in v), round_.stack.step]
     found += [*round_.start.values(), *round_.frozen.values(), round_.y, round_.totals]
-    found += [round_.lr.negative, round_.lr.exact]
+    found += [round_.lr.fused, round_.lr.negative, round_.lr.exact]
     found += [t for made in round_.constants.values() for t in made]
     found += [cur.bytes] + ([round_.x] if round_.x is not None else [])  # every per-step tensor views `bytes`
     return found
@@ -837,31 +838,49 @@ def test_a_plan_is_drawn_in_chunks_as_the_steps_need_them_where_that_overlaps_th
     assert len(plan.chunks) == 3 and float(plan.seen.sum()) == 3 * (64 + 40)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "a transposed gradient", "a transposed parameter"])
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-3), (0.0, 1e-3)])
-def test_the_cpus_sgd_update_in_the_gradients_memory_is_the_multi_tensor_forms_bitwise(
-    momentum: float, weight_decay: float
+def test_the_stacks_sgd_update_is_torchs_sgd_step_for_every_node(
+    momentum: float, weight_decay: float, layout: str
 ) -> None:
-    """`_sgd_all` on a CPU writes its products into the gradients' memory instead of fresh tensors (whose
-    pages cost more than the products for a large model): the same bits as the out-of-place form that a
-    GPU runs, large tensors (the vectorised kernels' paths) and small alike."""
+    """`_sgd_all` against torch.optim.SGD stepping the same tensors, two steps at two lrs (read from the
+    device): torch's fused kernel, bitwise its fused form and its plain form to the last bits (a fused
+    multiply-add rounds once), momentum buffers that start at zero as torch's first step's copy of the
+    gradient. Large tensors (the vectorised kernels' paths) and small alike. The kernel reads every
+    tensor as contiguous memory (a transposed gradient gave other weights): a transposed gradient is made
+    contiguous, a transposed parameter takes the multi-tensor form."""
     from fedmq.fedcore.vectorized import _LearningRate, _sgd_all
 
     torch.manual_seed(0)
     shapes = [(4, 300_001), (4, 7), (4, 64, 3, 3)]
     params = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) * 1e-2 for s in shapes]
-    bufs = [torch.randn(s) * 1e-2 for s in shapes] if momentum else []
+    if layout == "a transposed parameter":
+        params[1] = torch.randn(7, 4).t()
+    grads = [[torch.randn(s) * 1e-2 for s in shapes] for _ in range(2)]
+    if layout == "a transposed gradient":
+        grads[0][1] = grads[1][1] = torch.randn(7, 4).t() * 1e-2
+    bufs = [torch.zeros(s) for s in shapes] if momentum else []
     settings = dataclasses.replace(SGD, momentum=momentum, weight_decay=weight_decay)
     lr = _LearningRate.of(0.0137, torch.float32, torch.device("cpu"))
-    want_params, want_bufs = [p.clone() for p in params], [b.clone() for b in bufs]
-    update = list(torch._foreach_add(grads, want_params, alpha=weight_decay)) if weight_decay else grads
-    if momentum:
-        torch._foreach_mul_(want_bufs, momentum)
-        torch._foreach_add_(want_bufs, update)
-        update = want_bufs
-    torch._foreach_add_(want_params, torch._foreach_mul(update, lr.negative))
-    _sgd_all(params, [g.clone() for g in grads], bufs, settings, lr)
-    assert all(torch.equal(p, w) for p, w in zip(params + bufs, want_params + want_bufs, strict=True))
+    theirs = {fused: [nn.Parameter(p.clone()) for p in params] for fused in (True, False)}
+    optimisers = {
+        fused: torch.optim.SGD(ps, lr=0.0137, momentum=momentum, weight_decay=weight_decay, fused=fused)
+        for fused, ps in theirs.items()
+    }
+    for step, rate in enumerate((0.0137, 0.02)):
+        lr.set(rate)
+        _sgd_all(params, [g.clone() for g in grads[step]], bufs, settings, lr)
+        for fused, optimiser in optimisers.items():
+            optimiser.param_groups[0]["lr"] = rate
+            for p, g in zip(theirs[fused], grads[step], strict=True):
+                p.grad = g.contiguous()
+            optimiser.step()
+    for p, t in zip(params, theirs[False], strict=True):
+        torch.testing.assert_close(p, t.detach(), rtol=1e-6, atol=1e-8)
+    if layout != "a transposed parameter":
+        assert all(torch.equal(p, t) for p, t in zip(params, theirs[True], strict=True))
+        want = [optimisers[True].state[t]["momentum_buffer"] for t in theirs[True]] if momentum else []
+        assert all(torch.equal(b, w) for b, w in zip(bufs, want, strict=True))
 
 
 def test_a_groupnorm_resnet_trains_vectorised_as_one_by_one_in_float64(digits: TensorDataset) -> None:
