@@ -883,6 +883,47 @@ def test_the_stacks_sgd_update_is_torchs_sgd_step_for_every_node(
         assert all(torch.equal(b, w) for b, w in zip(bufs, want, strict=True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32-fused", "float64-multi-tensor"])
+def test_the_stacks_sgd_update_captured_on_a_gpu_is_torchs_sgd_at_every_lr(dtype: torch.dtype) -> None:
+    """On a CUDA device, `_sgd_all` captured once as a CUDA graph and replayed at two lrs (set on the device
+    between replays, as a kept round sets them): torch.optim.SGD's weights, bitwise its fused form's in
+    float32 (the fused kernel), and in float64 (the multi-tensor form, the fused kernel reading a device lr
+    as float32) within float64 rounding of its plain form's."""
+    from fedmq.fedcore.vectorized import _LearningRate, _sgd_all
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 300_001), (4, 7), (4, 64, 3, 3)]
+    params = [torch.randn(s, generator=gen, dtype=dtype).to(cuda) for s in shapes]
+    grads = [[(torch.randn(s, generator=gen, dtype=dtype) * 1e-2).to(cuda) for s in shapes] for _ in range(2)]
+    bufs = [torch.zeros_like(p) for p in params]
+    settings = dataclasses.replace(SGD, momentum=0.9, weight_decay=1e-3)
+    lr = _LearningRate.of(0.0137, dtype, cuda)
+    fused = dtype == torch.float32
+    theirs = [nn.Parameter(p.clone()) for p in params]
+    optimiser = torch.optim.SGD(theirs, lr=0.0137, momentum=0.9, weight_decay=1e-3, fused=fused)
+    step_grads = [torch.empty_like(p) for p in params]
+    _sgd_all([p.clone() for p in params], [g.clone() for g in grads[0]], [b.clone() for b in bufs], settings, lr)
+    torch.cuda.synchronize()  # warmed up outside the graph, on copies
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _sgd_all(params, step_grads, bufs, settings, lr)
+    for step, rate in enumerate((0.0137, 0.02)):
+        lr.set(rate)
+        torch._foreach_copy_(step_grads, grads[step])
+        graph.replay()
+        optimiser.param_groups[0]["lr"] = rate
+        for p, g in zip(theirs, grads[step], strict=True):
+            p.grad = g.clone()
+        optimiser.step()
+    for p, t in zip(params, theirs, strict=True):
+        if fused:
+            assert torch.equal(p, t.detach())
+        else:
+            torch.testing.assert_close(p, t.detach(), rtol=1e-13, atol=1e-15)
+
+
 def test_a_groupnorm_resnet_trains_vectorised_as_one_by_one_in_float64(digits: TensorDataset) -> None:
     """FedRCL's model, ResNet-18 with GroupNorm, whose GroupNorms a round runs as one over its nodes
     (`fedcore.layers_over_nodes`): every node its own local_sgd to 1e-12, clipping and momentum included."""
