@@ -36,7 +36,8 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from fedmq.experiments.bench.common import Report, Timing, measure
-from fedmq.experiments.bench.simulator import KeptRounds, OpCount, Reference, last_step_ops
+from fedmq.experiments.bench.simulator import KeptRounds, Reference
+from fedmq.experiments.bench.step_cost import StepCost, add_cost_rows, counted, last_step_cost
 from fedmq.experiments.bench.training import OneByOne, generators, synchronized
 from fedmq.fedcore.data import Split, TensorDataset, with_transforms
 from fedmq.fedcore.masked_norm import masked_at_every_step
@@ -164,46 +165,48 @@ def timings(work: Workload, repeats: int) -> dict[str, Timing]:
     return {name: measure(synchronized(call, work.device), repeats=repeats, warmup=1) for name, call in paths.items()}
 
 
-def step_ops(work: Workload) -> dict[str, int]:
-    """Operators a step dispatches, views aside (on a GPU about one kernel each): the vectorised step's
-    (its last, eager) and the reference's (its second: the first builds what later steps reuse)."""
+def step_costs(work: Workload) -> dict[str, StepCost]:
+    """What a step dispatches (`step_cost`): the vectorised step's (its last, eager) and the reference's
+    (its second: the first builds what later steps reuse)."""
     k = len(work.datasets)
 
-    def ops(masked: bool) -> int:
+    def cost(masked: bool) -> StepCost:
         with masked_at_every_step() if masked else contextlib.nullcontext():
-            return last_step_ops(
+            return last_step_cost(
                 lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(k, CPU), graphs="off")
             )
 
     return {
-        VECTORISED: ops(False),
-        MASKED: ops(True),
-        REFERENCE: second_step_ops(VmapBatchStatistics(work, capture=False)),
+        VECTORISED: cost(False),
+        MASKED: cost(True),
+        REFERENCE: second_step_cost(VmapBatchStatistics(work, capture=False)),
     }
 
 
-def second_step_ops(reference: VmapBatchStatistics) -> int:
-    """The operators of `reference`'s second step (its first builds what later steps reuse), views aside."""
+def second_step_cost(reference: VmapBatchStatistics) -> StepCost:
+    """What `reference`'s second step dispatches (its first builds what later steps reuse)."""
     reference.step()
-    with OpCount() as counted:
+
+    def second() -> None:
         reference.cur_x.copy_(reference.x[:, 1 % reference.steps])
         reference.cur_y.copy_(reference.y[:, 1 % reference.steps])
         reference.step()
-    return counted.count
+
+    return counted(second)
 
 
 def add_path_rows(
     report: Report,
     work: Workload,
     times: dict[str, Timing],
-    ops: dict[str, int],
+    costs: dict[str, StepCost],
     reference: str,
     cell: tuple[str, int, int, tuple[str, ...]],
     section: str,
 ) -> None:
     """Each path's images a second against `reference`'s, `cell` = (whose cell, its rounds, its images a
     round, the paths given what that cell's node training would take at their speed), then each step's
-    operators against the reference's."""
+    operators and memory traffic against the reference's."""
     whose, rounds, images, cell_paths = cell
     for name, timing in times.items():
         rate = work.images / timing.median
@@ -216,10 +219,7 @@ def add_path_rows(
             )
         report.add(name, rate, "images/s", ratio=times[reference].median / timing.median,
                    ratio_means="the vmap reference's speed", note=note, section=section)  # fmt: skip
-    for name, count in ops.items():
-        report.add(f"{name}: operators a step", count, "ops", ratio=ops[reference] / count,
-                   ratio_means="the reference's count (fewer is faster)",
-                   note="dispatched, views aside: about one GPU kernel each", section=section)  # fmt: skip
+    add_cost_rows(report, costs, reference, section)
 
 
 def shape(device: torch.device, quick: bool) -> tuple[int, int]:
@@ -236,4 +236,4 @@ def add_rows(report: Report, device: torch.device, repeats: int, quick: bool) ->
     params = count_parameters(work.model)
     section = f"FedSA's ResNet-18 with BatchNorm ({params:,} parameters): {k} nodes of {size}, batch 10, {device}"
     cell = ("FedSA", CELL_ROUNDS, CELL_IMAGES, (VECTORISED, MASKED, KEPT))
-    add_path_rows(report, work, timings(work, repeats), step_ops(work), REFERENCE, cell, section)
+    add_path_rows(report, work, timings(work, repeats), step_costs(work), REFERENCE, cell, section)

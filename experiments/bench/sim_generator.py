@@ -17,16 +17,16 @@ own seed; the generator is KDIA's for that model (noise 100, 890,724 parameters)
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 from fedmq.experiments.bench.common import Report, Timing, measure
-from fedmq.experiments.bench.simulator import OpCount, Reference
+from fedmq.experiments.bench.simulator import Reference
+from fedmq.experiments.bench.step_cost import StepCost, StepCounter, add_cost_rows, counted, last_step_counted
 from fedmq.experiments.bench.training import synchronized
 from fedmq.fedcore.algorithms.kdia import Hyperparams
 from fedmq.fedcore.algorithms.kdia import generator as kdia_generator
@@ -128,38 +128,21 @@ class PlainLoop:
                 self.step()
 
 
-@contextlib.contextmanager
-def _last_step_counted(counter: OpCount) -> Iterator[None]:
-    """`train_generator`'s steps run eagerly, the last of them inside `counter`."""
-
-    def steps(total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: object) -> None:
-        for s in range(total):
-            with counter if s == total - 1 else contextlib.nullcontext():
-                load(s)
-                eager(s)
-
-    saved = kdia_generator.run_steps
-    kdia_generator.run_steps = steps  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        kdia_generator.run_steps = saved
-
-
-def step_ops(work: GeneratorWork) -> dict[str, int]:
-    """Operators one step dispatches, views aside, its inputs' copy included: KDIA's and the plain loop's
-    (eagerly: a captured step replays the same kernels)."""
-    kdia = OpCount()
-    with _last_step_counted(kdia):
+def step_costs(work: GeneratorWork) -> dict[str, StepCost]:
+    """What one step dispatches, its inputs' copy included: KDIA's and the plain loop's (eagerly: a
+    captured step replays the same kernels)."""
+    kdia = StepCounter()
+    with last_step_counted(kdia_generator, kdia):
         kdia_round(GeneratorWork(work.generator, work.ensemble, 4, work.device))()
     plain = PlainLoop(GeneratorWork(work.generator, work.ensemble, 4, work.device), capture=False)
     plain.step()  # the optimiser's state made, as KDIA's warm-up makes it
-    counted = OpCount()
-    with counted:
+
+    def second() -> None:
         plain.y.copy_(plain.labels[1])
         plain.z.copy_(plain.noise[1])
         plain.step()
-    return {KDIA: kdia.count, PLAIN: counted.count}
+
+    return {KDIA: kdia.cost, PLAIN: counted(second)}
 
 
 def timings(work: GeneratorWork, repeats: int) -> dict[str, Timing]:
@@ -197,13 +180,8 @@ def add_rows(report: Report, device: torch.device, repeats: int, quick: bool) ->
             )
         report.add(label, timing.median * 1e3, "ms", ratio=plain / timing.median,
                    ratio_means="the plain loop's speed", note=note, section=section)  # fmt: skip
-    ops = step_ops(work)
-    for name, count in ops.items():
-        report.add(f"{name}: operators a step", count, "ops", ratio=ops[PLAIN] / count,
-                   ratio_means="the plain loop's count (fewer is faster)",
-                   note="dispatched, views aside: about one GPU kernel each"
-                   + ("" if gpu else "; on a CPU torch's Adam steps each parameter in turn, on a GPU all at once"),
-                   section=section)  # fmt: skip
+    cpu_adam = "" if gpu else "; on a CPU torch's Adam steps each parameter in turn, on a GPU all at once"
+    add_cost_rows(report, step_costs(work), PLAIN, section, whose="the plain loop's", ops_note=cpu_adam)
     if gpu and not quick:
         costs = cudnn_costs(device, steps, repeats)
         for choice, timing in costs.items():

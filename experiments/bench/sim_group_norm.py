@@ -31,10 +31,11 @@ from fedmq.experiments.bench.sim_batch_norm import (
     VmapBatchStatistics,
     Workload,
     add_path_rows,
-    second_step_ops,
+    second_step_cost,
     workload,
 )
-from fedmq.experiments.bench.simulator import KeptRounds, last_step_ops
+from fedmq.experiments.bench.simulator import KeptRounds
+from fedmq.experiments.bench.step_cost import StepCost, last_step_cost
 from fedmq.experiments.bench.training import OneByOne, generators, synchronized
 from fedmq.fedcore.models import build_model, count_parameters
 from fedmq.fedcore.training import TrainSettings
@@ -103,14 +104,14 @@ def add_rows(report: Report, device: torch.device, repeats: int, k: int | None =
     paths[REFERENCE] = VmapGroupNorm(work)
     times = {name: measure(synchronized(call, device), repeats=repeats, warmup=1) for name, call in paths.items()}
     cell = ("FedRCL", CELL_ROUNDS, CELL_IMAGES, (VECTORISED, KEPT))
-    add_path_rows(report, work, times, step_ops(work), REFERENCE, cell, section)
+    add_path_rows(report, work, times, step_costs(work), REFERENCE, cell, section)
 
 
-def step_ops(work: Workload) -> dict[str, int]:
-    """Operators a step dispatches, views aside: the vectorised step's (its last, eager) and the
-    reference's (its second: the first builds what later steps reuse)."""
+def step_costs(work: Workload) -> dict[str, StepCost]:
+    """What a step dispatches (`step_cost`): the vectorised step's (its last, eager) and the reference's
+    (its second: the first builds what later steps reuse)."""
     k = len(work.datasets)
-    ours = last_step_ops(
+    ours = last_step_cost(
         lambda: train_vectorized(work.model, work.datasets, SETTINGS, generators(k, CPU), graphs="off")
     )
-    return {VECTORISED: ours, REFERENCE: second_step_ops(VmapGroupNorm(work, capture=False))}
+    return {VECTORISED: ours, REFERENCE: second_step_cost(VmapGroupNorm(work, capture=False))}

@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedmq.experiments.bench.common import BenchOptions, Report, Timing, measure, run_keeping
+from fedmq.experiments.bench.step_cost import StepCost, add_cost_rows, counted, last_step_cost
 from fedmq.experiments.bench.training import KDIA_SETTINGS, OneByOne, cifar_shaped, generators, synchronized
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import ConfigError
@@ -305,56 +305,24 @@ class KeptRounds:
             vectorized.KEPT.reset(token)
 
 
-class OpCount(TorchDispatchMode):
-    """Counts the operators dispatched inside it, views aside: on a GPU each is about one kernel, so the
-    count is what a step costs in launches (eager) or in a graph's nodes (captured), on any device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def step_ops(case: Case, device: torch.device) -> dict[str, int]:
-    """Operators dispatched by one step, the copy of its batch's slice into place included: the
-    simulator's vectorised step (its last: with equal shards every node trains at every step) and the
-    vmap reference's."""
+def step_costs(case: Case, device: torch.device) -> dict[str, StepCost]:
+    """What one step dispatches, the copy of its batch's slice into place included: the simulator's
+    vectorised step (its last: with equal shards every node trains at every step) and the vmap
+    reference's (its second: the first builds what later steps reuse)."""
     model, datasets = workload(case, device)
     cpu = torch.device("cpu")
-    count = last_step_ops(
+    ours = last_step_cost(
         lambda: train_vectorized(model, datasets, case.settings, generators(case.k, cpu), graphs="off")
     )
     reference = VmapStep(model, datasets, case, device)
     reference.step_idx.copy_(reference.idx[:, 0])
-    reference._step()  # the first step builds what later steps reuse
-    with OpCount() as ref:
+    reference._step()
+
+    def second() -> None:
         reference.step_idx.copy_(reference.idx[:, 1])
         reference._step()
-    return {"simulator, vectorised": count, "reference: vmap over nodes": ref.count}
 
-
-def last_step_ops(call: Callable[[], object]) -> int:
-    """Operators dispatched by the last step of `call`'s vectorised round (eager; a captured step replays
-    the same kernels), the copy of its slice of the plan into place included."""
-    from fedmq.fedcore import vectorized
-
-    counted = OpCount()
-
-    def last_step_counted(
-        total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: Any, **__: Any
-    ) -> None:
-        for s in range(total):
-            with counted if s == total - 1 else contextlib.nullcontext():
-                load(s)
-                eager(s)
-
-    with mock.patch.object(vectorized, "run_steps", last_step_counted):
-        call()
-    return counted.count
+    return {"simulator, vectorised": ours, "reference: vmap over nodes": counted(second)}
 
 
 def host_work(case: Case, device: torch.device, repeats: int) -> Timing:
@@ -547,18 +515,8 @@ def run(options: BenchOptions) -> Report:
                     " during the steps), reset and results, which the device waits for",
                     section=f"{case.label}, {device}",
                 )
-                ops = step_ops(case, device)
-                reference_ops = ops["reference: vmap over nodes"]
-                for name, count in ops.items():
-                    report.add(
-                        f"{name}: operators a step",
-                        count,
-                        "ops",
-                        ratio=reference_ops / count,
-                        ratio_means="the vmap reference's count (fewer is faster)",
-                        note="dispatched, views aside: about one GPU kernel each",
-                        section=f"{case.label}, {device}",
-                    )
+                add_cost_rows(report, step_costs(case, device), "reference: vmap over nodes",
+                              f"{case.label}, {device}", whose="the vmap reference's")  # fmt: skip
                 if options.quick:
                     continue
                 if gpu:

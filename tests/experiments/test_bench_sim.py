@@ -28,7 +28,7 @@ from fedmq.experiments.bench.simulator import (
     cudnn_costs,
     main,
     run,
-    step_ops,
+    step_costs,
     steps_skipped,
     unequal_shards,
     workload,
@@ -55,12 +55,13 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
     assert not [note for note in report.notes if "section failed" in note]
     assert any(f.section.startswith("FedSA's ResNet-18 with BatchNorm") for f in report.figures)
     sections = ("KDIA's generator", "FedSA's")
-    assert {f.label for f in report.figures if f.unit == "ops" and not f.section.startswith(sections)} == {
-        "simulator, vectorised: operators a step",
-        "reference: vmap over nodes: operators a step",
-    }
+    costs = {f.label for f in report.figures if f.unit in ("ops", "MB") and not f.section.startswith(sections)}
+    paths = ("simulator, vectorised", "reference: vmap over nodes")
+    assert costs == {f"{p}: {what} a step" for p in paths for what in ("operators", "memory traffic")}
     generator = {f.label for f in report.figures if f.section.startswith("KDIA's generator: a round of 4 steps")}
-    assert generator == {KDIA, PLAIN, f"{KDIA}: operators a step", f"{PLAIN}: operators a step"}
+    assert generator == {KDIA, PLAIN} | {
+        f"{p}: {what} a step" for p in (KDIA, PLAIN) for what in ("operators", "memory traffic")
+    }
     assert not [note for note in report.notes if "generator section failed" in note]
     host = next(f for f in report.figures if f.label == "simulator, rounds kept: the host's work alone")
     kept = next(f for f in training if f.label == "simulator, vectorised, rounds kept")
@@ -85,15 +86,19 @@ def test_bench_sim_module_runs_without_the_command_line(tmp_path: Path, capsys: 
     assert "not measured" in capsys.readouterr().out
 
 
-def test_the_simulators_step_dispatches_about_as_many_operators_as_the_bare_vmap_step() -> None:
+def test_the_simulators_step_dispatches_no_more_operators_and_bytes_than_the_bare_vmap_step() -> None:
     """The operators a vectorised step dispatches (on a GPU about one kernel each, what a launch-bound
-    step costs) against the bare vmap reference's, on the same case: no more. A count, not a time, so
-    the same on any machine; the per-parameter masked update of 2026-11-26 took 2.3x, the step of
-    2026-11-27 1.11x (a copy per plan tensor, the mean's division, the losses' casts)."""
-    counts = step_ops(Case(2, 128, 1), torch.device("cpu"))
-    ours, reference = counts["simulator, vectorised"], counts["reference: vmap over nodes"]
-    assert reference > 50, counts  # the forward, backward and update of a CNN: the count counts
-    assert ours <= reference, counts
+    step costs) and the bytes they move (what a memory-bound one costs) against the bare vmap reference's,
+    on the same case: no more. Counts, not times, so the same on any machine; the per-parameter masked
+    update of 2026-11-26 took 2.3x the operators, the step of 2026-11-27 1.11x (a copy per plan tensor,
+    the mean's division, the losses' casts); vmap's rule for max-pooling, which copied each pooled map
+    into node order and back, 1.01x the bytes (2026-11-28)."""
+    costs = step_costs(Case(2, 128, 1), torch.device("cpu"))
+    ours, reference = costs["simulator, vectorised"], costs["reference: vmap over nodes"]
+    assert reference.ops > 50, costs  # the forward, backward and update of a CNN: the count counts
+    assert reference.bytes > 10e6, costs  # its activations: 2 nodes x 64 images x 32 x 32 x 64 channels...
+    assert ours.ops <= reference.ops, costs
+    assert ours.bytes <= reference.bytes, costs
 
 
 def test_the_host_work_figure_times_a_call_that_takes_no_step() -> None:

@@ -60,4 +60,7 @@ def test_the_section_gives_each_path_its_rate_against_the_reference_and_a_cell_a
     assert all(o.unit == "ops" and o.value > 100 for o in ops)  # a ResNet-18's step: the count counts
     # torch's BatchNorm at whole batches (the section's shards are whole) dispatches fewer than the masked sums
     assert ops[0].value < ops[1].value
+    traffic = [rows[f"{name}: memory traffic a step"] for name in (VECTORISED, MASKED, REFERENCE)]
+    assert all(t.unit == "MB" and t.value > 10 for t in traffic)  # a ResNet-18's activations and weights
+    assert traffic[0].value < traffic[2].value  # each BatchNorm one kernel: no scale and shift apart
     assert all("FedSA's ResNet-18 with BatchNorm" in f.section for f in report.figures)

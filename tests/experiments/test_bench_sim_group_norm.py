@@ -54,4 +54,6 @@ def test_the_section_gives_each_path_its_rate_and_operators_against_the_referenc
     ours, theirs = rows[f"{VECTORISED}: operators a step"], rows[f"{REFERENCE}: operators a step"]
     assert ours.unit == theirs.unit == "ops" and ours.value > 100  # a ResNet-18's step: the count counts
     assert ours.value < theirs.value  # each GroupNorm one kernel with its scale and shift, no copy before it
+    ours, theirs = rows[f"{VECTORISED}: memory traffic a step"], rows[f"{REFERENCE}: memory traffic a step"]
+    assert ours.unit == theirs.unit == "MB" and ours.value < theirs.value  # the same, in bytes
     assert all("FedRCL's ResNet-18 with GroupNorm" in f.section for f in report.figures)
