@@ -12,7 +12,13 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fedmq.fedcore.layers_over_nodes import GroupNormOverNodes, MaxPool2dOverNodes, batch_norm_over_nodes, over_nodes
+from fedmq.fedcore.layers_over_nodes import (
+    GroupNormOverNodes,
+    LinearOverNodes,
+    MaxPool2dOverNodes,
+    batch_norm_over_nodes,
+    over_nodes,
+)
 from fedmq.fedcore.vectorized import functional_method
 
 K, B, C, GROUPS = 3, 4, 6, 2
@@ -144,11 +150,12 @@ def test_over_nodes_replaces_each_groupnorm_in_a_copy_sharing_the_models_tensors
     model = Net()
     copied = over_nodes(model)
     assert isinstance(copied.body[1], GroupNormOverNodes) and type(model.body[1]) is nn.GroupNorm
-    assert copied.head is model.head and copied.body[0] is model.body[0]  # only the way to a GroupNorm is copied
+    assert isinstance(copied.head, LinearOverNodes) and type(model.head) is nn.Linear
+    assert copied.body[0] is model.body[0]  # only the way to a GroupNorm or Linear is copied
     assert dict(copied.named_parameters()).keys() == dict(model.named_parameters()).keys()
     for (name, mine), (_, theirs) in zip(copied.named_parameters(), model.named_parameters(), strict=True):
         assert mine is theirs, name
-    plain = nn.Sequential(nn.Linear(2, 2))
+    plain = nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU())
     assert over_nodes(plain) is plain
 
 
@@ -262,3 +269,92 @@ def test_over_nodes_leaves_a_pool_that_returns_its_indices() -> None:
     model = nn.Sequential(nn.MaxPool2d(2, return_indices=True), nn.MaxPool2d(2))
     copied = over_nodes(model)
     assert type(copied[0]) is nn.MaxPool2d and isinstance(copied[1], MaxPool2dOverNodes)
+
+
+def linear_inputs(x_shape: tuple[int, ...], shared: set[str], bias: bool = True) -> dict[str, torch.Tensor]:
+    """K nodes' float64 inputs of a Linear of 5 -> 4, each stacked on a first K dimension unless `shared`."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"x": x_shape, "weight": (4, 5)} | ({"bias": (4,)} if bias else {})
+    return {
+        n: torch.randn(s if n in shared else (K, *s), generator=gen, dtype=torch.float64).requires_grad_()
+        for n, s in shapes.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "shared", "bias"),
+    [
+        ((B, 5), set(), True),
+        ((B, 5), {"x"}, True),
+        ((B, 5), {"weight", "bias"}, True),
+        ((B, 5), {"weight"}, True),
+        ((B, 5), set(), False),
+        ((B, 3, 5), set(), True),
+        ((5,), set(), True),
+    ],
+    ids=["own", "shared-x", "shared-linear", "shared-weight", "no-bias", "3d-input", "one-sample"],
+)
+def test_each_node_is_its_own_linear_forward_and_backward_in_float64(
+    x_shape: tuple[int, ...], shared: set[str], bias: bool
+) -> None:
+    linear = LinearOverNodes(nn.Linear(5, 4, bias=bias).double())
+    inputs = linear_inputs(x_shape, shared, bias)
+    names = list(inputs)
+
+    def one(*tensors: torch.Tensor) -> torch.Tensor:
+        params = dict(zip(names[1:], tensors[1:], strict=True))
+        return functional_call(linear, params, (tensors[0],))
+
+    in_dims = tuple(None if n in shared else 0 for n in names)
+    out = vmap(one, in_dims=in_dims)(*inputs.values())
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad((out * probe).sum(), list(inputs.values()))
+
+    def node(k: int, name: str) -> torch.Tensor:
+        return inputs[name] if name in shared else inputs[name][k]
+
+    want_out = torch.stack(
+        [F.linear(node(k, "x"), node(k, "weight"), node(k, "bias") if bias else None) for k in range(K)]
+    )
+    want = torch.autograd.grad((want_out * probe).sum(), list(inputs.values()))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    for name, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=name)
+
+
+def test_under_a_map_a_linear_is_one_product_with_its_bias_and_its_weights_gradient_laid_out_as_they_are() -> None:
+    """vmap's own rule: a product, the bias scaled by one and added forward, the bias's gradient scaled by
+    one backward, and the weights' gradient transposed (which the fused SGD step copied); here one
+    `baddbmm` forward, a product for each gradient and a sum for the bias's."""
+    inputs = linear_inputs((B, 5), set())
+    linear = LinearOverNodes(nn.Linear(5, 4).double())
+    with Operators() as ops:
+        out = vmap(lambda x, w, b: functional_call(linear, {"weight": w, "bias": b}, (x,)))(*inputs.values())
+        grads = torch.autograd.grad(out.sum(), list(inputs.values()))
+    assert ops.counts["baddbmm"] == 1 and ops.counts["bmm"] == 2, ops.counts
+    assert not ops.counts["add"] and not ops.counts["mul"], ops.counts
+    assert grads[1].shape == (K, 4, 5) and grads[1].is_contiguous()
+
+
+def test_a_linear_over_nodes_inside_another_map_is_each_nodes_own() -> None:
+    """A map around the nodes' (per-sample gradients, say): the product's own generated rule."""
+    inputs = linear_inputs((B, 5), set())
+    linear = LinearOverNodes(nn.Linear(5, 4).double())
+
+    def node(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return vmap(lambda row: functional_call(linear, {"weight": w, "bias": b}, (row,)))(x)
+
+    out = vmap(node)(*inputs.values())
+    x, w, b = inputs.values()
+    torch.testing.assert_close(out, torch.stack([F.linear(x[k], w[k], b[k]) for k in range(K)]), rtol=0, atol=1e-12)
+
+
+def test_outside_a_map_a_linear_over_nodes_is_torchs_linear_and_its_gradient() -> None:
+    x, w, b = linear_inputs((B, 5), {"x", "weight", "bias"}).values()
+    linear = LinearOverNodes(nn.Linear(5, 4).double())
+    out = functional_call(linear, {"weight": w, "bias": b}, (x,))
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=0)
+    got = torch.autograd.grad(out.square().sum(), [x, w, b])
+    want = torch.autograd.grad(F.linear(x, w, b).square().sum(), [x, w, b])
+    for g, v in zip(got, want, strict=True):
+        torch.testing.assert_close(g, v, rtol=0, atol=0)
