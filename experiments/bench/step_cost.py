@@ -11,7 +11,7 @@ The bytes are those the operators' tensors span as their shapes say, each argume
 or argument the operator writes (its schema says which) written: an argument an operator only writes
 (`copy_`'s destination) counts as read too, and a broadcast (expanded) tensor counts every element it
 shows. So they bound the traffic from above, the same way for every path; what is compared is the ratio.
-Views move nothing and are not counted.
+Views move nothing and are not counted, nor are allocations and `_unsafe_view` (`NO_KERNEL`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ from fedmq.experiments.bench.common import Report
 
 MB = 1e6
 
+NO_KERNEL = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+"""Operators that are not views by their schema yet launch no kernel and move no byte: a reshape's view
+that autograd does not track as one, and allocations."""
+
 UNSCALED_ONLY = {torch.ops.aten._fused_sgd_.default, torch.ops.aten._fused_sgd_.tensor_lr}
 """Operators whose schema marks the gradients as written, which they write only to unscale them (given a
 `grad_scale`, which fedmq never passes): their gradients count as read only."""
@@ -44,7 +54,7 @@ class StepCost:
 
 
 class StepCounter(TorchDispatchMode):
-    """Counts the operators dispatched inside it, views aside, and the bytes of their tensors."""
+    """Counts the operators dispatched inside it, views and `NO_KERNEL` aside, and the bytes of their tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,7 +64,7 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not func.is_view:
+        if not func.is_view and func not in NO_KERNEL:
             self.ops += 1
             self.bytes += _moved(
                 func._schema, args, kwargs, out, read_only={"grads"} if func in UNSCALED_ONLY else set()

@@ -37,9 +37,12 @@ def test_fused_sgd_counts_its_gradients_as_read_only_as_it_leaves_them() -> None
     assert torch.equal(grads[0], before) and not torch.equal(params[0], torch.ones(10))
 
 
-def test_views_move_nothing_and_are_not_counted() -> None:
+def test_views_and_allocations_move_nothing_and_are_not_counted() -> None:
     a = torch.ones(4, 6)
     assert counted(lambda: (a.view(6, 4), a.t(), a[1:], a.unsqueeze(0).expand(3, 4, 6))) == StepCost(0, 0)
+    assert counted(lambda: (torch.empty(100), a.new_empty(7), torch.empty_strided((2, 2), (1, 2)))) == StepCost(0, 0)
+    assert counted(lambda: torch.ops.aten._unsafe_view(a, [24])) == StepCost(0, 0)
+    assert counted(lambda: a.t().reshape(24)) == StepCost(1, 2 * 96)  # a copy, then a view of it
 
 
 def test_a_multi_tensor_operator_counts_once_with_every_tensor_of_its_lists() -> None:
