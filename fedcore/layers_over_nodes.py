@@ -16,8 +16,9 @@ layer:
   operators, then 99.
 - Linear with per-node weights: a product, then the bias scaled by one and added, forward, the bias's
   gradient scaled by one again backward, and the weights' gradient left transposed, which the fused SGD
-  step (`fedcore.vectorized._sgd_all`) then copied. The MOON CNN: 99 operators a step, then 74 (the bare
-  vmap step: 109); 423 MB, then 410 (its 579); its CPU round 13% faster (2026-11-29).
+  step (`fedcore.vectorized._sgd_all`) then copied. The MOON CNN: 93 operators a step, then 73 (the bare
+  vmap step: 98); 404 MB, then 394 (its 490; `fedmq bench sim`); its CPU round about 12% faster
+  (2026-11-29).
 
 Here, under vmap only, such a layer is torch's own kernel over the nodes' activations seen as one batch
 of K x C channels (a GroupNorm in K x G groups), node k's channels (and groups) the k-th block, its

@@ -12,6 +12,13 @@ or argument the operator writes (its schema says which) written: an argument an 
 (`copy_`'s destination) counts as read too, and a broadcast (expanded) tensor counts every element it
 shows. So they bound the traffic from above, the same way for every path; what is compared is the ratio.
 Views move nothing and are not counted, nor are allocations and `_unsafe_view` (`NO_KERNEL`).
+
+An operator is about one GPU kernel, not exactly: the mode sees the operator the step calls, not what
+runs inside it. A convolution with a bias, for one, is one operator here and two kernels on a GPU (torch
+adds the bias after cuDNN's convolution), and on a CPU its backward zeroes the bias's gradient first.
+Folding the nodes' biases into their grouped convolution cut the MOON CNN's count by four and made its
+CPU round slower (2026-11-29): it was left out. A change is judged by its time, the counts say where to
+look.
 """
 
 from __future__ import annotations
