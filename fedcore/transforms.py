@@ -95,31 +95,65 @@ def _draw(generator: torch.Generator, n: int, device: torch.device) -> torch.Ten
     return torch.rand(n, generator=generator, device=generator.device).to(device)
 
 
-def crop_at(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) -> torch.Tensor:
-    """Per-image windows: image i's ``size x size`` window at (top[i], left[i]) of an N x C x H x W batch."""
+def crop_at(
+    x: torch.Tensor,
+    top: torch.Tensor,
+    left: torch.Tensor,
+    size: int,
+    flip: torch.Tensor | None = None,
+    window: Window | None = None,
+) -> torch.Tensor:
+    """Per-image windows: image i's ``size x size`` window at (top[i], left[i]) of an N x C x H x W batch,
+    mirrored left-right where `flip[i]` (`_window`)."""
     n, c, _, w = x.shape
-    rows = (top.view(n, 1) + torch.arange(size, device=x.device)).view(n, 1, size, 1).expand(n, c, size, w)
+    ahead, columns = _window(size, x.device, flip, window)
+    rows = (top.view(n, 1) + ahead).view(n, 1, size, 1).expand(n, c, size, w)
     x = x.gather(2, rows)
-    cols = (left.view(n, 1) + torch.arange(size, device=x.device)).view(n, 1, 1, size).expand(n, c, size, size)
+    cols = (left.view(n, 1) + columns).view(n, 1, 1, size).expand(n, c, size, size)
     return x.gather(3, cols)
 
 
+Window = tuple[torch.Tensor, torch.Tensor]
+"""A window's positions 0 .. size - 1 and size - 1 .. 0, made once where a step is repeated (a vectorised
+round's `_constants`)."""
+
+
+def _window(
+    size: int, device: torch.device, flip: torch.Tensor | None, window: Window | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window's rows, and its columns in the order it reads them: 0 .. size - 1, or, for an image `flip`
+    mirrors, size - 1 .. 0. So a crop and the flip after it are one gather (data moved, no arithmetic:
+    bitwise the crop, then `x.flip(-1)` where flipped), where the flip alone was two passes over the batch."""
+    ahead, behind = window if window is not None else (torch.arange(size, device=device), None)
+    if flip is None:
+        return ahead, ahead
+    return ahead, torch.where(flip.view(-1, 1), ahead.flip(0) if behind is None else behind, ahead)
+
+
 def padded_crop_at(
-    x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int, padding: int, mode: PaddingMode
+    x: torch.Tensor,
+    top: torch.Tensor,
+    left: torch.Tensor,
+    size: int,
+    padding: int,
+    mode: PaddingMode,
+    flip: torch.Tensor | None = None,
+    window: Window | None = None,
 ) -> torch.Tensor:
-    """``crop_at(pad(x, padding, mode), top, left, size)``, bitwise, for any dtype: torch's reflection
+    """``crop_at(pad(x, padding, mode), top, left, size, flip)``, bitwise, for any dtype: torch's reflection
     and replication padding take floats only, so for those each window's rows and columns are read where
     the padding would have copied them from, without making the padded batch (zeros are padded as
     before: torch pads any dtype with a constant, in fewer operations). So a batch can be cropped while
     it is still uint8 (`pipelines`), moving a quarter of float32's bytes; `top` and `left` are in padded
     coordinates, as `crop_at`'s are."""
     if padding == 0 or mode == "zero":
-        return crop_at(pad(x, padding, mode), top, left, size)
+        return crop_at(pad(x, padding, mode), top, left, size, flip, window)
     n, c, h, w = x.shape
     if mode == "reflect" and padding >= min(h, w):
         raise ValueError(f"a reflection padding of {padding} needs images larger than {h} x {w}")
-    offsets = torch.arange(size, device=x.device) - padding
-    rows, cols = top.view(n, 1) + offsets, left.view(n, 1) + offsets  # (n, size) in the image's coordinates
+    ahead, columns = _window(size, x.device, flip, window)
+    rows = top.view(n, 1) + (ahead - padding)  # (n, size) in the image's coordinates
+    cols = left.view(n, 1) + (columns - padding)
     out = x.gather(2, _source(rows, h, mode).view(n, 1, size, 1).expand(n, c, size, w))
     return out.gather(3, _source(cols, w, mode).view(n, 1, 1, size).expand(n, c, size, size))
 

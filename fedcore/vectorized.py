@@ -163,11 +163,14 @@ def augment_nodes(
 
 def _constants(steps: Sequence[BatchTransform], device: torch.device) -> dict[int, tuple[torch.Tensor, ...]]:
     """The fixed steps' tensors on `device`, made once: each Normalize step's mean and std, each ToFloat's
-    divisor. A captured graph cannot copy them from the host at every step, as `Normalize.__call__` does,
-    and a step need not refill them."""
+    divisor, each RandomCrop's window positions read forwards and backwards. A captured graph cannot copy
+    them from the host at every step, as `Normalize.__call__` does, and a step need not remake them."""
     made: dict[int, tuple[torch.Tensor, ...]] = {}
     for i, step in enumerate(steps):
-        if isinstance(step, Normalize):
+        if isinstance(step, RandomCrop):
+            ahead = torch.arange(step.size, device=device)
+            made[i] = (ahead, ahead.flip(0))
+        elif isinstance(step, Normalize):
             mean = torch.tensor(step.mean, device=device).view(1, -1, 1, 1)
             made[i] = (mean, torch.tensor(step.std, device=device).view(1, -1, 1, 1))
         elif isinstance(step, ToFloat):
@@ -266,11 +269,19 @@ def _apply_steps(
     constants: dict[int, tuple[torch.Tensor, ...]],
 ) -> torch.Tensor:
     """The transform's steps on a flat batch with the values drawn beforehand (`_draws_of`'s order):
-    what each node's own call gives, bitwise, with no draw and no host tensor inside (capturable)."""
+    what each node's own call gives, bitwise, with no draw and no host tensor inside (capturable). A flip
+    right after a crop is done by the crop's gather."""
     values = iter(draws)
+    folded = False
     for i, step in enumerate(steps):
-        if isinstance(step, RandomCrop):
-            x = padded_crop_at(x, next(values), next(values), step.size, step.padding, step.padding_mode)
+        if folded:  # a flip the crop before it made, in its gather (`transforms._columns`)
+            folded = False
+        elif isinstance(step, RandomCrop):
+            top, left = next(values), next(values)
+            folded = i + 1 < len(steps) and isinstance(steps[i + 1], RandomHorizontalFlip)
+            flip = next(values) if folded else None  # the flip's values follow the crop's
+            window = cast(tuple[torch.Tensor, torch.Tensor], constants[i])
+            x = padded_crop_at(x, top, left, step.size, step.padding, step.padding_mode, flip, window)
         elif isinstance(step, RandomHorizontalFlip):
             x = torch.where(next(values).view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
         elif isinstance(step, RandomRotation):

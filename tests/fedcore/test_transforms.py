@@ -71,6 +71,25 @@ def test_padded_crop_at_is_bitwise_the_crop_of_the_padded_batch(mode: str, dtype
         assert torch.equal(torch.signbit(got), torch.signbit(expected))  # bitwise: the zeros' signs too
 
 
+@pytest.mark.parametrize("mode", ["zero", "reflect", "replicate"])
+@pytest.mark.parametrize("window", [False, True], ids=["window-made", "window-given"])
+def test_a_crop_given_flips_is_bitwise_the_crop_then_the_flip(mode: str, window: bool) -> None:
+    """A vectorised step crops and flips in one gather (`flip`, `window`: its positions made once): each
+    image the crop's window, mirrored exactly where its flip says; uint8 and float alike."""
+    h, w, p, size = 7, 9, 3, 6
+    n = (h + 2 * p - size + 1) * (w + 2 * p - size + 1)
+    top, left = torch.meshgrid(torch.arange(h + 2 * p - size + 1), torch.arange(w + 2 * p - size + 1), indexing="ij")
+    top, left = top.reshape(-1), left.reshape(-1)
+    flip = torch.rand(n, generator=gen(2)) < 0.5
+    assert 0 < int(flip.sum()) < n
+    positions = (torch.arange(size), torch.arange(size).flip(0)) if window else None
+    for x in (torch.randint(0, 256, (n, 2, h, w), generator=gen(1), dtype=torch.uint8), torch.randn(n, 2, h, w)):
+        cropped = padded_crop_at(x, top, left, size, p, mode)  # type: ignore[arg-type]
+        expected = torch.where(flip.view(-1, 1, 1, 1), cropped.flip(-1), cropped)
+        got = padded_crop_at(x, top, left, size, p, mode, flip, positions)  # type: ignore[arg-type]
+        assert torch.equal(got, expected)
+
+
 def test_padded_crop_at_refuses_a_reflection_wider_than_the_image() -> None:
     with pytest.raises(ValueError, match="reflection padding of 4"):
         padded_crop_at(images(2, 4), torch.tensor([0, 1]), torch.tensor([0, 1]), 4, 4, "reflect")
