@@ -398,11 +398,19 @@ def _gradients(
 
 
 def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
-    """clip_grad_norm_ per node: scale node k's gradients by min(1, max_norm / (||g_k|| + 1e-6))."""
-    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()], dim=1)
-    coef = (max_norm / (torch.linalg.vector_norm(norms, dim=1) + _CLIP_EPS)).clamp(max=1.0)
-    for g in grads.values():
-        g.mul_(_per_node(coef, g))
+    """clip_grad_norm_ per node: scale node k's gradients by min(1, max_norm / (||g_k|| + 1e-6)), as torch's
+    foreach form does it: the norm of every node's slice of every gradient in one multi-tensor operation,
+    and each node's slices scaled in one, where a norm and a product per parameter took two operators a
+    parameter (125 of FedRCL's ResNet-18's 306 a step)."""
+    tensors = list(grads.values())
+    if not tensors:
+        return
+    k = tensors[0].shape[0]
+    slices = [node for g in tensors for node in g.unbind(0)]  # parameter by parameter, node by node
+    norms = torch.stack(torch._foreach_norm(slices)).view(len(tensors), k)
+    coef = (max_norm / (torch.linalg.vector_norm(norms, dim=0) + _CLIP_EPS)).clamp(max=1.0)
+    for node, scale in enumerate(coef.unbind(0)):
+        torch._foreach_mul_(slices[node::k], scale)
 
 
 def _sgd_all(
