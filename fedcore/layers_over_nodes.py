@@ -253,10 +253,16 @@ class _MaxPool2d(torch.autograd.Function):
     def vmap(
         info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, pool: tuple[Any, ...]
     ) -> tuple[torch.Tensor, int]:
-        """Pooling is channel by channel: K nodes' (B, C, H, W) maps pooled as one (B, K x C, H, W) batch,
-        bitwise what each node's pooling gives, in the layout a convolution under vmap left them."""
+        """Pooling is channel by channel and image by image: K nodes' (B, C, H, W) maps pooled as one
+        (B, K x C, H, W) batch, bitwise what each node's pooling gives, in the layout a convolution with
+        per-node weights left them; or, laid out node by node (a convolution by weights the nodes share,
+        a frozen teacher's), as one (K x B, C, H, W) batch: no copy either way."""
         x_dim, k = in_dims[0], info.batch_size
         if x.dim() - (x_dim is not None) == 4:  # a (B, C, H, W) batch a node
+            nodes = x.movedim(x_dim, 0) if x_dim is not None else None
+            if nodes is not None and nodes.is_contiguous():
+                out = F.max_pool2d(nodes.flatten(0, 1), *pool)
+                return out.view(*nodes.shape[:2], *out.shape[1:]), 0
             return _as_channels(x, x_dim, k, lambda x: F.max_pool2d(x, *pool))
         maps = x.movedim(x_dim, 0) if x_dim is not None else x.expand(k, *x.shape)  # a (C, H, W) map a node
         return F.max_pool2d(maps.flatten(0, 1), *pool).unflatten(0, maps.shape[:2]), 0

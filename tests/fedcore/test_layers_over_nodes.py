@@ -253,6 +253,22 @@ def test_a_max_pool_over_nodes_is_each_nodes_own_bitwise_with_no_copy(pool: nn.M
     assert theirs.counts["clone"] > 0  # the rule it replaces
 
 
+def test_node_major_maps_are_pooled_as_one_batch_of_every_nodes_images_bitwise_with_no_copy() -> None:
+    """A convolution by weights the nodes share (a frozen teacher's) leaves its maps node by node: pooled
+    as one (K x B, C, H, W) batch, each node's own bit for bit, forward and backward, where pooling them
+    as channels would copy them into sample-major order first."""
+    pool = nn.MaxPool2d(2)
+    x = node_inputs()["x"][..., :4, :4].contiguous().requires_grad_()  # (K, B, C, 4, 4) in memory
+    with Operators() as ops:
+        out = vmap(MaxPool2dOverNodes(pool))(x)
+        probe = torch.randn_like(out)
+        (got,) = torch.autograd.grad(out, [x], probe)
+    assert ops.counts["clone"] == 0 and ops.counts["max_pool2d_with_indices"] == 1, ops.counts
+    want_out = torch.stack([pool(x[k]) for k in range(K)])
+    (want,) = torch.autograd.grad(want_out, [x], probe)
+    assert torch.equal(out, want_out) and torch.equal(got, want)
+
+
 def test_a_max_pool_over_nodes_of_unbatched_or_shared_maps_is_torchs() -> None:
     pool, x = nn.MaxPool2d(2), node_inputs()["x"]
     ours = MaxPool2dOverNodes(pool)
