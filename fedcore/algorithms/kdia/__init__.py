@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -40,7 +40,6 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
     HeadEnsemble,
-    _Classify,
     build_generator,
     generator_state,
     train_generator,
@@ -62,7 +61,7 @@ from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.tensors import cpu_copy
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, nll, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported
 
 KD_DIRECTIONS = ("forward", "reverse")
 STORES = ("memory", "disk")
@@ -442,11 +441,20 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         if distill:  # the spare model's own tensors where it is on `device` (loaded in place each round)
             teacher = {n: p.detach().to(device) for n, p in self._teacher(task).named_parameters()}
         draws = _GeneratedDraws(self._generator(task, model), self.hp.noise_dim) if generate else None
-        head = _Classify(model)  # type: ignore[arg-type]
+        # the model's halves, their layers as one over the nodes (fedcore.layers_over_nodes)
+        extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
         hp = self.hp
 
         def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logits = batch.logits()
+            if draws is not None:
+                # the batch's features and the generated ones through the head at once: half its operators,
+                # forward and backward, and no sum of two gradients (each row's logits are its own)
+                features = cast(torch.Tensor, extract(batch.params, batch.x)).flatten(1)
+                rows = torch.cat([features, batch.step["features"].flatten(1)])
+                both = cast(torch.Tensor, classify(batch.params, rows))
+                logits, head_logits = both[: len(features)], both[len(features) :]
+            else:
+                logits = batch.logits()
             loss = batch.mean(nll(logits, batch.y))  # l_CE
             terms: dict[str, torch.Tensor] = {}
             if teacher is not None:
@@ -456,8 +464,6 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 loss = loss + hp.lambda_kd * kd
                 terms["kd"] = kd
             if draws is not None:
-                params = {f"model.{n}": p for n, p in batch.params.items()}
-                head_logits = torch.func.functional_call(head, params, (batch.step["features"],))
                 gen = batch.mean(nll(head_logits, batch.step["y_gen"]))  # through the head only
                 loss = loss + hp.lambda_gen * gen
                 terms["gen"] = gen
