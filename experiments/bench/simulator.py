@@ -16,11 +16,10 @@ Timed in the same run, each as node-training images per second:
   that vmap step captured as a CUDA graph. On a CPU only the eager references apply.
 
 The figures are ratios to the best reference of the same case. Sections time other workloads: KDIA's
-generator (`sim_generator`), FedSA's BatchNorm ResNet-18 (`sim_batch_norm`), FedRCL's GroupNorm ResNet-18
-(`sim_group_norm`, not in a CPU's quick suite) and, with `--opt compile=true`, the bare vmap step compiled
-(`sim_compile`). Then `fedmq
-simulate` of the quickstart: the share of its wall time spent training and its images per second over the
-whole run.
+node objective beside FedAvg's (`sim_kdia`), KDIA's generator (`sim_generator`), FedSA's BatchNorm
+ResNet-18 (`sim_batch_norm`), FedRCL's GroupNorm ResNet-18 (`sim_group_norm`, not in a CPU's quick suite)
+and, with `--opt compile=true`, the bare vmap step compiled (`sim_compile`). Then `fedmq simulate` of the
+quickstart: the share of its wall time spent training and its images per second over the whole run.
 """
 
 from __future__ import annotations
@@ -544,6 +543,7 @@ def run(options: BenchOptions) -> Report:
         _add_unequal(report, devices[0], unequal_shards(devices[0], repeats))
     with torch_threads(1) if not gpu else contextlib.nullcontext():
         _generator_rows(report, devices[0], repeats, options.quick)
+        _kdia_rows(report, devices[0], repeats, options.quick)
         _batch_norm_rows(report, devices[0], repeats, options.quick)
         if gpu or not options.quick:  # a ResNet-18 at 32 x 32: seconds a round on a CPU
             _group_norm_rows(report, devices[0], repeats)
@@ -566,6 +566,16 @@ def _generator_rows(report: Report, device: torch.device, repeats: int, quick: b
         sim_generator.add_rows(report, device, repeats, quick)
     except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
         report.notes.append(f"KDIA's generator section failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _kdia_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:
+    """KDIA's node objective beside FedAvg's (`sim_kdia`), its failure noted as the generator's is."""
+    from fedmq.experiments.bench import sim_kdia
+
+    try:
+        sim_kdia.add_rows(report, device, repeats, quick)
+    except Exception as exc:  # a lent GPU's minutes: the other sections' figures still come back
+        report.notes.append(f"KDIA's node objective section failed on {device}: {type(exc).__name__}: {exc}")
 
 
 def _batch_norm_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:

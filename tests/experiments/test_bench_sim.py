@@ -41,7 +41,8 @@ from fedmq.fedcore.vectorized import train_vectorized
 @pytest.mark.slow  # a benchmark suite end to end: real training, a simulated federation
 def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None:
     report = run(BenchOptions(quick=True))
-    training = [f for f in report.figures if f.unit == "images/s" and not f.section.startswith("FedSA's")]
+    others = ("FedSA's", "KDIA's node objective")  # sections of their own, against paths of their own
+    training = [f for f in report.figures if f.unit == "images/s" and not f.section.startswith(others)]
     labels = {f.label for f in training}
     expected = {"simulator, one by one", "simulator, vectorised", "simulator, vectorised, rounds kept",
                 "reference: eager loop", "reference: vmap over nodes"}  # fmt: skip
@@ -54,7 +55,7 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
         assert f.value > 0 and f.ratio is not None and abs(f.ratio - f.value / best) < 1e-6 * f.ratio
     assert not [note for note in report.notes if "section failed" in note]
     assert any(f.section.startswith("FedSA's ResNet-18 with BatchNorm") for f in report.figures)
-    sections = ("KDIA's generator", "FedSA's")
+    sections = ("KDIA's generator", "FedSA's", "KDIA's node objective")
     costs = {f.label for f in report.figures if f.unit in ("ops", "MB") and not f.section.startswith(sections)}
     paths = ("simulator, vectorised", "reference: vmap over nodes")
     assert costs == {f"{p}: {what} a step" for p in paths for what in ("operators", "memory traffic")}
@@ -63,6 +64,8 @@ def test_bench_sim_quick_reports_every_path_against_the_best_reference() -> None
         f"{p}: {what} a step" for p in (KDIA, PLAIN) for what in ("operators", "memory traffic")
     }
     assert not [note for note in report.notes if "generator section failed" in note]
+    assert any(f.section.startswith("KDIA's node objective against FedAvg's") for f in report.figures)
+    assert not [note for note in report.notes if "node objective section failed" in note]
     host = next(f for f in report.figures if f.label == "simulator, rounds kept: the host's work alone")
     kept = next(f for f in training if f.label == "simulator, vectorised, rounds kept")
     kept_ms = float(kept.note.removesuffix(" ms a round").replace(",", ""))
