@@ -364,6 +364,51 @@ class LinearOverNodes(nn.Module):
         return _Linear.apply(x, self.weight, self.bias)  # type: ignore[no-any-return]
 
 
+class _NegativeLogLikelihood(torch.autograd.Function):
+    """Per-sample cross-entropy, `-log_softmax(logits)[y]`, with a batching rule that runs the mapped nodes'
+    samples as one batch of torch's `nll_loss` (`vmap`): vmap's rules for the gather take a log-softmax,
+    a gather and a negation forward and a negation, a zeroed tensor and a scatter backward, where
+    `nll_loss` takes one operator each way (its own rule under vmap is a decomposition, more operators
+    and an import of sympy). The same values, bit for bit: each is the negated log-probability of the
+    label, and its gradient the negated incoming one at the label."""
+
+    @staticmethod
+    def forward(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _gathered(logits, y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The gathered form's own gradient, for a call outside a map."""
+        logits, y = ctx.saved_tensors
+        (logits_grad,) = _gradients(lambda t: _gathered(t, y), (logits,), (ctx.needs_input_grad[0],), grad)
+        return logits_grad, None
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], logits: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        logits_dim, y_dim = in_dims
+        k = info.batch_size
+        logits = logits.movedim(logits_dim, 0) if logits_dim is not None else logits.expand(k, *logits.shape)
+        y = y.movedim(y_dim, 0) if y_dim is not None else y.expand(k, *y.shape)
+        rows = F.log_softmax(logits.reshape(-1, logits.shape[-1]), dim=-1)
+        return F.nll_loss(rows, y.reshape(-1), reduction="none").view(logits.shape[:-1]), 0
+
+
+def _gathered(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def negative_log_likelihood(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each sample's cross-entropy over the last dimension of `logits` against its integer label `y`
+    (`F.cross_entropy(..., reduction="none")`'s values), one operator each way over the nodes of a map."""
+    return _NegativeLogLikelihood.apply(logits, y)  # type: ignore[no-any-return]
+
+
 def _over_nodes(module: nn.Module) -> nn.Module:
     if isinstance(module, nn.MaxPool2d):
         return MaxPool2dOverNodes(module)

@@ -61,11 +61,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.nn import functional as F
 from torch.profiler import record_function
 
 from fedmq.fedcore.data import TensorDataset
-from fedmq.fedcore.layers_over_nodes import over_nodes
+from fedmq.fedcore.layers_over_nodes import negative_log_likelihood, over_nodes
 from fedmq.fedcore.masked_norm import (
     TORCH_AT_WHOLE_BATCHES,
     NormStep,
@@ -229,9 +228,10 @@ read as a constant: no gradient flows through it from one step to the next."""
 
 
 def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-sample cross-entropy, written out: under vmap F.cross_entropy runs a Python decomposition that
-    imports sympy on first use (seconds); the values are the same."""
-    return -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    """Per-sample cross-entropy (`fedcore.layers_over_nodes.negative_log_likelihood`): under vmap
+    F.cross_entropy runs a Python decomposition that imports sympy on first use (seconds) and dispatches
+    more operators; the values are the same."""
+    return negative_log_likelihood(logits, y)
 
 
 class _Method(nn.Module):

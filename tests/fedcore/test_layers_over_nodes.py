@@ -16,7 +16,9 @@ from fedmq.fedcore.layers_over_nodes import (
     GroupNormOverNodes,
     LinearOverNodes,
     MaxPool2dOverNodes,
+    _gathered,
     batch_norm_over_nodes,
+    negative_log_likelihood,
     over_nodes,
 )
 from fedmq.fedcore.vectorized import functional_method
@@ -374,3 +376,41 @@ def test_outside_a_map_a_linear_over_nodes_is_torchs_linear_and_its_gradient() -
     want = torch.autograd.grad(F.linear(x, w, b).square().sum(), [x, w, b])
     for g, v in zip(got, want, strict=True):
         torch.testing.assert_close(g, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("logits_shape", "shared_y"), [((B, 5), False), ((B, 5), True), ((B, 3, 5), False)], ids=["own", "shared-y", "3d"]
+)
+def test_the_nodes_cross_entropy_is_bitwise_the_gathered_forms_with_fewer_operators(
+    logits_shape: tuple[int, ...], shared_y: bool
+) -> None:
+    """Per-sample cross-entropy over the nodes: torch's `nll_loss` over all their samples gives what the
+    log-softmax gathered at the label gives, forward and backward, bit for bit, in fewer operators."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(K, *logits_shape, generator=gen) * 4).requires_grad_()
+    y = torch.randint(0, 5, logits_shape[:-1] if shared_y else (K, *logits_shape[:-1]), generator=gen)
+    probe = torch.randn(K, *logits_shape[:-1], generator=gen)
+    in_dims = (0, None if shared_y else 0)
+    with Operators() as ours_ops:
+        ours = vmap(negative_log_likelihood, in_dims=in_dims)(logits, y)
+        (ours_grad,) = torch.autograd.grad(ours, [logits], probe)
+    with Operators() as theirs_ops:
+        theirs = vmap(_gathered, in_dims=in_dims)(logits, y)
+        (theirs_grad,) = torch.autograd.grad(theirs, [logits], probe)
+    assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
+    assert ours_ops.counts["nll_loss_forward"] == 1 and ours_ops.counts["nll_loss_backward"] == 1
+    kernels = sum(n for name, n in ours_ops.counts.items() if name != "_unsafe_view")  # a view autograd keeps
+    fewer = 2 if shared_y else 3  # labels the nodes share are copied out to every node's samples first
+    assert kernels <= sum(theirs_ops.counts.values()) - fewer, (ours_ops.counts, theirs_ops.counts)
+
+
+def test_outside_a_map_the_cross_entropy_is_the_gathered_form_and_its_gradient() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, 5, generator=gen, requires_grad=True)
+    y = torch.randint(0, 5, (B,), generator=gen)
+    out = negative_log_likelihood(logits, y)
+    torch.testing.assert_close(out, F.cross_entropy(logits, y, reduction="none"), rtol=0, atol=1e-6)
+    assert torch.equal(out, _gathered(logits, y))
+    (got,) = torch.autograd.grad(out.sum(), [logits])
+    (want,) = torch.autograd.grad(_gathered(logits, y).sum(), [logits])
+    assert torch.equal(got, want)

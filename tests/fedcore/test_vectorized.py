@@ -966,6 +966,24 @@ def test_pools_over_the_nodes_train_bitwise_as_vmaps_own_rule(name: str, monkeyp
         assert all(torch.equal(state[k], want_state[k]) for k in want_state)
 
 
+def test_the_cross_entropy_over_the_nodes_trains_bitwise_as_the_gathered_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nll` as torch's `nll_loss` over every node's samples (`layers_over_nodes.negative_log_likelihood`)
+    changes no bit of a vectorised round: a run recorded with the gathered form replays."""
+    from fedmq.fedcore import layers_over_nodes, vectorized
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(60, 3, 32, 32, generator=gen), torch.randint(0, 10, (60,), generator=gen), 10)
+    model = build_model("moon-cnn", (3, 32, 32), 10, seed=0)
+    datasets = shards(data, (20, 13, 27))
+    settings = dataclasses.replace(SGD, batch_size=8)
+    ours = train_vectorized(model, datasets, settings, generators(3))
+    monkeypatch.setattr(vectorized, "negative_log_likelihood", layers_over_nodes._gathered)
+    theirs = train_vectorized(model, datasets, settings, generators(3))
+    for (state, stats), (want_state, want) in zip(ours, theirs, strict=True):
+        assert stats.steps == want.steps > 0 and stats.loss == want.loss
+        assert all(torch.equal(state[k], want_state[k]) for k in want_state)
+
+
 def _layers_over_nodes_as_one_by_one(device: torch.device, name: str, options: dict[str, object], graphs: str) -> None:
     """In float64 on `device`, every node of a vectorised round of `name` (its pooling, GroupNorm or
     BatchNorm run over the nodes, `fedcore.layers_over_nodes`) within 1e-10 of its own local_sgd."""
