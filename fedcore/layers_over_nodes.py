@@ -1,5 +1,6 @@
 """Layers inside vectorised training run over the K nodes as one layer of K x C channels: GroupNorm,
-BatchNorm at whole batches, max-pooling; and Linear as one batched product with its bias.
+BatchNorm at whole batches, max-pooling; Linear as one batched product with its bias; the per-sample
+cross-entropy as one `nll_loss` over every node's samples (`negative_log_likelihood`).
 
 `fedcore.vectorized` maps one forward pass over the nodes (`torch.vmap`), each node with its own
 weights. A convolution with per-node weights (a grouped convolution under vmap) leaves its output
