@@ -197,29 +197,34 @@ def second_step_cost(reference: VmapBatchStatistics) -> StepCost:
 
 def add_path_rows(
     report: Report,
-    work: Workload,
+    images_per_round: int,
     times: dict[str, Timing],
     costs: dict[str, StepCost],
     reference: str,
     cell: tuple[str, int, int, tuple[str, ...]],
     section: str,
+    whose: str = "the vmap reference's",
 ) -> None:
-    """Each path's images a second against `reference`'s, `cell` = (whose cell, its rounds, its images a
-    round, the paths given what that cell's node training would take at their speed), then each step's
-    operators and memory traffic against the reference's."""
-    whose, rounds, images, cell_paths = cell
+    """Each path's images a second against `reference`'s (`whose`, as the ratios name it), `cell` = (whose
+    cell, its rounds, its images a round, the paths given what that cell's node training would take at
+    their speed), then each step's operators and memory traffic against the reference's."""
+    cell_name, rounds, images, cell_paths = cell
     for name, timing in times.items():
-        rate = work.images / timing.median
+        rate = images_per_round / timing.median
         note = f"{timing.median * 1e3:,.1f} ms a round"
         if name in cell_paths:
-            minutes = images * rounds / rate / 60
             note += (
-                f"; at this speed a {whose} cell's node training ({rounds:,} rounds of {images:,} images)"
-                f" would take {minutes:,.0f} min (arithmetic, not timed)"
+                f"; at this speed a {cell_name} cell's node training ({rounds:,} rounds of {images:,} images)"
+                f" would take {minutes_text(images * rounds / rate / 60)} (arithmetic, not timed)"
             )
         report.add(name, rate, "images/s", ratio=times[reference].median / timing.median,
-                   ratio_means="the vmap reference's speed", note=note, section=section)  # fmt: skip
-    add_cost_rows(report, costs, reference, section)
+                   ratio_means=f"{whose} speed", note=note, section=section)  # fmt: skip
+    add_cost_rows(report, costs, reference, section, whose=whose)
+
+
+def minutes_text(minutes: float) -> str:
+    """Minutes as a cell's arithmetic gives them: a tenth where they are few."""
+    return f"{minutes:,.1f} min" if minutes < 10 else f"{minutes:,.0f} min"
 
 
 def shape(device: torch.device, quick: bool) -> tuple[int, int]:
@@ -236,4 +241,4 @@ def add_rows(report: Report, device: torch.device, repeats: int, quick: bool) ->
     params = count_parameters(work.model)
     section = f"FedSA's ResNet-18 with BatchNorm ({params:,} parameters): {k} nodes of {size}, batch 10, {device}"
     cell = ("FedSA", CELL_ROUNDS, CELL_IMAGES, (VECTORISED, MASKED, KEPT))
-    add_path_rows(report, work, timings(work, repeats), step_costs(work), REFERENCE, cell, section)
+    add_path_rows(report, work.images, timings(work, repeats), step_costs(work), REFERENCE, cell, section)

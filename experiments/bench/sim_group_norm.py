@@ -104,7 +104,7 @@ def add_rows(report: Report, device: torch.device, repeats: int, k: int | None =
     paths[REFERENCE] = VmapGroupNorm(work)
     times = {name: measure(synchronized(call, device), repeats=repeats, warmup=1) for name, call in paths.items()}
     cell = ("FedRCL", CELL_ROUNDS, CELL_IMAGES, (VECTORISED, KEPT))
-    add_path_rows(report, work, times, step_costs(work), REFERENCE, cell, section)
+    add_path_rows(report, work.images, times, step_costs(work), REFERENCE, cell, section)
 
 
 def step_costs(work: Workload) -> dict[str, StepCost]:

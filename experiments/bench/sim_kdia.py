@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from fedmq.experiments.bench.common import Report, Timing, measure
+from fedmq.experiments.bench.sim_batch_norm import add_path_rows
 from fedmq.experiments.bench.simulator import Case, KeptRounds, vectorised, workload
-from fedmq.experiments.bench.step_cost import StepCost, StepCounter, add_cost_rows, last_step_cost, last_step_counted
+from fedmq.experiments.bench.step_cost import StepCost, StepCounter, last_step_cost, last_step_counted
 from fedmq.experiments.bench.training import synchronized
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import GroupMember, Payload, TaskInput
@@ -103,21 +104,12 @@ def timings(case: Case, device: torch.device, repeats: int) -> dict[str, Timing]
 
 def add_rows(report: Report, device: torch.device, repeats: int, quick: bool) -> None:
     """Each objective's round as images a second against FedAvg's, a KDIA cell's node training at KDIA's
-    speed (arithmetic), then each step's operators and memory traffic against FedAvg's."""
+    speed (arithmetic; the generator's own rounds apart), then each step's operators and memory traffic
+    against FedAvg's."""
     case = Case(3, 128, 1) if quick else Case(10, 448, 1)
     gpu = device.type == "cuda"
     section = f"KDIA's node objective against FedAvg's: {case.label}, {device}" + (", rounds kept" if gpu else "")
     times = timings(case, device, repeats)
     images = case.k * case.size * case.epochs
-    for name, timing in times.items():
-        rate = images / timing.median
-        note = f"{timing.median * 1e3:,.1f} ms a round"
-        if name == KDIA:
-            minutes = CELL_IMAGES * CELL_ROUNDS / rate / 60
-            note += (
-                f"; at this speed a KDIA cell's node training ({CELL_ROUNDS} rounds of {CELL_IMAGES:,} images)"
-                f" would take {minutes:,.1f} min (arithmetic, not timed; the generator's rounds apart)"
-            )
-        report.add(name, rate, "images/s", ratio=times[FEDAVG].median / timing.median,
-                   ratio_means="FedAvg's vectorised speed", note=note, section=section)  # fmt: skip
-    add_cost_rows(report, step_costs(case, device), FEDAVG, section, whose="FedAvg's step's")
+    cell = ("KDIA", CELL_ROUNDS, CELL_IMAGES, (KDIA,))
+    add_path_rows(report, images, times, step_costs(case, device), FEDAVG, cell, section, whose="FedAvg's")

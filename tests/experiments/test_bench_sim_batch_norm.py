@@ -17,6 +17,7 @@ from fedmq.experiments.bench.sim_batch_norm import (
     VECTORISED,
     VmapBatchStatistics,
     add_rows,
+    minutes_text,
     workload,
 )
 from fedmq.experiments.bench.training import generators
@@ -51,7 +52,7 @@ def test_the_section_gives_each_path_its_rate_against_the_reference_and_a_cell_a
         assert rows[name].unit == "images/s" and rows[name].value > 0
         assert rows[name].ratio == pytest.approx(rows[name].value / reference.value)
     minutes = CELL_IMAGES * CELL_ROUNDS / rows[VECTORISED].value / 60
-    assert f"would take {minutes:,.0f} min (arithmetic, not timed)" in rows[VECTORISED].note
+    assert f"would take {minutes_text(minutes)} (arithmetic, not timed)" in rows[VECTORISED].note
     ops = (
         rows[f"{VECTORISED}: operators a step"],
         rows[f"{MASKED}: operators a step"],

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedmq.experiments.bench.common import Report
-from fedmq.experiments.bench.sim_batch_norm import workload
+from fedmq.experiments.bench.sim_batch_norm import minutes_text, workload
 from fedmq.experiments.bench.sim_group_norm import (
     CELL_IMAGES,
     CELL_ROUNDS,
@@ -50,7 +50,7 @@ def test_the_section_gives_each_path_its_rate_and_operators_against_the_referenc
         assert rows[name].unit == "images/s" and rows[name].value > 0
         assert rows[name].ratio == pytest.approx(rows[name].value / reference.value)
     minutes = CELL_IMAGES * CELL_ROUNDS / rows[VECTORISED].value / 60
-    assert f"would take {minutes:,.0f} min (arithmetic, not timed)" in rows[VECTORISED].note
+    assert f"would take {minutes_text(minutes)} (arithmetic, not timed)" in rows[VECTORISED].note
     ours, theirs = rows[f"{VECTORISED}: operators a step"], rows[f"{REFERENCE}: operators a step"]
     assert ours.unit == theirs.unit == "ops" and ours.value > 100  # a ResNet-18's step: the count counts
     assert ours.value < theirs.value  # each GroupNorm one kernel with its scale and shift, no copy before it
