@@ -47,6 +47,7 @@ from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.host_memory import HostMemory
 from fedmq.fedcore.staleness import Staleness
 from fedmq.fedcore.training import TrainSettings
+from fedmq.fedcore.vectorized import vectorizes_by_default
 from fedmq.fednode.scenario import Faults
 from fedmq.fields import Bounds, field_bounds, unannotated
 
@@ -573,7 +574,7 @@ class SimulationConfig(_Strict):
 
     def vectorizes(self, device_type: str) -> bool:
         """Whether nodes train vectorised on a device of this type ("cuda", "cpu")."""
-        return device_type == "cuda" if self.vectorize == "auto" else bool(self.vectorize)
+        return vectorizes_by_default(device_type) if self.vectorize == "auto" else bool(self.vectorize)
 
     def graph_mode(self) -> str:
         """`graphs` as fedcore.vectorized.train_vectorized takes it."""

@@ -1054,6 +1054,12 @@ def graph_mode(mode: str) -> contextlib.AbstractContextManager[None]:
     return holding(GRAPHS, mode)
 
 
+def vectorizes_by_default(device_type: str) -> bool:
+    """`simulation.vectorize: auto`'s rule: vectorised on a CUDA device, one by one on a CPU (where a
+    round's nodes one after another train at least as fast: `fedmq bench sim`)."""
+    return device_type == "cuda"
+
+
 def use_graphs(device: torch.device, mode: str = "auto") -> bool:
     """Whether to capture the step as a CUDA graph: `mode` "on" or "off", or "auto" (on a CUDA device)."""
     if mode not in ("auto", "on", "off"):

@@ -50,7 +50,7 @@ from fedmq.fedcore.models import FedModel, build_model, count_parameters
 from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice, deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
 from fedmq.fedcore.transforms import crop_at, pad
-from fedmq.fedcore.vectorized import train_vectorized
+from fedmq.fedcore.vectorized import train_vectorized, vectorizes_by_default
 
 TITLE = "simulator node training vs bare PyTorch (eager, CUDA graph, vmap, vmap + graph); fedmq simulate's share"
 
@@ -528,16 +528,14 @@ def run(options: BenchOptions) -> Report:
                         f"{share:.0%} of the best reference; {kept:.0%} with rounds kept (simulation.reuse_rounds)",
                         max(share, kept) >= 0.5,
                     )
-                else:
-                    from fedmq.experiments.config import SimulationConfig
-
+                else:  # with nothing but torch installed too: the automatic choice's rule, not the config's model
                     speedup = timings["simulator, one by one"].median / timings["simulator, vectorised"].median
                     report.target(
                         f"on a CPU, vectorised at least as fast as one by one, or one by one chosen automatically"
                         f" ({case.label})",
                         f"vectorised {speedup:.2f}x one by one's speed; simulation.vectorize auto trains one by one"
                         " on a CPU",
-                        speedup >= 1 or not SimulationConfig().vectorizes("cpu"),
+                        speedup >= 1 or not vectorizes_by_default("cpu"),
                     )
     if gpu and not options.quick:
         _add_unequal(report, devices[0], unequal_shards(devices[0], repeats))
