@@ -202,6 +202,11 @@ def _gradients(
     return tuple(next(found) if t is not None and need else None for t, need in zip(leaves, needs, strict=True))
 
 
+def _nodes_first(t: torch.Tensor, dim: int | None, k: int) -> torch.Tensor:
+    """The k nodes' tensors (mapped at `dim`, or one the nodes share) stacked on a first dimension: a view."""
+    return t.movedim(dim, 0) if dim is not None else t.expand(k, *t.shape)
+
+
 def _blocks(t: torch.Tensor | None, dim: int | None, k: int) -> torch.Tensor | None:
     """A per-channel (C,) tensor of each of k nodes (mapped at `dim`, or shared) as one (K x C,)."""
     if t is None:
@@ -265,7 +270,7 @@ class _MaxPool2d(torch.autograd.Function):
                 out = F.max_pool2d(nodes.flatten(0, 1), *pool)
                 return out.view(*nodes.shape[:2], *out.shape[1:]), 0
             return _as_channels(x, x_dim, k, lambda x: F.max_pool2d(x, *pool))
-        maps = x.movedim(x_dim, 0) if x_dim is not None else x.expand(k, *x.shape)  # a (C, H, W) map a node
+        maps = _nodes_first(x, x_dim, k)  # a (C, H, W) map a node
         return F.max_pool2d(maps.flatten(0, 1), *pool).unflatten(0, maps.shape[:2]), 0
 
 
@@ -311,12 +316,11 @@ class _Linear(torch.autograd.Function):
         `F.linear` over all the nodes' rows."""
         x_dim, weight_dim, bias_dim = in_dims
         k = info.batch_size
-        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(k, *x.shape)
+        x = _nodes_first(x, x_dim, k)
         if weight_dim is None and bias_dim is None:
             return F.linear(x, weight, bias), 0
-        weight = weight.movedim(weight_dim, 0) if weight_dim is not None else weight.expand(k, *weight.shape)
-        if bias is not None:
-            bias = bias.movedim(bias_dim, 0) if bias_dim is not None else bias.expand(k, *bias.shape)
+        weight = _nodes_first(weight, weight_dim, k)
+        bias = None if bias is None else _nodes_first(bias, bias_dim, k)
         rows = x.reshape(k, -1, x.shape[-1])
         out = _NodesLinear.apply(rows, weight, bias)
         return out.view(*x.shape[:-1], out.shape[-1]), 0
@@ -394,8 +398,7 @@ class _NegativeLogLikelihood(torch.autograd.Function):
     ) -> tuple[torch.Tensor, int]:
         logits_dim, y_dim = in_dims
         k = info.batch_size
-        logits = logits.movedim(logits_dim, 0) if logits_dim is not None else logits.expand(k, *logits.shape)
-        y = y.movedim(y_dim, 0) if y_dim is not None else y.expand(k, *y.shape)
+        logits, y = _nodes_first(logits, logits_dim, k), _nodes_first(y, y_dim, k)
         rows = F.log_softmax(logits.reshape(-1, logits.shape[-1]), dim=-1)
         return F.nll_loss(rows, y.reshape(-1), reduction="none").view(logits.shape[:-1]), 0
 

@@ -23,7 +23,7 @@ from torch import nn
 from fedmq.experiments.bench.common import Report, Timing, measure
 from fedmq.experiments.bench.sim_batch_norm import add_path_rows
 from fedmq.experiments.bench.simulator import Case, KeptRounds, vectorised, workload
-from fedmq.experiments.bench.step_cost import StepCost, StepCounter, last_step_cost, last_step_counted
+from fedmq.experiments.bench.step_cost import StepCost, last_step_cost
 from fedmq.experiments.bench.training import synchronized
 from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm
 from fedmq.fedcore.algorithms.base import GroupMember, Payload, TaskInput
@@ -82,12 +82,10 @@ def kdia_round(model: nn.Module, datasets: Sequence[TensorDataset], case: Case) 
 def step_costs(case: Case, device: torch.device) -> dict[str, StepCost]:
     """The last step of a KDIA round and of a FedAvg round on the same shards (eager)."""
     model, datasets = workload(case, device)
-    from fedmq.fedcore import vectorized
-
-    kdia = StepCounter()
-    with last_step_counted(vectorized, kdia):
-        kdia_round(model, datasets, case)()
-    return {KDIA: kdia.cost, FEDAVG: last_step_cost(vectorised(model, datasets, case, graphs="off"))}
+    return {
+        KDIA: last_step_cost(kdia_round(model, datasets, case)),
+        FEDAVG: last_step_cost(vectorised(model, datasets, case, graphs="off")),
+    }
 
 
 def timings(case: Case, device: torch.device, repeats: int) -> dict[str, Timing]:

@@ -198,3 +198,20 @@ def test_an_unknown_host_memory_is_a_clear_error_before_anything_is_timed() -> N
 
     with pytest.raises(ConfigError, match=r"--opt host_memory: 'x': expected keep or system"):
         run(BenchOptions(quick=True, extra={"host_memory": "x"}))
+
+
+def test_the_cpu_target_is_judged_without_the_config_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m fedmq.experiments.bench.simulator` runs where only torch is installed: the CPU target reads
+    `simulation.vectorize: auto`'s rule, so it judges with the config module (and pydantic) unimportable."""
+    import sys
+
+    from fedmq.experiments.bench.common import Timing
+    from fedmq.experiments.bench.simulator import cpu_target
+
+    monkeypatch.setitem(sys.modules, "fedmq.experiments.config", None)  # an import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "pydantic", None)
+    report = Report("sim", "t")
+    slower = {"simulator, one by one": Timing((1.0,)), "simulator, vectorised": Timing((2.0,))}
+    cpu_target(report, Case(2, 64, 1), slower)
+    (target,) = report.targets
+    assert target.met and "vectorised 0.50x one by one's speed" in target.measured
