@@ -601,7 +601,6 @@ class SyncRounds(Engine):
             self._reject(out, now, event.rejected if failed else f"the aggregated model holds {event.rejected}")
             return
         self.version += 1
-        self.rounds_completed += 1
         self._record |= {"aggregated": True, **{k: float(v) for k, v in event.metrics.items()}}
         if self.evaluates and self._eval_due(self.round, self.config.rounds - 1):
             self.phase = "evaluating"
@@ -616,7 +615,6 @@ class SyncRounds(Engine):
         collapse = self._collapse(event.metrics.get("accuracy"))
         if collapse is not None:  # never published: the next round starts from the last good model
             self.version -= 1
-            self.rounds_completed -= 1
             out.append(c.Rollback(self._outcome_step, collapse))
             self._reject(out, now, collapse)
             return
@@ -680,6 +678,8 @@ class SyncRounds(Engine):
             self.attempt += 1
             self._start_attempt(out, now)
             return
+        if aggregated:  # counted with its checkpoint, so a summary written mid-evaluation says what resumes
+            self.rounds_completed += 1
         self.rounds_without_model = 0 if aggregated else self.rounds_without_model + 1
         bound = self.policy.max_rounds_without_model
         if bound is not None and self.rounds_without_model >= bound:

@@ -292,6 +292,22 @@ def test_sync_resume_continues_after_the_checkpointed_round() -> None:
     assert resumed.engine.participation.get("a").count == 2  # type: ignore[union-attr]
 
 
+def test_sync_a_round_counts_as_completed_with_its_checkpoint_not_before() -> None:
+    """A stop while round 1's model is being evaluated: the summary's rounds_completed is the rounds
+    checkpointed (1), so a drained daemon's summary says what --resume continues from."""
+    d = Driver(config(rounds=4))
+    d.start("a")
+    aggregate = one(c.Aggregate, d.feed(update(_round(d).tasks[0])))
+    d.feed(e.Aggregated(aggregate.step, {}))
+    d.feed(e.Evaluated(aggregate.step, {"accuracy": 0.5}))
+    assert d.engine.summary_fields()["rounds_completed"] == 1 == len(of(c.Checkpoint, d.log))
+    aggregate = one(c.Aggregate, d.feed(update(_round(d).tasks[0])))
+    one(c.Evaluate, d.feed(e.Aggregated(aggregate.step, {})))
+    assert d.engine.summary_fields()["rounds_completed"] == 1, "counted before its evaluation and checkpoint"
+    assert one(c.Finish, d.feed(e.Stop())).state == "stopped"
+    assert d.engine.summary_fields()["rounds_completed"] == 1 == len(of(c.Checkpoint, d.log))
+
+
 def test_sync_stop_finishes_stopped() -> None:
     d = Driver(config())
     d.start("a")
