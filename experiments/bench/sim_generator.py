@@ -4,9 +4,9 @@ Issue 28 asks for a KDIA cell at the paper's scale in 3 minutes "with the genera
 2,000 steps a round if the speed allows". The grid trains it 200 steps a round (kdia-beta01.yaml's
 reduction), and on an H200 those took 0.23 s a round, timed inside a cell that shared the GPU. This
 section of `fedmq bench sim` times a round of the generator's steps as KDIA trains it
-(`kdia.generator.train_generator`: Adam made afresh, on a GPU the steps after the warm-up replayed as
-one captured CUDA graph) beside a plain loop of the same steps (torch's fused Adam, captured once on a
-GPU): what a step costs, how far it is from the plain loop, the operators a step dispatches (on a GPU
+(`kdia.generator.train_generator`: torch's fused Adam made afresh, on a GPU the steps after the
+warm-up replayed as one captured CUDA graph) beside a plain loop of the same steps (torch's fused Adam,
+captured once on a GPU): what a step costs, how far it is from the plain loop, the operators a step dispatches (on a GPU
 about one kernel each), and what the paper's 2,000 steps would take a round at that speed. On a GPU it
 also times KDIA's round under each of cuDNN's ways of choosing algorithms: the generator is transposed
 convolutions, whose backward cuDNN may run otherwise when asked for deterministic algorithms.

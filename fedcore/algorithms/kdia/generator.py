@@ -196,13 +196,16 @@ def train_generator(
     before the first step (`generator_draws`) and moved to the device at once, so that the steps wait
     for no host copy; on a CUDA device all steps but the first three are replays of one captured CUDA
     graph (`graphs`: auto, on, off; default: `fedcore.vectorized.graph_mode`'s), the tiny generator's
-    steps being bound by kernel launches. Adam is re-created each round (spec A4) unless
+    steps being bound by kernel launches, and Adam is torch's fused kernel (`fused_adam`) for the same
+    reason. Adam is re-created each round (spec A4) unless
     `optimizer_state` (the previous round's) is given. Returns the statistics and the optimiser's state.
     """
     generator.to(device).train()
     captured = use_graphs(device, graphs or GRAPHS.get())
     # a captured Adam keeps its step count on the device (capturable): its bias corrections are tensors
-    optimizer = torch.optim.Adam(generator.parameters(), lr=lr, weight_decay=weight_decay, capturable=captured)
+    optimizer = torch.optim.Adam(
+        generator.parameters(), lr=lr, weight_decay=weight_decay, capturable=captured, fused=fused_adam(device)
+    )
     if optimizer_state is not None:
         optimizer.load_state_dict(dict(optimizer_state))
     started = time.perf_counter()
@@ -244,6 +247,17 @@ def train_generator(
         ce=float(ce_sum) / n, diversity=float(div_sum) / n, steps=steps, seconds=time.perf_counter() - started
     )
     return stats, optimizer.state_dict()
+
+
+FUSED_ADAM_DEVICES = frozenset({"cpu", "cuda"})
+"""Where the generator's Adam is torch's fused kernel (one pass over every parameter, its gradient and
+both moments, where the default form takes a dozen operators a parameter on a CPU and a dozen
+multi-tensor launches on a GPU): the devices fedmq runs on that have it."""
+
+
+def fused_adam(device: torch.device) -> bool:
+    """Whether the generator's Adam on `device` is torch's fused one (the same update, other last bits)."""
+    return device.type in FUSED_ADAM_DEVICES
 
 
 def generator_draws(
