@@ -554,19 +554,24 @@ def _rows_of(parts: Sequence[torch.Tensor], device: torch.device, capacity: int)
     return buffer
 
 
+EpochStart = Callable[[int, dict[str, torch.Tensor], dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+"""`train_vectorized`'s epoch_start: (node, its parameters now, its carried state now) -> its renewed
+carried state (every carried tensor)."""
+
+
 @dataclass(frozen=True)
 class _EpochStarts:
     """Where nodes renew their carried state from their own parameters (`train_vectorized`'s epoch_start)."""
 
     at: dict[int, list[int]]
     """Step -> the stack positions whose epoch (not the first) starts there."""
-    state: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
-    """(stack position, the node's parameters now) -> its renewed carried state."""
+    state: EpochStart
+    """(stack position, the node's parameters now, its carried state now) -> its renewed carried state."""
 
     @classmethod
     def of(
         cls,
-        renew: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]],
+        renew: EpochStart,
         order: Sequence[int],
         ordered: Sequence[TensorDataset],
         settings: TrainSettings,
@@ -576,7 +581,7 @@ class _EpochStarts:
             per_epoch = steps_per_epoch(len(data), settings.batch_size, settings.drop_last)
             for epoch in range(1, settings.local_epochs if per_epoch else 0):
                 at.setdefault(epoch * per_epoch, []).append(pos)
-        return cls(at, lambda pos, params: renew(order[pos], params))
+        return cls(at, lambda pos, params, carried: renew(order[pos], params, carried))
 
 
 class _Round:
@@ -725,7 +730,11 @@ class _Round:
         if self.epoch_starts is None:
             return
         for pos in self.epoch_starts.at.get(s, ()):
-            renewed = self.epoch_starts.state(pos, {name: t[pos] for name, t in self.stack.params.items()})
+            renewed = self.epoch_starts.state(
+                pos,
+                {name: t[pos] for name, t in self.stack.params.items()},
+                {name: t[pos] for name, t in self.carry.items()},
+            )
             if set(renewed) != set(self.carry):
                 raise VectorizeError(f"epoch_start gave {sorted(renewed)}, not the carried {sorted(self.carry)}")
             for name, value in renewed.items():
@@ -1092,7 +1101,7 @@ def train_vectorized(
     starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
     carry: Mapping[str, torch.Tensor] | None = None,
     sum_gradients: bool = False,
-    epoch_start: Callable[[int, dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
+    epoch_start: EpochStart | None = None,
     keep_as: Hashable | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
@@ -1111,9 +1120,10 @@ def train_vectorized(
     method's own training keeps across its steps: FedACD's running P). A node keeps its state through
     the steps it does not take; its last state is in its `TrainStats.carry`. `sum_gradients`: each
     node's gradients of the objective summed over its steps, before clipping (`TrainStats.gradient_sums`).
-    `epoch_start(k, params)`: node k's carried state renewed from its parameters as they are before the
-    first step of each of its epochs but the first (a state a method's training recomputes from the
-    model every epoch: FedACD's P from a clean pass); run eagerly between steps, outside any graph.
+    `epoch_start(k, params, carried)`: node k's carried state renewed from its parameters and carried
+    state as they are before the first step of each of its epochs but the first (a state a method's
+    training recomputes every epoch: FedACD's P from a clean pass of the model, or from the rows its
+    last epoch summed); run eagerly between steps, outside any graph, so that no step recomputes it.
     `keep_as`: for an objective of the method's own (and its `draws`), a key saying that it is the same
     computation as any other call's with the same key, so that inside `keep_rounds` the call may train
     in a round kept from such a call (whose objective, and on a GPU whose captured graphs, then run):

@@ -63,12 +63,13 @@ FedAvg does (the terms are skipped, and no random number is drawn beyond FedAvg'
 Group form (`NodeHalf.train_group`, `fedcore.vectorized`): Eq. 9 as a pure function of each node's
 batch, its Mixup draws (the numpy seed first, then each batch's lam and permutation) drawn into the
 plan in the order `train` draws them, each member's score from its own trained model. With log Delta
-and the running P (the paper's setting and the default), each node's P, its row sums and their
-weights are the vectorised step's carried state (`train_vectorized`'s `carry`): renewed at the first
-step of each epoch but the first (a constant per step in the plan), read as log Delta, and fed with
-the step's detached outputs, as `_Estimate` does in `train`. With ``p_estimate: clean`` the carried
-state is P alone, renewed between steps, before each epoch but the first, by a clean pass of the
-node's model as it then is over its whole shard (`train_vectorized`'s `epoch_start`, `_CleanP`).
+and the running P (the paper's setting and the default), each node's P, log Delta, its row sums and
+their weights are the vectorised step's carried state (`train_vectorized`'s `carry`): renewed between
+steps before each epoch but the first (`train_vectorized`'s `epoch_start`, `_RenewedRows`), read as
+log Delta, and fed with the step's detached outputs, as `_Estimate` does in `train`. With
+``p_estimate: clean`` the carried state is P and log Delta, renewed at the same points by a clean pass
+of the node's model as it then is over its whole shard (`_CleanP`). A step computes each mixed sample's
+loss for its two labels as one batch of twice the rows (`_mixed_per_sample`).
 
 The coordinator never trusts the wire: a score that is missing, not a finite number or outside
 (0.5, 1] (the range of Sigmoid(1 / KL) for KL >= 0) leaves its update out of a score-weighted average,
@@ -164,13 +165,14 @@ def flatten_loss(logits: torch.Tensor, y: torch.Tensor, *, detach_target: bool =
     """
     num_classes = logits.shape[1]
     log_p = F.log_softmax(logits, dim=1)
-    target = F.one_hot(y, num_classes).bool()
+    # the one-hot mask as one comparison (F.one_hot's own: a comparison, then two casts, under vmap)
+    target = y.unsqueeze(-1) == torch.arange(num_classes, device=y.device)
     log_rest = torch.logsumexp(logits.masked_fill(target, -math.inf), dim=1) - torch.logsumexp(logits, dim=1)
     log_q = (log_rest - math.log(num_classes - 1)).unsqueeze(1)  # log q_k for every k != y
     if detach_target:
         log_q = log_q.detach()
     terms = log_p.exp() * (log_p - log_q)
-    return torch.where(target, torch.zeros_like(terms), terms).sum(dim=1)
+    return terms.masked_fill(target, 0.0).sum(dim=1)
 
 
 def adjusted_cross_entropy(logits: torch.Tensor, y: torch.Tensor, log_delta: torch.Tensor) -> torch.Tensor:
@@ -442,53 +444,38 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
 
     def train_group(self, members: Sequence[base.GroupMember], model: nn.Module) -> list[base.Payload]:
         """`train` for every member at once (`group_refusal` says where not): Eq. 9 on each node's batch
-        mixed as `train` mixes it (the draws in the plan, `_StepDraws`), with log Delta from the node's
-        running P carried from step to step (`_running_p`)."""
+        mixed as `train` mixes it (the draws in the plan, `_StepDraws`), with the node's P and log Delta
+        carried from step to step, renewed between steps at its epochs' starts (`_RenewedRows`, `_CleanP`)."""
         first = shared.start_group(self, members, model)
         present = [m.half._present(m.task, m.data) for m in members]  # type: ignore[attr-defined]
         hp = self.hp
         uses_delta = hp.logit_adjust and hp.l2_weight != 0.0
         running = uses_delta and hp.p_estimate == "running"
-        draws = _StepDraws(hp.mixup_alpha, renew=running) if hp.mixup_alpha > 0.0 or running else None
-        carry, inputs = (
-            (_start_p(model, members, present, running=running), {"present": torch.stack(present)})
-            if uses_delta
-            else ({}, {})
-        )
+        draws = _StepDraws(hp.mixup_alpha) if hp.mixup_alpha > 0.0 else None
+        carry = _start_p(model, members, present, hp, running=running) if uses_delta else {}
         settings = first.task.settings
-        clean_p = _CleanP(model, [m.data for m in members], settings) if uses_delta and not running else None
-
-        def loss_of(
-            logits: torch.Tensor, y: torch.Tensor, batch: NodeBatch, log_delta: torch.Tensor | None
-        ) -> torch.Tensor:
-            # l1_weight L1 + lambda L2 (Eq. 9), each a mean over the real samples
-            loss = None
-            if hp.l2_weight != 0.0:
-                adjusted = logits if log_delta is None else logits + log_delta[y]
-                loss = hp.l2_weight * batch.mean(nll(adjusted, y))
-            if hp.l1_weight != 0.0:
-                l1 = hp.l1_weight * batch.mean(flatten_loss(logits, y, detach_target=hp.detach_target))
-                loss = l1 if loss is None else loss + l1
-            assert loss is not None  # Hyperparams refuses both weights 0
-            return loss
+        renew_p: _CleanP | _RenewedRows | None = None
+        if uses_delta:
+            datasets = [m.data for m in members]
+            renew_p = (
+                _RenewedRows(present, hp, settings) if running else _CleanP(model, datasets, present, hp, settings)
+            )
 
         def objective(
             batch: NodeBatch,
         ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            state = (_running_p(batch, hp) if running else _held_p(batch, hp)) if uses_delta else None
+            state = _carried_p(batch) if uses_delta else None
             log_delta = state.log_delta if state is not None else None
             if hp.mixup_alpha == 0.0:
                 logits = batch.logits()
-                loss = loss_of(logits, batch.y, batch, log_delta)
+                loss = batch.mean(_per_sample(logits, batch.y, log_delta, hp))
                 lam, y_b = torch.ones((), dtype=batch.x.dtype), batch.y
             else:
                 lam, perm = batch.step["lam"][0].to(batch.x.dtype), batch.step["perm"]
                 logits = batch.forward(batch.params, lam * batch.x + (1.0 - lam) * batch.x[perm])
                 # l = lam l(x~, y_a) + (1 - lam) l(x~, y_b); lam = 1 (no mixing drawn) gives l(x, y) exactly
                 y_b = batch.y[perm]
-                loss = lam * loss_of(logits, batch.y, batch, log_delta) + (1.0 - lam) * loss_of(
-                    logits, y_b, batch, log_delta
-                )
+                loss = batch.mean(_mixed_per_sample(logits, batch.y, y_b, lam, log_delta, hp))
             if state is None:
                 return loss
             return loss, {}, state.fed(logits, batch.y, y_b, lam, batch.weight)
@@ -497,7 +484,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         # flags above are theirs): a later round's group may train in this one's kept round
         results = train_vectorized(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members],
-            objective=objective, draws=draws, inputs=inputs, carry=carry, epoch_start=clean_p, keep_as=("fedacd", hp),
+            objective=objective, draws=draws, carry=carry, epoch_start=renew_p, keep_as=("fedacd", hp),
         )  # fmt: skip
         payloads = []
         for member, own, (state, stats) in zip(members, present, results, strict=True):
@@ -517,38 +504,110 @@ def _epoch_steps(data: TensorDataset, settings: TrainSettings) -> int:
 
 
 def _start_p(
-    model: nn.Module, members: Sequence[base.GroupMember], present: Sequence[torch.Tensor], *, running: bool
+    model: nn.Module,
+    members: Sequence[base.GroupMember],
+    present: Sequence[torch.Tensor],
+    hp: Hyperparams,
+    *,
+    running: bool,
 ) -> dict[str, torch.Tensor]:
     """Each member's carried state before its first step, as `_Estimate` starts it: P from a clean pass
-    of the received model over its data, and for the running P empty row sums and weights."""
+    of the received model over its data and log Delta from it, and for the running P empty row sums and
+    weights."""
     p = torch.stack([probability_matrix(model, m.data) for m in members])
-    return {"p": p, "sums": torch.zeros_like(p), "counts": torch.zeros_like(p[:, 0])} if running else {"p": p}
+    state = {"p": p, "log_delta": torch.stack([_log_delta(p[k], own, hp) for k, own in enumerate(present)])}
+    return state | {"sums": torch.zeros_like(p), "counts": torch.zeros_like(p[:, 0])} if running else state
+
+
+def _log_delta(p: torch.Tensor, present: torch.Tensor, hp: Hyperparams) -> torch.Tensor:
+    return log_delta_matrix(p, present.to(p.device), delta_missing=hp.delta_missing, eps=hp.eps, clip=hp.log_delta_clip)
+
+
+class _RenewedRows:
+    """``p_estimate: running`` in a group: before each epoch but the first, node k's P from the rows its
+    last epoch summed (a row with no weight keeps its value), the sums emptied and log Delta from the new
+    P, as `_Estimate` renews them in `train`. Between steps (`train_vectorized`'s epoch_start), so that
+    no step recomputes log Delta: before, every step did, about 20 operators, for a P that changes once
+    an epoch. The same values, bit for bit (the same operators on each node's slice; under the step's
+    autocast)."""
+
+    def __init__(self, present: Sequence[torch.Tensor], hp: Hyperparams, settings: TrainSettings) -> None:
+        self.present, self.hp, self.settings = present, hp, settings
+
+    @torch.no_grad()
+    def __call__(
+        self, k: int, params: dict[str, torch.Tensor], carried: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        sums, counts = carried["sums"], carried["counts"]
+        with autocast(self.settings, sums.device):
+            p = rows_from(sums, counts, carried["p"])
+            log_delta = _log_delta(p, self.present[k], self.hp)
+        return {"p": p, "sums": torch.zeros_like(sums), "counts": torch.zeros_like(counts), "log_delta": log_delta}
 
 
 class _CleanP:
     """``p_estimate: clean`` in a group: before each epoch but the first, node k's P from a clean pass of
     its model as it is then over its whole shard (`probability_matrix`, as `_Estimate` renews it), through
-    a copy of the model holding the node's parameters (`train_vectorized`'s epoch_start); under the
-    step's autocast, as `train` makes it inside its objective."""
+    a copy of the model holding the node's parameters (`train_vectorized`'s epoch_start), and log Delta
+    from it; under the step's autocast, as `train` makes them inside its objective."""
 
-    def __init__(self, model: nn.Module, datasets: Sequence[TensorDataset], settings: TrainSettings) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        datasets: Sequence[TensorDataset],
+        present: Sequence[torch.Tensor],
+        hp: Hyperparams,
+        settings: TrainSettings,
+    ) -> None:
         self.probe, self.datasets, self.settings = copy.deepcopy(model), datasets, settings
+        self.present, self.hp = present, hp
 
     @torch.no_grad()
-    def __call__(self, k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for name, p in self.probe.named_parameters():
-            p.copy_(params[name])
+    def __call__(
+        self, k: int, params: dict[str, torch.Tensor], carried: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        for name, parameter in self.probe.named_parameters():
+            parameter.copy_(params[name])
         with autocast(self.settings, next(iter(params.values())).device):
-            return {"p": probability_matrix(self.probe, self.datasets[k])}
+            p = probability_matrix(self.probe, self.datasets[k])
+            return {"p": p, "log_delta": _log_delta(p, self.present[k], self.hp)}
 
 
-def _held_p(batch: NodeBatch, hp: Hyperparams) -> _RunningP:
-    """P for this step with ``p_estimate: clean``: the carried P, which only `_CleanP` renews between steps."""
-    p = batch.carry["p"]
-    log_delta = log_delta_matrix(
-        p, batch.inputs["present"], delta_missing=hp.delta_missing, eps=hp.eps, clip=hp.log_delta_clip
-    )
-    return _RunningP(p, None, None, log_delta)
+def _per_sample(logits: torch.Tensor, y: torch.Tensor, log_delta: torch.Tensor | None, hp: Hyperparams) -> torch.Tensor:
+    """Each sample's l1_weight L1 + lambda L2 (Eq. 9; a zero weight skips its term), before the batch's
+    mean: one mean for both terms, where `local_loss` takes one each (the same value up to rounding)."""
+    loss = None
+    if hp.l2_weight != 0.0:
+        adjusted = logits if log_delta is None else logits + log_delta[y]
+        loss = hp.l2_weight * nll(adjusted, y)
+    if hp.l1_weight != 0.0:
+        l1 = hp.l1_weight * flatten_loss(logits, y, detach_target=hp.detach_target)
+        loss = l1 if loss is None else loss + l1
+    assert loss is not None  # Hyperparams refuses both weights 0
+    return loss
+
+
+def _mixed_per_sample(
+    logits: torch.Tensor,
+    y_a: torch.Tensor,
+    y_b: torch.Tensor,
+    lam: torch.Tensor,
+    log_delta: torch.Tensor | None,
+    hp: Hyperparams,
+) -> torch.Tensor:
+    """Each mixed sample's lam l(x~, y_a) + (1 - lam) l(x~, y_b), both labels' terms computed as one batch
+    of twice the rows: every operator of Eq. 9 runs once forward and once backward instead of twice (on a
+    GPU, a kernel each). The same value up to rounding."""
+    rows = len(y_a)
+    both = _per_sample(torch.cat([logits, logits]), torch.cat([y_a, y_b]), log_delta, hp)
+    return lam * both[:rows] + (1.0 - lam) * both[rows:]
+
+
+def _carried_p(batch: NodeBatch) -> _RunningP:
+    """This node's P, log Delta and (running P) row sums at this step, as its carried state holds them:
+    renewed between steps (`_RenewedRows`, `_CleanP`), read here."""
+    carried = batch.carry
+    return _RunningP(carried["p"], carried.get("sums"), carried.get("counts"), carried["log_delta"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,51 +625,39 @@ class _RunningP:
     ) -> dict[str, torch.Tensor]:
         """The carried state after the step: a mixed sample adds lam p to row y_a and (1 - lam) p to row y_b."""
         if self.sums is None or self.counts is None:  # the clean P: nothing accumulates
-            return {"p": self.p}
+            return {"p": self.p, "log_delta": self.log_delta}
         probs = F.softmax(logits.detach().to(self.sums.dtype), dim=1)
-        sums, counts = accumulated(self.sums, self.counts, probs, y_a, weight * lam)
-        sums, counts = accumulated(sums, counts, probs, y_b, weight * (1.0 - lam))
-        return {"p": self.p, "sums": sums, "counts": counts}
-
-
-def _running_p(batch: NodeBatch, hp: Hyperparams) -> _RunningP:
-    """P for this step: at the first step of every epoch but the first (the plan's ``renew``), the rows
-    of the previous epoch, and the sums emptied; log Delta from it."""
-    carried, renew = batch.carry, batch.step["renew"][0] > 0
-    p = torch.where(renew, rows_from(carried["sums"], carried["counts"], carried["p"]), carried["p"])
-    keep = (~renew).to(p.dtype)
-    present = batch.inputs["present"]
-    log_delta = log_delta_matrix(p, present, delta_missing=hp.delta_missing, eps=hp.eps, clip=hp.log_delta_clip)
-    return _RunningP(p, carried["sums"] * keep, carried["counts"] * keep, log_delta)
+        # both labels' rows added at once (one product for the two, as `_mixed_per_sample` takes its loss)
+        sums, counts = accumulated(
+            self.sums,
+            self.counts,
+            torch.cat([probs, probs]),
+            torch.cat([y_a, y_b]),
+            torch.cat([weight * lam, weight * (1.0 - lam)]),
+        )
+        return {"p": self.p, "sums": sums, "counts": counts, "log_delta": self.log_delta}
 
 
 class _StepDraws:
     """FedACD's draws besides the batches (`fedcore.round_plan.StepDraws`), as `NodeHalf.train` makes
-    them: with Mixup, the numpy stream's seed before the first batch, then per batch lam ~ Beta(alpha,
-    alpha) from it and, unless lam is 1, the batch's permutation from the node's generator; with `renew`,
-    whether the step is the first of an epoch but the first (a constant of the step, nothing drawn)."""
+    them with Mixup: the numpy stream's seed before the first batch, then per batch lam ~ Beta(alpha,
+    alpha) from it and, unless lam is 1, the batch's permutation from the node's generator."""
 
-    def __init__(self, alpha: float, *, renew: bool) -> None:
-        self.alpha, self.renew = alpha, renew
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
 
     def first(self, data: TensorDataset, settings: TrainSettings, generator: torch.Generator) -> object:
-        return numpy_stream(generator) if self.alpha > 0.0 else None, _epoch_steps(data, settings)
+        return numpy_stream(generator)
 
     def step(self, state: object, s: int, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        assert isinstance(state, tuple)
-        rng, per_epoch = state
-        drawn = {}
-        if self.alpha > 0.0:
-            lam = mixup_lambda(self.alpha, rng)
-            perm = (
-                torch.randperm(rows, generator=generator, device=generator.device)
-                if lam != 1.0
-                else torch.arange(rows, device=generator.device)
-            )
-            drawn = {"lam": torch.full((rows,), lam, dtype=torch.float64), "perm": perm}
-        if self.renew:
-            drawn["renew"] = torch.full((rows,), 1.0 if s > 0 and s % per_epoch == 0 else 0.0, dtype=torch.float64)
-        return drawn
+        assert isinstance(state, np.random.Generator)
+        lam = mixup_lambda(self.alpha, state)
+        perm = (
+            torch.randperm(rows, generator=generator, device=generator.device)
+            if lam != 1.0
+            else torch.arange(rows, device=generator.device)
+        )
+        return {"lam": torch.full((rows,), lam, dtype=torch.float64), "perm": perm}
 
     def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return drawn

@@ -347,7 +347,7 @@ def test_fedacd_group_renews_each_members_p_every_epoch(digits: TensorDataset, m
     group = group_of()
     grouped = group[0].half.train_group(group, copy.deepcopy(workspace))
     with monkeypatch.context() as patch:
-        patch.setattr(fedacd, "_epoch_steps", lambda data, settings: 10**6)
+        patch.setattr(fedacd, "_RenewedRows", _NeverRenewed)
         stale = group_of()
         never = stale[0].half.train_group(stale, copy.deepcopy(workspace))
     for got, unrenewed, member in zip(grouped, never, group_of(), strict=True):
@@ -394,13 +394,16 @@ def test_fedacd_group_with_a_clean_p_renews_each_members_p_from_its_own_model(
 
 
 class _NeverRenewed:
-    """A clean P that keeps the received model's P (what no renewal between steps would give)."""
+    """A renewal of P (running or clean) that keeps each node's carried state as it is: P stays the received
+    model's, what no renewal between steps would give."""
 
-    def __init__(self, model: torch.nn.Module, datasets: list[TensorDataset], settings: TrainSettings) -> None:
-        self.datasets, self.model = datasets, copy.deepcopy(model)
+    def __init__(self, *args: object) -> None:
+        pass
 
-    def __call__(self, k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"p": fedacd.probability_matrix(self.model, self.datasets[k])}
+    def __call__(
+        self, k: int, params: dict[str, torch.Tensor], carried: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in carried.items()}
 
 
 def test_feddisco_group_is_fedavgs_with_each_members_own_discrepancy(digits: TensorDataset) -> None:

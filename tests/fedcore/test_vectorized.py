@@ -596,10 +596,11 @@ def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_f
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     calls: list[tuple[int, float]] = []
 
-    def renew(k: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def renew(k: int, params: dict[str, torch.Tensor], carried: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         moved = max(float((params[n] - start[n]).abs().max()) for n in start)
         calls.append((k, moved))
-        return {"epochs": torch.tensor(float(sum(1 for j, _ in calls if j == k)))}
+        assert float(carried["epochs"]) == sum(1 for j, _ in calls[:-1] if j == k)  # the node's own, as it is now
+        return {"epochs": carried["epochs"] + 1.0}
 
     def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return batch.mean(nll(batch.logits(), batch.y)), {}, {"epochs": batch.carry["epochs"]}
@@ -614,7 +615,7 @@ def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_f
     with pytest.raises(VectorizeError, match="epoch_start gave"):
         train_vectorized(
             model, datasets, settings, generators(4), objective=objective, carry=carry,
-            epoch_start=lambda k, params: {"other": torch.zeros(())},
+            epoch_start=lambda k, params, carried: {"other": torch.zeros(())},
         )  # fmt: skip
 
 
@@ -803,7 +804,7 @@ def test_a_keyed_call_laid_out_otherwise_gets_a_kept_round_of_its_own(digits: Te
 
     with vectorized.keep_rounds():
         train()
-        train(epoch_start=lambda k, params: {"steps": torch.zeros(())})
+        train(epoch_start=lambda k, params, carried: {"steps": torch.zeros(())})
         train(inputs={"w": torch.ones(2, 3)})
         train()
         held = vectorized.KEPT.get()
