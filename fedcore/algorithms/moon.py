@@ -31,8 +31,9 @@ Choices and deviations:
 Group form (`group_term`, `fedcore.vectorized`): the same objective as a pure function of a node's
 batch. The global model is the model every member started from (`NodeBatch.start`); each member's
 previous models enter as its own tensors (`GroupTerm.inputs`, ``previous{j}.{name}``), in
-`previous_models` slots with a mask ``present``: an empty slot (a node with fewer previous models,
-or none on its first participation) is filled with the global model and its similarity set to -inf,
+`previous_models` slots with a mask ``present`` over the global model and the slots: an empty slot (a
+node with fewer previous models, or none on its first participation) is filled with the global model
+and its similarity set to -inf,
 so it drops out of the softmax, and a node with none gets l_con = log(e^s / e^s) = 0 with zero
 gradient, as `train`'s skipped term. After the group trains, each member's half keeps its own trained
 model (`trained`, called by `LossTermNode.train_group`).
@@ -118,7 +119,8 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         represent = functional_method(model, "represent")
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         start = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-        inputs = {"present": torch.arange(slots) < len(self.previous)}
+        # column 0 the global model's (always there), column 1 + j previous model j's, if the node has one
+        inputs = {"present": torch.arange(1 + slots) <= len(self.previous)}
         for j in range(slots):  # an empty slot holds the global model, masked out by `present`
             state = self.previous[j] if j < len(self.previous) else start
             inputs |= {f"previous{j}.{name}": state[name].to(start[name]) for name in names}
@@ -130,14 +132,15 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
 
         def objective(batch: NodeBatch) -> torch.Tensor:
             z, logits = z_of(batch.params, batch.x)
-            z_glob = z_of(batch.start, batch.x)[0].detach()
-            sims = [F.cosine_similarity(z, z_glob, dim=-1)]
+            others = [z_of(batch.start, batch.x)[0]]
             for j in range(slots):
                 previous = {name: batch.inputs[f"previous{j}.{name}"] for name in batch.params}
-                z_prev = z_of(previous, batch.x)[0].detach()
-                sim = F.cosine_similarity(z, z_prev, dim=-1)
-                sims.append(torch.where(batch.inputs["present"][j], sim, float("-inf")))
-            con = torch.stack(sims, dim=-1) / tau  # l_con: -log softmax of the positive (column 0)
+                others.append(z_of(previous, batch.x)[0])
+            # every similarity at once, (B, 1 + slots): z normalised once, its gradient one sum, where one
+            # cosine_similarity per model took a dozen operators each way
+            sims = F.cosine_similarity(z.unsqueeze(-2), torch.stack(others, dim=-2).detach(), dim=-1)
+            con = torch.where(batch.inputs["present"], sims, float("-inf")) / tau
+            # l_con: -log softmax of the positive (column 0)
             l_con = torch.logsumexp(con, dim=-1) - con[..., 0]
             return batch.mean(nll(logits, batch.y)) + mu * batch.mean(l_con)  # l_sup + mu l_con
 
