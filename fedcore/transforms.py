@@ -96,38 +96,65 @@ def _draw(generator: torch.Generator, n: int, device: torch.device) -> torch.Ten
 
 
 def crop_at(
-    x: torch.Tensor,
-    top: torch.Tensor,
-    left: torch.Tensor,
-    size: int,
-    flip: torch.Tensor | None = None,
-    window: Window | None = None,
+    x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int, flip: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-image windows: image i's ``size x size`` window at (top[i], left[i]) of an N x C x H x W batch,
-    mirrored left-right where `flip[i]` (`_window`)."""
+    mirrored left-right where `flip[i]`. The flip is the order the window's columns are read in, so a
+    crop and the flip after it are one gather (data moved, no arithmetic: bitwise the crop, then
+    `x.flip(-1)` where flipped), where the flip alone was two passes over the batch."""
     n, c, _, w = x.shape
-    ahead, columns = _window(size, x.device, flip, window)
+    ahead = torch.arange(size, device=x.device)
+    columns = ahead if flip is None else torch.where(flip.view(-1, 1), ahead.flip(0), ahead)
     rows = (top.view(n, 1) + ahead).view(n, 1, size, 1).expand(n, c, size, w)
     x = x.gather(2, rows)
     cols = (left.view(n, 1) + columns).view(n, 1, 1, size).expand(n, c, size, size)
     return x.gather(3, cols)
 
 
-Window = tuple[torch.Tensor, torch.Tensor]
-"""A window's positions 0 .. size - 1 and size - 1 .. 0, made once where a step is repeated (a vectorised
-round's `_constants`)."""
+@dataclass(frozen=True)
+class CropTables:
+    """Where every window of one repeated crop reads, made once (a vectorised round's `_constants`), in the
+    coordinates of the batch the crop gathers from (the image's, or with zero padding the padded batch's):
+    ``rows[o]``, the rows the window at top o reads. With a reflection or a replication, ``columns[o]`` the
+    columns the window at left o reads and ``columns[flipped + o]`` those mirrored (a flipped image's), so
+    a step finds its windows with a lookup an axis where working them out took up to seven operators an
+    axis (a reflection's arithmetic; on a GPU a kernel each). Otherwise (`shifted`) a window's columns are
+    the positions 0 .. size - 1 or their mirror, ``columns[0]`` and ``columns[1]``, shifted by its left:
+    an operator fewer than a lookup. The same integers either way, so bitwise the same crop."""
+
+    rows: torch.Tensor
+    columns: torch.Tensor
+    flipped: int
+    shifted: bool
 
 
-def _window(
-    size: int, device: torch.device, flip: torch.Tensor | None, window: Window | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A window's rows, and its columns in the order it reads them: 0 .. size - 1, or, for an image `flip`
-    mirrors, size - 1 .. 0. So a crop and the flip after it are one gather (data moved, no arithmetic:
-    bitwise the crop, then `x.flip(-1)` where flipped), where the flip alone was two passes over the batch."""
-    ahead, behind = window if window is not None else (torch.arange(size, device=device), None)
-    if flip is None:
-        return ahead, ahead
-    return ahead, torch.where(flip.view(-1, 1), ahead.flip(0) if behind is None else behind, ahead)
+def crop_tables(
+    height: int, width: int, size: int, padding: int, mode: PaddingMode, device: torch.device
+) -> CropTables:
+    """The `CropTables` of a `size` crop of ``height x width`` images padded by `padding` in `mode`."""
+    shifted = padding == 0 or mode == "zero"
+
+    def table(n: int) -> torch.Tensor:
+        at = torch.arange(n + 2 * padding - size + 1).view(-1, 1) + torch.arange(size)  # padded coordinates
+        return at if shifted else _source(at - padding, n, mode)
+
+    columns = torch.arange(size).view(1, -1) if shifted else table(width)
+    return CropTables(table(height).to(device), torch.cat([columns, columns.flip(1)]).to(device), len(columns), shifted)
+
+
+def _crop_by_tables(
+    x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor | None, tables: CropTables
+) -> torch.Tensor:
+    n, c, _, w = x.shape
+    size = tables.rows.shape[1]
+    rows = tables.rows[top].view(n, 1, size, 1).expand(n, c, size, w)
+    if tables.shifted:
+        ahead, behind = tables.columns
+        at = left.view(n, 1) + (ahead if flip is None else torch.where(flip.view(-1, 1), behind, ahead))
+    else:
+        at = tables.columns[left if flip is None else torch.where(flip, left + tables.flipped, left)]
+    cols = at.view(n, 1, 1, size).expand(n, c, size, size)
+    return x.gather(2, rows).gather(3, cols)
 
 
 def padded_crop_at(
@@ -138,20 +165,25 @@ def padded_crop_at(
     padding: int,
     mode: PaddingMode,
     flip: torch.Tensor | None = None,
-    window: Window | None = None,
+    tables: CropTables | None = None,
 ) -> torch.Tensor:
     """``crop_at(pad(x, padding, mode), top, left, size, flip)``, bitwise, for any dtype: torch's reflection
     and replication padding take floats only, so for those each window's rows and columns are read where
     the padding would have copied them from, without making the padded batch (zeros are padded as
     before: torch pads any dtype with a constant, in fewer operations). So a batch can be cropped while
     it is still uint8 (`pipelines`), moving a quarter of float32's bytes; `top` and `left` are in padded
-    coordinates, as `crop_at`'s are."""
-    if padding == 0 or mode == "zero":
-        return crop_at(pad(x, padding, mode), top, left, size, flip, window)
+    coordinates, as `crop_at`'s are. `tables` (`crop_tables`, for this crop and image size): the windows
+    looked up rather than worked out."""
     n, c, h, w = x.shape
     if mode == "reflect" and padding >= min(h, w):
         raise ValueError(f"a reflection padding of {padding} needs images larger than {h} x {w}")
-    ahead, columns = _window(size, x.device, flip, window)
+    zeros = padding > 0 and mode == "zero"
+    if tables is not None:
+        return _crop_by_tables(pad(x, padding, mode) if zeros else x, top, left, flip, tables)
+    if padding == 0 or zeros:
+        return crop_at(pad(x, padding, mode), top, left, size, flip)
+    ahead = torch.arange(size, device=x.device)
+    columns = ahead if flip is None else torch.where(flip.view(-1, 1), ahead.flip(0), ahead)
     rows = top.view(n, 1) + (ahead - padding)  # (n, size) in the image's coordinates
     cols = left.view(n, 1) + (columns - padding)
     out = x.gather(2, _source(rows, h, mode).view(n, 1, size, 1).expand(n, c, size, w))

@@ -89,11 +89,13 @@ from fedmq.fedcore.training import TrainSettings, TrainStats, autocast
 from fedmq.fedcore.transforms import (
     BatchTransform,
     Compose,
+    CropTables,
     Normalize,
     RandomCrop,
     RandomHorizontalFlip,
     RandomRotation,
     ToFloat,
+    crop_tables,
     padded_crop_at,
     rotate,
 )
@@ -157,18 +159,29 @@ def augment_nodes(
     ops = _random_ops(steps, (x.shape[-2], x.shape[-1]) if x.dim() >= 3 else (0, 0))
     per_node = [_draws_of(ops, g, n) for g, n in zip(generators, sizes, strict=True)]
     draws = [torch.cat([values[j] for values in per_node]).to(x.device) for j in range(len(ops))]
-    return _apply_steps(x, steps, draws, _constants(steps, x.device))
+    return _apply_steps(x, steps, draws, _constants(steps, x.device, _image_size(x)))
 
 
-def _constants(steps: Sequence[BatchTransform], device: torch.device) -> dict[int, tuple[torch.Tensor, ...]]:
+def _image_size(x: torch.Tensor) -> tuple[int, int]:
+    """The height and width of a batch (or dataset) of images; (0, 0) for other data."""
+    return (x.shape[-2], x.shape[-1]) if x.dim() >= 3 else (0, 0)
+
+
+Constants = dict[int, "tuple[torch.Tensor, ...] | CropTables"]
+"""`_constants`: each fixed step's tensors, by the step's position."""
+
+
+def _constants(steps: Sequence[BatchTransform], device: torch.device, image: tuple[int, int]) -> Constants:
     """The fixed steps' tensors on `device`, made once: each Normalize step's mean and std, each ToFloat's
-    divisor, each RandomCrop's window positions read forwards and backwards. A captured graph cannot copy
-    them from the host at every step, as `Normalize.__call__` does, and a step need not remake them."""
-    made: dict[int, tuple[torch.Tensor, ...]] = {}
+    divisor, each RandomCrop's windows (`CropTables`, for the `image` size that reaches it). A captured
+    graph cannot copy them from the host at every step, as `Normalize.__call__` does, and a step need not
+    remake them."""
+    made: Constants = {}
+    height, width = image
     for i, step in enumerate(steps):
         if isinstance(step, RandomCrop):
-            ahead = torch.arange(step.size, device=device)
-            made[i] = (ahead, ahead.flip(0))
+            made[i] = crop_tables(height, width, step.size, step.padding, step.padding_mode, device)
+            height = width = step.size
         elif isinstance(step, Normalize):
             mean = torch.tensor(step.mean, device=device).view(1, -1, 1, 1)
             made[i] = (mean, torch.tensor(step.std, device=device).view(1, -1, 1, 1))
@@ -266,7 +279,7 @@ def _apply_steps(
     x: torch.Tensor,
     steps: Sequence[BatchTransform],
     draws: Sequence[torch.Tensor],
-    constants: dict[int, tuple[torch.Tensor, ...]],
+    constants: Constants,
 ) -> torch.Tensor:
     """The transform's steps on a flat batch with the values drawn beforehand (`_draws_of`'s order):
     what each node's own call gives, bitwise, with no draw and no host tensor inside (capturable). A flip
@@ -280,18 +293,18 @@ def _apply_steps(
             top, left = next(values), next(values)
             folded = i + 1 < len(steps) and isinstance(steps[i + 1], RandomHorizontalFlip)
             flip = next(values) if folded else None  # the flip's values follow the crop's
-            window = cast(tuple[torch.Tensor, torch.Tensor], constants[i])
-            x = padded_crop_at(x, top, left, step.size, step.padding, step.padding_mode, flip, window)
+            tables = cast(CropTables, constants[i])
+            x = padded_crop_at(x, top, left, step.size, step.padding, step.padding_mode, flip, tables)
         elif isinstance(step, RandomHorizontalFlip):
             x = torch.where(next(values).view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
         elif isinstance(step, RandomRotation):
             if step.degrees != 0:
                 x = rotate(x, next(values))
         elif isinstance(step, Normalize):
-            mean, std = constants[i]
+            mean, std = cast(tuple[torch.Tensor, torch.Tensor], constants[i])
             x = (x - mean.to(x.dtype)) / std.to(x.dtype)
         elif isinstance(step, ToFloat):  # the last of the steps `known_steps` admits
-            x = step.apply(x, *constants[i])
+            x = step.apply(x, *cast(tuple[torch.Tensor], constants[i]))
     return x
 
 
@@ -615,7 +628,7 @@ class _Round:
         self.x = _rows_of([d.x for d in datasets], device, capacity) if plan.inputs is None else None
         self.y = _rows_of([d.y for d in datasets], device, capacity)
         self.inputs = inputs
-        self.constants = _constants(steps or [], device)
+        self.constants = _constants(steps or [], device, _image_size(datasets[0].x))
         self.buffers = _stacked_buffers(model, k, device)
         """(K, ...) each node's buffers (BatchNorm's running statistics), updated after each of its steps."""
         frozen = self.frozen

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedmq.experiments.bench.step_cost import StepCounter
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.transforms import (
@@ -17,6 +18,7 @@ from fedmq.fedcore.transforms import (
     ToFloat,
     center_crop,
     crop_at,
+    crop_tables,
     pad,
     padded_crop_at,
     pipelines,
@@ -72,22 +74,41 @@ def test_padded_crop_at_is_bitwise_the_crop_of_the_padded_batch(mode: str, dtype
 
 
 @pytest.mark.parametrize("mode", ["zero", "reflect", "replicate"])
-@pytest.mark.parametrize("window", [False, True], ids=["window-made", "window-given"])
-def test_a_crop_given_flips_is_bitwise_the_crop_then_the_flip(mode: str, window: bool) -> None:
-    """A vectorised step crops and flips in one gather (`flip`, `window`: its positions made once): each
-    image the crop's window, mirrored exactly where its flip says; uint8 and float alike."""
-    h, w, p, size = 7, 9, 3, 6
+@pytest.mark.parametrize("padding", [0, 3])
+@pytest.mark.parametrize("tables", [False, True], ids=["worked-out", "looked-up"])
+def test_a_crop_given_flips_is_bitwise_the_crop_then_the_flip(mode: str, padding: int, tables: bool) -> None:
+    """A vectorised step crops and flips in one gather (`flip`; `tables`: every window's rows and columns
+    made once, `crop_tables`, then looked up): each image the crop's window, mirrored exactly where its
+    flip says, at every window position; uint8 and float alike."""
+    h, w, p, size = 7, 9, padding, 6
     n = (h + 2 * p - size + 1) * (w + 2 * p - size + 1)
     top, left = torch.meshgrid(torch.arange(h + 2 * p - size + 1), torch.arange(w + 2 * p - size + 1), indexing="ij")
     top, left = top.reshape(-1), left.reshape(-1)
     flip = torch.rand(n, generator=gen(2)) < 0.5
     assert 0 < int(flip.sum()) < n
-    positions = (torch.arange(size), torch.arange(size).flip(0)) if window else None
+    made = crop_tables(h, w, size, p, mode, torch.device("cpu")) if tables else None  # type: ignore[arg-type]
     for x in (torch.randint(0, 256, (n, 2, h, w), generator=gen(1), dtype=torch.uint8), torch.randn(n, 2, h, w)):
-        cropped = padded_crop_at(x, top, left, size, p, mode)  # type: ignore[arg-type]
+        cropped = crop_at(pad(x.double(), p, mode), top, left, size).to(x.dtype)  # type: ignore[arg-type]
         expected = torch.where(flip.view(-1, 1, 1, 1), cropped.flip(-1), cropped)
-        got = padded_crop_at(x, top, left, size, p, mode, flip, positions)  # type: ignore[arg-type]
-        assert torch.equal(got, expected)
+        assert torch.equal(padded_crop_at(x, top, left, size, p, mode, flip, made), expected)  # type: ignore[arg-type]
+        if made is not None:  # unflipped too
+            assert torch.equal(padded_crop_at(x, top, left, size, p, mode, None, made), cropped)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["zero", "reflect", "replicate"])
+def test_a_crop_looked_up_in_its_tables_takes_a_few_operators_whatever_the_padding(mode: str) -> None:
+    """With `crop_tables`, a crop and its flip are a lookup an axis, the flip's offset and two gathers (zero
+    padding: the pad, the rows' lookup, the columns shifted): 6 operators, where working out a reflection's
+    windows took 15."""
+    x = torch.randint(0, 256, (8, 3, 32, 32), generator=gen(1), dtype=torch.uint8)
+    top, left = torch.randint(0, 9, (8,), generator=gen(2)), torch.randint(0, 9, (8,), generator=gen(3))
+    flip = torch.rand(8, generator=gen(4)) < 0.5
+    made = crop_tables(32, 32, 32, 4, mode, torch.device("cpu"))  # type: ignore[arg-type]
+    with StepCounter() as looked_up:
+        padded_crop_at(x, top, left, 32, 4, mode, flip, made)  # type: ignore[arg-type]
+    with StepCounter() as worked_out:
+        padded_crop_at(x, top, left, 32, 4, mode, flip)  # type: ignore[arg-type]
+    assert looked_up.ops <= 6 < worked_out.ops
 
 
 def test_padded_crop_at_refuses_a_reflection_wider_than_the_image() -> None:

@@ -621,6 +621,7 @@ def test_epoch_start_renews_each_nodes_state_before_each_of_its_epochs_but_the_f
 
 def _kept_tensors(round_: object) -> list[torch.Tensor]:
     """Every tensor a captured step of the round reads or writes: what must keep its address."""
+    from fedmq.fedcore.transforms import CropTables
     from fedmq.fedcore.vectorized import _Round
 
     assert isinstance(round_, _Round)
@@ -628,7 +629,11 @@ def _kept_tensors(round_: object) -> list[torch.Tensor]:
     found = [*round_.stack.params.values(), *(t for v in round_.stack.state.values() for t in v), round_.stack.step]
     found += [*round_.start.values(), *round_.frozen.values(), round_.y, round_.totals]
     found += [round_.lr.fused, round_.lr.negative, round_.lr.exact]
-    found += [t for made in round_.constants.values() for t in made]
+    found += [
+        t
+        for made in round_.constants.values()
+        for t in ((made.rows, made.columns) if isinstance(made, CropTables) else made)
+    ]
     found += [cur.bytes] + ([round_.x] if round_.x is not None else [])  # every per-step tensor views `bytes`
     return found
 
