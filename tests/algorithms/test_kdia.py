@@ -7,6 +7,7 @@ checkpoint: test_contract.py. Data are synthetic."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from fedmq.fedcore.algorithms import build_hyperparams, get_algorithm, kdia
 from fedmq.fedcore.algorithms.base import Payload, RoundContext, TaskInput
 from fedmq.fedcore.algorithms.kdia.generator import (
     FeatureGenerator,
+    GeneratorStats,
     HeadEnsemble,
     build_generator,
     diversity_loss,
@@ -187,32 +189,49 @@ def _loop_by_hand(
     return ce_sum / (epochs * 5), optimizer.state_dict()
 
 
-def test_generator_training_with_its_draws_made_first_is_the_loop_drawing_as_it_goes() -> None:
-    """Every label and noise drawn before the first step (so that the steps wait for no host copy)
-    gives, bit for bit, the generator, BatchNorm statistics, Adam state and loss of the loop that draws
-    them step by step; a second round from the first's Adam state too."""
+@dataclass
+class _Round:
+    """One round of `train_generator` beside `_loop_by_hand`'s, from the same generator and draws."""
+
+    stats: GeneratorStats
+    ce_by_hand: float
+    ours: dict[str, torch.Tensor]
+    theirs: dict[str, torch.Tensor]
+    optimizer: dict
+    optimizer_by_hand: dict
+
+
+def _two_rounds_against_the_loop_by_hand(*, fused_by_hand: bool) -> list[_Round]:
+    """Two rounds of ten steps each way, the second from the first's Adam state (gen_keep_optimizer)."""
     model = build_model("mlp", (4,), 3, seed=0, hidden=[8])
     ensemble = HeadEnsemble(model, [model.state_dict()], [1.0], torch.device("cpu"))
-
-    def fresh() -> FeatureGenerator:
-        gen = build_generator(6, model)
-        gen.reset_parameters(torch_generator(0, "init"))
-        return gen
-
-    ours, theirs = fresh(), fresh()
-    state: dict | None = None
+    ours, theirs = build_generator(6, model), build_generator(6, model)
+    ours.reset_parameters(torch_generator(0, "init"))
+    theirs.reset_parameters(torch_generator(0, "init"))
     mine: dict | None = None
+    state: dict | None = None
+    rounds = []
     for round_ in (1, 2):
         stats, mine = train_generator(
             ours, ensemble, epochs=2, batches_per_epoch=5, batch_size=16, lr=1e-2, weight_decay=1e-4,
             rng=torch_generator(0, "gen", round_), device=torch.device("cpu"), optimizer_state=mine,
         )  # fmt: skip
-        ce, state = _loop_by_hand(theirs, ensemble, 2, torch_generator(0, "gen", round_), state)
-        assert stats.steps == 10 and stats.ce == pytest.approx(ce, rel=1e-6)
-        assert same_state(ours.state_dict(), theirs.state_dict())
+        ce, state = _loop_by_hand(theirs, ensemble, 2, torch_generator(0, "gen", round_), state, fused=fused_by_hand)
+        snapshot = {k: v.clone() for k, v in ours.state_dict().items()}
+        rounds.append(_Round(stats, ce, snapshot, {k: v.clone() for k, v in theirs.state_dict().items()}, mine, state))
+    return rounds
+
+
+def test_generator_training_with_its_draws_made_first_is_the_loop_drawing_as_it_goes() -> None:
+    """Every label and noise drawn before the first step (so that the steps wait for no host copy)
+    gives, bit for bit, the generator, BatchNorm statistics, Adam state and loss of the loop that draws
+    them step by step; a second round from the first's Adam state too."""
+    for r in _two_rounds_against_the_loop_by_hand(fused_by_hand=True):
+        assert r.stats.steps == 10 and r.stats.ce == pytest.approx(r.ce_by_hand, rel=1e-6)
+        assert same_state(r.ours, r.theirs)
         assert all(
-            torch.equal(mine["state"][k][name], state["state"][k][name])
-            for k in state["state"]
+            torch.equal(r.optimizer["state"][k][name], r.optimizer_by_hand["state"][k][name])
+            for k in r.optimizer_by_hand["state"]
             for name in ("exp_avg", "exp_avg_sq")
         )
 
@@ -221,24 +240,13 @@ def test_the_generators_fused_adam_is_torchs_default_adam_within_float_tolerance
     """KDIA's generator steps with torch's fused Adam (fewer kernels): the same update as the default
     Adam the spec names, up to the last bits, over two rounds of ten steps (the second from the first's
     optimiser state, as gen_keep_optimizer runs it)."""
-    model = build_model("mlp", (4,), 3, seed=0, hidden=[8])
-    ensemble = HeadEnsemble(model, [model.state_dict()], [1.0], torch.device("cpu"))
-    ours, theirs = (build_generator(6, model) for _ in range(2))
-    ours.reset_parameters(torch_generator(0, "init"))
-    theirs.reset_parameters(torch_generator(0, "init"))
     assert fused_adam(torch.device("cpu")) and fused_adam(torch.device("cuda")) and not fused_adam(torch.device("meta"))
-    mine: dict | None = None
-    state: dict | None = None
-    for round_ in (1, 2):
-        stats, mine = train_generator(
-            ours, ensemble, epochs=2, batches_per_epoch=5, batch_size=16, lr=1e-2, weight_decay=1e-4,
-            rng=torch_generator(0, "gen", round_), device=torch.device("cpu"), optimizer_state=mine,
-        )  # fmt: skip
-        ce, state = _loop_by_hand(theirs, ensemble, 2, torch_generator(0, "gen", round_), state, fused=False)
-        assert stats.ce == pytest.approx(ce, rel=1e-5)
-    assert mine is not None and mine["param_groups"][0]["fused"]
-    for k, v in theirs.state_dict().items():
-        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-4, atol=1e-5)
+    rounds = _two_rounds_against_the_loop_by_hand(fused_by_hand=False)
+    for r in rounds:
+        assert r.stats.ce == pytest.approx(r.ce_by_hand, rel=1e-5)
+        assert r.optimizer["param_groups"][0]["fused"]
+    for k, v in rounds[-1].theirs.items():
+        torch.testing.assert_close(rounds[-1].ours[k], v, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
