@@ -1,0 +1,123 @@
+"""The operators and memory traffic of each method's vectorised step, counted in a short run of the method.
+
+`fedmq bench sim` counts FedAvg's, KDIA's and the norm layers' steps on synthetic workloads. A method's
+own objective (FedProx's proximal term, MOON's contrastive term, FedACD's log Delta and Mixup) adds to
+the step it trains with; this counts what, in a short run of an experiment file as `fedmq simulate` runs
+it (`simulation.vectorize: true`, one local epoch, half the nodes a round): the last step of the last
+round's vectorised node training, which trains the nodes still training then, for each method given and
+FedAvg in the same run's setting. So the counts compare within one file, not across files. Counted on
+any device (`step_cost.StepCounter`); an operator is about one GPU kernel (`step_cost`'s docstring).
+
+    python -m fedmq.experiments.bench.method_steps experiments/papers/fedacd.yaml fedprox fedacd
+    python -m fedmq.experiments.bench.method_steps experiments/papers/kdia-beta01.yaml 'moon:{mu: 5.0}'
+
+The data are the experiment's own (``FEDMQ_DATA_ROOT`` for the papers' datasets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import yaml
+
+from fedmq.experiments.bench.step_cost import MB, StepCost, StepCounter
+
+ROUNDS = 2
+"""Two rounds: the methods with a teacher, a previous model or a generator use it from the second."""
+
+
+@contextlib.contextmanager
+def _last_steps(costs: list[StepCost]) -> Iterator[None]:
+    """Every vectorised round of the run (`fedcore.vectorized.run_steps`) eagerly, each round's last step
+    counted into `costs`."""
+    from fedmq.fedcore import vectorized
+
+    def steps(total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: Any, **__: Any) -> None:
+        for s in range(total):
+            if s < total - 1:
+                load(s)
+                eager(s)
+                continue
+            with StepCounter() as counter:
+                load(s)
+                eager(s)
+            costs.append(counter.cost)
+
+    with mock.patch.object(vectorized, "run_steps", steps):
+        yield
+
+
+def short_run(config: Mapping[str, Any], method: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` cut to a short vectorised run of `method`: no grid, two rounds of one local epoch, half
+    the nodes a round (at most 20 nodes), evaluated at the end only."""
+    raw = {k: v for k, v in config.items() if k not in ("grid", "report")}
+    nodes = min(int(raw.get("nodes", 20)), 20)
+    return raw | {
+        "name": "method-steps",
+        "nodes": nodes,
+        "rounds": ROUNDS,
+        "eval_every": ROUNDS,
+        "method": dict(method),
+        "train": {**raw.get("train", {}), "local_epochs": 1},
+        "policy": {**raw.get("policy", {}), "fraction": 0.5},
+        "simulation": {**raw.get("simulation", {}), "vectorize": True},
+    }
+
+
+def method_step_cost(config: Mapping[str, Any], method: Mapping[str, Any], out: Path) -> StepCost:
+    """The last step of the last vectorised round of `method`'s short run of `config` (`short_run`)."""
+    import fedmq
+
+    costs: list[StepCost] = []
+    with _last_steps(costs):
+        fedmq.simulate(short_run(config, method), out, progress=False)
+    if not costs:
+        raise RuntimeError(f"{method.get('name')} trained no round vectorised: is it one that trains in groups?")
+    return costs[-1]
+
+
+def parse_method(text: str) -> dict[str, Any]:
+    """``name`` or ``name:{yaml hyperparameters}`` as a config's ``method``."""
+    name, _, hyperparams = text.partition(":")
+    parsed = yaml.safe_load(hyperparams) if hyperparams else {}
+    if not isinstance(parsed, dict):
+        raise SystemExit(f"method_steps: {text!r}: the hyperparameters after ':' must be a YAML mapping")
+    return {"name": name, "hyperparams": parsed}
+
+
+def table(costs: Mapping[str, StepCost]) -> str:
+    """A Markdown table of the counts, each method's beside FedAvg's (the first row)."""
+    base = next(iter(costs.values()))
+    lines = ["| method | operators a step | memory traffic a step | operators over FedAvg's |", "|---|---|---|---|"]
+    for name, cost in costs.items():
+        lines.append(f"| {name} | {cost.ops} | {cost.bytes / MB:.0f} MB | {cost.ops / base.ops:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedmq.experiments.bench.method_steps",
+        description="Count the operators and memory traffic of each method's vectorised step, beside FedAvg's, "
+        "in a short run of an experiment file (two rounds, one local epoch).",
+    )
+    parser.add_argument("experiment", type=Path, help="an experiment file, e.g. experiments/papers/fedacd.yaml")
+    parser.add_argument("methods", nargs="+", help="method names, or name:{yaml hyperparameters}")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(args.experiment.read_text())
+    if not isinstance(config, dict):
+        raise SystemExit(f"method_steps: {args.experiment} holds no experiment (a YAML mapping)")
+    methods = {"fedavg": {"name": "fedavg"}} | {text: parse_method(text) for text in args.methods}
+    with tempfile.TemporaryDirectory(prefix="fedmq-method-steps-") as tmp:
+        costs = {name: method_step_cost(config, m, Path(tmp) / f"{i}") for i, (name, m) in enumerate(methods.items())}
+    print(table(costs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
