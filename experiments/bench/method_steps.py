@@ -109,7 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("experiment", type=Path, help="an experiment file, e.g. experiments/papers/fedacd.yaml")
     parser.add_argument("methods", nargs="+", help="method names, or name:{yaml hyperparameters}")
     args = parser.parse_args(argv)
-    config = yaml.safe_load(args.experiment.read_text())
+    try:
+        config = yaml.safe_load(args.experiment.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"cannot read {args.experiment}: {exc}")
     if not isinstance(config, dict):
         raise SystemExit(f"method_steps: {args.experiment} holds no experiment (a YAML mapping)")
     methods = {"fedavg": {"name": "fedavg"}} | {text: parse_method(text) for text in args.methods}

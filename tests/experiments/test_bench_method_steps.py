@@ -39,3 +39,12 @@ def test_its_short_run_is_the_experiment_cut_to_two_vectorised_rounds() -> None:
     assert run["simulation"] == {"vectorize": True} and run["method"] == {"name": "moon", "hyperparams": {"mu": 5.0}}
     with pytest.raises(SystemExit, match="must be a YAML mapping"):
         parse_method("moon:[1, 2]")
+
+
+def test_it_says_what_is_wrong_with_a_file_it_cannot_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.yaml"), "fedprox"])
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "list.yaml").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="holds no experiment"):
+        main([str(tmp_path / "list.yaml"), "fedprox"])
