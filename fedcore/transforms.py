@@ -103,12 +103,18 @@ def crop_at(
     crop and the flip after it are one gather (data moved, no arithmetic: bitwise the crop, then
     `x.flip(-1)` where flipped), where the flip alone was two passes over the batch."""
     n, c, _, w = x.shape
-    ahead = torch.arange(size, device=x.device)
-    columns = ahead if flip is None else torch.where(flip.view(-1, 1), ahead.flip(0), ahead)
+    ahead, columns = _columns(size, x.device, flip)
     rows = (top.view(n, 1) + ahead).view(n, 1, size, 1).expand(n, c, size, w)
     x = x.gather(2, rows)
     cols = (left.view(n, 1) + columns).view(n, 1, 1, size).expand(n, c, size, size)
     return x.gather(3, cols)
+
+
+def _columns(size: int, device: torch.device, flip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window's positions 0 .. size - 1, and the order each image reads its columns in: those, or where
+    `flip` says, size - 1 .. 0."""
+    ahead = torch.arange(size, device=device)
+    return ahead, ahead if flip is None else torch.where(flip.view(-1, 1), ahead.flip(0), ahead)
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,12 @@ class CropTables:
 
     rows: torch.Tensor
     columns: torch.Tensor
-    flipped: int
     shifted: bool
+
+    @property
+    def flipped(self) -> int:
+        """Where the mirrored columns start: after every window position's own."""
+        return len(self.columns) // 2
 
 
 def crop_tables(
@@ -139,7 +149,7 @@ def crop_tables(
         return at if shifted else _source(at - padding, n, mode)
 
     columns = torch.arange(size).view(1, -1) if shifted else table(width)
-    return CropTables(table(height).to(device), torch.cat([columns, columns.flip(1)]).to(device), len(columns), shifted)
+    return CropTables(table(height).to(device), torch.cat([columns, columns.flip(1)]).to(device), shifted)
 
 
 def _crop_by_tables(
@@ -182,8 +192,7 @@ def padded_crop_at(
         return _crop_by_tables(pad(x, padding, mode) if zeros else x, top, left, flip, tables)
     if padding == 0 or zeros:
         return crop_at(pad(x, padding, mode), top, left, size, flip)
-    ahead = torch.arange(size, device=x.device)
-    columns = ahead if flip is None else torch.where(flip.view(-1, 1), ahead.flip(0), ahead)
+    ahead, columns = _columns(size, x.device, flip)
     rows = top.view(n, 1) + (ahead - padding)  # (n, size) in the image's coordinates
     cols = left.view(n, 1) + (columns - padding)
     out = x.gather(2, _source(rows, h, mode).view(n, 1, size, 1).expand(n, c, size, w))

@@ -156,7 +156,7 @@ def augment_nodes(
     call would draw them: image for image (bitwise) what `data.train_batch` gives each node. The same
     drawing (`_draws_of`) and application (`_apply_steps`) as a vectorised step's, which
     tests/fedcore/test_vectorized.py holds to `fedcore.transforms`."""
-    ops = _random_ops(steps, (x.shape[-2], x.shape[-1]) if x.dim() >= 3 else (0, 0))
+    ops = _random_ops(steps, _image_size(x))
     per_node = [_draws_of(ops, g, n) for g, n in zip(generators, sizes, strict=True)]
     draws = [torch.cat([values[j] for values in per_node]).to(x.device) for j in range(len(ops))]
     return _apply_steps(x, steps, draws, _constants(steps, x.device, _image_size(x)))
@@ -287,7 +287,7 @@ def _apply_steps(
     values = iter(draws)
     folded = False
     for i, step in enumerate(steps):
-        if folded:  # a flip the crop before it made, in its gather (`transforms._columns`)
+        if folded:  # a flip the crop before it made, in its gather (`padded_crop_at`'s flip)
             folded = False
         elif isinstance(step, RandomCrop):
             top, left = next(values), next(values)

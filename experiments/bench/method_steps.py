@@ -17,40 +17,17 @@ The data are the experiment's own (``FEDMQ_DATA_ROOT`` for the papers' datasets)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import yaml
 
-from fedmq.experiments.bench.step_cost import MB, StepCost, StepCounter
+from fedmq.experiments.bench.step_cost import MB, StepCost, last_step_cost
 
 ROUNDS = 2
 """Two rounds: the methods with a teacher, a previous model or a generator use it from the second."""
-
-
-@contextlib.contextmanager
-def _last_steps(costs: list[StepCost]) -> Iterator[None]:
-    """Every vectorised round of the run (`fedcore.vectorized.run_steps`) eagerly, each round's last step
-    counted into `costs`."""
-    from fedmq.fedcore import vectorized
-
-    def steps(total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: Any, **__: Any) -> None:
-        for s in range(total):
-            if s < total - 1:
-                load(s)
-                eager(s)
-                continue
-            with StepCounter() as counter:
-                load(s)
-                eager(s)
-            costs.append(counter.cost)
-
-    with mock.patch.object(vectorized, "run_steps", steps):
-        yield
 
 
 def short_run(config: Mapping[str, Any], method: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,12 +51,10 @@ def method_step_cost(config: Mapping[str, Any], method: Mapping[str, Any], out: 
     """The last step of the last vectorised round of `method`'s short run of `config` (`short_run`)."""
     import fedmq
 
-    costs: list[StepCost] = []
-    with _last_steps(costs):
-        fedmq.simulate(short_run(config, method), out, progress=False)
-    if not costs:
-        raise RuntimeError(f"{method.get('name')} trained no round vectorised: is it one that trains in groups?")
-    return costs[-1]
+    try:
+        return last_step_cost(lambda: fedmq.simulate(short_run(config, method), out, progress=False))
+    except RuntimeError as exc:
+        raise RuntimeError(f"{method.get('name')}: {exc} (is it a method that trains in groups?)") from exc
 
 
 def parse_method(text: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from fedmq.experiments.bench.common import Report, Timing, measure
 from fedmq.experiments.bench.simulator import Reference
-from fedmq.experiments.bench.step_cost import StepCost, StepCounter, add_cost_rows, counted, last_step_counted
+from fedmq.experiments.bench.step_cost import StepCost, add_cost_rows, counted, last_step_cost
 from fedmq.experiments.bench.training import synchronized
 from fedmq.fedcore.algorithms.kdia import Hyperparams
 from fedmq.fedcore.algorithms.kdia import generator as kdia_generator
@@ -131,9 +131,7 @@ class PlainLoop:
 def step_costs(work: GeneratorWork) -> dict[str, StepCost]:
     """What one step dispatches, its inputs' copy included: KDIA's and the plain loop's (eagerly: a
     captured step replays the same kernels)."""
-    kdia = StepCounter()
-    with last_step_counted(kdia_generator, kdia):
-        kdia_round(GeneratorWork(work.generator, work.ensemble, 4, work.device))()
+    kdia = last_step_cost(kdia_round(GeneratorWork(work.generator, work.ensemble, 4, work.device)), kdia_generator)
     plain = PlainLoop(GeneratorWork(work.generator, work.ensemble, 4, work.device), capture=False)
     plain.step()  # the optimiser's state made, as KDIA's warm-up makes it
 
@@ -142,7 +140,7 @@ def step_costs(work: GeneratorWork) -> dict[str, StepCost]:
         plain.z.copy_(plain.noise[1])
         plain.step()
 
-    return {KDIA: kdia.cost, PLAIN: counted(second)}
+    return {KDIA: kdia, PLAIN: counted(second)}
 
 
 def timings(work: GeneratorWork, repeats: int) -> dict[str, Timing]:

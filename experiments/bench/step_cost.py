@@ -110,30 +110,37 @@ def counted(step: Callable[[], object]) -> StepCost:
 
 
 @contextlib.contextmanager
-def last_step_counted(module: Any, counter: StepCounter) -> Iterator[None]:
+def last_steps_counted(module: Any, costs: list[StepCost]) -> Iterator[None]:
     """`module.run_steps` (the vectorised trainer's or KDIA generator's step loop) runs its steps eagerly,
-    the last inside `counter`: a captured step replays the same kernels, and with equal shards every node
-    trains at the last step."""
+    the last step of each call counted into `costs`: a captured step replays the same kernels, and with
+    equal shards every node trains at the last step."""
 
     def steps(total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: Any, **__: Any) -> None:
         for s in range(total):
-            with counter if s == total - 1 else contextlib.nullcontext():
+            if s < total - 1:
                 load(s)
                 eager(s)
+                continue
+            with StepCounter() as counter:
+                load(s)
+                eager(s)
+            costs.append(counter.cost)
 
     with mock.patch.object(module, "run_steps", steps):
         yield
 
 
-def last_step_cost(call: Callable[[], object]) -> StepCost:
-    """The cost of the last step of `call`'s vectorised round, the copy of its slice of the plan into place
-    included."""
+def last_step_cost(call: Callable[[], object], module: Any = None) -> StepCost:
+    """The cost of the last step of `call`'s last vectorised round, the copy of its slice of the plan into
+    place included; `module`: whose `run_steps` runs the round (`fedcore.vectorized`'s by default)."""
     from fedmq.fedcore import vectorized
 
-    counter = StepCounter()
-    with last_step_counted(vectorized, counter):
+    costs: list[StepCost] = []
+    with last_steps_counted(vectorized if module is None else module, costs):
         call()
-    return counter.cost
+    if not costs:
+        raise RuntimeError("the call trained no vectorised round: nothing to count")
+    return costs[-1]
 
 
 def add_cost_rows(
