@@ -30,6 +30,7 @@ from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models import build_model
 from fedmq.fedcore.seeding import torch_generator
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
+from fedmq.fedcore.transforms import Augment, Normalize, PaddingMode, ToFloat, pipelines
 from fedmq.fedcore.vectorized import (
     NodeBatch,
     VectorizeError,
@@ -248,6 +249,43 @@ def test_augmentation_of_all_nodes_at_once_is_each_nodes_own_bitwise(augment: di
     for p, i, g in zip(parts, idx, after, strict=True):
         p.train_batch(i, g)
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(after, gens, strict=True))
+
+
+def synthetic_uint8_images(n: int, augment: Augment) -> TensorDataset:
+    """Clearly synthetic CIFAR-like data: n random uint8 images 3 x 8 x 8 in 10 classes, with the training
+    transform a CIFAR experiment builds (`pipelines`: the augmentation, ToFloat, Normalize)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (n, 3, 8, 8), generator=g, dtype=torch.uint8)
+    train, evaluation = pipelines(augment, ((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)), (3, 8, 8))
+    return TensorDataset(x, torch.randint(0, 10, (n,), generator=g), 10, train, evaluation)
+
+
+@pytest.mark.parametrize("padding_mode", ["zero", "reflect"])
+def test_uint8_images_are_converted_and_normalised_by_one_lookup_bitwise(padding_mode: PaddingMode) -> None:
+    """On uint8 images, ToFloat and the Normalize after it are one lookup in a vectorised step
+    (`_pixel_table`): every pixel of every node's batch is, bit for bit, what its own train_batch gives."""
+    data = synthetic_uint8_images(40, Augment(crop=8, padding=2, padding_mode=padding_mode, flip=True))
+    parts = shards(data, (5, 16, 1))
+    steps = known_steps(data.train_transform)  # type: ignore[arg-type]
+    assert steps is not None and [type(s) for s in steps[-2:]] == [ToFloat, Normalize]
+    idx = [torch.arange(len(p)) for p in parts]
+    alone = torch.cat([p.train_batch(i, g)[0] for p, i, g in zip(parts, idx, generators(3), strict=True)])
+    together = augment_nodes(torch.cat([p.x for p in parts]), [len(p) for p in parts], steps, generators(3))
+    assert alone.dtype == together.dtype == torch.float32 and torch.equal(alone, together)
+    every_value = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, 3, 16, 16)
+    assert torch.equal(augment_nodes(every_value, [1], steps[-2:], generators(1)), Normalize(
+        (0.49, 0.48, 0.45), (0.25, 0.24, 0.26))(ToFloat()(every_value, None), None))  # fmt: skip
+
+
+def test_vectorized_training_on_uint8_images_is_one_by_one() -> None:
+    """The lookup inside a whole vectorised round: each node's model as local_sgd trains it alone."""
+    data = synthetic_uint8_images(60, Augment(crop=8, padding=2, padding_mode="reflect", flip=True))
+    model = build_model("mlp", data.input_shape, 10, seed=0)
+    datasets = shards(data, (20, 7, 33))
+    for (want, _), (state, _) in zip(
+        one_by_one(model, datasets, SGD), train_vectorized(model, datasets, SGD, generators(3)), strict=True
+    ):
+        assert_as_local_sgd(state, want, SGD)
 
 
 @dataclasses.dataclass(frozen=True)
