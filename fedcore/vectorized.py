@@ -266,6 +266,17 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return negative_log_likelihood(logits, y)
 
 
+def weighted_sum(first: torch.Tensor, *weighted: tuple[float, torch.Tensor]) -> torch.Tensor:
+    """``first + w_1 t_1 + w_2 t_2 + ...``, each term added with its weight in one operator (`add`'s alpha).
+    Under vmap a Python number times a tensor is two operators, the number made a tensor and the product
+    (on a GPU a kernel), and its backward no cheaper. A loss whose terms are means over the same rows is
+    best summed per sample and averaged once (`NodeBatch.mean`): one mean's operators, forward and
+    backward, instead of one a term."""
+    for weight, term in weighted:
+        first = first.add(term, alpha=weight)
+    return first
+
+
 class _Method(nn.Module):
     """``model.<name>`` as a module's forward: `functional_call` calls only ``forward``."""
 

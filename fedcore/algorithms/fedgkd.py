@@ -44,7 +44,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.tensors import StateDict, cpu_copy
 from fedmq.fedcore.training import LossFn
-from fedmq.fedcore.vectorized import NodeBatch, nll
+from fedmq.fedcore.vectorized import NodeBatch, nll, weighted_sum
 
 BUFFER = "buffer/"
 """Prefix of the buffered models in `CoordinatorHalf.state_dict`: ``buffer/{i}/{name}``, oldest first."""
@@ -175,7 +175,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             teacher_logits = batch.forward({n: teacher[n] for n in batch.params}, batch.x).detach()
             s = F.log_softmax(logits / tau, dim=-1)
             t = F.log_softmax(teacher_logits / tau, dim=-1)
-            return batch.mean(nll(logits, batch.y)) + weight * batch.mean((t.exp() * (t - s)).sum(-1))
+            return batch.mean(weighted_sum(nll(logits, batch.y), (weight, (t.exp() * (t - s)).sum(-1))))
 
         # the teacher's tensors are the spare model's, loaded in place each round: their addresses in the key
         return shared.GroupTerm(objective, key=(self.hp, tuple(t.data_ptr() for t in teacher.values())))

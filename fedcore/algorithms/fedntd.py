@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
-from fedmq.fedcore.vectorized import NodeBatch, nll
+from fedmq.fedcore.vectorized import NodeBatch, nll, weighted_sum
 
 KD_SCALES = ("plain", "tau2")
 
@@ -131,7 +131,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             logits = batch.logits()
             teacher = batch.forward(batch.start, batch.x).detach()  # the global model w^t
             ntd = not_true_per_sample(logits, teacher, batch.y, tau)
-            return batch.mean(nll(logits, batch.y)) + weight * batch.mean(ntd)
+            return batch.mean(weighted_sum(nll(logits, batch.y), (weight, ntd)))
 
         return shared.GroupTerm(objective, key=self.hp)
 

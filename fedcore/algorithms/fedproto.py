@@ -72,7 +72,15 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, TensorSpec, cpu_copy, schema_of
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, steps_per_epoch, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import (
+    NodeBatch,
+    functional_method,
+    nll,
+    steps_per_epoch,
+    train_vectorized,
+    unsupported,
+    weighted_sum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -310,11 +318,12 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             logits = classify(batch.params, h)
             assert isinstance(logits, torch.Tensor)
             features = h.flatten(1)
-            loss = batch.mean(nll(logits, batch.y))
+            per_sample = nll(logits, batch.y)
             if regularise:  # lambda MSE(f(x), C_bar^(y)), a mean over the real rows and the features
                 known, centres = batch.inputs["present"], batch.inputs["prototypes"]
                 target = torch.where(known[batch.y][:, None], centres[batch.y], features.detach())
-                loss = loss + lam * batch.mean((features - target).pow(2).mean(dim=1))
+                per_sample = weighted_sum(per_sample, (lam, (features - target).pow(2).mean(dim=1)))
+            loss = batch.mean(per_sample)
             if not record:
                 return loss, {}
             kept = batch.weight * batch.step["record"]  # the real rows of the last epoch's steps

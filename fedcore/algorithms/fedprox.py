@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
-from fedmq.fedcore.vectorized import NodeBatch, cross_entropy_objective
+from fedmq.fedcore.vectorized import NodeBatch, cross_entropy_objective, weighted_sum
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,9 +54,14 @@ def flat_proximal_term(params: Sequence[torch.Tensor], anchor: Sequence[torch.Te
     under vmap, a handful of operators over all the nodes' parameters at once, forward and backward, where
     the sum term by term takes four a tensor forward and more backward (on a GPU about a kernel each).
     The same value up to rounding (the sum runs in another order)."""
+    return 0.5 * mu * flat_squared_distance(params, anchor)
+
+
+def flat_squared_distance(params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_i ||params_i - anchor_i||^2, the parameters and the anchor each laid end to end."""
     flat = torch.cat([p.reshape(-1) for p in params])
     start = torch.cat([a.reshape(-1) for a in anchor])
-    return 0.5 * mu * (flat - start).pow(2).sum()
+    return (flat - start).pow(2).sum()
 
 
 CoordinatorHalf = shared.AveragingCoordinator
@@ -85,7 +90,8 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         def objective(batch: NodeBatch) -> torch.Tensor:
             # w^t is the model every member started from: batch.start
             anchor = [batch.start[name] for name in batch.params]
-            return cross_entropy_objective(batch) + flat_proximal_term(list(batch.params.values()), anchor, mu)
+            distance = flat_squared_distance(list(batch.params.values()), anchor)
+            return weighted_sum(cross_entropy_objective(batch), (0.5 * mu, distance))  # `flat_proximal_term`
 
         return shared.GroupTerm(objective, key=self.hp)
 

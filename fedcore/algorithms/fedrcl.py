@@ -92,7 +92,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
-from fedmq.fedcore.vectorized import GroupObjective, NodeBatch, functional_method, nll, train_vectorized
+from fedmq.fedcore.vectorized import GroupObjective, NodeBatch, functional_method, nll, train_vectorized, weighted_sum
 
 RCL_VARIANTS = ("official", "paper")
 TAP_CHOICES = ("auto", "all")
@@ -316,12 +316,9 @@ def group_rcl_loss(features: Sequence[torch.Tensor], batch: NodeBatch, hp: Hyper
             scl_levels.append((scl * weight).sum() / count)
         if hp.beta != 0.0:
             pen_levels.append((_penalty_masked(sim, batch.y, real, hp) * weight).sum() / count)
-    total = torch.zeros((), device=batch.y.device)
-    if scl_levels:
-        total = total + hp.scl_weight * torch.stack(scl_levels).mean()
-    if pen_levels:
-        total = total + hp.beta * torch.stack(pen_levels).mean()
-    return total
+    weighted = [(hp.scl_weight, torch.stack(scl_levels).mean())] if scl_levels else []
+    weighted += [(hp.beta, torch.stack(pen_levels).mean())] if pen_levels else []
+    return weighted_sum(torch.zeros((), device=batch.y.device), *weighted)
 
 
 class CoordinatorHalf(fedavg.CoordinatorHalf):

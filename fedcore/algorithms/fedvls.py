@@ -76,7 +76,7 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.algorithms.fedlc import calibrated_cross_entropy, fedlc_offsets
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.training import LossFn
-from fedmq.fedcore.vectorized import NodeBatch, nll
+from fedmq.fedcore.vectorized import NodeBatch, nll, weighted_sum
 
 LOGIT_SUPPRESSIONS = ("official", "paper")
 CALIBRATIONS = ("prior", "fedlc", "none")
@@ -279,11 +279,12 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             loss = batch.mean(nll(logits + node["offsets"].to(logits.dtype), batch.y))  # L_cal
             if hp.logit_scale > 0.0:  # + L_logit, over the real rows of the batch
                 real = (batch.weight > 0) | (batch.weight == 0).all()  # a node with no batch left: all, finite
-                loss = loss + hp.logit_scale * _group_suppression(logits, batch.y, real, batch.count, node, eps, form)
+                suppression = _group_suppression(logits, batch.y, real, batch.count, node, eps, form)
+                loss = weighted_sum(loss, (hp.logit_scale, suppression))
             if hp.lam > 0.0:  # + lambda L_dis, the teacher being the global model
                 teacher = batch.forward(batch.start, batch.x).detach()
                 kl = batch.mean(_vacant_kl(logits, teacher, node["vacant"]))
-                loss = loss + hp.lam * (node["distill"].to(logits.dtype) * kl)
+                loss = weighted_sum(loss, (hp.lam, node["distill"].to(logits.dtype) * kl))
             return loss
 
         return shared.GroupTerm(objective, inputs, key=self.hp)

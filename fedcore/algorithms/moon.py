@@ -53,7 +53,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.tensors import StateDict, cpu_copy
 from fedmq.fedcore.training import LossFn
-from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, weighted_sum
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,7 +142,8 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             con = torch.where(batch.inputs["present"], sims, float("-inf")) / tau
             # l_con: -log softmax of the positive (column 0)
             l_con = torch.logsumexp(con, dim=-1) - con[..., 0]
-            return batch.mean(nll(logits, batch.y)) + mu * batch.mean(l_con)  # l_sup + mu l_con
+            # l_sup + mu l_con, one mean of their per-sample sum (`fedcore.vectorized.weighted_sum`)
+            return batch.mean(weighted_sum(nll(logits, batch.y), (mu, l_con)))
 
         return shared.GroupTerm(objective, inputs, key=self.hp)
 

@@ -61,7 +61,7 @@ from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.tensors import cpu_copy
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported, weighted_sum
 
 KD_DIRECTIONS = ("forward", "reverse")
 STORES = ("memory", "disk")
@@ -455,18 +455,22 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 logits, head_logits = both[: len(features)], both[len(features) :]
             else:
                 logits = batch.logits()
-            loss = batch.mean(nll(logits, batch.y))  # l_CE
-            terms: dict[str, torch.Tensor] = {}
+            # l_CE + lambda_kd l_kd + lambda_gen l_gen: each a mean over the batch's rows (the generated
+            # features are one a row), so summed per sample and averaged once; each term's own mean is
+            # reported, off the gradient's path
+            per_sample: dict[str, tuple[float, torch.Tensor]] = {}
             if teacher is not None:
                 teacher_logits = batch.forward({n: teacher[n] for n in batch.params}, batch.x).detach()
-                kd = batch.mean(_kd_per_sample(logits, teacher_logits, hp.temperature, hp.kd_direction))
-                kd = kd * hp.temperature**2 if hp.kd_tau2_scale else kd
-                loss = loss + hp.lambda_kd * kd
-                terms["kd"] = kd
-            if draws is not None:
-                gen = batch.mean(nll(head_logits, batch.step["y_gen"]))  # through the head only
-                loss = loss + hp.lambda_gen * gen
-                terms["gen"] = gen
+                scale = hp.temperature**2 if hp.kd_tau2_scale else 1.0
+                kd = _kd_per_sample(logits, teacher_logits, hp.temperature, hp.kd_direction)
+                per_sample["kd"] = (hp.lambda_kd * scale, kd)
+            if draws is not None:  # through the head only
+                per_sample["gen"] = (hp.lambda_gen, nll(head_logits, batch.step["y_gen"]))
+            loss = batch.mean(weighted_sum(nll(logits, batch.y), *per_sample.values()))
+            with torch.no_grad():
+                terms = {name: batch.mean(term.detach()) for name, (_, term) in per_sample.items()}
+                if "kd" in terms and hp.kd_tau2_scale:
+                    terms["kd"] = terms["kd"] * hp.temperature**2
             return loss, terms
 
         # the objective reads its batch, the teacher's tensors (their addresses in the key) and these
