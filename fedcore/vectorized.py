@@ -421,8 +421,25 @@ Outputs = tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], 
 the nodes."""
 
 
+class _Seeds:
+    """The backward pass's seed, ones over the nodes, made once a round for each dtype a loss comes in:
+    autograd from the losses with these as their gradients is autograd from their sum, without the sum
+    and the ones that each step made (two operators). Made at the first (eager) step of a round, before
+    any graph is captured."""
+
+    def __init__(self, k: int, device: torch.device) -> None:
+        self.k, self.device = k, device
+        self.made: dict[torch.dtype, torch.Tensor] = {}
+
+    def of(self, losses: torch.Tensor) -> torch.Tensor:
+        ones = self.made.get(losses.dtype)
+        if ones is None:
+            ones = self.made[losses.dtype] = torch.ones(self.k, dtype=losses.dtype, device=self.device)
+        return ones[: len(losses)]
+
+
 def _gradients(
-    losses_of: Callable[..., Outputs], params: dict[str, torch.Tensor], *batch: object
+    losses_of: Callable[..., Outputs], params: dict[str, torch.Tensor], *batch: object, seeds: _Seeds
 ) -> tuple[
     dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]
 ]:
@@ -433,7 +450,7 @@ def _gradients(
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
     with torch.enable_grad():
         losses, terms, after, statistics = losses_of(leaves, *batch)
-        grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+        grads = torch.autograd.grad(losses, list(leaves.values()), seeds.of(losses), allow_unused=True)
     # a parameter the objective does not use has no gradient, and is left as torch's optimisers leave one
     used = {name: g for name, g in zip(leaves, grads, strict=True) if g is not None}
     detached = {n: t.detach() for n, t in terms.items()}
@@ -716,6 +733,7 @@ class _Round:
         self.cur = _Buffers(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
+        self.seeds = _Seeds(k, device)
         self.terms: dict[str, torch.Tensor] = {}
         """Each named term of the objective, summed over each node's steps."""
         self.carry = carry or {}
@@ -819,7 +837,7 @@ class _Round:
         buffers = {n: t[:a] for n, t in self.buffers.items()}
         grads, losses, terms, after, statistics = _gradients(
             self.losses_of, params, x, y, cur.weight[:a], cur.divisor[:a], cur.share[:a], inputs, step_inputs, carried,
-            buffers,
+            buffers, seeds=self.seeds,
         )  # fmt: skip
         settings = self.settings
         with torch.no_grad():
