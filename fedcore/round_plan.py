@@ -81,6 +81,21 @@ class StepDraws(Protocol):
         """On the device, every step at once, (S, K, B, ...): what the steps read (KDIA: the features)."""
 
 
+@dataclass(frozen=True)
+class BatchOutput:
+    """A function of each step's batch that does not train (a frozen teacher's log-probabilities), which
+    the objective reads as `NodeBatch.step[name]` instead of computing it at every step: made for a chunk
+    of steps at once, on their batches augmented as the steps augment them, before any of them runs
+    (`train_vectorized`'s `outputs`). A step then dispatches none of its operators, and the function runs
+    on large batches, a few times a round."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    """(N, *input) -> (N, *shape): the inputs of N samples, as a step's batch holds them."""
+    shape: tuple[int, ...]
+    """One sample's output."""
+    dtype: torch.dtype = torch.float32
+
+
 @dataclass
 class _Plan:
     """K nodes' batches for all S steps, drawn node by node in `local_sgd`'s order (the epoch's
@@ -101,6 +116,11 @@ class _Plan:
     """(K,) float64 on the host: each node's real samples over the round (complete once every chunk is)."""
     draw: Callable[[int, int], Packed] | None = None
     """Makes the chunk of steps [lo, hi) (adding its samples to `seen`); None: every chunk is made."""
+    fill: Callable[[int, int, Packed], None] | None = None
+    """Fills the `BatchOutput` fields of the chunk of steps [lo, hi) (the round that trains the plan:
+    it holds the data), before a step reads it; chunks are filled in order."""
+    filled: int = 0
+    """How many chunks `fill` has filled."""
 
     @property
     def layout(self) -> dict[str, Field]:
@@ -114,6 +134,9 @@ class _Plan:
             lo, hi = self.bounds[len(self.chunks)], self.bounds[len(self.chunks) + 1]
             self.chunks.append(self.draw(lo, hi))
         i = bisect.bisect_right(self.bounds, s) - 1
+        while self.fill is not None and self.filled <= i:
+            self.fill(self.bounds[self.filled], self.bounds[self.filled + 1], self.chunks[self.filled])
+            self.filled += 1
         return self.chunks[i].rows[s - self.bounds[i]]
 
     def field(self, name: str) -> torch.Tensor:
@@ -214,16 +237,21 @@ def _plan(
     *,
     batched: bool = True,
     pipelined: bool = False,
+    outputs: Mapping[str, BatchOutput] | None = None,
 ) -> _Plan:
     """The round's plan. Nodes with CPU generators and a transform `_apply_steps` knows have their plans
     drawn an epoch at a time (`_NodeDraws`; the draws of their objective's, `extra`, a step at a time
     between the batches'), in chunks made as the steps need them where `pipelined`
     (`_chunk_bounds`); any others, a step at a time, before the first step.
-    `batched` False draws every node a step at a time (what tests compare the batched plan with)."""
+    `batched` False draws every node a step at a time (what tests compare the batched plan with).
+    `outputs`: room in each step's row for each `BatchOutput`, filled by the round (`_Plan.fill`)."""
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
     ops = _random_ops(steps, shape) if steps is not None else None
+    room = _room(outputs or {}, len(datasets), settings.batch_size, device)
     if ops is None or not batched or any(g.device.type != "cpu" for g in generators):
-        return _plan_by_step(datasets, settings, generators, steps, ops, offsets, num_steps, dtype, device, extra)
+        return _plan_by_step(
+            datasets, settings, generators, steps, ops, offsets, num_steps, dtype, device, extra, room
+        )  # fmt: skip
     k, b = len(datasets), settings.batch_size
     nodes = [
         _NodeDraws(data, settings, generator, ops, extra, offset)
@@ -239,7 +267,7 @@ def _plan(
                 draws.fill_drawn(lo, hi, node, chunk)
         seen.add_(chunk.count.double().sum(0))
         drawn = {name: send(t, device, pinned) for name, t in chunk.drawn.items()}
-        prepared = extra.prepare(drawn) if extra is not None else {}
+        prepared = (extra.prepare(drawn) if extra is not None else {}) | room(hi - lo)
         return _packed_steps(chunk.rows, chunk.weight, chunk.count, chunk.values, prepared, device, pinned)
 
     bounds = _chunk_bounds(num_steps, pipelined)
@@ -257,6 +285,7 @@ def _plan_by_step(
     dtype: torch.dtype,
     device: torch.device,
     extra: StepDraws | None,
+    room: Callable[[int], dict[str, torch.Tensor]] = lambda steps: {},
 ) -> _Plan:
     """The plan drawn a step at a time, node by node, before the first step: for a transform of its own
     (applied here, in the order the node draws) or generators on a device."""
@@ -294,8 +323,22 @@ def _plan_by_step(
                     drawn[name][s, node, :m] = values.cpu()
                     drawn[name][s, node, m:] = values[:1].cpu()
     prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
-    packed = _packed_steps(rows, weight, count, draws, prepared, device)
+    packed = _packed_steps(rows, weight, count, draws, prepared | room(num_steps), device)
     return _Plan([packed], [0, num_steps], inputs, count.double().sum(0))
+
+
+def _room(
+    outputs: Mapping[str, BatchOutput], k: int, b: int, device: torch.device
+) -> Callable[[int], dict[str, torch.Tensor]]:
+    """For a chunk of S steps, an empty (S, K, B, *shape) tensor per `BatchOutput`: its place in the rows."""
+
+    def room(steps: int) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.empty((steps, k, b, *out.shape), dtype=out.dtype, device=device)
+            for name, out in outputs.items()
+        }
+
+    return room
 
 
 def _padded_rows(sizes: torch.Tensor, b: int) -> torch.Tensor:

@@ -72,7 +72,9 @@ from fedmq.fedcore.masked_norm import (
     masked_norms,
     update_running_statistics,
 )
+from fedmq.fedcore.packed import Packed
 from fedmq.fedcore.round_plan import (
+    BatchOutput,
     StepDraws,
     _draws_of,
     _pipelined,
@@ -130,6 +132,12 @@ def unsupported(model: nn.Module, batch_norm: bool = False) -> str | None:
         return f"the model has buffers ({', '.join(buffers[:3])}) that its forward pass may update"
     return None
 
+
+OUTPUT_ROWS = 8192
+"""About how many samples a `BatchOutput` is made for at once on a GPU (`_Round._fill_outputs`): large
+batches, few launches, and a bounded share of memory for their augmented inputs (CIFAR's: 100 MB in
+float32). On a CPU, one step's batch at a time: larger ones leave the caches (8,192 samples a call made
+a round of KDIA's vectorised training 15-20% slower on the 2-core CPU, 2026-11-29)."""
 
 _FIXED_STEPS = (ToFloat, Normalize)
 _RANDOM_STEPS = (RandomCrop, RandomHorizontalFlip, RandomRotation)
@@ -670,8 +678,11 @@ class _Round:
         sum_gradients: bool = False,
         epoch_starts: _EpochStarts | None = None,
         capacity: int = 0,
+        outputs: Mapping[str, BatchOutput] | None = None,
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
+        self.outputs = dict(outputs or {})
+        """The objective's `BatchOutput`s, made for each chunk of the plan (`_fill_outputs`)."""
         self.epoch_starts = epoch_starts
         k = len(datasets)
         self.stack = _Stack.of(model, k, settings, device, starts)
@@ -730,6 +741,7 @@ class _Round:
                 return vmapped(*args)
 
         self.losses_of = losses_of
+        plan.fill = self._fill_outputs if self.outputs else None
         self.cur = _Buffers(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
@@ -783,7 +795,34 @@ class _Round:
             torch.cat([d.y.to(self.y.device) for d in datasets], out=self.y[:rows])
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
+        plan.fill = self._fill_outputs if self.outputs else None
         self.plan = plan
+
+    @torch.no_grad()
+    def _fill_outputs(self, lo: int, hi: int, chunk: Packed) -> None:
+        """The `BatchOutput`s of steps lo to hi - 1 (a chunk of the plan) into their fields of its rows: each
+        function on those steps' batches as `batch` makes them, a few steps at a time (`OUTPUT_ROWS`). Eager,
+        before the chunk's first step loads its row: outside any graph."""
+        rows = chunk.view(chunk.rows, "rows")
+        draws = [chunk.view(chunk.rows, f"draw{j}") for j in range(sum(n.startswith("draw") for n in chunk.layout))]
+        fields = {name: chunk.view(chunk.rows, f"step.{name}") for name in self.outputs}
+        per = max(1, OUTPUT_ROWS // max(1, rows[0].numel())) if chunk.rows.device.type == "cuda" else 1
+        for a in range(0, hi - lo, per):
+            b = min(a + per, hi - lo)
+            if self.x is not None:
+                x = self.x[rows[a:b].reshape(-1)]
+                if self.steps:
+                    x = _apply_steps(x, self.steps, [d[a:b].reshape(-1) for d in draws], self.constants)
+            else:
+                assert self.plan.inputs is not None
+                inputs = self.plan.inputs[lo + a : lo + b]
+                x = inputs.reshape(-1, *inputs.shape[3:])
+            # the standard strides (a view): a size-1 dimension's stride is free, and a CPU convolution picks
+            # its algorithm by the strides (a 1-channel batch can look channels-last), so the same values
+            # came out a bit apart from a kept round's buffer and a fresh one's (2026-11-29)
+            x = x.reshape(-1).view(x.shape)
+            for name, out in self.outputs.items():
+                fields[name][a:b].copy_(out.fn(x).view(fields[name][a:b].shape))
 
     @property
     def seen(self) -> torch.Tensor:
@@ -1067,6 +1106,7 @@ def _kept_round(
     inputs: Mapping[str, torch.Tensor] | None = None,
     carry: Mapping[str, torch.Tensor] | None = None,
     epoch_starts: _EpochStarts | None = None,
+    outputs: Mapping[str, BatchOutput] | None = None,
 ) -> _Kept | None:
     """Inside `keep_rounds`, the kept round for this call, reset to it, or a new one kept (the oldest
     dropped beyond `KEPT_ROUNDS`); None outside it, or for a model holding loose tensors unless the call
@@ -1098,7 +1138,7 @@ def _kept_round(
     own_carry = {name: t.clone() for name, t in (carry or {}).items()}
     round_ = _Round(
         model, ordered, settings, plan, known, objective, own_inputs, device, starts, own_carry, sum_gradients,
-        epoch_starts, capacity=capacity,
+        epoch_starts, capacity=capacity, outputs=outputs,
     )  # fmt: skip
     kept_rounds.pop(key, None)
     while len(kept_rounds) >= KEPT_ROUNDS:
@@ -1170,6 +1210,7 @@ def train_vectorized(
     sum_gradients: bool = False,
     epoch_start: EpochStart | None = None,
     keep_as: Hashable | None = None,
+    outputs: Mapping[str, BatchOutput] | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train one copy of `model` per dataset, each as `local_sgd(copy, data, settings, generator)` would
     on `objective` (within float tolerance), as one vectorised computation; `model` is left unchanged.
@@ -1200,6 +1241,9 @@ def train_vectorized(
     into the kept round's, and its `epoch_start` replaces the kept round's. FedAvg's objective needs no key,
     unless `model` holds tensors outside its parameters and buffers (FedNH's prototypes), which are kept
     only under a key holding their addresses (loaded in place from call to call).
+    `outputs`: functions of each step's batch that do not train (`BatchOutput`: a frozen teacher's), made
+    for a chunk of steps at once before they run; the objective reads them as `NodeBatch.step[name]`.
+    A kept round makes those of the call that built it, as it runs its objective (`keep_as`).
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
@@ -1246,9 +1290,12 @@ def train_vectorized(
                     device,
                     draws,
                     pipelined=_pipelined(device),
+                    outputs=outputs,
                 )
             own = [starts[k] for k in order] if starts is not None else None
-            default = objective is cross_entropy_objective and not (draws or stacked or carried or epoch_start)
+            default = objective is cross_entropy_objective and not (
+                draws or stacked or carried or epoch_start or outputs
+            )
             key = keep_as  # FedAvg's objective needs none; with one, the key vouches for the model's loose tensors
             starts_at = _EpochStarts.of(epoch_start, order, ordered, settings) if epoch_start else None
             kept = None
@@ -1258,14 +1305,14 @@ def train_vectorized(
                 else:
                     kept = _kept_round(
                         model, ordered, settings, plan, own, transform, sum_gradients, known, objective, key, stacked,
-                        carried, starts_at,
+                        carried, starts_at, outputs,
                     )  # fmt: skip
                 if kept is not None:
                     round_ = kept.round
                 else:
                     round_ = _Round(
                         model, ordered, settings, plan, known, objective, stacked, device, own, carried, sum_gradients,
-                        starts_at,
+                        starts_at, outputs=outputs,
                     )  # fmt: skip
             active = [sum(1 for k in order if steps[k] > s) for s in range(num_steps)]
             torch_norm = round_.norms and TORCH_AT_WHOLE_BATCHES.get()

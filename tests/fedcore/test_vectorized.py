@@ -288,6 +288,57 @@ def test_vectorized_training_on_uint8_images_is_one_by_one() -> None:
         assert_as_local_sgd(state, want, SGD)
 
 
+def doubled_corner(x: torch.Tensor) -> torch.Tensor:
+    """A frozen function of a batch, elementwise (so bitwise the same on any batch it is part of)."""
+    return x.flatten(1)[:, :3] * 2.0
+
+
+def corner_objective(corner: Callable[[NodeBatch], torch.Tensor]) -> Callable[[NodeBatch], torch.Tensor]:
+    """The cross-entropy plus a term that reads `corner(batch)`, a frozen function of the step's batch."""
+
+    def objective(batch: NodeBatch) -> torch.Tensor:
+        logits = batch.logits()
+        term = (corner(batch) * logits[:, :3]).sum(-1)
+        return batch.mean(nll(logits, batch.y).add(term, alpha=0.1))
+
+    return objective
+
+
+@pytest.mark.parametrize("transform", ["known", "its own"])
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+def test_batch_outputs_are_made_before_the_steps_on_the_steps_own_batches(
+    digits: TensorDataset, transform: str, pipeline: str
+) -> None:
+    """A `BatchOutput` made for each chunk of the plan before its steps run, from the batches as the steps
+    augment them (a transform the step knows: crop and flip; or one of the node's own, applied in the plan),
+    trains every node bitwise as the objective computing it at every step; inside `keep_rounds` too."""
+    from fedmq.fedcore import round_plan, vectorized
+
+    data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
+    data = data if transform == "known" else dataclasses.replace(data, train_transform=GaussianNoise())
+    datasets = shards(data, (40, 17, 1, 33))
+    model = build_model("mlp", data.input_shape, 10, seed=0)
+    made = round_plan.BatchOutput(doubled_corner, (3,))
+    inline = corner_objective(lambda batch: doubled_corner(batch.x))
+    ahead = corner_objective(lambda batch: batch.step["corner"])
+
+    def made_ahead() -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+        outputs = {"corner": made}
+        return train_vectorized(model, datasets, SGD, generators(4), objective=ahead, keep_as="a", outputs=outputs)
+
+    with round_plan.plan_pipeline(pipeline):
+        want = train_vectorized(model, datasets, SGD, generators(4), objective=inline, keep_as="inline")
+        got = made_ahead()
+        with vectorized.keep_rounds():
+            kept = [made_ahead(), made_ahead()]
+    for results in (got, *kept):
+        for (state, stats), (state_want, stats_want) in zip(results, want, strict=True):
+            assert stats == stats_want
+            assert all(torch.equal(state[k], state_want[k]) for k in state_want)
+    far = train_vectorized(model, datasets, SGD, generators(4))  # the term moves the nodes
+    assert max_difference(far[0][0], want[0][0]) > 100 * ATOL
+
+
 @dataclasses.dataclass(frozen=True)
 class GaussianNoise:
     """A transform augment_nodes does not know: each node then transforms its own batch."""

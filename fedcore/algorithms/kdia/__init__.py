@@ -34,6 +34,7 @@ from typing import Any, ClassVar, cast
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.nn import functional as F
 
 from fedmq.fedcore.algorithms import base, shared
@@ -59,6 +60,7 @@ from fedmq.fedcore.algorithms.kdia.teacher import (
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.models.base import FedModel
+from fedmq.fedcore.round_plan import BatchOutput
 from fedmq.fedcore.tensors import cpu_copy
 from fedmq.fedcore.training import TrainSettings, local_sgd
 from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported, weighted_sum
@@ -438,8 +440,11 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         generate = shared.task_flag(task, "generate", node_id=self.node_id, default=False) and self.hp.lambda_gen > 0
         device = next(model.parameters()).device
         teacher = None
+        outputs: dict[str, BatchOutput] = {}
         if distill:  # the spare model's own tensors where it is on `device` (loaded in place each round)
             teacher = {n: p.detach().to(device) for n, p in self._teacher(task).named_parameters()}
+            # log softmax(teacher / tau) on each step's batch, made a chunk of steps at a time before they run
+            outputs["teacher_log_p"] = _teacher_log_p(model, teacher, self.hp.temperature)
         draws = _GeneratedDraws(self._generator(task, model), self.hp.noise_dim) if generate else None
         # the model's halves, their layers as one over the nodes (fedcore.layers_over_nodes)
         extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
@@ -460,9 +465,9 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             # reported, off the gradient's path
             per_sample: dict[str, tuple[float, torch.Tensor]] = {}
             if teacher is not None:
-                teacher_logits = batch.forward({n: teacher[n] for n in batch.params}, batch.x).detach()
+                log_p = batch.step["teacher_log_p"].to(logits.dtype)
                 scale = hp.temperature**2 if hp.kd_tau2_scale else 1.0
-                kd = _kd_per_sample(logits, teacher_logits, hp.temperature, hp.kd_direction)
+                kd = _kd_per_sample_of(logits, log_p, hp.temperature, hp.kd_direction)
                 per_sample["kd"] = (hp.lambda_kd * scale, kd)
             if draws is not None:  # through the head only
                 per_sample["gen"] = (hp.lambda_gen, nll(head_logits, batch.step["y_gen"]))
@@ -478,7 +483,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         keep_as = ("kdia", hp, distill, generate, tuple(t.data_ptr() for t in (teacher or {}).values()))
         results = train_vectorized(
             model, [m.data for m in members], task.settings, [m.generator for m in members],
-            objective=objective, draws=draws, keep_as=keep_as,
+            objective=objective, draws=draws, keep_as=keep_as, outputs=outputs,
         )  # fmt: skip
         payloads = []
         for _, stats in results:
@@ -521,10 +526,28 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         return module.eval()  # BatchNorm on its running statistics, as on the code's clients
 
 
+def _teacher_log_p(model: nn.Module, teacher: dict[str, torch.Tensor], temperature: float) -> BatchOutput:
+    """The teacher's log softmax at temperature tau on a batch (`_kd_per_sample_of`'s log_p), as a
+    `BatchOutput`: `model`'s forward pass with the teacher's trainable parameters (its frozen ones are the
+    model's, as in the step's forward pass), in the model's dtype."""
+    trained = {name: teacher[name] for name, p in model.named_parameters() if p.requires_grad}
+    dtype = next(model.parameters()).dtype
+
+    def log_p(x: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, trained, (x,))
+        return F.log_softmax(logits / temperature, dim=-1).to(dtype)
+
+    return BatchOutput(log_p, (cast(FedModel, model).num_classes,), dtype)
+
+
 def _kd_per_sample(student: torch.Tensor, teacher: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
     """`kd_loss` before its batch mean: each sample's KL at temperature tau, summed over classes."""
+    return _kd_per_sample_of(student, F.log_softmax(teacher.detach() / temperature, dim=-1), temperature, direction)
+
+
+def _kd_per_sample_of(student: torch.Tensor, log_p: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
+    """`_kd_per_sample` given the teacher's log softmax at temperature tau, `log_p`."""
     log_q = F.log_softmax(student / temperature, dim=-1)
-    log_p = F.log_softmax(teacher.detach() / temperature, dim=-1)
     if direction == "forward":
         return (log_p.exp() * (log_p - log_q)).sum(-1)
     if direction == "reverse":
