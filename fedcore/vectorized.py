@@ -76,6 +76,7 @@ from fedmq.fedcore.packed import Packed
 from fedmq.fedcore.round_plan import (
     BatchOutput,
     StepDraws,
+    _ahead,
     _draws_of,
     _pipelined,
     _Plan,
@@ -682,7 +683,10 @@ class _Round:
     ) -> None:
         self.settings, self.plan, self.steps = settings, plan, steps
         self.outputs = dict(outputs or {})
-        """The objective's `BatchOutput`s, made for each chunk of the plan (`_fill_outputs`)."""
+        """The objective's `BatchOutput`s: made for each chunk of the plan (`_fill_outputs`) where the plan
+        has room for them (`OUTPUTS_AHEAD`), else inside each step on its batch."""
+        self.ahead = bool(self.outputs) and all(f"step.{name}" in plan.layout for name in self.outputs)
+        inline = {} if self.ahead else self.outputs
         self.epoch_starts = epoch_starts
         k = len(datasets)
         self.stack = _Stack.of(model, k, settings, device, starts)
@@ -728,6 +732,9 @@ class _Round:
             guard: contextlib.AbstractContextManager[dict[str, torch.Tensor]] = (
                 norm_step.batch(weight) if norms else contextlib.nullcontext({})
             )
+            if inline:  # the frozen functions of the batch, in the step
+                with torch.no_grad():
+                    step = {**step, **{name: made.fn(x) for name, made in inline.items()}}
             with guard as statistics:  # each BatchNorm's batch statistics, blended in after the map
                 out = objective(NodeBatch(run, params, start, x, y, weight, count, node_inputs, step, carried, share))
             if not isinstance(out, tuple):
@@ -741,7 +748,7 @@ class _Round:
                 return vmapped(*args)
 
         self.losses_of = losses_of
-        plan.fill = self._fill_outputs if self.outputs else None
+        plan.fill = self._fill_outputs if self.ahead else None
         self.cur = _Buffers(plan)
         """The static buffers every step reads."""
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
@@ -795,7 +802,7 @@ class _Round:
             torch.cat([d.y.to(self.y.device) for d in datasets], out=self.y[:rows])
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
-        plan.fill = self._fill_outputs if self.outputs else None
+        plan.fill = self._fill_outputs if self.ahead else None
         self.plan = plan
 
     @torch.no_grad()
@@ -1290,7 +1297,7 @@ def train_vectorized(
                     device,
                     draws,
                     pipelined=_pipelined(device),
-                    outputs=outputs,
+                    outputs=outputs if _ahead(device) else None,
                 )
             own = [starts[k] for k in order] if starts is not None else None
             default = objective is cross_entropy_objective and not (

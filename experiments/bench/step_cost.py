@@ -113,7 +113,10 @@ def counted(step: Callable[[], object]) -> StepCost:
 def last_steps_counted(module: Any, costs: list[StepCost]) -> Iterator[None]:
     """`module.run_steps` (the vectorised trainer's or KDIA generator's step loop) runs its steps eagerly,
     the last step of each call counted into `costs`: a captured step replays the same kernels, and with
-    equal shards every node trains at the last step."""
+    equal shards every node trains at the last step. The steps are those a GPU runs on any device: an
+    objective's frozen outputs (a teacher's) made before them (`round_plan.OUTPUTS_AHEAD` on; on a CPU
+    `fedmq simulate` makes them in each step, as the counts before 2026-11-29 did)."""
+    from fedmq.fedcore.round_plan import outputs_ahead
 
     def steps(total: int, load: Callable[[int], None], eager: Callable[[int], None], *_: Any, **__: Any) -> None:
         for s in range(total):
@@ -126,7 +129,7 @@ def last_steps_counted(module: Any, costs: list[StepCost]) -> Iterator[None]:
                 eager(s)
             costs.append(counter.cost)
 
-    with mock.patch.object(module, "run_steps", steps):
+    with mock.patch.object(module, "run_steps", steps), outputs_ahead("on"):
         yield
 
 

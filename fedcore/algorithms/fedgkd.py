@@ -169,16 +169,18 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         # the teacher is the task's, the same for every member of the group: captured, not an input
         teacher = {name: p.detach().to(device) for name, p in teacher_model.named_parameters()}
         weight, tau = self.hp.kd_weight, self.hp.temperature
+        # the teacher's log softmax at tau on each step's batch, made before the steps
+        log_p = shared.frozen_output(model, data, teacher, then=lambda logits: F.log_softmax(logits / tau, dim=-1))
 
         def objective(batch: NodeBatch) -> torch.Tensor:
             logits = batch.logits()
-            teacher_logits = batch.forward({n: teacher[n] for n in batch.params}, batch.x).detach()
             s = F.log_softmax(logits / tau, dim=-1)
-            t = F.log_softmax(teacher_logits / tau, dim=-1)
+            t = batch.step["teacher_log_p"]
             return batch.mean(weighted_sum(nll(logits, batch.y), (weight, (t.exp() * (t - s)).sum(-1))))
 
         # the teacher's tensors are the spare model's, loaded in place each round: their addresses in the key
-        return shared.GroupTerm(objective, key=(self.hp, tuple(t.data_ptr() for t in teacher.values())))
+        key = (self.hp, tuple(t.data_ptr() for t in teacher.values()))
+        return shared.GroupTerm(objective, key=key, outputs={"teacher_log_p": log_p})
 
 
 SPEC = base.AlgorithmSpec(name="fedgkd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

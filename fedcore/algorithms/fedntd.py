@@ -126,14 +126,15 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         if self.hp.beta == 0.0:
             return None
         weight, tau = self.hp.kd_weight, self.hp.temperature
+        # the global model w^t's logits on each step's batch, made before the steps (the workspace holds w^t)
+        outputs = {"global_logits": shared.frozen_output(model, data)}
 
         def objective(batch: NodeBatch) -> torch.Tensor:
             logits = batch.logits()
-            teacher = batch.forward(batch.start, batch.x).detach()  # the global model w^t
-            ntd = not_true_per_sample(logits, teacher, batch.y, tau)
+            ntd = not_true_per_sample(logits, batch.step["global_logits"], batch.y, tau)
             return batch.mean(weighted_sum(nll(logits, batch.y), (weight, ntd)))
 
-        return shared.GroupTerm(objective, key=self.hp)
+        return shared.GroupTerm(objective, key=self.hp, outputs=outputs)
 
 
 SPEC = base.AlgorithmSpec(name="fedntd", hyperparams=Hyperparams, coordinator=CoordinatorHalf, node=NodeHalf)

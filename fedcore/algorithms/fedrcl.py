@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -90,6 +90,7 @@ from torch.nn import functional as F
 from fedmq.fedcore.algorithms import base, fedavg, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.round_plan import BatchOutput
 from fedmq.fedcore.tensors import StateDict
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, cross_entropy, local_sgd
 from fedmq.fedcore.vectorized import GroupObjective, NodeBatch, functional_method, nll, train_vectorized, weighted_sum
@@ -388,20 +389,23 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
         inputs: dict[str, torch.Tensor],
         *,
         keep_as: Hashable | None = None,
+        outputs: Mapping[str, BatchOutput] | None = None,
     ) -> list[tuple[StateDict, TrainStats]]:
         """`fit` for a group: epoch e at lr x local_lr_decay^e, one vectorised call per epoch, each node
         going on from its own model of the epoch before. Every epoch and round trains in one kept round
         under `keep_as` (the lr is read from the device: on a GPU one capture serves them all)."""
         decay = self.hp.local_lr_decay
         if decay == 1.0 or settings.local_epochs == 1:
-            return super().fit_group(model, datasets, settings, generators, objective, inputs, keep_as=keep_as)
+            return super().fit_group(
+                model, datasets, settings, generators, objective, inputs, keep_as=keep_as, outputs=outputs
+            )  # fmt: skip
         states: list[StateDict] | None = None
         totals = [(0.0, 0, 0)] * len(datasets)
         for epoch in range(settings.local_epochs):
             epoch_settings = replace(settings, local_epochs=1, lr=settings.lr * decay**epoch)
             results = train_vectorized(
                 model, datasets, epoch_settings, generators, objective=objective, inputs=inputs, starts=states,
-                keep_as=keep_as,
+                keep_as=keep_as, outputs=outputs,
             )  # fmt: skip
             states = [state for state, _ in results]
             totals = [

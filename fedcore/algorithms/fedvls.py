@@ -282,12 +282,14 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
                 suppression = _group_suppression(logits, batch.y, real, batch.count, node, eps, form)
                 loss = weighted_sum(loss, (hp.logit_scale, suppression))
             if hp.lam > 0.0:  # + lambda L_dis, the teacher being the global model
-                teacher = batch.forward(batch.start, batch.x).detach()
+                teacher = batch.step["global_logits"]
                 kl = batch.mean(_vacant_kl(logits, teacher, node["vacant"]))
                 loss = weighted_sum(loss, (hp.lam, node["distill"].to(logits.dtype) * kl))
             return loss
 
-        return shared.GroupTerm(objective, inputs, key=self.hp)
+        # the global model's logits on each step's batch, made before the steps (the workspace holds it)
+        outputs = {"global_logits": shared.frozen_output(model, data)} if hp.lam > 0.0 else {}
+        return shared.GroupTerm(objective, inputs, key=self.hp, outputs=outputs)
 
     def _offsets(self, counts: torch.Tensor) -> torch.Tensor | None:
         """The per-class offsets of the base loss; None for plain cross-entropy."""

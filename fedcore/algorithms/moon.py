@@ -130,9 +130,12 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             assert isinstance(out, tuple)
             return out[0], out[1]
 
+        # the global model's representation of each step's batch, made before the steps (the workspace holds it)
+        outputs = {"global_z": shared.frozen_output(model, data, method="represent", then=lambda out: out[0])}
+
         def objective(batch: NodeBatch) -> torch.Tensor:
             z, logits = z_of(batch.params, batch.x)
-            others = [z_of(batch.start, batch.x)[0]]
+            others = [batch.step["global_z"]]
             for j in range(slots):
                 previous = {name: batch.inputs[f"previous{j}.{name}"] for name in batch.params}
                 others.append(z_of(previous, batch.x)[0])
@@ -145,7 +148,7 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             # l_sup + mu l_con, one mean of their per-sample sum (`fedcore.vectorized.weighted_sum`)
             return batch.mean(weighted_sum(nll(logits, batch.y), (mu, l_con)))
 
-        return shared.GroupTerm(objective, inputs, key=self.hp)
+        return shared.GroupTerm(objective, inputs, key=self.hp, outputs=outputs)
 
     def group_refusal(self, model: nn.Module) -> str | None:
         if not callable(getattr(model, "represent", None)):  # `train` then says so, as an AlgorithmError

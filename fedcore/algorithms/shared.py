@@ -27,7 +27,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -37,12 +37,14 @@ from fedmq.fedcore.algorithms import base
 from fedmq.fedcore.algorithms.base import mean_reported_loss
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
+from fedmq.fedcore.round_plan import BatchOutput
 from fedmq.fedcore.tensors import StateDict, TensorSpec
 from fedmq.fedcore.training import LossFn, TrainSettings, TrainStats, local_sgd
 from fedmq.fedcore.vectorized import (
     GroupObjective,
     NodeBatch,
     cross_entropy_objective,
+    functional_method,
     nll,
     train_vectorized,
     unsupported,
@@ -196,6 +198,36 @@ class GroupTerm:
     values in the key (the hyperparameters) and tensors whose addresses the key holds (a spare model's,
     loaded in place): a later round's group may then train in this one's kept round, its graphs
     included (`fedcore.vectorized.keep_rounds`, `simulation.reuse_rounds`). None: built afresh each time."""
+    outputs: dict[str, BatchOutput] = field(default_factory=dict)
+    """What the objective reads of a frozen model on each step's batch (`NodeBatch.step[name]`), made
+    before the steps run (`frozen_output`); under `key`, the tensors they read are the key's too."""
+
+
+def frozen_output(
+    model: nn.Module,
+    data: TensorDataset,
+    params: Mapping[str, torch.Tensor] | None = None,
+    *,
+    method: str = "forward",
+    then: Callable[[Any], torch.Tensor] | None = None,
+) -> BatchOutput:
+    """``then(model.<method>(x))`` on a step's batch x, with `params` in place of the model's trainable
+    parameters (a teacher's; None: the model's own, the global model the group starts from, which the
+    workspace holds while the group trains), in the model's dtype: a frozen model's output that the
+    vectorised step reads instead of running the model at every step (`BatchOutput`). Its shape is that
+    of one sample of `data` (a member's), and it must not depend on the batch's other samples."""
+    run = functional_method(model, method)
+    first = next(model.parameters())
+    own = {name: params[name] for name, p in model.named_parameters() if p.requires_grad} if params is not None else {}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = run(own, x)
+        return cast(torch.Tensor, out if then is None else then(out)).to(first.dtype)
+
+    with torch.no_grad():  # one sample as training feeds it (a transform without a generator draws nothing)
+        x = data.x[:1].to(first.device)
+        one = fn(data.train_transform(x, None) if data.train_transform is not None else x)
+    return BatchOutput(fn, tuple(one.shape[1:]), first.dtype)
 
 
 class LossTermNode(base.NodeHalf[base.H]):
@@ -243,9 +275,10 @@ class LossTermNode(base.NodeHalf[base.H]):
         names = [] if neutral else list(terms[0].inputs)
         inputs = {name: torch.stack([t.inputs[name] for t in terms]) for name in names}  # type: ignore[union-attr]
         keyed = None if neutral or terms[0].key is None else (type(self), terms[0].key)  # type: ignore[union-attr]
+        outputs = {} if neutral else terms[0].outputs  # type: ignore[union-attr]
         results = self.fit_group(
             model, [m.data for m in members], first.task.settings, [m.generator for m in members], objective, inputs,
-            keep_as=keyed,
+            keep_as=keyed, outputs=outputs,
         )  # fmt: skip
         if not neutral:  # each member keeps what `train` keeps of its model (MOON: its previous model)
             with torch.no_grad():
@@ -293,13 +326,15 @@ class LossTermNode(base.NodeHalf[base.H]):
         inputs: dict[str, torch.Tensor],
         *,
         keep_as: Hashable | None = None,
+        outputs: Mapping[str, BatchOutput] | None = None,
     ) -> list[tuple[StateDict, TrainStats]]:
         """`fit` for a group: one vectorised `local_sgd` on the group's objective (kept from round to round
-        under `keep_as`, its `GroupTerm.key`). A subclass that trains otherwise (`fit`) trains the group
-        alike here, or its nodes train one by one."""
+        under `keep_as`, its `GroupTerm.key`; `outputs`, its `GroupTerm.outputs`). A subclass that trains
+        otherwise (`fit`) trains the group alike here, or its nodes train one by one."""
         return train_vectorized(
-            model, datasets, settings, generators, objective=objective, inputs=inputs, keep_as=keep_as
-        )
+            model, datasets, settings, generators, objective=objective, inputs=inputs, keep_as=keep_as,
+            outputs=outputs,
+        )  # fmt: skip
 
 
 def _owner(cls: type, name: str) -> type:

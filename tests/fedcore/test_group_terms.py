@@ -292,7 +292,8 @@ def test_group_term_of_a_node_with_no_batch_left_stays_finite(digits: TensorData
         return out
 
     weight, count = torch.zeros(16, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
-    loss = term.objective(NodeBatch(forward, params, start, x, y, weight, count, term.inputs))
+    step = {name: out.fn(x) for name, out in term.outputs.items()}  # what the round makes before the steps
+    loss = term.objective(NodeBatch(forward, params, start, x, y, weight, count, term.inputs, step))
     assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
     grads = torch.autograd.grad(loss, list(params.values()))
     assert all(bool(torch.isfinite(g).all()) for g in grads)
@@ -716,6 +717,29 @@ def test_a_plan_drawn_as_the_steps_need_it_trains_as_the_whole_plan(digits: Tens
     method's group (KDIA's noise and generated features made chunk by chunk, FedRCL's epochs, FedACD's
     epoch starts, FedDyn's, SCAFFOLD's and FedProto's inputs) trains bitwise as with the plan drawn whole."""
     assert_pipelined_plan_is_the_whole_plan(digits, method, CPU)
+
+
+@pytest.mark.parametrize("method", ["kdia", "fedgkd", "fedntd", "fedvls", "moon"])
+def test_frozen_outputs_made_before_the_steps_train_as_made_in_each_step(digits: TensorDataset, method: str) -> None:
+    """A frozen model's outputs on the steps' batches (KDIA's and FedGKD's teachers, the global model of
+    FedNTD, FedVLS and MOON: `shared.frozen_output`) made for the plan's chunks before the steps run, as
+    on a GPU (`round_plan.outputs_ahead`), train each member as when each step makes them (a CPU's way),
+    and the chunks (pipelined) change nothing."""
+    from fedmq.fedcore import round_plan
+
+    name, hp = KEYED[method]
+    updates = []
+    for ahead, pipeline in (("off", "off"), ("on", "off"), ("on", "on")):
+        group = members(name, hp, shards(digits))
+        workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
+        with round_plan.outputs_ahead(ahead), round_plan.plan_pipeline(pipeline):
+            updates.append(group[0].half.train_group(group, workspace))
+    in_step, *made_ahead = updates
+    for other in made_ahead:
+        for a, b in zip(in_step, other, strict=True):
+            assert a.meta == pytest.approx(b.meta, rel=1e-12)
+            ours, theirs = a.tensors["model"], b.tensors["model"]
+            assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-12
 
 
 @pytest.mark.gpu

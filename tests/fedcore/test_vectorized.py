@@ -305,13 +305,14 @@ def corner_objective(corner: Callable[[NodeBatch], torch.Tensor]) -> Callable[[N
 
 
 @pytest.mark.parametrize("transform", ["known", "its own"])
-@pytest.mark.parametrize("pipeline", ["off", "on"])
+@pytest.mark.parametrize(("ahead", "pipeline"), [("on", "off"), ("on", "on"), ("off", "off")])
 def test_batch_outputs_are_made_before_the_steps_on_the_steps_own_batches(
-    digits: TensorDataset, transform: str, pipeline: str
+    digits: TensorDataset, transform: str, ahead: str, pipeline: str
 ) -> None:
-    """A `BatchOutput` made for each chunk of the plan before its steps run, from the batches as the steps
-    augment them (a transform the step knows: crop and flip; or one of the node's own, applied in the plan),
-    trains every node bitwise as the objective computing it at every step; inside `keep_rounds` too."""
+    """A `BatchOutput` made for each chunk of the plan before its steps run (`OUTPUTS_AHEAD`: on a GPU), from
+    the batches as the steps augment them (a transform the step knows: crop and flip; or one of the node's
+    own, applied in the plan), or inside each step (on a CPU), trains every node bitwise as the objective
+    computing it itself at every step; inside `keep_rounds` too."""
     from fedmq.fedcore import round_plan, vectorized
 
     data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
@@ -320,13 +321,13 @@ def test_batch_outputs_are_made_before_the_steps_on_the_steps_own_batches(
     model = build_model("mlp", data.input_shape, 10, seed=0)
     made = round_plan.BatchOutput(doubled_corner, (3,))
     inline = corner_objective(lambda batch: doubled_corner(batch.x))
-    ahead = corner_objective(lambda batch: batch.step["corner"])
+    reading = corner_objective(lambda batch: batch.step["corner"])
 
     def made_ahead() -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
         outputs = {"corner": made}
-        return train_vectorized(model, datasets, SGD, generators(4), objective=ahead, keep_as="a", outputs=outputs)
+        return train_vectorized(model, datasets, SGD, generators(4), objective=reading, keep_as="a", outputs=outputs)
 
-    with round_plan.plan_pipeline(pipeline):
+    with round_plan.plan_pipeline(pipeline), round_plan.outputs_ahead(ahead):
         want = train_vectorized(model, datasets, SGD, generators(4), objective=inline, keep_as="inline")
         got = made_ahead()
         with vectorized.keep_rounds():

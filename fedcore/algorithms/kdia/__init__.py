@@ -34,7 +34,6 @@ from typing import Any, ClassVar, cast
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn import functional as F
 
 from fedmq.fedcore.algorithms import base, shared
@@ -444,7 +443,10 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         if distill:  # the spare model's own tensors where it is on `device` (loaded in place each round)
             teacher = {n: p.detach().to(device) for n, p in self._teacher(task).named_parameters()}
             # log softmax(teacher / tau) on each step's batch, made a chunk of steps at a time before they run
-            outputs["teacher_log_p"] = _teacher_log_p(model, teacher, self.hp.temperature)
+            tau = self.hp.temperature
+            outputs["teacher_log_p"] = shared.frozen_output(
+                model, first.data, teacher, then=lambda logits: F.log_softmax(logits / tau, dim=-1)
+            )  # fmt: skip
         draws = _GeneratedDraws(self._generator(task, model), self.hp.noise_dim) if generate else None
         # the model's halves, their layers as one over the nodes (fedcore.layers_over_nodes)
         extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
@@ -524,20 +526,6 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 f"task carries no usable generator: {exc}", node_id=self.node_id, round=task.round
             ) from exc
         return module.eval()  # BatchNorm on its running statistics, as on the code's clients
-
-
-def _teacher_log_p(model: nn.Module, teacher: dict[str, torch.Tensor], temperature: float) -> BatchOutput:
-    """The teacher's log softmax at temperature tau on a batch (`_kd_per_sample_of`'s log_p), as a
-    `BatchOutput`: `model`'s forward pass with the teacher's trainable parameters (its frozen ones are the
-    model's, as in the step's forward pass), in the model's dtype."""
-    trained = {name: teacher[name] for name, p in model.named_parameters() if p.requires_grad}
-    dtype = next(model.parameters()).dtype
-
-    def log_p(x: torch.Tensor) -> torch.Tensor:
-        logits = functional_call(model, trained, (x,))
-        return F.log_softmax(logits / temperature, dim=-1).to(dtype)
-
-    return BatchOutput(log_p, (cast(FedModel, model).num_classes,), dtype)
 
 
 def _kd_per_sample(student: torch.Tensor, teacher: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
