@@ -540,6 +540,13 @@ class SimulationConfig(_Strict):
         " its steps need them, so that the host draws while the GPU trains the steps before: auto (with a CUDA"
         " device), true, false (all of it before the first step); bitwise the same results",
     )
+    outputs_ahead: Literal["auto"] | bool = Field(
+        "auto",
+        description="make what a method's vectorised objective reads of a frozen model on each step's batch (KDIA's"
+        " and FedGKD's teachers, the global model of FedNTD, FedVLS and MOON) for a chunk of steps before they run,"
+        " so that a step launches none of that model's kernels: auto (with a CUDA device), true, false (inside"
+        " each step, on its batch: what a CPU does under auto); the same results within float rounding",
+    )
     reuse_rounds: bool = Field(
         False,
         description="keep each vectorised group's round, its buffers and on a GPU its captured CUDA graphs, for"
@@ -583,6 +590,10 @@ class SimulationConfig(_Strict):
     def pipeline_mode(self) -> str:
         """`pipeline` as fedcore.round_plan.plan_pipeline takes it."""
         return _mode(self.pipeline)
+
+    def outputs_ahead_mode(self) -> str:
+        """`outputs_ahead` as fedcore.round_plan.outputs_ahead takes it."""
+        return _mode(self.outputs_ahead)
 
 
 def _mode(setting: Literal["auto"] | bool) -> str:

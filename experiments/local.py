@@ -106,6 +106,7 @@ def build_local(
         vectorize=cfg.simulation.vectorizes(device.type) and cfg.privacy.mechanism != "node",  # no per-sample clips
         graphs=cfg.simulation.graph_mode(),
         pipeline=cfg.simulation.pipeline_mode(),
+        outputs_ahead=cfg.simulation.outputs_ahead_mode(),
         reuse_rounds=cfg.simulation.reuse_rounds,
         **extra,
     )

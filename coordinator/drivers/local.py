@@ -46,7 +46,7 @@ from fedmq.fedcore.protocol import (
     Update,
     UpdateFailed,
 )
-from fedmq.fedcore.round_plan import plan_pipeline
+from fedmq.fedcore.round_plan import outputs_ahead, plan_pipeline
 from fedmq.fedcore.secure_task import SecureTask
 from fedmq.fedcore.seeding import stream
 from fedmq.fedcore.tensors import flatten_groups
@@ -144,6 +144,8 @@ class LocalFederation:
     """CUDA graphs for vectorised steps and the methods' own captured steps (`fedcore.vectorized.graph_mode`)."""
     pipeline: str = "auto"
     """Draw each vectorised round's plan in chunks as its steps need them (`fedcore.round_plan.plan_pipeline`)."""
+    outputs_ahead: str = "auto"
+    """Make an objective's frozen outputs before a vectorised round's steps (`fedcore.round_plan.outputs_ahead`)."""
     reuse_rounds: bool = False
     """Keep each vectorised group's round (its buffers and captured graphs) for the next group of its
     shape (`fedcore.vectorized.keep_rounds`)."""
@@ -237,10 +239,12 @@ class LocalFederation:
 
     def training_modes(self) -> ExitStack:
         """The graph mode of the nodes' groups and of the coordinator's own captured steps (KDIA's
-        generator), their plans' pipeline and the kept rounds, entered once around the run's loop (and its replay's)."""
+        generator), their plans' pipeline, where frozen outputs are made and the kept rounds, entered once around the
+        run's loop (and its replay's)."""
         modes = ExitStack()
         modes.enter_context(graph_mode(self.graphs))
         modes.enter_context(plan_pipeline(self.pipeline))
+        modes.enter_context(outputs_ahead(self.outputs_ahead))
         if self.reuse_rounds:
             self.rounds_kept = modes.enter_context(keep_rounds())
         return modes

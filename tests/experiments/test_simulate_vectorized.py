@@ -129,6 +129,33 @@ def test_a_plan_drawn_as_the_steps_need_it_changes_no_bit_and_replays(
     assert outcome.ok and outcome.report.final_model_sha256 == summary["model_sha256"], outcome.mismatch
 
 
+@pytest.mark.parametrize("method", ["kdia", "moon"])
+def test_frozen_outputs_made_before_the_steps_train_as_in_the_steps_and_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """`simulation.outputs_ahead` (auto: on a GPU) forced on for a CPU run, its plans pipelined and its rounds
+    kept as on a GPU: KDIA's teacher and MOON's global model run on each chunk of steps before them, the run
+    ends on the model of outputs made in each step (float32 rounding through three rounds) and replays bit for bit."""
+    from fedmq.fedcore.vectorized import _Round
+
+    cheap = ["method.hyperparams={gen_epochs: 1, gen_batches_per_epoch: 5}"] if method == "kdia" else []
+    common = ["rounds=3", "simulation.vectorize=true", f"method.name={method}", *cheap]
+    in_step, in_step_records, _ = _final([*common, "simulation.outputs_ahead=false"])
+    filled: list[int] = []
+    fill = _Round._fill_outputs
+    monkeypatch.setattr(_Round, "_fill_outputs", lambda self, *args: (filled.append(1), fill(self, *args))[1])
+    overrides = [*common, "simulation.outputs_ahead=true", "simulation.pipeline=true", "simulation.reuse_rounds=true"]
+    fed = build_local(_config(overrides), device=CPU)
+    assert fed.outputs_ahead == "on" and build_local(_config(common), device=CPU).outputs_ahead == "auto"
+    records = fed.run()
+    assert filled, "the outputs were made before the steps"
+    assert max(float((in_step[k] - v).abs().max()) for k, v in fed.model().items()) < 1e-4
+    assert [r["accuracy"] for r in records] == pytest.approx([r["accuracy"] for r in in_step_records], abs=0.02)
+    summary = simulate(_config(overrides), tmp_path / "run", device=CPU)
+    outcome = replay_run(tmp_path / "run", device=CPU)
+    assert outcome.ok and outcome.report.final_model_sha256 == summary["model_sha256"], outcome.mismatch
+
+
 def test_replay_one_by_one_of_a_vectorised_run_is_a_mismatch(tmp_path: Path) -> None:
     """The replay trains as the run did: told to train one by one instead, it finds the difference."""
     cfg = _config(["rounds=2", "simulation.vectorize=true"])
