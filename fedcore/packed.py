@@ -45,27 +45,48 @@ class Packed:
     layout: dict[str, Field]
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor], device: torch.device, pinned: bool = False) -> Packed:
+    def of(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device,
+        pinned: bool = False,
+        room: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    ) -> Packed:
         """`tensors` (each (S, ...), any dtype and device) packed on `device`: on the host first when all
         are there, then moved in one transfer (one copy from the host per tensor costs a transfer each);
-        `pinned`, from page-locked memory without the host waiting for the device's queued work."""
+        `pinned`, from page-locked memory without the host waiting for the device's queued work. `room`:
+        fields (each step's shape, dtype) left unwritten after the tensors', made on `device` only (what
+        the device fills in later: nothing of them is staged or sent)."""
         steps = {len(t) for t in tensors.values()}
         if len(steps) != 1:
             raise ValueError(f"tensors of {sorted(steps)} steps: every tensor needs the same number")
         layout: dict[str, Field] = {}
         offset = 0
-        for name, t in tensors.items():
-            layout[name] = field = Field(offset, t.dtype, tuple(t.shape[1:]))
+
+        def lay_out(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+            nonlocal offset
+            layout[name] = field = Field(offset, dtype, shape)
             offset += -(-field.nbytes // ALIGN) * ALIGN
+
+        for name, t in tensors.items():
+            lay_out(name, t.dtype, tuple(t.shape[1:]))
+        given = offset  # the tensors' bytes, which are staged and sent
+        for name, (shape, dtype) in (room or {}).items():
+            lay_out(name, dtype, tuple(shape))
         cpu = torch.device("cpu")
         home = cpu if all(t.device == cpu for t in tensors.values()) else device
         staged_pinned = pinned and home == cpu and device != cpu  # staged where the copy can leave from at once
-        shape = (steps.pop(), max(offset, ALIGN))
-        rows = torch.empty(shape, dtype=torch.uint8, device=home, pin_memory=staged_pinned)
+        s = steps.pop()
+        rows = torch.empty((s, max(given, ALIGN)), dtype=torch.uint8, device=home, pin_memory=staged_pinned)
         staged = cls(rows, layout)
         for name, t in tensors.items():
             staged.view(rows, name).copy_(t)
-        return staged if home == device else cls(send(rows, device, staged_pinned), layout)
+        sent = rows if home == device else send(rows, device, staged_pinned)
+        if not room:
+            return cls(sent, layout)
+        whole = torch.empty((s, max(offset, ALIGN)), dtype=torch.uint8, device=device)
+        whole[:, :given].copy_(sent[:, :given])
+        return cls(whole, layout)
 
     def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         """Field `name` of `buffer`, typed and shaped: of every step for `rows` ((S, ...)), of one step

@@ -153,6 +153,7 @@ def _packed_steps(
     step_inputs: Mapping[str, torch.Tensor],
     device: torch.device,
     pinned: bool = False,
+    room: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> Packed:
     """Steps' tensors packed on `device` with what a step derives from the counts once for all its
     steps: the mean's divisor, each sample's share of the mean, the counts in float64 and which nodes
@@ -170,7 +171,8 @@ def _packed_steps(
         "count64": count.double(),
         "active": (count > 0).to(count.dtype),
     }
-    return Packed.of(tensors, device, pinned=pinned)
+    made = {f"step.{name}": spec for name, spec in (room or {}).items()}  # filled on the device (`_Plan.fill`)
+    return Packed.of(tensors, device, pinned=pinned, room=made)
 
 
 FIRST_CHUNK = 2
@@ -268,7 +270,7 @@ def _plan(
     `outputs`: room in each step's row for each `BatchOutput`, filled by the round (`_Plan.fill`)."""
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
     ops = _random_ops(steps, shape) if steps is not None else None
-    room = _room(outputs or {}, len(datasets), settings.batch_size, device)
+    room = _room(outputs or {}, len(datasets), settings.batch_size)
     if ops is None or not batched or any(g.device.type != "cpu" for g in generators):
         return _plan_by_step(
             datasets, settings, generators, steps, ops, offsets, num_steps, dtype, device, extra, room
@@ -288,8 +290,8 @@ def _plan(
                 draws.fill_drawn(lo, hi, node, chunk)
         seen.add_(chunk.count.double().sum(0))
         drawn = {name: send(t, device, pinned) for name, t in chunk.drawn.items()}
-        prepared = (extra.prepare(drawn) if extra is not None else {}) | room(hi - lo)
-        return _packed_steps(chunk.rows, chunk.weight, chunk.count, chunk.values, prepared, device, pinned)
+        prepared = extra.prepare(drawn) if extra is not None else {}
+        return _packed_steps(chunk.rows, chunk.weight, chunk.count, chunk.values, prepared, device, pinned, room)
 
     bounds = _chunk_bounds(num_steps, pipelined)
     return _Plan([draw(bounds[0], bounds[1])], bounds, None, seen, draw)
@@ -306,7 +308,7 @@ def _plan_by_step(
     dtype: torch.dtype,
     device: torch.device,
     extra: StepDraws | None,
-    room: Callable[[int], dict[str, torch.Tensor]] = lambda steps: {},
+    room: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> _Plan:
     """The plan drawn a step at a time, node by node, before the first step: for a transform of its own
     (applied here, in the order the node draws) or generators on a device."""
@@ -344,22 +346,13 @@ def _plan_by_step(
                     drawn[name][s, node, :m] = values.cpu()
                     drawn[name][s, node, m:] = values[:1].cpu()
     prepared = extra.prepare({n: t.to(device) for n, t in drawn.items()}) if extra is not None else {}
-    packed = _packed_steps(rows, weight, count, draws, prepared | room(num_steps), device)
+    packed = _packed_steps(rows, weight, count, draws, prepared, device, room=room)
     return _Plan([packed], [0, num_steps], inputs, count.double().sum(0))
 
 
-def _room(
-    outputs: Mapping[str, BatchOutput], k: int, b: int, device: torch.device
-) -> Callable[[int], dict[str, torch.Tensor]]:
-    """For a chunk of S steps, an empty (S, K, B, *shape) tensor per `BatchOutput`: its place in the rows."""
-
-    def room(steps: int) -> dict[str, torch.Tensor]:
-        return {
-            name: torch.empty((steps, k, b, *out.shape), dtype=out.dtype, device=device)
-            for name, out in outputs.items()
-        }
-
-    return room
+def _room(outputs: Mapping[str, BatchOutput], k: int, b: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each `BatchOutput`'s room in a step's row: (K, B, *shape) of its dtype, made on the device only."""
+    return {name: ((k, b, *out.shape), out.dtype) for name, out in outputs.items()}
 
 
 def _padded_rows(sizes: torch.Tensor, b: int) -> torch.Tensor:

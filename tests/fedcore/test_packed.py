@@ -50,3 +50,19 @@ def test_writing_a_view_writes_the_rows() -> None:
 def test_tensors_of_different_step_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="same number"):
         Packed.of({"a": torch.zeros(4, 2), "b": torch.zeros(5, 2)}, torch.device("cpu"))
+
+
+def test_room_is_laid_out_after_the_tensors_and_neither_staged_nor_sent() -> None:
+    """Fields of `room` (a teacher's outputs, which the device fills in later) follow the tensors' in each
+    row, typed and shaped; the tensors' fields hold their tensors as without room, and the room writes."""
+    given = tensors()
+    packed = Packed.of(given, torch.device("cpu"), room={"teacher": ((3, 7, 10), torch.float32)})
+    plain = Packed.of(given, torch.device("cpu"))
+    assert packed.layout["teacher"].offset >= plain.rows.shape[1] and packed.rows.shape[1] % ALIGN == 0
+    for name, t in given.items():
+        assert packed.layout[name] == plain.layout[name] and torch.equal(packed.view(packed.rows, name), t)
+    room = packed.view(packed.rows, "teacher")
+    assert room.shape == (5, 3, 7, 10) and room.dtype == torch.float32
+    room.copy_(torch.arange(room.numel(), dtype=torch.float32).view(room.shape))
+    assert float(packed.view(packed.rows[4], "teacher")[2, 6, 9]) == room.numel() - 1
+    assert all(torch.equal(packed.view(packed.rows, name), t) for name, t in given.items())
