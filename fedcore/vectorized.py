@@ -199,23 +199,30 @@ def _constants(steps: Sequence[BatchTransform], device: torch.device, image: tup
             divisor = step.divisor(device)
             following = steps[i + 1] if i + 1 < len(steps) else None
             made[i] = (
-                (divisor, *_pixel_table(step, following, divisor)) if isinstance(following, Normalize) else (divisor,)
+                (divisor, _pixel_table(step, following, divisor)) if isinstance(following, Normalize) else (divisor,)
             )
     return made
 
 
-def _pixel_table(to_float: ToFloat, normalize: Normalize, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ToFloat then Normalize make of each uint8 value in each channel, a (C, 256) table, and the
-    channels' indices shaped to broadcast over (N, C, H, W): a step looks its pixels up in one indexing
-    instead of a conversion, a division, a subtraction and a division (two operators fewer, a third of the
-    memory traffic). The table is made by the same operators on the same float32 values, so each entry is,
-    bit for bit, what the four give."""
+def _pixel_table(to_float: ToFloat, normalize: Normalize, divisor: torch.Tensor) -> torch.Tensor:
+    """What ToFloat then Normalize make of each uint8 value in each channel, a (C, 256) table: a step
+    looks its pixels up (`_looked_up`) instead of a conversion, a division, a subtraction and a division
+    (two operators fewer). The table is made by the same operators on the same float32 values, so each
+    entry is, bit for bit, what the four give."""
     values = to_float.apply(torch.arange(256, dtype=torch.uint8, device=divisor.device), divisor)
     channels = len(normalize.mean)
     mean = torch.tensor(normalize.mean, device=divisor.device).view(channels, 1)
     std = torch.tensor(normalize.std, device=divisor.device).view(channels, 1)
-    table = (values.view(1, -1) - mean.to(values.dtype)) / std.to(values.dtype)
-    return table, torch.arange(channels, device=divisor.device).view(1, channels, 1, 1)
+    return (values.view(1, -1) - mean.to(values.dtype)) / std.to(values.dtype)
+
+
+def _looked_up(pixels: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) uint8 `pixels` through their channel's row of `table`: the pixels as indices (one
+    conversion) and one gather along the table's rows, seen at every (N, C, H) without a copy. Advanced
+    indexing (``table[channels, pixels]``) is the same lookup and was 5 times slower on a CPU (6.1 ms
+    against 1.1 for 640 CIFAR images, one thread; the four operators it replaces took 1.2)."""
+    n, c, h, _ = pixels.shape
+    return table.view(1, c, 1, -1).expand(n, c, h, table.shape[-1]).gather(3, pixels.long())
 
 
 # -- what a node's loss sees inside the vectorised step --------------------------------------------
@@ -344,12 +351,8 @@ def _apply_steps(
             x = (x - mean.to(x.dtype)) / std.to(x.dtype)
         elif isinstance(step, ToFloat):  # the last of the steps `known_steps` admits
             divisor, *table = cast(tuple[torch.Tensor, ...], constants[i])
-            folded = bool(table) and x.dtype == torch.uint8 and x.dim() == 4
-            if folded:  # and the Normalize after it, looked up (`_pixel_table`)
-                pixels, channels = table
-                x = pixels[channels, x.int()]
-            else:
-                x = step.apply(x, divisor)
+            folded = bool(table) and x.dtype == torch.uint8 and x.dim() == 4  # and the Normalize after it
+            x = _looked_up(x, table[0]) if folded else step.apply(x, divisor)
     return x
 
 

@@ -3,7 +3,8 @@
 `fedmq bench sim` counts FedAvg's, KDIA's and the norm layers' steps on synthetic workloads. A method's
 own objective (FedProx's proximal term, MOON's contrastive term, FedACD's log Delta and Mixup) adds to
 the step it trains with; this counts what, in a short run of an experiment file as `fedmq simulate` runs
-it (`simulation.vectorize: true`, one local epoch, half the nodes a round): the last step of the last
+it (`simulation.vectorize: true`, one local epoch, half the nodes a round; a frozen model's outputs made
+before the steps, `simulation.outputs_ahead: true`, as a GPU makes them): the last step of the last
 round's vectorised node training, which trains the nodes still training then, for each method given and
 FedAvg in the same run's setting. So the counts compare within one file, not across files. Counted on
 any device (`step_cost.StepCounter`); an operator is about one GPU kernel (`step_cost`'s docstring).
@@ -32,7 +33,8 @@ ROUNDS = 2
 
 def short_run(config: Mapping[str, Any], method: Mapping[str, Any]) -> dict[str, Any]:
     """`config` cut to a short vectorised run of `method`: no grid, two rounds of one local epoch, half
-    the nodes a round (at most 20 nodes), evaluated at the end only."""
+    the nodes a round (at most 20 nodes), evaluated at the end only, a frozen model's outputs made before
+    the steps as on a GPU."""
     raw = {k: v for k, v in config.items() if k not in ("grid", "report")}
     nodes = min(int(raw.get("nodes", 20)), 20)
     return raw | {
@@ -43,7 +45,7 @@ def short_run(config: Mapping[str, Any], method: Mapping[str, Any]) -> dict[str,
         "method": dict(method),
         "train": {**raw.get("train", {}), "local_epochs": 1},
         "policy": {**raw.get("policy", {}), "fraction": 0.5},
-        "simulation": {**raw.get("simulation", {}), "vectorize": True},
+        "simulation": {**raw.get("simulation", {}), "vectorize": True, "outputs_ahead": True},
     }
 
 
