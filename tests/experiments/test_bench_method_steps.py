@@ -36,7 +36,10 @@ def test_its_short_run_is_the_experiment_cut_to_two_vectorised_rounds() -> None:
     run = short_run(config, parse_method("moon:{mu: 5.0}"))
     assert "grid" not in run and (run["nodes"], run["rounds"], run["eval_every"]) == (20, 2, 2)
     assert run["train"] == {"lr": 0.1, "local_epochs": 1} and run["policy"] == {"fraction": 0.5}
-    assert run["simulation"] == {"vectorize": True, "outputs_ahead": True} and run["method"] == {"name": "moon", "hyperparams": {"mu": 5.0}}
+    assert run["simulation"] == {"vectorize": True, "outputs_ahead": True} and run["method"] == {
+        "name": "moon",
+        "hyperparams": {"mu": 5.0},
+    }
     with pytest.raises(SystemExit, match="must be a YAML mapping"):
         parse_method("moon:[1, 2]")
 
