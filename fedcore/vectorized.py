@@ -182,10 +182,9 @@ Constants = dict[int, "tuple[torch.Tensor, ...] | CropTables"]
 
 def _constants(steps: Sequence[BatchTransform], device: torch.device, image: tuple[int, int]) -> Constants:
     """The fixed steps' tensors on `device`, made once: each Normalize step's mean and std, each ToFloat's
-    divisor (with, when a Normalize follows it, their `_pixel_table`), each RandomCrop's windows (`CropTables`,
-    for the `image` size that reaches it). A captured
-    graph cannot copy them from the host at every step, as `Normalize.__call__` does, and a step need not
-    remake them."""
+    divisor (with, when a Normalize follows it, their `_pixel_table`), each RandomCrop's windows
+    (`CropTables`, for the `image` size that reaches it). A captured graph cannot copy them from the host
+    at every step, as `Normalize.__call__` does, and a step need not remake them."""
     made: Constants = {}
     height, width = image
     for i, step in enumerate(steps):
@@ -1251,9 +1250,11 @@ def train_vectorized(
     into the kept round's, and its `epoch_start` replaces the kept round's. FedAvg's objective needs no key,
     unless `model` holds tensors outside its parameters and buffers (FedNH's prototypes), which are kept
     only under a key holding their addresses (loaded in place from call to call).
-    `outputs`: functions of each step's batch that do not train (`BatchOutput`: a frozen teacher's), made
-    for a chunk of steps at once before they run; the objective reads them as `NodeBatch.step[name]`.
-    A kept round makes those of the call that built it, as it runs its objective (`keep_as`).
+    `outputs`: functions of each step's batch that do not train (`BatchOutput`: a frozen teacher's), which
+    the objective reads as `NodeBatch.step[name]`: on a CUDA device made for a chunk of steps at once
+    before they run (`round_plan.OUTPUTS_AHEAD`), elsewhere inside each step on its batch (under the
+    step's autocast; made ahead, they run in the model's own precision). A kept round makes those of the
+    call that built it, as it runs its objective (`keep_as`).
 
     Returns per node, in the order given, its state dict (fresh tensors, not aliasing `model`) and
     its TrainStats. Raises VectorizeError for a model `unsupported` refuses.
