@@ -139,6 +139,8 @@ OUTPUT_ROWS = 8192
 batches, few launches, and a bounded share of memory for their augmented inputs (CIFAR's: 100 MB in
 float32). On a CPU, one step's batch at a time: larger ones leave the caches (8,192 samples a call made
 a round of KDIA's vectorised training 15-20% slower on the 2-core CPU, 2026-11-29)."""
+CPU_OUTPUT_ROWS = 0
+"""`OUTPUT_ROWS` elsewhere than on a CUDA device; below a step's batch, a step's batch at a time."""
 
 _FIXED_STEPS = (ToFloat, Normalize)
 _RANDOM_STEPS = (RandomCrop, RandomHorizontalFlip, RandomRotation)
@@ -750,9 +752,9 @@ class _Round:
                 return vmapped(*args)
 
         self.losses_of = losses_of
-        plan.fill = self._fill_outputs if self.ahead else None
         self.cur = _Buffers(plan)
         """The static buffers every step reads."""
+        plan.fill = self._fill_outputs if self.ahead else None  # from the first `load` on
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
         self.seeds = _Seeds(k, device)
         self.terms: dict[str, torch.Tensor] = {}
@@ -813,15 +815,14 @@ class _Round:
         function on those steps' batches as `batch` makes them, a few steps at a time (`OUTPUT_ROWS`). Eager,
         before the chunk's first step loads its row: outside any graph."""
         rows = chunk.view(chunk.rows, "rows")
-        draws = [chunk.view(chunk.rows, f"draw{j}") for j in range(sum(n.startswith("draw") for n in chunk.layout))]
+        draws = [chunk.view(chunk.rows, f"draw{j}") for j in range(len(self.cur.draws))]
         fields = {name: chunk.view(chunk.rows, f"step.{name}") for name in self.outputs}
-        per = max(1, OUTPUT_ROWS // max(1, rows[0].numel())) if chunk.rows.device.type == "cuda" else 1
+        limit = OUTPUT_ROWS if chunk.rows.device.type == "cuda" else CPU_OUTPUT_ROWS
+        per = max(1, limit // max(1, rows[0].numel()))  # steps a call
         for a in range(0, hi - lo, per):
             b = min(a + per, hi - lo)
             if self.x is not None:
-                x = self.x[rows[a:b].reshape(-1)]
-                if self.steps:
-                    x = _apply_steps(x, self.steps, [d[a:b].reshape(-1) for d in draws], self.constants)
+                x = self._augmented(rows[a:b], [d[a:b] for d in draws])
             else:
                 assert self.plan.inputs is not None
                 inputs = self.plan.inputs[lo + a : lo + b]
@@ -861,11 +862,14 @@ class _Round:
         y = self.y[rows.reshape(-1)].view(rows.shape)
         if cur.inputs is not None:
             return cur.inputs[:a], y
+        x = self._augmented(rows, [d[:a] for d in cur.draws])
+        return x.view(*rows.shape, *x.shape[1:]), y
+
+    def _augmented(self, rows: torch.Tensor, draws: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The data's `rows` (any shape) transformed with their drawn values, as one flat batch."""
         assert self.x is not None  # the plan holds the inputs exactly when the data is not kept
         x = self.x[rows.reshape(-1)]
-        if self.steps:
-            x = _apply_steps(x, self.steps, [d[:a].reshape(-1) for d in cur.draws], self.constants)
-        return x.view(*rows.shape, *x.shape[1:]), y
+        return _apply_steps(x, self.steps, [d.reshape(-1) for d in draws], self.constants) if self.steps else x
 
     def step(self, a: int, masked: bool = False, whole: bool = False) -> None:
         """One optimizer step of the first `a` nodes. Nodes are sorted by their steps, so the first

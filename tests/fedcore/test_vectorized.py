@@ -305,16 +305,19 @@ def corner_objective(corner: Callable[[NodeBatch], torch.Tensor]) -> Callable[[N
 
 
 @pytest.mark.parametrize("transform", ["known", "its own"])
-@pytest.mark.parametrize(("ahead", "pipeline"), [("on", "off"), ("on", "on"), ("off", "off")])
+@pytest.mark.parametrize(
+    ("ahead", "pipeline", "rows_a_call"), [("on", "off", 0), ("on", "on", 0), ("on", "off", 500), ("off", "off", 0)]
+)
 def test_batch_outputs_are_made_before_the_steps_on_the_steps_own_batches(
-    digits: TensorDataset, transform: str, ahead: str, pipeline: str
+    digits: TensorDataset, transform: str, ahead: str, pipeline: str, rows_a_call: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A `BatchOutput` made for each chunk of the plan before its steps run (`OUTPUTS_AHEAD`: on a GPU), from
     the batches as the steps augment them (a transform the step knows: crop and flip; or one of the node's
-    own, applied in the plan), or inside each step (on a CPU), trains every node bitwise as the objective
-    computing it itself at every step; inside `keep_rounds` too."""
+    own, applied in the plan; a step's batch or several steps' a call), or inside each step (on a CPU),
+    trains every node bitwise as the objective computing it itself at every step; inside `keep_rounds` too."""
     from fedmq.fedcore import round_plan, vectorized
 
+    monkeypatch.setattr(vectorized, "CPU_OUTPUT_ROWS", rows_a_call)  # 500: 7 steps a call, as on a GPU
     data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
     data = data if transform == "known" else dataclasses.replace(data, train_transform=GaussianNoise())
     datasets = shards(data, (40, 17, 1, 33))

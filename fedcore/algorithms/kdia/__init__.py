@@ -469,7 +469,7 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             if teacher is not None:
                 log_p = batch.step["teacher_log_p"].to(logits.dtype)
                 scale = hp.temperature**2 if hp.kd_tau2_scale else 1.0
-                kd = _kd_per_sample_of(logits, log_p, hp.temperature, hp.kd_direction)
+                kd = _kd_per_sample(logits, log_p, hp.temperature, hp.kd_direction)
                 per_sample["kd"] = (hp.lambda_kd * scale, kd)
             if draws is not None:  # through the head only
                 per_sample["gen"] = (hp.lambda_gen, nll(head_logits, batch.step["y_gen"]))
@@ -528,13 +528,9 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         return module.eval()  # BatchNorm on its running statistics, as on the code's clients
 
 
-def _kd_per_sample(student: torch.Tensor, teacher: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
-    """`kd_loss` before its batch mean: each sample's KL at temperature tau, summed over classes."""
-    return _kd_per_sample_of(student, F.log_softmax(teacher.detach() / temperature, dim=-1), temperature, direction)
-
-
-def _kd_per_sample_of(student: torch.Tensor, log_p: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
-    """`_kd_per_sample` given the teacher's log softmax at temperature tau, `log_p`."""
+def _kd_per_sample(student: torch.Tensor, log_p: torch.Tensor, temperature: float, direction: str) -> torch.Tensor:
+    """`kd_loss` before its batch mean, given the teacher's log softmax at temperature tau (`log_p`): each
+    sample's KL at tau, summed over classes."""
     log_q = F.log_softmax(student / temperature, dim=-1)
     if direction == "forward":
         return (log_p.exp() * (log_p - log_q)).sum(-1)
