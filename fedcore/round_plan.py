@@ -87,13 +87,21 @@ class BatchOutput:
     the objective reads as `NodeBatch.step[name]` instead of computing it at every step: made for a chunk
     of steps at once, on their batches augmented as the steps augment them, before any of them runs
     (`train_vectorized`'s `outputs`). A step then dispatches none of its operators, and the function runs
-    on large batches, a few times a round."""
+    on large batches, a few times a round. A function of each node's own frozen model (MOON's previous
+    models) is `per_node`: it takes the node's `inputs` too, and the round maps it over the nodes."""
 
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    """(N, *input) -> (N, *shape): the inputs of N samples, as a step's batch holds them."""
+    fn: Callable[..., torch.Tensor]
+    """(N, *input) -> (N, *shape): the inputs of N samples, as a step's batch holds them; `per_node`, with a
+    second argument, one node's inputs (`GroupTerm.inputs`' rows), and N samples of that node."""
     shape: tuple[int, ...]
     """One sample's output."""
     dtype: torch.dtype = torch.float32
+    per_node: bool = False
+    """Whether `fn` reads the node's inputs: a model of each node's own, not one every node shares."""
+
+    def of(self, x: torch.Tensor, node_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The output on one node's samples `x`, whose own inputs are `node_inputs` (in a step, under vmap)."""
+        return self.fn(x, node_inputs) if self.per_node else self.fn(x)
 
 
 @dataclass

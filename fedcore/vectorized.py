@@ -738,7 +738,7 @@ class _Round:
             )
             if inline:  # the frozen functions of the batch, in the step
                 with torch.no_grad():
-                    step = {**step, **{name: made.fn(x) for name, made in inline.items()}}
+                    step = {**step, **{name: made.of(x, node_inputs) for name, made in inline.items()}}
             with guard as statistics:  # each BatchNorm's batch statistics, blended in after the map
                 out = objective(NodeBatch(run, params, start, x, y, weight, count, node_inputs, step, carried, share))
             if not isinstance(out, tuple):
@@ -832,7 +832,17 @@ class _Round:
             # came out a bit apart from a kept round's buffer and a fresh one's (2026-11-29)
             x = x.reshape(-1).view(x.shape)
             for name, out in self.outputs.items():
-                fields[name][a:b].copy_(out.fn(x).view(fields[name][a:b].shape))
+                into = fields[name][a:b]  # (steps, K, B, *shape)
+                if not out.per_node:
+                    into.copy_(out.fn(x).view(into.shape))
+                    continue
+                # each node's samples of these steps as one batch, mapped over the nodes with their inputs
+                steps, k, b_rows = into.shape[:3]
+                by_node = (
+                    x.view(steps, k, b_rows, *x.shape[1:]).transpose(0, 1).reshape(k, steps * b_rows, *x.shape[1:])
+                )
+                made = vmap(out.fn)(by_node, self.inputs)  # (K, steps * B, *shape)
+                into.copy_(made.view(k, steps, b_rows, *out.shape).transpose(0, 1))
 
     @property
     def seen(self) -> torch.Tensor:

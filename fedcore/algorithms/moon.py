@@ -35,8 +35,10 @@ previous models enter as its own tensors (`GroupTerm.inputs`, ``previous{j}.{nam
 node with fewer previous models, or none on its first participation) is filled with the global model
 and its similarity set to -inf,
 so it drops out of the softmax, and a node with none gets l_con = log(e^s / e^s) = 0 with zero
-gradient, as `train`'s skipped term. After the group trains, each member's half keeps its own trained
-model (`trained`, called by `LossTermNode.train_group`).
+gradient, as `train`'s skipped term. The frozen models' representations of each step's batch, scaled to
+unit length, are made before the steps on a GPU (`shared.frozen_output`; the previous models' per node,
+from the members' inputs), so that a step runs the model being trained alone. After the group trains,
+each member's half keeps its own trained model (`trained`, called by `LossTermNode.train_group`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,20 @@ def contrastive_loss(
     sims += [F.cosine_similarity(z, zp, dim=-1) for zp in z_previous]
     logits = torch.stack(sims, dim=1) / temperature
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+
+COSINE_EPS = 1e-8
+"""`F.cosine_similarity`'s eps: the least norm each side is divided by."""
+
+
+def unit(z: torch.Tensor) -> torch.Tensor:
+    """z over its norm along the last dimension (at least `COSINE_EPS`), as `F.cosine_similarity` scales
+    each side, its gradient included (the clamp is left out of it): so that a frozen side is scaled once,
+    before the steps, and the sum of the products of the scaled sides is the similarity."""
+    norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clone()  # the norm's backward reads its own output
+    with torch.no_grad():
+        norm.clamp_min_(COSINE_EPS)
+    return z / norm
 
 
 CoordinatorHalf = shared.AveragingCoordinator
@@ -130,18 +146,22 @@ class NodeHalf(shared.LossTermNode[Hyperparams]):
             assert isinstance(out, tuple)
             return out[0], out[1]
 
-        # the global model's representation of each step's batch, made before the steps (the workspace holds it)
-        outputs = {"global_z": shared.frozen_output(model, data, method="represent", then=lambda out: out[0])}
+        # the representations of each step's batch under the global model (the workspace holds it) and under
+        # each of the node's previous models (its inputs), made before the steps, each scaled to unit length
+        def z_only(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return unit(out[0])
+
+        outputs = {"global_z": shared.frozen_output(model, data, method="represent", then=z_only)}
+        for j in range(slots):
+            made = shared.frozen_output(model, data, method="represent", then=z_only, node_params=f"previous{j}.")
+            outputs[f"previous{j}_z"] = made
 
         def objective(batch: NodeBatch) -> torch.Tensor:
             z, logits = z_of(batch.params, batch.x)
-            others = [batch.step["global_z"]]
-            for j in range(slots):
-                previous = {name: batch.inputs[f"previous{j}.{name}"] for name in batch.params}
-                others.append(z_of(previous, batch.x)[0])
-            # every similarity at once, (B, 1 + slots): z normalised once, its gradient one sum, where one
-            # cosine_similarity per model took a dozen operators each way
-            sims = F.cosine_similarity(z.unsqueeze(-2), torch.stack(others, dim=-2).detach(), dim=-1)
+            others = [batch.step["global_z"], *(batch.step[f"previous{j}_z"] for j in range(slots))]
+            # every cosine similarity at once, (B, 1 + slots): z scaled once, its gradient one sum, where one
+            # cosine_similarity per model took a dozen operators each way; the frozen sides came scaled
+            sims = (unit(z).unsqueeze(-2) * torch.stack(others, dim=-2).detach()).sum(-1)
             con = torch.where(batch.inputs["present"], sims, float("-inf")) / tau
             # l_con: -log softmax of the positive (column 0)
             l_con = torch.logsumexp(con, dim=-1) - con[..., 0]

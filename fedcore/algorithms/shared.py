@@ -210,23 +210,33 @@ def frozen_output(
     *,
     method: str = "forward",
     then: Callable[[Any], torch.Tensor] | None = None,
+    node_params: str | None = None,
 ) -> BatchOutput:
     """``then(model.<method>(x))`` on a step's batch x, with `params` in place of the model's trainable
     parameters (a teacher's; None: the model's own, the global model the group starts from, which the
     workspace holds while the group trains), in the model's dtype: a frozen model's output that the
     vectorised step reads instead of running the model at every step (`BatchOutput`). Its shape is that
-    of one sample of `data` (a member's), and it must not depend on the batch's other samples."""
+    of one sample of `data` (a member's), and it must not depend on the batch's other samples.
+    `node_params`: each node's own model instead (MOON's previous ones), its parameters in the node's
+    `GroupTerm.inputs` under this prefix (``previous0.`` + the parameter's name): a per-node output."""
     run = functional_method(model, method)
     first = next(model.parameters())
-    own = {name: params[name] for name, p in model.named_parameters() if p.requires_grad} if params is not None else {}
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    own = {name: params[name] for name in names} if params is not None else {}
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         out = run(own, x)
         return cast(torch.Tensor, out if then is None else then(out)).to(first.dtype)
 
+    def node_fn(x: torch.Tensor, node_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        out = run({name: node_inputs[f"{node_params}{name}"] for name in names}, x)
+        return cast(torch.Tensor, out if then is None else then(out)).to(first.dtype)
+
     with torch.no_grad():  # one sample as training feeds it (a transform without a generator draws nothing)
-        x = data.x[:1].to(first.device)
+        x = data.x[:1].to(first.device)  # the model's own parameters: a node's have the same shapes
         one = fn(data.train_transform(x, None) if data.train_transform is not None else x)
+    if node_params is not None:
+        return BatchOutput(node_fn, tuple(one.shape[1:]), first.dtype, per_node=True)
     return BatchOutput(fn, tuple(one.shape[1:]), first.dtype)
 
 

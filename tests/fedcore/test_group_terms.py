@@ -292,7 +292,7 @@ def test_group_term_of_a_node_with_no_batch_left_stays_finite(digits: TensorData
         return out
 
     weight, count = torch.zeros(16, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
-    step = {name: out.fn(x) for name, out in term.outputs.items()}  # what the round makes before the steps
+    step = {name: out.of(x, term.inputs) for name, out in term.outputs.items()}  # what the round makes ahead
     loss = term.objective(NodeBatch(forward, params, start, x, y, weight, count, term.inputs, step))
     assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
     grads = torch.autograd.grad(loss, list(params.values()))
@@ -720,16 +720,20 @@ def test_a_plan_drawn_as_the_steps_need_it_trains_as_the_whole_plan(digits: Tens
 
 
 @pytest.mark.parametrize("method", ["kdia", "fedgkd", "fedntd", "fedvls", "moon"])
-def test_frozen_outputs_made_before_the_steps_train_as_made_in_each_step(digits: TensorDataset, method: str) -> None:
+def test_frozen_outputs_made_before_the_steps_train_as_made_in_each_step(
+    digits: TensorDataset, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A frozen model's outputs on the steps' batches (KDIA's and FedGKD's teachers, the global model of
-    FedNTD, FedVLS and MOON: `shared.frozen_output`) made for the plan's chunks before the steps run, as
-    on a GPU (`round_plan.outputs_ahead`), train each member as when each step makes them (a CPU's way),
-    and the chunks (pipelined) change nothing."""
-    from fedmq.fedcore import round_plan
+    FedNTD, FedVLS and MOON, MOON's previous models of each node: `shared.frozen_output`) made for the
+    plan's chunks before the steps run, as on a GPU (`round_plan.outputs_ahead`), train each member as
+    when each step makes them (a CPU's way); the chunks (pipelined) change nothing, nor several steps'
+    batches made at once (`CPU_OUTPUT_ROWS` 200: 3 of the 6 steps a call, as a GPU makes them)."""
+    from fedmq.fedcore import round_plan, vectorized
 
     name, hp = KEYED[method]
     updates = []
-    for ahead, pipeline in (("off", "off"), ("on", "off"), ("on", "on")):
+    for ahead, pipeline, rows_a_call in (("off", "off", 0), ("on", "off", 0), ("on", "on", 0), ("on", "off", 200)):
+        monkeypatch.setattr(vectorized, "CPU_OUTPUT_ROWS", rows_a_call)
         group = members(name, hp, shards(digits))
         workspace = build_model("cnn", digits.input_shape, 10, seed=6).double()
         with round_plan.outputs_ahead(ahead), round_plan.plan_pipeline(pipeline):
