@@ -263,6 +263,13 @@ class NodeBatch:
             return (per_sample * self.share).sum()
         return (per_sample * self.weight).sum() / self.count
 
+    def means(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """(T,) the `mean` of each of T per-sample quantities, (T, B), at once: the operators of one mean
+        for a loss of several terms, where a `mean` a term would take two each way."""
+        if self.share is not None:
+            return (per_sample * self.share).sum(-1)
+        return (per_sample * self.weight).sum(-1) / self.count
+
 
 GroupObjective = Callable[
     [NodeBatch],

@@ -273,6 +273,21 @@ def test_fedvls_group_forms_of_each_term(digits: TensorDataset, hp: dict[str, An
     assert_group_is_each_own_train(digits, "fedvls", hp, [*datasets, spread, one_missing])
 
 
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {"lambda_kd": 0.0, "lambda_gen": 0.5, "noise_dim": 8},
+        {"lambda_kd": 0.5, "lambda_gen": 0.0, "kd_direction": "forward", "kd_tau2_scale": True},
+    ],
+    ids=["generator-alone", "teacher-alone-scaled"],
+)
+def test_kdia_group_form_of_each_term_alone(digits: TensorDataset, hp: dict[str, Any]) -> None:
+    """KDIA's group objective with one of its terms (its means taken at once, `NodeBatch.means`): the
+    generated features' cross-entropy alone, and the forward KL alone with the tau^2 scale (its weight and
+    its reported kd_loss scaled): each node as its own `train`."""
+    assert_group_is_each_own_train(digits, "kdia", hp, shards(digits))
+
+
 @pytest.mark.parametrize("method", ["moon", "fedvls", "fedrcl"])
 def test_group_term_of_a_node_with_no_batch_left_stays_finite(digits: TensorDataset, method: str) -> None:
     """A captured CUDA graph steps all K nodes, a node with no batch left with every weight 0 (and its

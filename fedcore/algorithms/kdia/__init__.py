@@ -62,7 +62,7 @@ from fedmq.fedcore.models.base import FedModel
 from fedmq.fedcore.round_plan import BatchOutput
 from fedmq.fedcore.tensors import cpu_copy
 from fedmq.fedcore.training import TrainSettings, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported, weighted_sum
+from fedmq.fedcore.vectorized import NodeBatch, functional_method, nll, train_vectorized, unsupported
 
 KD_DIRECTIONS = ("forward", "reverse")
 STORES = ("memory", "disk")
@@ -451,34 +451,38 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
         # the model's halves, their layers as one over the nodes (fedcore.layers_over_nodes)
         extract, classify = functional_method(model, "extract"), functional_method(model, "classify")
         hp = self.hp
+        # l = l_CE + lambda_gen l_gen + lambda_kd l_kd (the terms there are), each a mean over the batch's rows
+        # (the generated features are one a row): every term's mean at once, then their weighted sum
+        names = ["gen"] * (draws is not None) + ["kd"] * distill
+        scale = hp.temperature**2 if hp.kd_tau2_scale else 1.0
+        coefficients = [1.0] + [hp.lambda_gen] * (draws is not None) + [hp.lambda_kd * scale] * distill
+        weights = torch.tensor(coefficients, dtype=next(model.parameters()).dtype, device=device)
 
         def objective(batch: NodeBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             if draws is not None:
-                # the batch's features and the generated ones through the head at once: half its operators,
-                # forward and backward, and no sum of two gradients (each row's logits are its own)
+                # the batch's features and the generated ones through the head at once, and their two
+                # cross-entropies as one: half the operators, forward and backward (each row its own)
                 features = cast(torch.Tensor, extract(batch.params, batch.x)).flatten(1)
                 rows = torch.cat([features, batch.step["features"].flatten(1)])
                 both = cast(torch.Tensor, classify(batch.params, rows))
-                logits, head_logits = both[: len(features)], both[len(features) :]
+                # (2, B): row 0 l_CE's per sample, row 1 l_gen's (through the head only)
+                per_sample = nll(both, torch.cat([batch.y, batch.step["y_gen"]])).view(2, -1)
+                logits = both[: len(features)]
             else:
                 logits = batch.logits()
-            # l_CE + lambda_kd l_kd + lambda_gen l_gen: each a mean over the batch's rows (the generated
-            # features are one a row), so summed per sample and averaged once; each term's own mean is
-            # reported, off the gradient's path
-            per_sample: dict[str, tuple[float, torch.Tensor]] = {}
+                per_sample = nll(logits, batch.y).unsqueeze(0)
             if teacher is not None:
                 log_p = batch.step["teacher_log_p"].to(logits.dtype)
-                scale = hp.temperature**2 if hp.kd_tau2_scale else 1.0
                 kd = _kd_per_sample(logits, log_p, hp.temperature, hp.kd_direction)
-                per_sample["kd"] = (hp.lambda_kd * scale, kd)
-            if draws is not None:  # through the head only
-                per_sample["gen"] = (hp.lambda_gen, nll(head_logits, batch.step["y_gen"]))
-            loss = batch.mean(weighted_sum(nll(logits, batch.y), *per_sample.values()))
-            with torch.no_grad():
-                terms = {name: batch.mean(term.detach()) for name, (_, term) in per_sample.items()}
+                per_sample = torch.cat([per_sample, kd.unsqueeze(0)])
+            if not names:
+                return batch.mean(per_sample.squeeze(0)), {}
+            means = batch.means(per_sample)  # (1 + terms,): l_CE's, then each term's
+            with torch.no_grad():  # each term's own mean reported, off the gradient's path
+                terms = {name: means[i].detach() for i, name in enumerate(names, start=1)}
                 if "kd" in terms and hp.kd_tau2_scale:
                     terms["kd"] = terms["kd"] * hp.temperature**2
-            return loss, terms
+            return (means * weights).sum(), terms
 
         # the objective reads its batch, the teacher's tensors (their addresses in the key) and these
         # constants: a kept round of an earlier call with the same key trains as this call's would
