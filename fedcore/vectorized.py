@@ -290,6 +290,12 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return negative_log_likelihood(logits, y)
 
 
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` for a 1-d `index` into `t`'s first dimension, as one gather: under vmap an index by a
+    mapped tensor is two operators (an arange over the nodes, then the index), and a gather is one."""
+    return torch.gather(t, 0, index.view(-1, *(1,) * (t.dim() - 1)).expand(len(index), *t.shape[1:]))
+
+
 def weighted_sum(first: torch.Tensor, *weighted: tuple[float, torch.Tensor]) -> torch.Tensor:
     """``first + w_1 t_1 + w_2 t_2 + ...``, each term added with its weight in one operator (`add`'s alpha).
     Under vmap a Python number times a tensor is two operators, the number made a tensor and the product

@@ -69,7 +69,7 @@ steps before each epoch but the first (`train_vectorized`'s `epoch_start`, `_Ren
 log Delta, and fed with the step's detached outputs, as `_Estimate` does in `train`. With
 ``p_estimate: clean`` the carried state is P and log Delta, renewed at the same points by a clean pass
 of the node's model as it then is over its whole shard (`_CleanP`). A step computes each mixed sample's
-loss for its two labels as one batch of twice the rows (`_mixed_per_sample`).
+loss for its two labels as one batch of twice the rows (`train_group`'s objective).
 
 The coordinator never trusts the wire: a score that is missing, not a finite number or outside
 (0.5, 1] (the range of Sigmoid(1 / KL) for KL >= 0) leaves its update out of a score-weighted average,
@@ -95,7 +95,15 @@ from fedmq.fedcore.algorithms import base, shared
 from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import AlgorithmError
 from fedmq.fedcore.training import TrainSettings, autocast, local_sgd
-from fedmq.fedcore.vectorized import NodeBatch, nll, steps_per_epoch, train_vectorized, unsupported
+from fedmq.fedcore.vectorized import (
+    NodeBatch,
+    nll,
+    steps_per_epoch,
+    take_rows,
+    train_vectorized,
+    unsupported,
+    weighted_sum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,16 +165,19 @@ class Hyperparams:
 # -- the local loss (Eqs. 7-9) -------------------------------------------------------------------
 
 
-def flatten_loss(logits: torch.Tensor, y: torch.Tensor, *, detach_target: bool = True) -> torch.Tensor:
+def flatten_loss(
+    logits: torch.Tensor, y: torch.Tensor, *, detach_target: bool = True, target: torch.Tensor | None = None
+) -> torch.Tensor:
     """L1 per sample (Eq. 7): KL(p || q) with q_y = p_y and q_k = (1 - p_y) / (C - 1) for k != y.
 
     The k = y term is 0, so L1 = sum_{k != y} p_k (log p_k - log q_k), with the stable
-    log(1 - p_y) = logsumexp_{k != y} f_k - logsumexp_k f_k. Shape (B,).
+    log(1 - p_y) = logsumexp_{k != y} f_k - logsumexp_k f_k. Shape (B,). `target`: y as a (B, C) mask
+    over the classes, where the caller has it.
     """
     num_classes = logits.shape[1]
     log_p = F.log_softmax(logits, dim=1)
-    # the one-hot mask as one comparison (F.one_hot's own: a comparison, then two casts, under vmap)
-    target = y.unsqueeze(-1) == torch.arange(num_classes, device=y.device)
+    if target is None:  # the one-hot mask as one comparison (F.one_hot's own: a comparison, then two casts, under vmap)
+        target = y.unsqueeze(-1) == torch.arange(num_classes, device=y.device)
     log_rest = torch.logsumexp(logits.masked_fill(target, -math.inf), dim=1) - torch.logsumexp(logits, dim=1)
     log_q = (log_rest - math.log(num_classes - 1)).unsqueeze(1)  # log q_k for every k != y
     if detach_target:
@@ -461,6 +472,8 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
                 _RenewedRows(present, hp, settings) if running else _CleanP(model, datasets, present, hp, settings)
             )
 
+        classes = torch.arange(first.data.num_classes, device=next(model.parameters()).device)  # once, not a step
+
         def objective(
             batch: NodeBatch,
         ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -468,17 +481,22 @@ class NodeHalf(base.NodeHalf[Hyperparams]):
             log_delta = state.log_delta if state is not None else None
             if hp.mixup_alpha == 0.0:
                 logits = batch.logits()
-                loss = batch.mean(_per_sample(logits, batch.y, log_delta, hp))
-                lam, y_b = torch.ones((), dtype=batch.x.dtype), batch.y
+                mix, labels = None, batch.y
+                target = labels.unsqueeze(1) == classes  # each row's label as a mask over the classes
+                loss = batch.mean(_per_sample(logits, labels, target, log_delta, hp))
             else:
-                lam, perm = batch.step["lam"][0].to(batch.x.dtype), batch.step["perm"]
-                logits = batch.forward(batch.params, lam * batch.x + (1.0 - lam) * batch.x[perm])
-                # l = lam l(x~, y_a) + (1 - lam) l(x~, y_b); lam = 1 (no mixing drawn) gives l(x, y) exactly
-                y_b = batch.y[perm]
-                loss = batch.mean(_mixed_per_sample(logits, batch.y, y_b, lam, log_delta, hp))
+                mix, perm = batch.step["mix"][0].to(batch.x.dtype), batch.step["perm"]  # (lam, 1 - lam)
+                # x~ = lam x + (1 - lam) x[perm] as one lerp; lam = 1 (no mixing drawn) gives x exactly
+                logits = batch.forward(batch.params, torch.lerp(take_rows(batch.x, perm), batch.x, mix[0]))
+                # l = lam l(x~, y_a) + (1 - lam) l(x~, y_b), as `train` takes it: both labels' terms as one
+                # batch of twice the rows, their two means taken at once, then mixed
+                labels = torch.cat([batch.y, take_rows(batch.y, perm)])
+                target = labels.unsqueeze(1) == classes
+                both = _per_sample(torch.cat([logits, logits]), labels, target, log_delta, hp)
+                loss = (batch.means(both.view(2, -1)) * mix).sum()
             if state is None:
                 return loss
-            return loss, {}, state.fed(logits, batch.y, y_b, lam, batch.weight)
+            return loss, {}, state.fed(logits, target, mix, batch.weight)
 
         # the objective reads its batch, its members' inputs and carried P, and the hyperparameters (the
         # flags above are theirs): a later round's group may train in this one's kept round
@@ -573,34 +591,21 @@ class _CleanP:
             return {"p": p, "log_delta": _log_delta(p, self.present[k], self.hp)}
 
 
-def _per_sample(logits: torch.Tensor, y: torch.Tensor, log_delta: torch.Tensor | None, hp: Hyperparams) -> torch.Tensor:
-    """Each sample's l1_weight L1 + lambda L2 (Eq. 9; a zero weight skips its term), before the batch's
-    mean: one mean for both terms, where `local_loss` takes one each (the same value up to rounding)."""
-    loss = None
-    if hp.l2_weight != 0.0:
-        adjusted = logits if log_delta is None else logits + log_delta[y]
-        loss = hp.l2_weight * nll(adjusted, y)
-    if hp.l1_weight != 0.0:
-        l1 = hp.l1_weight * flatten_loss(logits, y, detach_target=hp.detach_target)
-        loss = l1 if loss is None else loss + l1
-    assert loss is not None  # Hyperparams refuses both weights 0
-    return loss
-
-
-def _mixed_per_sample(
-    logits: torch.Tensor,
-    y_a: torch.Tensor,
-    y_b: torch.Tensor,
-    lam: torch.Tensor,
-    log_delta: torch.Tensor | None,
-    hp: Hyperparams,
+def _per_sample(
+    logits: torch.Tensor, y: torch.Tensor, target: torch.Tensor, log_delta: torch.Tensor | None, hp: Hyperparams
 ) -> torch.Tensor:
-    """Each mixed sample's lam l(x~, y_a) + (1 - lam) l(x~, y_b), both labels' terms computed as one batch
-    of twice the rows: every operator of Eq. 9 runs once forward and once backward instead of twice (on a
-    GPU, a kernel each). The same value up to rounding."""
-    rows = len(y_a)
-    both = _per_sample(torch.cat([logits, logits]), torch.cat([y_a, y_b]), log_delta, hp)
-    return lam * both[:rows] + (1.0 - lam) * both[rows:]
+    """Each sample's l1_weight L1 + lambda L2 (Eq. 9; a zero weight skips its term), before the batch's
+    mean: one mean for both terms, where `local_loss` takes one each (the same value up to rounding); a
+    weight of 1 multiplies nothing, and the second term is added with its weight (`add`'s alpha).
+    `target`: y as a mask over the classes."""
+    terms = []
+    if hp.l2_weight != 0.0:
+        adjusted = logits if log_delta is None else logits + take_rows(log_delta, y)
+        terms.append((hp.l2_weight, nll(adjusted, y)))
+    if hp.l1_weight != 0.0:
+        terms.append((hp.l1_weight, flatten_loss(logits, y, detach_target=hp.detach_target, target=target)))
+    (weight, first), *rest = terms  # Hyperparams refuses both weights 0
+    return weighted_sum(first if weight == 1.0 else weight * first, *rest)
 
 
 def _carried_p(batch: NodeBatch) -> _RunningP:
@@ -621,20 +626,23 @@ class _RunningP:
     log_delta: torch.Tensor
 
     def fed(
-        self, logits: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor
+        self, logits: torch.Tensor, target: torch.Tensor, mix: torch.Tensor | None, weight: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """The carried state after the step: a mixed sample adds lam p to row y_a and (1 - lam) p to row y_b."""
+        """The carried state after the step: a mixed sample adds lam p to row y_a and (1 - lam) p to row
+        y_b, as `accumulated` adds them. `target`: the labels as masks over the classes, (B, C), or with
+        Mixup (`mix`: (lam, 1 - lam)) y_a's rows then y_b's, (2B, C)."""
         if self.sums is None or self.counts is None:  # the clean P: nothing accumulates
             return {"p": self.p, "log_delta": self.log_delta}
-        probs = F.softmax(logits.detach().to(self.sums.dtype), dim=1)
-        # both labels' rows added at once (one product for the two, as `_mixed_per_sample` takes its loss)
-        sums, counts = accumulated(
-            self.sums,
-            self.counts,
-            torch.cat([probs, probs]),
-            torch.cat([y_a, y_b]),
-            torch.cat([weight * lam, weight * (1.0 - lam)]),
-        )
+        dtype = self.sums.dtype
+        probs = F.softmax(logits.detach().to(dtype), dim=1)
+        # each sample's label as a row of weights over the classes, lam at y_a and 1 - lam at y_b (1 at y_a
+        # without Mixup), times its weight: one product adds every sample's p to its rows
+        rows = target.to(dtype)
+        if mix is not None:
+            by_label = rows.view(2, len(probs), -1)
+            rows = torch.lerp(by_label[1], by_label[0], mix[0].to(dtype))
+        rows = rows * weight.to(dtype).unsqueeze(1)
+        sums, counts = self.sums + rows.T @ probs, self.counts + rows.sum(dim=0)
         return {"p": self.p, "sums": sums, "counts": counts, "log_delta": self.log_delta}
 
 
@@ -657,7 +665,8 @@ class _StepDraws:
             if lam != 1.0
             else torch.arange(rows, device=generator.device)
         )
-        return {"lam": torch.full((rows,), lam, dtype=torch.float64), "perm": perm}
+        # (lam, 1 - lam) a row, each as `train` mixes with them (Python floats: float64)
+        return {"mix": torch.tensor([[lam, 1.0 - lam]], dtype=torch.float64).repeat(rows, 1), "perm": perm}
 
     def prepare(self, drawn: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return drawn

@@ -337,13 +337,14 @@ def test_fedrcl_group_forms_of_each_term(digits: TensorDataset, hp: dict[str, An
         {"logit_adjust": False},
         {"mixup_alpha": 0.0, "l1_weight": 0.0, "delta_missing": 1e-3},
         {"log_delta_clip": 0.5, "mixup_alpha": 0.4, "l2_weight": 2.0},
+        {"l1_weight": 0.5, "mixup_alpha": 0.4},
     ],
-    ids=["flatten-mixup", "no-mixup", "mixup-without-log-delta", "log-delta-alone", "clipped-log-delta"],
+    ids=["flatten-mixup", "no-mixup", "mixup-without-log-delta", "log-delta-alone", "clipped-log-delta", "l1-weighted"],
 )
 def test_fedacd_group_forms(digits: TensorDataset, hp: dict[str, Any]) -> None:
     """FedACD's L1 alone (gradient through q) with Mixup; L1 + lambda CE without Mixup (no draws) and
     with it; log Delta from the running P with no Mixup and no L1 (P still carried and renewed), and
-    clipped, beside Mixup (the test above has the paper's setting)."""
+    clipped, beside Mixup; L1 at half weight (the test above has the paper's setting)."""
     assert_group_is_each_own_train(digits, "fedacd", hp, shards(digits))
 
 
