@@ -542,10 +542,11 @@ class SimulationConfig(_Strict):
     )
     outputs_ahead: Literal["auto"] | bool = Field(
         "auto",
-        description="make what a method's vectorised objective reads of a frozen model on each step's batch (KDIA's"
-        " and FedGKD's teachers, the global model of FedNTD, FedVLS and MOON) for a chunk of steps before they run,"
-        " so that a step launches none of that model's kernels: auto (with a CUDA device), true, false (inside"
-        " each step, on its batch: what a CPU does under auto); the same results within float rounding",
+        description="make each vectorised step's augmented batch (crop, flip, normalisation), and what a method's"
+        " objective reads of a frozen model on it (KDIA's and FedGKD's teachers, the global model of FedNTD, FedVLS"
+        " and MOON, MOON's previous models), for a chunk of steps before they run, so that a step launches none of"
+        " those kernels: auto (with a CUDA device), true, false (inside each step: what a CPU does under auto); the"
+        " same batches bit for bit, and the frozen outputs within float rounding",
     )
     reuse_rounds: bool = Field(
         False,

@@ -179,8 +179,7 @@ def _packed_steps(
         "count64": count.double(),
         "active": (count > 0).to(count.dtype),
     }
-    made = {f"step.{name}": spec for name, spec in (room or {}).items()}  # filled on the device (`_Plan.fill`)
-    return Packed.of(tensors, device, pinned=pinned, room=made)
+    return Packed.of(tensors, device, pinned=pinned, room=room)  # the room filled on the device (`_Plan.fill`)
 
 
 FIRST_CHUNK = 2
@@ -222,12 +221,12 @@ def plan_pipeline(mode: str) -> contextlib.AbstractContextManager[None]:
 
 
 OUTPUTS_AHEAD: ContextVar[str] = ContextVar("fedmq_vectorized_outputs_ahead", default="auto")
-"""Whether `train_vectorized` makes an objective's `BatchOutput`s for a chunk of steps before they run
-(room in the plan, `_Plan.fill`) or inside each step, on its batch: auto (ahead on a CUDA device, where a
-step is launch-bound and the function's kernels are then few and large), on, off. On a CPU the step's own
-batch is faster (the batches made a second time for the function, and its larger calls, cost more than
-they save: a MOON round of 2026-11-29 took 3.4 s ahead and 2.8 s in the step), so auto keeps them there;
-tests set it on."""
+"""Whether `train_vectorized` makes each step's augmented batch and its objective's `BatchOutput`s for a
+chunk of steps before they run (room in the plan, `_Plan.fill`) or inside each step: auto (ahead on a CUDA
+device, where a step is launch-bound and those kernels are then few and large), on, off. On a CPU the
+step's own batch is faster (the batches made a second time for the function, and its larger calls, cost
+more than they save: a MOON round of 2026-11-29 took 3.4 s ahead and 2.8 s in the step), so auto keeps
+them there; tests set it on."""
 
 
 def outputs_ahead(mode: str) -> contextlib.AbstractContextManager[None]:
@@ -269,16 +268,18 @@ def _plan(
     batched: bool = True,
     pipelined: bool = False,
     outputs: Mapping[str, BatchOutput] | None = None,
+    batch: tuple[tuple[int, ...], torch.dtype] | None = None,
 ) -> _Plan:
     """The round's plan. Nodes with CPU generators and a transform `_apply_steps` knows have their plans
     drawn an epoch at a time (`_NodeDraws`; the draws of their objective's, `extra`, a step at a time
     between the batches'), in chunks made as the steps need them where `pipelined`
     (`_chunk_bounds`); any others, a step at a time, before the first step.
     `batched` False draws every node a step at a time (what tests compare the batched plan with).
-    `outputs`: room in each step's row for each `BatchOutput`, filled by the round (`_Plan.fill`)."""
+    `outputs`: room in each step's row for each `BatchOutput`, filled by the round (`_Plan.fill`); `batch`:
+    room for each step's augmented batch too ((C, H, W) a sample, dtype), filled by the round likewise."""
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
     ops = _random_ops(steps, shape) if steps is not None else None
-    room = _room(outputs or {}, len(datasets), settings.batch_size)
+    room = _room(outputs or {}, len(datasets), settings.batch_size, batch)
     if ops is None or not batched or any(g.device.type != "cpu" for g in generators):
         return _plan_by_step(
             datasets, settings, generators, steps, ops, offsets, num_steps, dtype, device, extra, room
@@ -358,9 +359,20 @@ def _plan_by_step(
     return _Plan([packed], [0, num_steps], inputs, count.double().sum(0))
 
 
-def _room(outputs: Mapping[str, BatchOutput], k: int, b: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Each `BatchOutput`'s room in a step's row: (K, B, *shape) of its dtype, made on the device only."""
-    return {name: ((k, b, *out.shape), out.dtype) for name, out in outputs.items()}
+BATCH_ROOM = "batch"
+"""The field of a step's row that holds its augmented batch, where the round makes the batches ahead."""
+
+
+def _room(
+    outputs: Mapping[str, BatchOutput], k: int, b: int, batch: tuple[tuple[int, ...], torch.dtype] | None = None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each `BatchOutput`'s room in a step's row (``step.<name>``: the objective's `NodeBatch.step`) and the
+    augmented batch's (`BATCH_ROOM`, given its sample's shape and dtype): (K, B, *shape) of its dtype, made
+    on the device only."""
+    room = {f"step.{name}": ((k, b, *out.shape), out.dtype) for name, out in outputs.items()}
+    if batch is not None:
+        room[BATCH_ROOM] = ((k, b, *batch[0]), batch[1])
+    return room
 
 
 def _padded_rows(sizes: torch.Tensor, b: int) -> torch.Tensor:

@@ -74,6 +74,7 @@ from fedmq.fedcore.masked_norm import (
 )
 from fedmq.fedcore.packed import Packed
 from fedmq.fedcore.round_plan import (
+    BATCH_ROOM,
     BatchOutput,
     StepDraws,
     _ahead,
@@ -288,6 +289,14 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     F.cross_entropy runs a Python decomposition that imports sympy on first use (seconds) and dispatches
     more operators; the values are the same."""
     return negative_log_likelihood(logits, y)
+
+
+def _augmented_sample(data: TensorDataset, device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of one sample of `data` as its training transform gives it (without a generator
+    it draws nothing): the room a step's augmented batch takes in the plan (`round_plan.BATCH_ROOM`)."""
+    x = data.x[:1].to(device)
+    made = data.train_transform(x, None) if data.train_transform is not None else x
+    return tuple(made.shape[1:]), made.dtype
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -626,6 +635,8 @@ class _Buffers:
         self.draws = [views[f"draw{j}"] for j in range(sum(name.startswith("draw") for name in views))]
         self.step_inputs = {name.removeprefix("step."): t for name, t in views.items() if name.startswith("step.")}
         self.inputs = plan.inputs[0].clone() if plan.inputs is not None else None
+        self.batch = views.get(BATCH_ROOM)
+        """(K, B, ...) the step's augmented batch, where the round makes the batches ahead (`_fill_outputs`)."""
 
     def load(self, plan: _Plan, s: int) -> None:
         """Step `s`'s slice of the plan into the buffers (device to device, no host sync; its chunk drawn
@@ -704,6 +715,8 @@ class _Round:
         has room for them (`OUTPUTS_AHEAD`), else inside each step on its batch."""
         self.ahead = bool(self.outputs) and all(f"step.{name}" in plan.layout for name in self.outputs)
         inline = {} if self.ahead else self.outputs
+        self.batch_ahead = BATCH_ROOM in plan.layout
+        """Whether each step's augmented batch is made for a chunk of the plan before its steps run."""
         self.epoch_starts = epoch_starts
         k = len(datasets)
         self.stack = _Stack.of(model, k, settings, device, starts)
@@ -767,7 +780,7 @@ class _Round:
         self.losses_of = losses_of
         self.cur = _Buffers(plan)
         """The static buffers every step reads."""
-        plan.fill = self._fill_outputs if self.ahead else None  # from the first `load` on
+        plan.fill = self._fill_outputs if self.ahead or self.batch_ahead else None  # from the first `load` on
         self.totals = torch.zeros(k, dtype=torch.float64, device=device)
         self.seeds = _Seeds(k, device)
         self.terms: dict[str, torch.Tensor] = {}
@@ -819,17 +832,19 @@ class _Round:
             torch.cat([d.y.to(self.y.device) for d in datasets], out=self.y[:rows])
             for t in [self.totals, *self.terms.values(), *(self.gradient_sums or {}).values()]:
                 t.zero_()
-        plan.fill = self._fill_outputs if self.ahead else None
+        plan.fill = self._fill_outputs if self.ahead or self.batch_ahead else None
         self.plan = plan
 
     @torch.no_grad()
     def _fill_outputs(self, lo: int, hi: int, chunk: Packed) -> None:
-        """The `BatchOutput`s of steps lo to hi - 1 (a chunk of the plan) into their fields of its rows: each
-        function on those steps' batches as `batch` makes them, a few steps at a time (`OUTPUT_ROWS`). Eager,
-        before the chunk's first step loads its row: outside any graph."""
+        """The augmented batches (`batch_ahead`) and the `BatchOutput`s (`ahead`) of steps lo to hi - 1 (a
+        chunk of the plan) into their fields of its rows: the batches as `batch` makes them in a step, each
+        function on them, a few steps at a time (`OUTPUT_ROWS`). Eager, before the chunk's first step loads
+        its row: outside any graph."""
         rows = chunk.view(chunk.rows, "rows")
         draws = [chunk.view(chunk.rows, f"draw{j}") for j in range(len(self.cur.draws))]
-        fields = {name: chunk.view(chunk.rows, f"step.{name}") for name in self.outputs}
+        fields = {name: chunk.view(chunk.rows, f"step.{name}") for name in self.outputs} if self.ahead else {}
+        batches = chunk.view(chunk.rows, BATCH_ROOM) if self.batch_ahead else None
         limit = OUTPUT_ROWS if chunk.rows.device.type == "cuda" else CPU_OUTPUT_ROWS
         per = max(1, limit // max(1, rows[0].numel()))  # steps a call
         for a in range(0, hi - lo, per):
@@ -844,7 +859,15 @@ class _Round:
             # its algorithm by the strides (a 1-channel batch can look channels-last), so the same values
             # came out a bit apart from a kept round's buffer and a fresh one's (2026-11-29)
             x = x.reshape(-1).view(x.shape)
-            for name, out in self.outputs.items():
+            if batches is not None:
+                into_batch = batches[a:b]
+                if x.dtype != into_batch.dtype or x.shape[1:] != into_batch.shape[3:]:
+                    raise VectorizeError(
+                        f"a step's batch is {x.dtype} {tuple(x.shape[1:])} a sample, its room in the plan"
+                        f" {into_batch.dtype} {tuple(into_batch.shape[3:])}"
+                    )
+                into_batch.copy_(x.view(into_batch.shape))
+            for name, out in self.outputs.items() if self.ahead else ():
                 into = fields[name][a:b]  # (steps, K, B, *shape)
                 if not out.per_node:
                     into.copy_(out.fn(x).view(into.shape))
@@ -885,6 +908,8 @@ class _Round:
         y = self.y[rows.reshape(-1)].view(rows.shape)
         if cur.inputs is not None:
             return cur.inputs[:a], y
+        if cur.batch is not None:  # made for the chunk before its steps (`batch_ahead`)
+            return cur.batch[:a], y
         x = self._augmented(rows, [d[:a] for d in cur.draws])
         return x.view(*rows.shape, *x.shape[1:]), y
 
@@ -1329,6 +1354,7 @@ def train_vectorized(
                     draws,
                     pipelined=_pipelined(device),
                     outputs=outputs if _ahead(device) else None,
+                    batch=_augmented_sample(ordered[0], device) if known and _ahead(device) else None,
                 )
             own = [starts[k] for k in order] if starts is not None else None
             default = objective is cross_entropy_objective and not (

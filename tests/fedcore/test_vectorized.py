@@ -288,6 +288,39 @@ def test_vectorized_training_on_uint8_images_is_one_by_one() -> None:
         assert_as_local_sgd(state, want, SGD)
 
 
+@pytest.mark.parametrize("images", ["uint8 rgb", "digits"])
+@pytest.mark.parametrize(("pipeline", "rows_a_call"), [("off", 0), ("on", 0), ("off", 150)])
+def test_batches_made_before_the_steps_train_bitwise_as_made_in_each_step(
+    digits: TensorDataset, images: str, pipeline: str, rows_a_call: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's augmented batch made for a chunk of the plan before its steps run (`round_plan.BATCH_ROOM`,
+    under `outputs_ahead`: on a GPU), a step's or several steps' batches a call (150 rows: 2 steps of 3 nodes
+    of 16), pipelined or not, trains every node of a convolutional model bitwise as the batch made in each
+    step (a CPU's way); in kept rounds too. On uint8 RGB images (crop with reflection, flip, the pixel
+    lookup) and on the 1-channel digits (crop, flip), whose batch a CPU convolution would treat by its
+    strides."""
+    from fedmq.fedcore import round_plan, vectorized
+
+    monkeypatch.setattr(vectorized, "CPU_OUTPUT_ROWS", rows_a_call)
+    if images == "digits":
+        data = load_dataset("digits", seed=0, augment={"crop": 8, "padding": 1, "flip": True}).train
+    else:
+        data = synthetic_uint8_images(60, Augment(crop=8, padding=2, padding_mode="reflect", flip=True))
+    datasets = shards(data, (20, 7, 33))
+    model = build_model("cnn", data.input_shape, 10, seed=0)
+    settings = dataclasses.replace(SGD, batch_size=16, local_epochs=2)
+    with round_plan.outputs_ahead("off"):
+        want = train_vectorized(model, datasets, settings, generators(3))
+    with round_plan.outputs_ahead("on"), round_plan.plan_pipeline(pipeline):
+        got = [train_vectorized(model, datasets, settings, generators(3))]
+        with vectorized.keep_rounds():
+            got += [train_vectorized(model, datasets, settings, generators(3)) for _ in range(2)]
+    for results in got:
+        for (state, stats), (state_want, stats_want) in zip(results, want, strict=True):
+            assert stats == stats_want
+            assert all(torch.equal(state[k], state_want[k]) for k in state_want)
+
+
 def doubled_corner(x: torch.Tensor) -> torch.Tensor:
     """A frozen function of a batch, elementwise (so bitwise the same on any batch it is part of)."""
     return x.flatten(1)[:, :3] * 2.0
