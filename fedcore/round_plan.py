@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -268,7 +268,7 @@ def _plan(
     batched: bool = True,
     pipelined: bool = False,
     outputs: Mapping[str, BatchOutput] | None = None,
-    batch: tuple[tuple[int, ...], torch.dtype] | None = None,
+    batch: BatchRoom | None = None,
 ) -> _Plan:
     """The round's plan. Nodes with CPU generators and a transform `_apply_steps` knows have their plans
     drawn an epoch at a time (`_NodeDraws`; the draws of their objective's, `extra`, a step at a time
@@ -276,7 +276,7 @@ def _plan(
     (`_chunk_bounds`); any others, a step at a time, before the first step.
     `batched` False draws every node a step at a time (what tests compare the batched plan with).
     `outputs`: room in each step's row for each `BatchOutput`, filled by the round (`_Plan.fill`); `batch`:
-    room for each step's augmented batch too ((C, H, W) a sample, dtype), filled by the round likewise."""
+    room for each step's augmented batch and its labels too, filled by the round likewise."""
     shape = tuple(datasets[0].x.shape[-2:]) if datasets[0].x.dim() >= 3 else (0, 0)
     ops = _random_ops(steps, shape) if steps is not None else None
     room = _room(outputs or {}, len(datasets), settings.batch_size, batch)
@@ -359,19 +359,27 @@ def _plan_by_step(
     return _Plan([packed], [0, num_steps], inputs, count.double().sum(0))
 
 
-BATCH_ROOM = "batch"
-"""The field of a step's row that holds its augmented batch, where the round makes the batches ahead."""
+BATCH_ROOM, LABELS_ROOM = "batch", "labels"
+"""The fields of a step's row that hold its augmented batch and its labels, where the round makes them ahead."""
+
+
+class BatchRoom(NamedTuple):
+    """What one sample of a step's batch is, as the round makes it ahead: its input's shape and dtype
+    (augmented), its label's dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    label_dtype: torch.dtype
 
 
 def _room(
-    outputs: Mapping[str, BatchOutput], k: int, b: int, batch: tuple[tuple[int, ...], torch.dtype] | None = None
+    outputs: Mapping[str, BatchOutput], k: int, b: int, batch: BatchRoom | None = None
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Each `BatchOutput`'s room in a step's row (``step.<name>``: the objective's `NodeBatch.step`) and the
-    augmented batch's (`BATCH_ROOM`, given its sample's shape and dtype): (K, B, *shape) of its dtype, made
-    on the device only."""
+    batch's (`BATCH_ROOM`, `LABELS_ROOM`): (K, B, *shape) of its dtype, made on the device only."""
     room = {f"step.{name}": ((k, b, *out.shape), out.dtype) for name, out in outputs.items()}
     if batch is not None:
-        room[BATCH_ROOM] = ((k, b, *batch[0]), batch[1])
+        room |= {BATCH_ROOM: ((k, b, *batch.shape), batch.dtype), LABELS_ROOM: ((k, b), batch.label_dtype)}
     return room
 
 

@@ -75,7 +75,9 @@ from fedmq.fedcore.masked_norm import (
 from fedmq.fedcore.packed import Packed
 from fedmq.fedcore.round_plan import (
     BATCH_ROOM,
+    LABELS_ROOM,
     BatchOutput,
+    BatchRoom,
     StepDraws,
     _ahead,
     _draws_of,
@@ -291,12 +293,12 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return negative_log_likelihood(logits, y)
 
 
-def _augmented_sample(data: TensorDataset, device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype of one sample of `data` as its training transform gives it (without a generator
-    it draws nothing): the room a step's augmented batch takes in the plan (`round_plan.BATCH_ROOM`)."""
+def _augmented_sample(data: TensorDataset, device: torch.device) -> BatchRoom:
+    """One sample of `data` as its training transform gives it (without a generator it draws nothing): the
+    room a step's batch takes in the plan (`round_plan.BATCH_ROOM`, `LABELS_ROOM`)."""
     x = data.x[:1].to(device)
     made = data.train_transform(x, None) if data.train_transform is not None else x
-    return tuple(made.shape[1:]), made.dtype
+    return BatchRoom(tuple(made.shape[1:]), made.dtype, data.y.dtype)
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -635,8 +637,9 @@ class _Buffers:
         self.draws = [views[f"draw{j}"] for j in range(sum(name.startswith("draw") for name in views))]
         self.step_inputs = {name.removeprefix("step."): t for name, t in views.items() if name.startswith("step.")}
         self.inputs = plan.inputs[0].clone() if plan.inputs is not None else None
-        self.batch = views.get(BATCH_ROOM)
-        """(K, B, ...) the step's augmented batch, where the round makes the batches ahead (`_fill_outputs`)."""
+        self.batch, self.labels = views.get(BATCH_ROOM), views.get(LABELS_ROOM)
+        """(K, B, ...) the step's augmented batch and (K, B) its labels, where the round makes them ahead
+        (`_fill_outputs`)."""
 
     def load(self, plan: _Plan, s: int) -> None:
         """Step `s`'s slice of the plan into the buffers (device to device, no host sync; its chunk drawn
@@ -845,6 +848,9 @@ class _Round:
         draws = [chunk.view(chunk.rows, f"draw{j}") for j in range(len(self.cur.draws))]
         fields = {name: chunk.view(chunk.rows, f"step.{name}") for name in self.outputs} if self.ahead else {}
         batches = chunk.view(chunk.rows, BATCH_ROOM) if self.batch_ahead else None
+        if self.batch_ahead:  # the steps' labels: one gather a chunk, not one a step
+            labels = chunk.view(chunk.rows, LABELS_ROOM)
+            labels.copy_(self.y[rows.reshape(-1)].view(labels.shape))
         limit = OUTPUT_ROWS if chunk.rows.device.type == "cuda" else CPU_OUTPUT_ROWS
         per = max(1, limit // max(1, rows[0].numel()))  # steps a call
         for a in range(0, hi - lo, per):
@@ -905,11 +911,11 @@ class _Round:
     def batch(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
         cur = self.cur
         rows = cur.rows[:a]
+        if cur.batch is not None and cur.labels is not None:  # made for the chunk before its steps (`batch_ahead`)
+            return cur.batch[:a], cur.labels[:a]
         y = self.y[rows.reshape(-1)].view(rows.shape)
         if cur.inputs is not None:
             return cur.inputs[:a], y
-        if cur.batch is not None:  # made for the chunk before its steps (`batch_ahead`)
-            return cur.batch[:a], y
         x = self._augmented(rows, [d[:a] for d in cur.draws])
         return x.view(*rows.shape, *x.shape[1:]), y
 
