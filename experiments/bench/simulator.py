@@ -276,6 +276,10 @@ def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Ti
     }
     if gpu:
         paths["simulator, vectorised without graphs"] = vectorised(model, datasets, case, graphs="off")
+    # the other side of `simulation.outputs_ahead` (auto: each step's batch made before the steps on a GPU, in
+    # the step on a CPU), rounds kept: what making the batches ahead gains or costs on this device
+    other = "off" if gpu else "on"
+    paths[AHEAD_PATHS[other]] = _outputs_ahead_as(other, KeptRounds(vectorised(model, datasets, case)))
     paths["reference: eager loop"] = EagerLoop(model, datasets, case, device)
     if gpu:
         paths["reference: eager loop, CUDA graph"] = EagerLoop(model, datasets, case, device, graph=True)
@@ -283,6 +287,24 @@ def measure_case(case: Case, device: torch.device, repeats: int) -> dict[str, Ti
     if gpu:
         paths["reference: vmap over nodes, CUDA graph"] = VmapStep(model, datasets, case, device, graph=True)
     return {name: _timed(call, device, repeats) for name, call in paths.items()}
+
+
+AHEAD_PATHS = {
+    "off": "simulator, vectorised, rounds kept, batches made in each step",
+    "on": "simulator, vectorised, rounds kept, batches made ahead (a GPU's way)",
+}
+"""`measure_case`'s path with `simulation.outputs_ahead` set against the device's default, by the setting."""
+
+
+def _outputs_ahead_as(mode: str, call: Callable[[], object]) -> Callable[[], object]:
+    """`call` with `round_plan.OUTPUTS_AHEAD` at `mode` (on, off) while it runs."""
+    from fedmq.fedcore.round_plan import outputs_ahead
+
+    def run() -> object:
+        with outputs_ahead(mode):
+            return call()
+
+    return run
 
 
 class KeptRounds:
