@@ -144,6 +144,10 @@ float32). On a CPU, one step's batch at a time: larger ones leave the caches (8,
 a round of KDIA's vectorised training 15-20% slower on the 2-core CPU, 2026-11-29)."""
 CPU_OUTPUT_ROWS = 0
 """`OUTPUT_ROWS` elsewhere than on a CUDA device; below a step's batch, a step's batch at a time."""
+BATCH_AHEAD_BYTES = 2 << 30
+"""The most a round's augmented batches may take on the device to be made before the steps
+(`round_plan.BATCH_ROOM`): they stay there until the round ends. A KDIA round of CIFAR-10 takes about
+600 MB; a round of larger images or more of them makes each step's batch in the step, as before."""
 
 _FIXED_STEPS = (ToFloat, Normalize)
 _RANDOM_STEPS = (RandomCrop, RandomHorizontalFlip, RandomRotation)
@@ -293,11 +297,14 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return negative_log_likelihood(logits, y)
 
 
-def _augmented_sample(data: TensorDataset, device: torch.device) -> BatchRoom:
-    """One sample of `data` as its training transform gives it (without a generator it draws nothing): the
-    room a step's batch takes in the plan (`round_plan.BATCH_ROOM`, `LABELS_ROOM`)."""
+def _batch_room(data: TensorDataset, device: torch.device, samples: int) -> BatchRoom | None:
+    """The room a step's batch takes in the plan (`round_plan.BATCH_ROOM`, `LABELS_ROOM`): one sample of
+    `data` as its training transform gives it (without a generator it draws nothing); None where a round's
+    `samples` (every step's rows) would take more than `BATCH_AHEAD_BYTES`."""
     x = data.x[:1].to(device)
     made = data.train_transform(x, None) if data.train_transform is not None else x
+    if samples * made[0].nbytes > BATCH_AHEAD_BYTES:
+        return None
     return BatchRoom(tuple(made.shape[1:]), made.dtype, data.y.dtype)
 
 
@@ -1360,7 +1367,9 @@ def train_vectorized(
                     draws,
                     pipelined=_pipelined(device),
                     outputs=outputs if _ahead(device) else None,
-                    batch=_augmented_sample(ordered[0], device) if known and _ahead(device) else None,
+                    batch=_batch_room(ordered[0], device, num_steps * len(ordered) * settings.batch_size)
+                    if known and _ahead(device)
+                    else None,
                 )
             own = [starts[k] for k in order] if starts is not None else None
             default = objective is cross_entropy_objective and not (

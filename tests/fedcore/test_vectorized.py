@@ -321,6 +321,32 @@ def test_batches_made_before_the_steps_train_bitwise_as_made_in_each_step(
             assert all(torch.equal(state[k], state_want[k]) for k in state_want)
 
 
+def test_batches_of_a_round_too_large_for_the_device_are_made_in_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round whose augmented batches would take more than `BATCH_AHEAD_BYTES` makes each step's batch in
+    the step, though `outputs_ahead` asks for them ahead (they would stay on the device until the round
+    ends); below it, the round fills them ahead. The same training either way."""
+    from fedmq.fedcore import round_plan, vectorized
+
+    data = synthetic_uint8_images(60, Augment(crop=8, padding=2, padding_mode="reflect", flip=True))
+    datasets = shards(data, (20, 7, 33))
+    model = build_model("cnn", data.input_shape, 10, seed=0)
+    fills: list[int] = []
+    fill = vectorized._Round._fill_outputs
+    monkeypatch.setattr(vectorized._Round, "_fill_outputs", lambda self, *a: fills.append(1) or fill(self, *a))
+    results = []
+    with round_plan.outputs_ahead("on"):
+        # 3 nodes x 4 steps (2 epochs of 33 rows: 16, 16, and a last row of 1 left out) x 16 rows of 3 x 8 x 8
+        # float32: 147,456 bytes
+        for limit in (147_456, 147_455):
+            monkeypatch.setattr(vectorized, "BATCH_AHEAD_BYTES", limit)
+            fills.clear()
+            results.append((train_vectorized(model, datasets, SGD, generators(3)), len(fills)))
+    (ahead, ahead_fills), (in_step, in_step_fills) = results
+    assert ahead_fills > 0 and in_step_fills == 0
+    for (state, _), (state_in_step, _) in zip(ahead, in_step, strict=True):
+        assert all(torch.equal(state[k], state_in_step[k]) for k in state)
+
+
 def doubled_corner(x: torch.Tensor) -> torch.Tensor:
     """A frozen function of a batch, elementwise (so bitwise the same on any batch it is part of)."""
     return x.flatten(1)[:, :3] * 2.0
