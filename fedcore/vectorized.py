@@ -297,12 +297,17 @@ def nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return negative_log_likelihood(logits, y)
 
 
-def _batch_room(data: TensorDataset, device: torch.device, samples: int) -> BatchRoom | None:
-    """The room a step's batch takes in the plan (`round_plan.BATCH_ROOM`, `LABELS_ROOM`): one sample of
-    `data` as its training transform gives it (without a generator it draws nothing); None where a round's
-    `samples` (every step's rows) would take more than `BATCH_AHEAD_BYTES`."""
+def trained_sample(data: TensorDataset, device: torch.device) -> torch.Tensor:
+    """(1, ...) the first sample of `data` on `device` as its training transform gives it (without a
+    generator it draws nothing): the shape and dtype a step's batch has, to make room for what it reads."""
     x = data.x[:1].to(device)
-    made = data.train_transform(x, None) if data.train_transform is not None else x
+    return data.train_transform(x, None) if data.train_transform is not None else x
+
+
+def _batch_room(data: TensorDataset, device: torch.device, samples: int) -> BatchRoom | None:
+    """The room a step's batch takes in the plan (`round_plan.BATCH_ROOM`, `LABELS_ROOM`); None where a
+    round's `samples` (every step's rows) would take more than `BATCH_AHEAD_BYTES`."""
+    made = trained_sample(data, device)
     if samples * made[0].nbytes > BATCH_AHEAD_BYTES:
         return None
     return BatchRoom(tuple(made.shape[1:]), made.dtype, data.y.dtype)
@@ -917,9 +922,9 @@ class _Round:
 
     def batch(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
         cur = self.cur
-        rows = cur.rows[:a]
         if cur.batch is not None and cur.labels is not None:  # made for the chunk before its steps (`batch_ahead`)
             return cur.batch[:a], cur.labels[:a]
+        rows = cur.rows[:a]
         y = self.y[rows.reshape(-1)].view(rows.shape)
         if cur.inputs is not None:
             return cur.inputs[:a], y

@@ -47,6 +47,7 @@ from fedmq.fedcore.data import TensorDataset
 from fedmq.fedcore.errors import ConfigError
 from fedmq.fedcore.host_memory import HostMemory, set_host_memory
 from fedmq.fedcore.models import FedModel, build_model, count_parameters
+from fedmq.fedcore.round_plan import outputs_ahead
 from fedmq.fedcore.seeding import CUDNN_CHOICES, cudnn_choice, deterministic_kernels
 from fedmq.fedcore.training import TrainSettings, torch_threads
 from fedmq.fedcore.transforms import crop_at, pad
@@ -298,7 +299,6 @@ AHEAD_PATHS = {
 
 def _outputs_ahead_as(mode: str, call: Callable[[], object]) -> Callable[[], object]:
     """`call` with `round_plan.OUTPUTS_AHEAD` at `mode` (on, off) while it runs."""
-    from fedmq.fedcore.round_plan import outputs_ahead
 
     def run() -> object:
         with outputs_ahead(mode):

@@ -47,6 +47,7 @@ from fedmq.fedcore.vectorized import (
     functional_method,
     nll,
     train_vectorized,
+    trained_sample,
     unsupported,
 )
 
@@ -232,9 +233,8 @@ def frozen_output(
         out = run({name: node_inputs[f"{node_params}{name}"] for name in names}, x)
         return cast(torch.Tensor, out if then is None else then(out)).to(first.dtype)
 
-    with torch.no_grad():  # one sample as training feeds it (a transform without a generator draws nothing)
-        x = data.x[:1].to(first.device)  # the model's own parameters: a node's have the same shapes
-        one = fn(data.train_transform(x, None) if data.train_transform is not None else x)
+    with torch.no_grad():  # on the model's own parameters: a node's have the same shapes
+        one = fn(trained_sample(data, first.device))
     if node_params is not None:
         return BatchOutput(node_fn, tuple(one.shape[1:]), first.dtype, per_node=True)
     return BatchOutput(fn, tuple(one.shape[1:]), first.dtype)
